@@ -1,0 +1,55 @@
+"""What a step asks of the machine that runs it; never part of the step's identity."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Plain description of a step's hardware, turned into a fray `ResourceConfig` at dispatch.
+
+    Kept free of fray imports so that declaring and planning stay instant.
+    """
+
+    cpu: int = 1
+    memory: str | None = None
+    gpu_type: str | None = None
+    gpu_count: int = 0
+    tpu_type: str | None = None
+    tpu_slices: int = 0
+    replicas: int = 1
+
+    @staticmethod
+    def with_cpu(cpu: int = 1, memory: str | None = None) -> "Resources":
+        return Resources(cpu=cpu, memory=memory)
+
+    @staticmethod
+    def with_gpu(gpu_type: str, count: int = 1, *, replicas: int = 1, cpu: int = 1) -> "Resources":
+        return Resources(cpu=cpu, gpu_type=gpu_type, gpu_count=count, replicas=replicas)
+
+    @staticmethod
+    def with_tpu(tpu_type: str, *, slices: int = 1) -> "Resources":
+        return Resources(tpu_type=tpu_type, tpu_slices=slices)
+
+    def describe(self) -> str:
+        if self.tpu_type:
+            return f"tpu {self.tpu_type} x{self.tpu_slices}"
+        parts = [f"cpu {self.cpu}"]
+        if self.gpu_type:
+            parts.append(f"gpu {self.gpu_type} x{self.gpu_count}")
+        if self.replicas > 1:
+            parts.append(f"replicas {self.replicas}")
+        return ", ".join(parts)
+
+    def to_fray(self):
+        from fray.types import ResourceConfig
+
+        if self.tpu_type:
+            return ResourceConfig.with_tpu(self.tpu_type, slice_count=self.tpu_slices)
+        extra = {"replicas": self.replicas} if self.replicas > 1 else {}
+        if self.memory:
+            extra["ram"] = self.memory
+        if self.gpu_type:
+            return ResourceConfig.with_gpu(self.gpu_type, count=self.gpu_count, cpu=self.cpu, **extra)
+        return ResourceConfig.with_cpu(cpu=self.cpu, **extra)

@@ -1,0 +1,161 @@
+"""The declaration side of keel: steps, placeholders and execution-only fields.
+
+An experiment file builds a graph out of `Step`s whose configs are frozen dataclasses. Paths are
+not known when the file is written, so configs hold placeholders (`this_output()`, `output_of(...)`)
+that the executor swaps for concrete strings just before a step's function runs. Nothing here
+imports anything heavy: declaring a graph must stay instant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from keel.executor.resources import Resources
+
+EXECUTION_ONLY = "keel.execution_only"
+_NAME_RE = re.compile(r"^[a-z0-9_.\-]+(/[a-z0-9_.\-]+)*$")
+
+
+class StepDeclarationError(ValueError):
+    """A step, its name or its config is declared in a way keel cannot run."""
+
+
+@dataclass(frozen=True)
+class ThisOutput:
+    """Placeholder for the running step's own output directory (plus an optional sub path)."""
+
+    subpath: str = ""
+
+
+@dataclass(frozen=True, eq=False)
+class OutputOf:
+    """Placeholder for a dependency's output directory (plus a sub path); it is the graph's edge."""
+
+    step: "Step | External"
+    subpath: str = ""
+
+
+def this_output(subpath: str = "") -> Any:
+    """Field default (or value) that resolves to the step's own output directory."""
+    return ThisOutput(subpath)
+
+
+def output_of(step: "Step | External", subpath: str = "") -> Any:
+    """The path of `step`'s output (joined with `subpath`); using it makes `step` a dependency."""
+    if not isinstance(step, (Step, External)):
+        raise StepDeclarationError(f"output_of() takes a Step or External, got {type(step).__name__}")
+    return OutputOf(step, subpath.strip("/"))
+
+
+def execution_only(*, default: Any = dataclasses.MISSING, default_factory: Any = dataclasses.MISSING, **kwargs: Any) -> Any:
+    """A dataclass field that never counts toward a step's identity.
+
+    Use it for how a step runs (parallelism, logging and checkpoint cadence, devices), never for
+    what it computes: changing it reuses the cached output.
+    """
+    metadata = dict(kwargs.pop("metadata", None) or {})
+    metadata[EXECUTION_ONLY] = True
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata, **kwargs)
+
+
+def is_execution_only(field: dataclasses.Field) -> bool:
+    return bool(field.metadata.get(EXECUTION_ONLY, False))
+
+
+def validate_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name.split("/"):
+        raise StepDeclarationError(
+            f"invalid step name {name!r}: use lowercase letters, digits and '_.-', segments joined "
+            "by '/', no '..' segment and no leading '/' (e.g. 'tutorial/numbers')"
+        )
+    return name
+
+
+class Step:
+    """One node of the graph: `fn(config)` writes its results under the step's output path.
+
+    The config is a frozen dataclass; every field except `execution_only` ones is part of the
+    step's identity, and every `output_of`/`Step` found inside it (at any depth) is a dependency.
+    A `Step` used directly as a config value stands for its output path.
+    """
+
+    __slots__ = ("name", "fn", "config", "resources", "description", "_deps")
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[[Any], Any],
+        config: Any,
+        *,
+        resources: Resources | None = None,
+        description: str | None = None,
+    ):
+        self.name = validate_name(name)
+        if not callable(fn):
+            raise StepDeclarationError(f"step {name!r}: fn must be callable, got {type(fn).__name__}")
+        if not dataclasses.is_dataclass(config) or isinstance(config, type):
+            raise StepDeclarationError(f"step {name!r}: config must be a dataclass instance, got {type(config).__name__}")
+        self.fn = fn
+        self.config = config
+        self.resources = resources
+        self.description = description
+        self._deps: tuple[Step | External, ...] | None = None
+
+    @property
+    def deps(self) -> "tuple[Step | External, ...]":
+        """Direct dependencies, in order of first appearance in the config."""
+        if self._deps is None:
+            found: dict[int, Step | External] = {}
+            for value in iter_values(self.config):
+                target = value.step if isinstance(value, OutputOf) else value
+                if isinstance(target, (Step, External)) and target is not self:
+                    found.setdefault(id(target), target)
+            self._deps = tuple(found.values())
+        return self._deps
+
+    def with_config(self, config: Any) -> "Step":
+        return Step(self.name, self.fn, config, resources=self.resources, description=self.description)
+
+    def __repr__(self) -> str:
+        return f"Step({self.name!r})"
+
+
+class External:
+    """Data that exists outside keel (a bucket path, a shared cache) named as a graph input.
+
+    Its identity is its name, path and optional version string; keel never produces or checks it.
+    """
+
+    __slots__ = ("name", "path", "version", "description")
+
+    def __init__(self, name: str, path: str, *, version: str | None = None, description: str | None = None):
+        self.name = validate_name(name)
+        if not isinstance(path, str) or not path:
+            raise StepDeclarationError(f"external {name!r}: path must be a non-empty string")
+        self.path = path.rstrip("/")
+        self.version = version
+        self.description = description
+
+    deps: tuple = ()
+
+    def __repr__(self) -> str:
+        return f"External({self.name!r}, {self.path!r})"
+
+
+def iter_values(obj: Any):
+    """Yield every value inside a config: dataclass fields, list/tuple items, dict values."""
+    stack = [obj]
+    while stack:
+        value = stack.pop()
+        yield value
+        if isinstance(value, (Step, External, OutputOf, ThisOutput)):
+            continue
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            stack.extend(reversed([getattr(value, f.name) for f in dataclasses.fields(value)]))
+        elif isinstance(value, (list, tuple)):
+            stack.extend(reversed(value))
+        elif isinstance(value, dict):
+            stack.extend(reversed(list(value.values())))
