@@ -1,0 +1,76 @@
+"""Model presets: the 535B-A23B hero architecture and its tiny CPU-sized twin."""
+
+from keel.model import Balancing, ConvSite, MoELMConfig, Routing
+
+ALL_CONV_SITES = (ConvSite.KEY, ConvSite.ATTENTION_OUTPUT, ConvSite.MOE_OUTPUT)
+
+hero_535b = MoELMConfig(
+    hidden_dim=6144,
+    num_layers=48,
+    vocab_size=128_256,
+    max_seq_len=4096,
+    tie_embeddings=False,
+    embed_norm=True,
+    num_heads=48,
+    head_dim=128,
+    num_kv_heads=12,
+    num_global_kv_heads=6,
+    global_every=4,
+    sliding_window=2048,
+    rope_theta=10_000.0,
+    rope_fraction=0.5,
+    qk_norm=True,
+    qk_mult=1.3,
+    xsa=True,
+    attention_gate=True,
+    conv_kernel=4,
+    conv_sites=ALL_CONV_SITES,
+    gated_norm_rank=128,
+    num_experts=384,
+    experts_per_token=8,
+    latent_dim=3072,
+    expert_dim=3072,
+    num_shared_experts=2,
+    shared_expert_dim=3072,
+    routing=Routing.SIGMOID_TOPK_THRESHOLD,
+    routing_renorm_sum=2.5,
+    balancing=Balancing.QUANTILE,
+    qb_histogram_bins=10_000,
+    capacity_factor=1.15,
+)
+"""The hero: 535,477,106,688 parameters, 22,762,487,808 active per token."""
+
+tiny_moe = MoELMConfig(
+    hidden_dim=64,
+    num_layers=4,
+    vocab_size=1024,
+    max_seq_len=128,
+    embed_norm=True,
+    num_heads=4,
+    head_dim=16,
+    num_kv_heads=2,
+    num_global_kv_heads=1,
+    global_every=4,
+    sliding_window=64,
+    rope_fraction=0.5,
+    qk_norm=True,
+    qk_mult=1.3,
+    xsa=True,
+    attention_gate=True,
+    conv_kernel=4,
+    conv_sites=ALL_CONV_SITES,
+    gated_norm_rank=16,
+    num_experts=8,
+    experts_per_token=2,
+    latent_dim=32,
+    expert_dim=32,
+    num_shared_experts=2,
+    shared_expert_dim=32,
+    routing=Routing.SIGMOID_TOPK_THRESHOLD,
+    routing_renorm_sum=2.5,
+    balancing=Balancing.QUANTILE,
+    qb_histogram_bins=1000,
+    capacity_factor=1.25,
+)
+"""Every hero feature switched on at CPU size: 4 layers (layer 3 global), 8 experts top-2 on a
+32-wide latent, 2 shared experts, quantile balancing, a 1024-token vocabulary."""
