@@ -1,0 +1,188 @@
+"""`keel run|plan|status|gc EXPERIMENT.py [options]`, and `python EXPERIMENT.py run|plan|...`.
+
+An experiment file ends with `keel.main([steps])`. Run as a script, `main` parses the command line
+and acts. Run through the `keel` console script, the file is executed as `__main__` while a
+collector is active, so `main` only hands its steps back and the console script acts on them; `gc`
+uses that to gather the steps of several experiments at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import runpy
+import sys
+
+from keel.executor import storage
+from keel.executor.overrides import apply_overrides
+from keel.executor.plan import Graph, StepPlan, plan_graph
+from keel.executor.status import KEEL_DIR
+from keel.executor.step import StepDeclarationError
+
+COMMANDS = ("run", "plan", "status", "gc")
+_collecting: list[list] | None = None
+
+
+def _parser(prog: str, with_experiment: bool) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Plan, run and cache a declared graph of steps.")
+    p.add_argument("command", choices=COMMANDS)
+    if with_experiment:
+        p.add_argument("experiments", nargs="+", metavar="EXPERIMENT.py", help="experiment file(s); gc takes several")
+    p.add_argument("--prefix", default=None, help="where outputs live (default: $KEEL_PREFIX, else ./outputs)")
+    p.add_argument("--force", metavar="REGEX", help="rerun matching steps even if cached")
+    p.add_argument("--only", metavar="REGEX", help="run matching steps and whatever of their ancestry is missing")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="STEP.field=value", help="override a config field")
+    p.add_argument("--max-concurrent", type=int, default=8, metavar="N", help="steps running at once")
+    p.add_argument("--cluster", default=None, metavar="URL", help="send steps with resources to this Iris cluster (default: $KEEL_CLUSTER)")
+    p.add_argument("--json", action="store_true", help="machine-readable plan/status")
+    p.add_argument("--yes", action="store_true", help="gc: really delete")
+    return p
+
+
+def _prefix(args) -> str:
+    return args.prefix or os.environ.get("KEEL_PREFIX") or "outputs"
+
+
+def console_main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser("keel", with_experiment=True).parse_args(argv)
+    try:
+        step_lists = [load_experiment(path) for path in args.experiments]
+        if args.command != "gc" and len(step_lists) > 1:
+            raise StepDeclarationError(f"keel {args.command} takes one experiment file, got {len(step_lists)}")
+        return _act(args, step_lists)
+    except StepDeclarationError as exc:
+        print(f"keel: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def load_experiment(path: str) -> list:
+    """The steps an experiment file hands to `keel.main`, without running them."""
+    global _collecting
+    if not os.path.exists(path):
+        raise StepDeclarationError(f"experiment file {path} does not exist")
+    previous, _collecting = _collecting, []
+    saved_argv = sys.argv
+    try:
+        sys.argv = [path]
+        runpy.run_path(path, run_name="__main__")
+        if not _collecting:
+            raise StepDeclarationError(f"{path} never called keel.main([...]) under `if __name__ == '__main__':`")
+        return [s for steps in _collecting for s in steps]
+    finally:
+        sys.argv = saved_argv
+        _collecting = previous
+
+
+def experiment_main(steps, argv: list[str] | None = None) -> int:
+    """What `keel.main(steps)` does: hand the steps to `keel`, or act on this script's own argv."""
+    if _collecting is not None:
+        _collecting.append(list(steps))
+        return 0
+    args = _parser(os.path.basename(sys.argv[0]) or "experiment", with_experiment=False).parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _act(args, [list(steps)])
+    except StepDeclarationError as exc:
+        print(f"keel: error: {exc}", file=sys.stderr)
+        code = 2
+    if argv is None:
+        sys.exit(code)
+    return code
+
+
+def _graph(args, steps) -> Graph:
+    graph = Graph(steps, _prefix(args))
+    if args.overrides:
+        graph = Graph(apply_overrides(steps, graph.order, args.overrides), _prefix(args))
+    return graph
+
+
+def _act(args, step_lists: list[list]) -> int:
+    if args.command == "gc":
+        return _gc(args, step_lists)
+    graph = _graph(args, step_lists[0])
+    if args.command == "run":
+        return _run(args, graph)
+    force = re.compile(args.force) if args.force else None
+    plans = plan_graph(graph, force)
+    sheets = _fact_sheets(graph) if args.command == "plan" else []
+    if args.json:
+        print(json.dumps({"steps": [p.to_json() for p in plans], "fact_sheets": sheets}, indent=1, default=str))
+    else:
+        print(render_table(plans, timings=args.command == "status"))
+        for sheet in sheets:
+            print()
+            print(sheet["text"])
+    return 0
+
+
+def _fact_sheets(graph: Graph) -> list[dict]:
+    """Fact sheets of training steps (keel.plan), when that package is present; jax-free."""
+    try:
+        from keel.plan import fact_sheets_for
+    except ImportError:
+        return []
+    return fact_sheets_for(graph)
+
+
+def render_table(plans: list[StepPlan], timings: bool = False) -> str:
+    rows = []
+    for p in plans:
+        extra = ""
+        if timings and p.status is not None and p.status.duration is not None:
+            extra = f" [{p.status.duration:.2f}s, attempt {p.status.attempt}]"
+        res = f" ({p.step.resources.describe()})" if getattr(p.step, "resources", None) else ""
+        reason = f"  <- {p.reason}" if p.reason else ""
+        rows.append(f"{p.state:<17} {p.name}{res}\n{'':<17}   {p.output_path}{extra}{reason}")
+    counts: dict[str, int] = {}
+    for p in plans:
+        counts[p.state] = counts.get(p.state, 0) + 1
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items())
+    return "\n".join(rows + [f"-- {len(plans)} steps: {summary}"])
+
+
+def _run(args, graph: Graph) -> int:
+    from keel.executor.run import Runner
+
+    client = None
+    cluster = args.cluster or os.environ.get("KEEL_CLUSTER")
+    if cluster:
+        from keel.executor.cluster import cluster_client
+
+        client = cluster_client(cluster)
+    runner = Runner(graph, client=client, max_concurrent=args.max_concurrent, force=re.compile(args.force) if args.force else None)
+    with contextlib.ExitStack() as stack:
+        if client is not None and hasattr(client, "shutdown"):
+            stack.callback(client.shutdown)
+        report = runner.run(re.compile(args.only) if args.only else None)
+    print(f"[keel] {len(report.ran)} ran, {len(report.reused)} reused, "
+          f"{sum(p.state == 'cached' for p in report.plans)} cached, {len(report.failures)} failed, {len(report.blocked)} skipped")
+    for failure in report.failures:
+        print(f"keel: {failure}", file=sys.stderr)
+    return 0 if report.ok else 1
+
+
+def _gc(args, step_lists: list[list]) -> int:
+    """List (and with --yes delete) outputs under the prefix that none of the experiments reach."""
+    prefix = _prefix(args)
+    fs, root = storage.split(prefix)
+    reached = set()
+    for steps in step_lists:
+        graph = _graph(args, steps)
+        reached.update(storage.split(graph.path(s))[1] for s in graph.steps())
+    found = sorted({p.rsplit(f"/{KEEL_DIR}/", 1)[0] for p in fs.glob(f"{root.rstrip('/')}/**/{KEEL_DIR}/status")})
+    unreached = [p for p in found if p not in reached]
+    total = 0
+    for path in unreached:
+        size = int(fs.du(path, total=True))
+        total += size
+        print(f"{size:>14,d}  {path}")
+    print(f"-- {len(unreached)} unreached output(s), {total:,d} bytes" + ("" if args.yes else " (pass --yes to delete)"))
+    if args.yes:
+        for path in unreached:
+            fs.rm(path, recursive=True)
+        print(f"-- deleted {len(unreached)}")
+    return 0

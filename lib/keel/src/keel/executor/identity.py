@@ -1,0 +1,101 @@
+"""Content addressing: a step's identity payload, its hash and its output path.
+
+Identity = name + every config field that is not execution-only + the identities of the
+dependencies. Everything counts unless declared otherwise, so a changed config can never silently
+reuse a stale output. The encoding is canonical JSON: stable across processes, hash seeds and
+machines. Changing it re-keys every output, so `tests/test_executor_identity.py` pins golden hashes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import json
+import pathlib
+from typing import Any
+
+from keel.executor.step import External, OutputOf, Step, StepDeclarationError, ThisOutput, is_execution_only
+
+HASH_CHARS = 10
+
+
+class IdentityError(StepDeclarationError):
+    """A config value that has no canonical encoding."""
+
+
+def encode(value: Any, where: str, dep_hash) -> Any:
+    """The canonical JSON form of a config value; `where` is its field path for error messages."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return {"__enum__": f"{type(value).__qualname__}.{value.name}"}
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        # repr is the shortest string that round-trips exactly; a float never collides with an int.
+        return {"__float__": repr(value)}
+    if isinstance(value, OutputOf):
+        return {"__output_of__": dep_hash(value.step), "subpath": value.subpath}
+    if isinstance(value, (Step, External)):
+        return {"__output_of__": dep_hash(value), "subpath": ""}
+    if isinstance(value, ThisOutput):
+        return {"__this_output__": value.subpath}
+    if isinstance(value, pathlib.PurePath):
+        return {"__path__": value.as_posix()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        out: dict[str, Any] = {"__class__": type(value).__qualname__}
+        for f in dataclasses.fields(value):
+            if not is_execution_only(f):
+                out[f.name] = encode(getattr(value, f.name), f"{where}.{f.name}", dep_hash)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [encode(v, f"{where}[{i}]", dep_hash) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        for k in value:
+            if not isinstance(k, str):
+                raise IdentityError(f"{where}: dict keys must be strings, got {type(k).__name__} key {k!r}")
+        return {k: encode(value[k], f"{where}.{k}", dep_hash) for k in sorted(value)}
+    raise IdentityError(
+        f"{where}: a value of type {type(value).__name__} has no canonical encoding; use a dataclass, "
+        "enum, number, string, bool, None, list/tuple, dict with string keys, path or a placeholder"
+    )
+
+
+def canonical_json(payload: Any) -> str:
+    return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+class Identities:
+    """Memoised identity payloads and hashes for the steps of one graph."""
+
+    def __init__(self) -> None:
+        self._hashes: dict[int, str] = {}
+        self._payloads: dict[int, dict] = {}
+        self._keep: list[Any] = []  # keep ids stable while memoised
+
+    def payload(self, step: Step | External) -> dict:
+        key = id(step)
+        if key not in self._payloads:
+            if isinstance(step, External):
+                payload = {"external": step.name, "path": step.path, "version": step.version}
+            else:
+                payload = {"name": step.name, "config": encode(step.config, f"{step.name}.config", self.hash)}
+            self._payloads[key] = payload
+            self._keep.append(step)
+        return self._payloads[key]
+
+    def hash(self, step: Step | External) -> str:
+        key = id(step)
+        found = self._hashes.get(key)
+        if found is None:
+            digest = hashlib.sha256(canonical_json(self.payload(step)).encode()).hexdigest()
+            found = self._hashes[key] = digest[:HASH_CHARS]
+        return found
+
+
+def output_path(prefix: str, step: Step | External, identities: Identities) -> str:
+    """`{prefix}/{name}-{hash}` for a step; the declared path for an external input."""
+    if isinstance(step, External):
+        return step.path
+    return f"{prefix.rstrip('/')}/{step.name}-{identities.hash(step)}"

@@ -1,0 +1,75 @@
+"""Per-step logs while steps run concurrently in threads of one process.
+
+`sys.stdout`, `sys.stderr` and the root logger are shared by all threads, so a router sends what a
+step's thread writes to that step's log file as well as to the terminal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from typing import IO
+
+_local = threading.local()
+
+
+def _current() -> IO[str] | None:
+    return getattr(_local, "log", None)
+
+
+class _TeeStream:
+    def __init__(self, stream: IO[str]):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        log = _current()
+        if log is not None:
+            log.write(text)
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        log = _current()
+        if log is not None:
+            log.flush()
+        self._stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+class _ThreadLogHandler(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        log = _current()
+        if log is not None:
+            log.write(self.format(record) + "\n")
+
+
+_install_lock = threading.Lock()
+_installed = False
+
+
+def _install() -> None:
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        sys.stdout = _TeeStream(sys.stdout)
+        sys.stderr = _TeeStream(sys.stderr)
+        handler = _ThreadLogHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger().addHandler(handler)
+        _installed = True
+
+
+@contextlib.contextmanager
+def capture(log: IO[str]):
+    """Route this thread's prints and log records into `log` while the block runs."""
+    _install()
+    previous = _current()
+    _local.log = log
+    try:
+        yield
+    finally:
+        _local.log = previous

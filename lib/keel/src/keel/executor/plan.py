@@ -1,0 +1,179 @@
+"""What a run would do, step by step, without doing it: the heart of `keel plan` and `keel status`.
+
+States: `cached` (finished, manifest verified), `run` (never ran, or must rerun: the reason says
+why), `stale` (an earlier run of the same step name exists with another identity; the reason is a
+field-level diff), `failed` (the last attempt failed; the next run retries it),
+`running-elsewhere` (another launcher holds a live lease) and `external` (data keel does not make).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+from keel.executor import lease as leases
+from keel.executor import storage
+from keel.executor.graph import topological_order
+from keel.executor.identity import Identities, output_path
+from keel.executor.status import FAILED, KEEL_DIR, RUNNING, SUCCESS, Status, keel_path, read_status, verify_manifest
+from keel.executor.step import External, Step
+
+CACHED, RUN, STALE, FAILED_STATE, RUNNING_ELSEWHERE, EXTERNAL = "cached", "run", "stale", "failed", "running-elsewhere", "external"
+
+
+@dataclass
+class StepPlan:
+    step: Step | External
+    output_path: str
+    state: str
+    reason: str = ""
+    deps: list[str] = field(default_factory=list)
+    status: Status | None = None
+
+    @property
+    def name(self) -> str:
+        return self.step.name
+
+    def to_json(self) -> dict:
+        out = {"name": self.name, "output_path": self.output_path, "state": self.state, "reason": self.reason, "deps": self.deps}
+        if isinstance(self.step, Step) and self.step.resources is not None:
+            out["resources"] = self.step.resources.describe()
+        if self.status is not None and self.status.duration is not None:
+            out["duration_s"] = round(self.status.duration, 3)
+        return out
+
+
+class Graph:
+    """The resolved graph of an experiment under one prefix: order, identities and output paths."""
+
+    def __init__(self, targets: list[Step | External], prefix: str):
+        self.targets = list(targets)
+        self.prefix = prefix.rstrip("/") if "://" in prefix else os.path.abspath(prefix)
+        self.order = topological_order(self.targets)
+        self.identities = Identities()
+        self._paths: dict[int, str] = {}
+
+    def path(self, step: Step | External) -> str:
+        key = id(step)
+        found = self._paths.get(key)
+        if found is None:
+            found = self._paths[key] = output_path(self.prefix, step, self.identities)
+        return found
+
+    def steps(self) -> list[Step]:
+        return [s for s in self.order if isinstance(s, Step)]
+
+
+class _Listings:
+    """Directory listings cached for one planning pass: one `ls` per parent folder, not per step."""
+
+    def __init__(self) -> None:
+        self._names: dict[str, set[str]] = {}
+
+    def exists(self, url: str) -> bool:
+        parent, _, base = url.rpartition("/")
+        names = self._names.get(parent)
+        if names is None:
+            names = self._names[parent] = set(storage.list_names(parent))
+        return base in names
+
+    def earlier_runs(self, url: str) -> list[str]:
+        parent, _, base = url.rpartition("/")
+        self.exists(url)
+        stem = base.rsplit("-", 1)[0] + "-"
+        return [f"{parent}/{n}" for n in self._names[parent] if n.startswith(stem) and n != base and re.fullmatch(r"[0-9a-f]+", n[len(stem):])]
+
+
+def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = None, listings: _Listings | None = None, lease_timeout: float = leases.DEFAULT_TIMEOUT_S) -> StepPlan:
+    """The state of one step under the graph's prefix, checked exactly as a cache hit is."""
+    listings = listings or _Listings()
+    path = graph.path(step)
+    deps = [graph.path(d) for d in step.deps]
+    if isinstance(step, External):
+        return StepPlan(step, path, EXTERNAL, f"version {step.version}" if step.version else "", deps)
+    status = read_status(path) if listings.exists(path) else None
+    forced = bool(force and force.search(step.name))
+    if status is None:
+        earlier = _most_recent_record(listings.earlier_runs(path))
+        if earlier is not None:
+            diff = diff_payloads(earlier["identity"], graph.identities.payload(step))
+            return StepPlan(step, path, STALE, "; ".join(diff) or "identity changed", deps)
+        return StepPlan(step, path, RUN, "forced" if forced else "never ran", deps)
+    if status.state == SUCCESS:
+        problem = verify_manifest(path)
+        if problem is not None:
+            return StepPlan(step, path, RUN, f"cache entry invalid: {problem}", deps, status)
+        if forced:
+            return StepPlan(step, path, RUN, "forced (--force)", deps, status)
+        return StepPlan(step, path, CACHED, "", deps, status)
+    if status.state == FAILED:
+        return StepPlan(step, path, FAILED_STATE, f"attempt {status.attempt} failed: {status.error}", deps, status)
+    holder = leases.current_lease(path)
+    if holder is not None and holder.is_live(lease_timeout):
+        return StepPlan(step, path, RUNNING_ELSEWHERE, f"lease held by {holder.owner}", deps, status)
+    return StepPlan(step, path, RUN, f"attempt {status.attempt} died while {status.state} (lease expired)", deps, status)
+
+
+def plan_graph(graph: Graph, force: re.Pattern | None = None) -> list[StepPlan]:
+    listings = _Listings()
+    return [plan_step(graph, s, force, listings) for s in graph.order]
+
+
+def _most_recent_record(paths: list[str]) -> dict | None:
+    best = None
+    for p in paths:
+        record = storage.read_json(keel_path(p, "step.json"))
+        if record is not None and (best is None or record.get("provenance", {}).get("time", 0) > best.get("provenance", {}).get("time", 0)):
+            best = record
+    return best
+
+
+def _display(value) -> str:
+    if isinstance(value, dict) and "__float__" in value:
+        return value["__float__"]
+    if isinstance(value, dict) and "__output_of__" in value:
+        return f"output_of(<{value['__output_of__']}>{'/' + value['subpath'] if value['subpath'] else ''})"
+    if isinstance(value, dict) and "__enum__" in value:
+        return value["__enum__"]
+    return json.dumps(value, sort_keys=True)
+
+
+def diff_payloads(old, new, where: str = "") -> list[str]:
+    """Field-level differences between two identity payloads, e.g. `config.lr: 0.003 -> 0.001`."""
+    if isinstance(old, dict) and isinstance(new, dict) and not ({"__float__", "__output_of__", "__enum__"} & (old.keys() | new.keys())):
+        out = []
+        for key in sorted(old.keys() | new.keys()):
+            sub = f"{where}.{key}" if where else key
+            if key not in old:
+                out.append(f"{sub}: (absent) -> {_display(new[key])}")
+            elif key not in new:
+                out.append(f"{sub}: {_display(old[key])} -> (absent)")
+            else:
+                out.extend(diff_payloads(old[key], new[key], sub))
+        return out
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [d for i, (a, b) in enumerate(zip(old, new)) for d in diff_payloads(a, b, f"{where}[{i}]")]
+    if old != new:
+        suffix = " (dependency changed)" if isinstance(new, dict) and "__output_of__" in new else ""
+        return [f"{where}: {_display(old)} -> {_display(new)}{suffix}"]
+    return []
+
+
+def select(plans: list[StepPlan], only: re.Pattern | None) -> set[int]:
+    """ids of the steps a run must execute: not cached/external, and (with --only) matching or needed."""
+    todo = {id(p.step) for p in plans if p.state not in (CACHED, EXTERNAL)}
+    if only is None:
+        return todo
+    chosen: set[int] = set()
+    stack = [p.step for p in plans if only.search(p.name)]
+    while stack:
+        step = stack.pop()
+        if id(step) in todo and id(step) not in chosen:
+            chosen.add(id(step))
+            stack.extend(step.deps)
+    return chosen
+
+
+__all__ = ["CACHED", "EXTERNAL", "FAILED_STATE", "Graph", "KEEL_DIR", "RUN", "RUNNING", "RUNNING_ELSEWHERE", "STALE", "StepPlan", "plan_graph", "plan_step", "select"]

@@ -1,0 +1,206 @@
+"""Run a graph: the steps that are not cached, in dependency order, concurrently where they can be.
+
+Each step is claimed with a lease on its output path (so concurrent launchers run it once), marked
+RUNNING, recorded in `step.json`, dispatched as a fray job (in-process `LocalClient` by default,
+a cluster client when one is given) and marked SUCCESS once its manifest is written. A failure
+marks the step FAILED, stops its dependents, lets independent branches finish and is reported
+with the step's name, output path, exception and log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+import traceback
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Callable
+
+from keel.executor import lease as leases
+from keel.executor import storage
+from keel.executor.job import log_url, run_step_job
+from keel.executor.plan import CACHED, EXTERNAL, Graph, StepPlan, plan_graph, select
+from keel.executor.provenance import provenance, scrub
+from keel.executor.resolve import resolve_config
+from keel.executor.status import SUCCESS, keel_path, mark_finished, mark_running, read_status, verify_manifest
+from keel.executor.step import Step
+
+_MAX_WAIT_POLL_S = 1.0
+
+
+class StepFailed(RuntimeError):
+    """A step's function raised (or its job failed); names the step, its output and its log."""
+
+    def __init__(self, step: str, output_path: str, error: str, log: str):
+        super().__init__(f"step {step} failed\n  output: {output_path}\n  error: {error}\n  log: {log}")
+        self.step, self.output_path, self.error, self.log = step, output_path, error, log
+
+
+@dataclasses.dataclass
+class RunReport:
+    plans: list[StepPlan]
+    ran: list[str] = dataclasses.field(default_factory=list)
+    reused: list[str] = dataclasses.field(default_factory=list)
+    failures: list[StepFailed] = dataclasses.field(default_factory=list)
+    blocked: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures and not self.blocked
+
+
+def default_client(max_concurrent: int):
+    from fray.local_backend import LocalClient
+
+    return LocalClient(max_threads=max_concurrent)
+
+
+def _step_record(graph: Graph, step: Step, resolved) -> dict:
+    return scrub(
+        {
+            "name": step.name,
+            "identity": graph.identities.payload(step),
+            "hash": graph.identities.hash(step),
+            "config": _plain(resolved),
+            "dependencies": {d.name: graph.path(d) for d in step.deps},
+            "description": step.description,
+            "resources": step.resources.describe() if step.resources else None,
+            "provenance": provenance(),
+        }
+    )
+
+
+def _plain(value):
+    """The resolved config as JSON, execution-only fields included (they are part of what ran)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {"__class__": type(value).__qualname__, **{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+class Runner:
+    def __init__(self, graph: Graph, *, client=None, max_concurrent: int = 8, force: re.Pattern | None = None,
+                 lease_timeout: float = leases.DEFAULT_TIMEOUT_S, echo: Callable[[str], None] = print):
+        self.graph = graph
+        self.max_concurrent = max(1, max_concurrent)
+        self.client = client
+        self.force = force
+        self.lease_timeout = lease_timeout
+        self.echo = echo
+
+    def run(self, only: re.Pattern | None = None) -> RunReport:
+        plans = plan_graph(self.graph, self.force)
+        report = RunReport(plans)
+        chosen = select(plans, only)
+        if not chosen:
+            return report
+        if self.client is None:
+            self.client = default_client(self.max_concurrent)
+        by_id = {id(p.step): p for p in plans}
+        pending = [p for p in plans if id(p.step) in chosen]
+        done = {id(p.step) for p in plans if p.state in (CACHED, EXTERNAL)}
+        broken: set[int] = set()
+        running: dict[Future, StepPlan] = {}
+        with ThreadPoolExecutor(max_workers=self.max_concurrent, thread_name_prefix="keel-step") as pool:
+            while pending or running:
+                submitted = False
+                for plan in list(pending):
+                    deps = [id(d) for d in plan.step.deps]
+                    if any(d in broken for d in deps):
+                        pending.remove(plan)
+                        broken.add(id(plan.step))
+                        report.blocked.append(plan.name)
+                        self.echo(f"[keel] skip  {plan.name}: a dependency failed")
+                    elif all(d in done or (d not in chosen and by_id[d].state in (CACHED, EXTERNAL)) for d in deps) and len(running) < self.max_concurrent:
+                        pending.remove(plan)
+                        running[pool.submit(self._execute, plan)] = plan
+                        submitted = True
+                if not running:
+                    if pending and not submitted:
+                        raise RuntimeError(f"keel: cannot schedule {[p.name for p in pending]}: dependencies unresolved")
+                    continue
+                finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                for future in finished:
+                    plan = running.pop(future)
+                    try:
+                        outcome = future.result()
+                    except StepFailed as failure:
+                        broken.add(id(plan.step))
+                        report.failures.append(failure)
+                        self.echo(f"[keel] FAIL  {plan.name}: {failure.error.splitlines()[-1] if failure.error else ''}")
+                        continue
+                    done.add(id(plan.step))
+                    (report.ran if outcome == "ran" else report.reused).append(plan.name)
+        return report
+
+    def _claim(self, plan: StepPlan) -> leases.Lease | None:
+        """The lease on the step's output, or None when another launcher finished it meanwhile."""
+        forced = bool(self.force and self.force.search(plan.name))
+        delay = 0.02
+        while True:
+            if not forced and self._finished(plan.output_path):
+                return None
+            lease, holder = leases.try_acquire(plan.output_path, self.lease_timeout)
+            if lease is not None:
+                if not forced and self._finished(plan.output_path):
+                    lease.release()
+                    return None
+                return lease
+            # Another launcher holds a live lease: wait for its outcome (or for its lease to expire).
+            time.sleep(delay)
+            delay = min(delay * 2, _MAX_WAIT_POLL_S)
+
+    @staticmethod
+    def _finished(output_path: str) -> bool:
+        status = read_status(output_path)
+        return status is not None and status.state == SUCCESS and verify_manifest(output_path) is None
+
+    def _execute(self, plan: StepPlan) -> str:
+        step: Step = plan.step  # type: ignore[assignment]
+        lease = self._claim(plan)
+        if lease is None:
+            self.echo(f"[keel] reuse {plan.name} (finished by another launcher)")
+            return "reused"
+        try:
+            running = mark_running(plan.output_path)
+            resolved = resolve_config(step.config, plan.output_path, self.graph.path)
+            storage.write_json(keel_path(plan.output_path, "step.json"), _step_record(self.graph, step, resolved))
+            self.echo(f"[keel] start {plan.name} -> {plan.output_path}" + (f" ({plan.reason})" if plan.reason else ""))
+            try:
+                self._dispatch(step, resolved, plan.output_path)
+            except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then reported
+                error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                mark_finished(plan.output_path, running, error=error)
+                raise StepFailed(step.name, plan.output_path, error, log_url(plan.output_path)) from exc
+            status = mark_finished(plan.output_path, running)
+            self.echo(f"[keel] done  {plan.name} in {status.duration:.2f}s")
+            return "ran"
+        finally:
+            lease.release()
+
+    def _dispatch(self, step: Step, resolved, output_path: str) -> None:
+        from fray.types import Entrypoint, JobRequest
+
+        job_name = re.sub(r"[^a-zA-Z0-9_.-]", "-", f"{step.name}-{output_path.rsplit('-', 1)[-1]}")
+        request = JobRequest(
+            name=job_name,
+            entrypoint=Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path)),
+        )
+        if step.resources is not None:
+            request = dataclasses.replace(request, resources=step.resources.to_fray(), replicas=None)
+        handle = self.client.submit(request)
+        handle.wait(raise_on_failure=True)
+
+
+def run_steps(steps, prefix: str, *, force: str | None = None, only: str | None = None, max_concurrent: int = 8,
+              client=None, lease_timeout: float = leases.DEFAULT_TIMEOUT_S, echo: Callable[[str], None] = print) -> RunReport:
+    """Run the graph behind `steps` under `prefix`; the report says what ran, was reused or failed."""
+    graph = Graph(list(steps), prefix)
+    runner = Runner(graph, client=client, max_concurrent=max_concurrent, force=re.compile(force) if force else None,
+                    lease_timeout=lease_timeout, echo=echo)
+    return runner.run(re.compile(only) if only else None)

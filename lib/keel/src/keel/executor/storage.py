@@ -1,0 +1,127 @@
+"""The few filesystem operations the executor needs, on any fsspec URL (local, memory://, gs://, s3://).
+
+Two of them need care beyond `fsspec.open`: an atomic replace (local files go through a temporary
+name and `os.replace`; object stores replace an object in one PUT) and an exclusive create
+(`open(mode="xb")`, which fsspec implements for local and memory stores and gcsfs/s3fs implement
+with conditional writes). Leases are built on the exclusive create.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import uuid
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+
+@functools.lru_cache(maxsize=64)
+def _fs_for_protocol(protocol: str) -> fsspec.AbstractFileSystem:
+    return fsspec.filesystem(protocol)
+
+
+def split(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem for `url` and the path inside it."""
+    protocol, _, rest = url.partition("://")
+    if not rest:
+        return _fs_for_protocol("file"), os.path.abspath(url)
+    fs = _fs_for_protocol(protocol)
+    return fs, fs._strip_protocol(url)
+
+
+def is_local(url: str) -> bool:
+    return isinstance(split(url)[0], LocalFileSystem)
+
+
+def join(base: str, *parts: str) -> str:
+    parts = tuple(p.strip("/") for p in parts if p)
+    return "/".join((base.rstrip("/"), *parts)) if parts else base
+
+
+def read_text(url: str) -> str | None:
+    """The file's text, or None when it does not exist."""
+    fs, path = split(url)
+    try:
+        return fs.cat_file(path).decode()
+    except FileNotFoundError:
+        return None
+
+
+def read_json(url: str) -> Any | None:
+    text = read_text(url)
+    return None if text is None else json.loads(text)
+
+
+def write_atomic(url: str, text: str) -> None:
+    """Replace the file's content so that readers see the old or the new content, never a part."""
+    fs, path = split(url)
+    fs.makedirs(fs._parent(path), exist_ok=True)
+    data = text.encode()
+    if isinstance(fs, LocalFileSystem):
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    else:
+        fs.pipe_file(path, data)
+
+
+def write_json(url: str, obj: Any) -> None:
+    write_atomic(url, json.dumps(obj, indent=1, sort_keys=True, default=str))
+
+
+def create_exclusive(url: str, text: str) -> bool:
+    """Create the file with `text` unless it exists; True when this call created it."""
+    fs, path = split(url)
+    fs.makedirs(fs._parent(path), exist_ok=True)
+    try:
+        with fs.open(path, "xb") as f:
+            f.write(text.encode())
+        return True
+    except FileExistsError:
+        return False
+
+
+def list_names(url: str) -> list[str]:
+    """Base names of the entries directly under `url` (empty when it does not exist)."""
+    fs, path = split(url)
+    try:
+        entries = fs.ls(path, detail=False)
+    except FileNotFoundError:
+        return []
+    return [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+
+
+def file_sizes(url: str, skip_dir: str) -> dict[str, int]:
+    """Every file under `url` (relative path -> size), except those under the sub folder `skip_dir`."""
+    fs, path = split(url)
+    try:
+        found = fs.find(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    root = path.rstrip("/") + "/"
+    out = {}
+    for full, info in found.items():
+        rel = full[len(root):] if full.startswith(root) else full
+        if rel.split("/", 1)[0] == skip_dir or info.get("type") == "directory":
+            continue
+        out[rel] = int(info.get("size") or 0)
+    return out
+
+
+def exists(url: str) -> bool:
+    fs, path = split(url)
+    return fs.exists(path)
+
+
+def delete_tree(url: str) -> None:
+    fs, path = split(url)
+    fs.rm(path, recursive=True)
+
+
+def tree_size(url: str) -> int:
+    fs, path = split(url)
+    return int(fs.du(path, total=True))
