@@ -1,0 +1,280 @@
+"""What a training step computes (identity) and how it runs (execution-only), as plain dataclasses.
+
+No jax here: `keel plan` reads these to derive the run's fact sheet instantly; the training loop
+(`keel.train`'s step function) turns them into optax transforms and a Levanter loop.
+
+Parameter groups (optimizer groups, weight-decay groups) are regular expressions `re.search`ed
+against the model's dotted parameter paths, e.g. `layers.attn.q`, `layers.moe.router`
+(see `MoELMConfig.parameter_shapes` for the names).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from keel.executor.step import execution_only, this_output
+from keel.mesh.hardware import Hardware
+from keel.mesh.topology import RackTopology
+from keel.model.config import MoELMConfig
+
+
+def _positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"{owner}.{name}={value!r} must be positive")
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    """One AdamW for every parameter; decoupled weight decay on matrices (ndim >= 2) only."""
+
+    lr: float = 3e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        _positive("AdamWConfig", lr=self.lr, eps=self.eps)
+        if self.weight_decay < 0:
+            raise ValueError(f"AdamWConfig.weight_decay={self.weight_decay} must be >= 0")
+
+
+HERO_LR_COEFFICIENT = 0.087571
+HERO_LR_TOKENS_EXPONENT = -0.3461
+HERO_LR_WIDTH_EXPONENT = -0.3448
+HERO_MUON_TO_ADAM = 13 / 3
+
+MUONH_PARAMS = (
+    r"\battn\.(q|k|v|o)\b",
+    r"\bexperts\.",
+    r"\bshared\.",
+    r"\blatent_(down|up)\b",
+    r"gated_norm\.(down|up)\b",
+)
+"""Matrices trained by MuonH: attention q/k/v/o, routed and shared experts, latent projections,
+GatedNorm matrices."""
+ADAMH_PARAMS = (r"\blm_head\b",)
+"""Trained by AdamH: the lm_head. Everything else (embedding, router, router bias, attention gate,
+gains, conv kernels) is trained by plain Adam."""
+
+
+@dataclass(frozen=True)
+class GroupedOptimizerConfig:
+    """The hero's optimizer: MuonH / AdamH / Adam groups, with no gradient clipping.
+
+    MuonH (Muon with a norm-preserving "hyperball" update) uses `muon_lr`; AdamH and Adam use
+    `adam_lr`. A parameter goes to the first group whose patterns match its path, else to Adam.
+    """
+
+    muon_lr: float
+    adam_lr: float
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 6.04e-15
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5
+    muonh_params: tuple[str, ...] = MUONH_PARAMS
+    adamh_params: tuple[str, ...] = ADAMH_PARAMS
+
+    def __post_init__(self):
+        _positive("GroupedOptimizerConfig", muon_lr=self.muon_lr, adam_lr=self.adam_lr, eps=self.eps,
+                  muon_ns_steps=self.muon_ns_steps)
+
+    @staticmethod
+    def scaling_law_adam_lr(hidden_dim: int, total_tokens: int, tokens_per_step: int) -> float:
+        """The hero's LR law: 0.087571 x T^-0.3461 x D^-0.3448 x sqrt(tokens per step)."""
+        return (
+            HERO_LR_COEFFICIENT
+            * total_tokens**HERO_LR_TOKENS_EXPONENT
+            * hidden_dim**HERO_LR_WIDTH_EXPONENT
+            * math.sqrt(tokens_per_step)
+        )
+
+    @classmethod
+    def from_scaling_law(cls, model: MoELMConfig, *, batch_size: int, seq_len: int, num_steps: int,
+                         **overrides: Any) -> "GroupedOptimizerConfig":
+        """Peak LRs from the hero's law (T = total tokens, D = hidden_dim); muon_lr = adam_lr x 13/3."""
+        tokens_per_step = batch_size * seq_len
+        adam_lr = cls.scaling_law_adam_lr(model.hidden_dim, tokens_per_step * num_steps, tokens_per_step)
+        return cls(muon_lr=adam_lr * HERO_MUON_TO_ADAM, adam_lr=adam_lr, **overrides)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Linear warmup over `warmup_fraction` of the steps, then linear decay to `decay_to_fraction` x peak."""
+
+    warmup_fraction: float = 0.01
+    decay_to_fraction: float = 0.05
+
+    def __post_init__(self):
+        if not 0 <= self.warmup_fraction < 1:
+            raise ValueError(f"ScheduleConfig.warmup_fraction={self.warmup_fraction} must lie in [0, 1)")
+        if not 0 <= self.decay_to_fraction <= 1:
+            raise ValueError(f"ScheduleConfig.decay_to_fraction={self.decay_to_fraction} must lie in [0, 1]")
+
+
+@dataclass(frozen=True)
+class WeightDecayChange:
+    """From `start_step` on, decoupled weight decay `peak x (1 - step / num_steps)` on `groups`."""
+
+    start_step: int
+    peak: float
+    groups: tuple[str, ...] = (r"\battn\.gate\b", r"\bmoe\.router\b")
+    """Regexes over parameter paths; the default is the hero's: attention gates and router weights."""
+
+    def __post_init__(self):
+        if self.start_step < 0:
+            raise ValueError(f"WeightDecayChange.start_step={self.start_step} must be >= 0")
+        _positive("WeightDecayChange", peak=self.peak)
+        if not self.groups:
+            raise ValueError("WeightDecayChange.groups is empty: name the parameter groups to decay")
+
+
+TRANSPORTS = ("dense", "local", "fixed_all_to_all", "pooled_all_to_all", "dropless", "ragged_all_to_all")
+"""Expert dispatch transports a run may select (see keel.model's MoE layer)."""
+
+
+@dataclass(frozen=True)
+class TransportPhase:
+    """From `start_step` on, dispatch tokens to experts with `transport` (execution-only).
+
+    `capacity_factor` None keeps the model's `capacity_factor`. A switch checkpoints at
+    `start_step` and continues under the same output path: the transport is not identity.
+    """
+
+    start_step: int
+    transport: str
+    capacity_factor: float | None = None
+
+    def __post_init__(self):
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"TransportPhase.transport={self.transport!r} is unknown: use one of {', '.join(TRANSPORTS)}")
+        if self.start_step < 0:
+            raise ValueError(f"TransportPhase.start_step={self.start_step} must be >= 0")
+        if self.capacity_factor is not None:
+            _positive("TransportPhase", capacity_factor=self.capacity_factor)
+
+
+@dataclass(frozen=True)
+class HostOffload:
+    """What lives in host memory instead of HBM (execution-only; the memory fact sheet reads it).
+
+    `master_weights_until_step`: fp32 master weights stay on the host for steps before it (None:
+    always on device). `optimizer_state`: optimizer moments live on the host.
+    """
+
+    master_weights_until_step: int | None = None
+    optimizer_state: bool = False
+
+    def master_on_host(self, step: int) -> bool:
+        return self.master_weights_until_step is not None and step < self.master_weights_until_step
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run: identity fields first, then how it runs (execution-only)."""
+
+    batch_size: int
+    """Global batch in sequences."""
+    seq_len: int
+    num_steps: int
+    optimizer: AdamWConfig | GroupedOptimizerConfig = field(default_factory=AdamWConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    seed: int = 0
+    z_loss: float = 0.0
+    weight_decay_change: WeightDecayChange | None = None
+    eval_every: int = 100
+
+    eval_batches: int = execution_only(default=4)
+    checkpoint_every: int | None = execution_only(default=None)
+    """Permanent checkpoints every N steps (None: none besides the rolling and final ones)."""
+    rolling_checkpoint_minutes: float | None = execution_only(default=60.0)
+    log_every: int = execution_only(default=1)
+    transports: tuple[TransportPhase, ...] = execution_only(default=())
+    """Transport timeline, by ascending start_step; empty = the loop's default for the mesh."""
+    compute_dtype: str = execution_only(default="bfloat16")
+    master_dtype: str = execution_only(default="float32")
+    remat: bool = execution_only(default=True)
+    """Rematerialise each layer in the backward pass."""
+    host_offload: HostOffload = execution_only(default=HostOffload())
+
+    def __post_init__(self):
+        _positive("TrainConfig", batch_size=self.batch_size, seq_len=self.seq_len, num_steps=self.num_steps,
+                  eval_every=self.eval_every, log_every=self.log_every)
+        if self.z_loss < 0:
+            raise ValueError(f"TrainConfig.z_loss={self.z_loss} must be >= 0")
+        starts = [t.start_step for t in self.transports]
+        if starts != sorted(set(starts)) or (starts and starts[0] != 0):
+            raise ValueError(
+                f"TrainConfig.transports start at steps {starts}: list them by strictly ascending start_step, "
+                "the first at step 0"
+            )
+        if starts and starts[-1] >= self.num_steps:
+            raise ValueError(
+                f"TrainConfig.transports: a phase starts at step {starts[-1]}, at or after num_steps={self.num_steps}: "
+                "move it earlier or drop it"
+            )
+        if self.weight_decay_change and self.weight_decay_change.start_step >= self.num_steps:
+            raise ValueError(
+                f"TrainConfig.weight_decay_change.start_step={self.weight_decay_change.start_step} is not before "
+                f"num_steps={self.num_steps}"
+            )
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def total_tokens(self) -> int:
+        return self.tokens_per_step * self.num_steps
+
+    def transport_at(self, step: int) -> TransportPhase | None:
+        """The transport phase in force at `step` (None when no timeline is declared)."""
+        current = None
+        for phase in self.transports:
+            if phase.start_step <= step:
+                current = phase
+        return current
+
+
+def steps_for_tokens_per_param(model: MoELMConfig, batch_size: int, seq_len: int, tokens_per_param: float) -> int:
+    """Steps that train on `tokens_per_param` tokens per active parameter: round(r x active / tokens per step)."""
+    return round(tokens_per_param * model.param_counts()["active"] / (batch_size * seq_len))
+
+
+@dataclass(frozen=True)
+class SpeedObservation:
+    """A declared fact: at `step`, on `date` (ISO yyyy-mm-dd), the run was doing `steps_per_day`."""
+
+    step: int
+    date: str
+    steps_per_day: float
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """Facts about a real run declared next to it: when it started and how fast it went."""
+
+    start_date: str
+    observed: tuple[SpeedObservation, ...] = ()
+    run_id: str | None = None
+
+
+@dataclass(frozen=True)
+class TrainStepConfig:
+    """The config of a training step: what to train on what, and (execution-only) where and how fast.
+
+    `data` is a `keel.data.Mixture` (components with phase weights) or a tokenize step's output.
+    """
+
+    model: MoELMConfig
+    data: Any
+    train: TrainConfig
+    topology: RackTopology | None = execution_only(default=None)
+    hardware: Hardware | None = execution_only(default=None)
+    output_path: str = this_output()
+    facts: RunFacts | None = execution_only(default=None)
