@@ -4,7 +4,8 @@ A lease is a numbered file `.keel/lease-<epoch>` holding its owner and a heartbe
 lease means creating the next epoch's file with an exclusive create, which exactly one contender
 wins on local disks, in-memory stores and object stores with conditional writes. The holder
 refreshes its heartbeat from a background thread; a lease whose heartbeat is older than the timeout
-belongs to a dead launcher and may be superseded by the next epoch. Release writes `released`.
+belongs to a dead launcher and may be superseded by the next epoch. Each lease records its own
+timeout, so every reader judges expiry the same way. Release writes `released`.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ class LeaseInfo:
     epoch: int
     owner: str
     heartbeat: float
+    timeout: float
     released: bool
 
-    def is_live(self, timeout: float, now: float | None = None) -> bool:
-        return not self.released and ((now or time.time()) - self.heartbeat) < timeout
+    def is_live(self, now: float | None = None) -> bool:
+        return not self.released and ((now or time.time()) - self.heartbeat) < self.timeout
 
 
 def _lease_url(output_path: str, epoch: int) -> str:
@@ -46,22 +48,23 @@ def current_lease(output_path: str) -> LeaseInfo | None:
     epoch = max(epochs)
     record = storage.read_json(_lease_url(output_path, epoch))
     if record is None:  # being written right now: treat as fresh
-        return LeaseInfo(epoch, "?", time.time(), False)
-    return LeaseInfo(epoch, record["owner"], record["heartbeat"], record.get("released", False))
+        return LeaseInfo(epoch, "?", time.time(), DEFAULT_TIMEOUT_S, False)
+    return LeaseInfo(epoch, record["owner"], record["heartbeat"], record["timeout"], record["released"])
 
 
 class Lease:
     """A lease this process holds on one output path."""
 
-    def __init__(self, output_path: str, epoch: int, owner: str):
+    def __init__(self, output_path: str, epoch: int, owner: str, timeout: float):
         self.output_path = output_path
         self.epoch = epoch
         self.owner = owner
+        self.timeout = timeout
         self._lock = threading.Lock()
         self._released = False
 
     def _write(self, released: bool) -> None:
-        record = {"owner": self.owner, "heartbeat": time.time(), "released": released}
+        record = {"owner": self.owner, "heartbeat": time.time(), "timeout": self.timeout, "released": released}
         storage.write_atomic(_lease_url(self.output_path, self.epoch), json.dumps(record))
 
     def heartbeat(self) -> None:
@@ -77,16 +80,19 @@ class Lease:
 
 
 def try_acquire(output_path: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[Lease | None, LeaseInfo | None]:
-    """Take the lease unless another live launcher holds it; returns (lease, holder-if-any)."""
+    """Take the lease unless another live launcher holds it; returns (lease, holder-if-any).
+
+    `timeout` is how long this lease stays valid without a heartbeat if this process dies.
+    """
     current = current_lease(output_path)
-    if current is not None and current.is_live(timeout):
+    if current is not None and current.is_live():
         return None, current
     epoch = 0 if current is None else current.epoch + 1
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-    record = json.dumps({"owner": owner, "heartbeat": time.time(), "released": False})
+    lease = Lease(output_path, epoch, owner, timeout)
+    record = json.dumps({"owner": owner, "heartbeat": time.time(), "timeout": timeout, "released": False})
     if not storage.create_exclusive(_lease_url(output_path, epoch), record):
         return None, current_lease(output_path)
-    lease = Lease(output_path, epoch, owner)
     _HEARTBEATS.add(lease, timeout)
     return lease, None
 

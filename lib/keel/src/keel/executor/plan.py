@@ -86,7 +86,7 @@ class _Listings:
         return [f"{parent}/{n}" for n in self._names[parent] if n.startswith(stem) and n != base and re.fullmatch(r"[0-9a-f]+", n[len(stem):])]
 
 
-def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = None, listings: _Listings | None = None, lease_timeout: float = leases.DEFAULT_TIMEOUT_S) -> StepPlan:
+def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = None, listings: _Listings | None = None) -> StepPlan:
     """The state of one step under the graph's prefix, checked exactly as a cache hit is."""
     listings = listings or _Listings()
     path = graph.path(step)
@@ -111,7 +111,7 @@ def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = No
     if status.state == FAILED:
         return StepPlan(step, path, FAILED_STATE, f"attempt {status.attempt} failed: {status.error}", deps, status)
     holder = leases.current_lease(path)
-    if holder is not None and holder.is_live(lease_timeout):
+    if holder is not None and holder.is_live():
         return StepPlan(step, path, RUNNING_ELSEWHERE, f"lease held by {holder.owner}", deps, status)
     return StepPlan(step, path, RUN, f"attempt {status.attempt} died while {status.state} (lease expired)", deps, status)
 

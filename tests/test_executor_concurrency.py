@@ -1,0 +1,75 @@
+"""Concurrent launchers and dead launchers: leases make every step run exactly once."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from keel.cli import load_experiment
+from keel.executor.plan import Graph, plan_graph
+from keel.executor.status import keel_path, read_status
+
+REPO = Path(__file__).resolve().parent.parent
+COUNTING = str(REPO / "tests/fixtures/counting_graph.py")
+
+
+def launch(tmp_path, branch, sleep, **extra):
+    env = {**os.environ, "KEEL_TEST_COUNTER": str(tmp_path / "count"), "KEEL_TEST_BRANCH": branch,
+           "KEEL_TEST_SLEEP": str(sleep), **extra}
+    return subprocess.Popen([sys.executable, "-m", "keel.cli_entry", "run", COUNTING, "--prefix", str(tmp_path / "out")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_until(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    raise TimeoutError("condition not reached in time")
+
+
+def test_four_launchers_on_overlapping_graphs_run_each_step_once(tmp_path):
+    procs = [launch(tmp_path, branch, 0.5) for branch in ("a", "b", "all", "all")]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), outputs
+    counts = (tmp_path / "count").read_text().split()
+    assert sorted(counts) == ["join", "left", "right", "root"], counts
+    assert any("reuse" in out for out in outputs)  # someone waited and reused a shared step
+
+
+def test_stale_lease_is_taken_over_after_kill_9(tmp_path):
+    os.environ["KEEL_TEST_COUNTER"] = str(tmp_path / "count")
+    steps = load_experiment(COUNTING)
+    graph = Graph(steps, str(tmp_path / "out"))
+    root = next(s for s in graph.order if s.name == "count/root")
+    root_path = graph.path(root)
+
+    first = launch(tmp_path, "all", 30, KEEL_LEASE_TIMEOUT="1.5")
+    try:
+        wait_until(lambda: (s := read_status(root_path)) is not None and s.state == "RUNNING")
+        wait_until(lambda: (tmp_path / "count").exists())
+        running = {p.name: p for p in plan_graph(graph)}["count/root"]
+        assert running.state == "running-elsewhere"
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    assert read_status(root_path).state == "RUNNING"  # no SUCCESS without a manifest
+    assert not os.path.exists(keel_path(root_path, "manifest.json"))
+
+    time.sleep(1.6)  # let the dead launcher's lease expire
+    plans = {p.name: p for p in plan_graph(graph, None)}
+    assert plans["count/root"].state == "run" and "lease expired" in plans["count/root"].reason
+
+    second = launch(tmp_path, "all", 0, KEEL_LEASE_TIMEOUT="1.5")
+    out = second.communicate(timeout=120)[0]
+    assert second.returncode == 0, out
+    status = read_status(root_path)
+    assert status.state == "SUCCESS" and status.attempt == 2
+    assert (tmp_path / "count").read_text().split().count("root") == 2

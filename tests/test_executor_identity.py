@@ -1,0 +1,169 @@
+"""Identity: golden hashes, what counts and what does not, and canonical encoding."""
+
+import dataclasses
+import enum
+import pathlib
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import pytest
+
+from keel import External, Step, execution_only, output_of, this_output
+from keel.executor.graph import CycleError, topological_order
+from keel.executor.identity import Identities, IdentityError
+from keel.executor.plan import Graph
+from keel.executor.step import StepDeclarationError
+
+
+class Color(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+@dataclass(frozen=True)
+class Inner:
+    lr: float
+    tags: tuple = ()
+
+
+@dataclass(frozen=True)
+class Config:
+    n: int
+    inner: Inner = Inner(0.003)
+    color: Color = Color.RED
+    mapping: dict = field(default_factory=lambda: {"b": 1, "a": [1.5, None, True]})
+    where: pathlib.PurePosixPath = pathlib.PurePosixPath("data/x")
+    output_path: str = this_output()
+    workers: int = execution_only(default=2)
+
+
+def noop(config):
+    pass
+
+
+def graph_hashes(*steps):
+    ids = Identities()
+    return [ids.hash(s) for s in steps]
+
+
+def test_golden_hashes():
+    # Changing these re-keys every user's outputs: a breaking change, never a casual edit.
+    a = Step("golden/a", noop, Config(n=1))
+    b = Step("golden/b", noop, Config(n=2, inner=Inner(1e-3, ("x", output_of(a, "f.txt")))))
+    ext = External("golden/ext", "gs://bucket/cache", version="v1")
+    c = Step("golden/c", noop, Config(n=3, mapping={"data": ext}))
+    assert graph_hashes(a, b, ext, c) == GOLDEN
+
+
+GOLDEN = ["1bbe4b33ff", "f2cb005aef", "172deaaa77", "955dddc10d"]
+
+
+def test_hash_stable_across_processes_and_hash_seeds():
+    code = (
+        "import sys; sys.path.insert(0, 'tests');"
+        "from test_executor_identity import *;"
+        "a = Step('golden/a', noop, Config(n=1));"
+        "print(graph_hashes(a)[0])"
+    )
+    seen = set()
+    for seed in ("0", "1", "12345"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"}, cwd=pathlib.Path(__file__).parent.parent)
+        seen.add(out.stdout.strip())
+    assert seen == {GOLDEN[0]}
+
+
+def test_execution_only_fields_do_not_count():
+    base = Step("x/a", noop, Config(n=1))
+    assert graph_hashes(base) == graph_hashes(Step("x/a", noop, Config(n=1, workers=64)))
+    assert graph_hashes(base) != graph_hashes(Step("x/a", noop, Config(n=2)))
+    assert graph_hashes(base) != graph_hashes(Step("x/b", noop, Config(n=1)))
+
+
+def test_resources_never_count():
+    from keel import Resources
+
+    assert graph_hashes(Step("x/a", noop, Config(n=1))) == graph_hashes(Step("x/a", noop, Config(n=1), resources=Resources.with_gpu("H100", 8)))
+
+
+def test_floats_exact_and_distinct_from_ints():
+    h = lambda v: graph_hashes(Step("x/f", noop, Config(n=1, inner=Inner(v))))[0]  # noqa: E731
+    assert h(0.1) != h(0.1 + 1e-17 * 10)
+    assert h(1.0) != h(1)
+    assert h(0.30000000000000004) != h(0.3)
+
+
+def test_changing_a_dependency_rekeys_descendants_only():
+    root = Step("g/root", noop, Config(n=1))
+    child = Step("g/child", noop, Config(n=2, inner=Inner(0.1, (root,))))
+    other = Step("g/other", noop, Config(n=3))
+    root2 = Step("g/root", noop, Config(n=10))
+    child2 = Step("g/child", noop, Config(n=2, inner=Inner(0.1, (root2,))))
+    before = graph_hashes(root, child, other)
+    after = graph_hashes(root2, child2, Step("g/other", noop, Config(n=3)))
+    assert before[0] != after[0] and before[1] != after[1] and before[2] == after[2]
+
+
+def test_dependencies_inferred_through_nesting():
+    a = Step("n/a", noop, Config(n=1))
+    b = Step("n/b", noop, Config(n=1))
+    c = Step("n/c", noop, Config(n=1))
+    ext = External("n/ext", "memory://somewhere")
+    # a step's config nested in another config, holding its own placeholders
+    nested = Config(n=5, inner=Inner(0.1, ({"deep": [output_of(b)]},)))
+    d = Step("n/d", noop, Config(n=2, inner=Inner(0.2, (output_of(a, "x"), nested))), description="nested")
+    e = Step("n/e", noop, Config(n=3, mapping={"step": c, "ext": ext, "d": d}))
+    assert set(d.deps) == {a, b}
+    assert set(e.deps) == {c, ext, d}
+    order = topological_order([e])
+    assert order.index(a) < order.index(d) < order.index(e) and order.index(b) < order.index(d)
+
+
+def test_cycle_detection_names_the_cycle():
+    box: list = []
+    a = Step("cyc/a", noop, Config(n=1, mapping={"x": box}))
+    b = Step("cyc/b", noop, Config(n=2, mapping={"x": output_of(a)}))
+    box.append(output_of(b))
+    a._deps = None  # the list was mutated after the step was declared
+    with pytest.raises(CycleError, match=r"cyc/a -> cyc/b -> cyc/a|cyc/b -> cyc/a -> cyc/b"):
+        topological_order([b])
+
+
+def test_unencodable_values_name_the_field():
+    @dataclass(frozen=True)
+    class Bad:
+        fn: object = None
+
+    step = Step("bad/a", noop, Config(n=1, mapping={"k": Bad(fn=lambda: 1)}))
+    with pytest.raises(IdentityError, match=r"bad/a\.config\.mapping\.k\.fn.*function"):
+        graph_hashes(step)
+    with pytest.raises(IdentityError, match="dict keys must be strings"):
+        graph_hashes(Step("bad/b", noop, Config(n=1, mapping={1: 2})))
+
+
+@pytest.mark.parametrize("name", ["Upper/x", "/lead", "a/../b", "sp ace", "", "a//b", "x/"])
+def test_bad_names_rejected(name):
+    with pytest.raises(StepDeclarationError, match="invalid step name"):
+        Step(name, noop, Config(n=1))
+
+
+@pytest.mark.parametrize("name", ["a", "tutorial/numbers", "hero/data/cell-003", "v1.2_x/y-z"])
+def test_good_names_accepted(name):
+    assert Step(name, noop, Config(n=1)).name == name
+
+
+def test_output_path_layout():
+    step = Step("tutorial/numbers", noop, Config(n=1))
+    graph = Graph([step], "memory://bucket/prefix/")
+    path = graph.path(step)
+    assert path.startswith("memory://bucket/prefix/tutorial/numbers-")
+    assert len(path.rsplit("-", 1)[1]) >= 8
+    local = Graph([step], "rel/outputs")
+    assert local.path(step).startswith("/") and "/rel/outputs/tutorial/numbers-" in local.path(step)
+
+
+def test_config_must_be_a_dataclass_instance():
+    with pytest.raises(StepDeclarationError, match="dataclass instance"):
+        Step("x/y", noop, {"n": 1})
+    assert dataclasses.is_dataclass(Config(n=1))

@@ -1,0 +1,232 @@
+"""Running graphs: caching, failure, retry, --force/--only, manifests, overrides, records, gc."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from keel import Step, execution_only, output_of, this_output
+from keel.cli import console_main
+from keel.executor.plan import Graph, plan_graph
+from keel.executor.run import run_steps
+from keel.executor.status import read_status
+
+REPO = Path(__file__).resolve().parent.parent
+COUNTING = str(REPO / "tests/fixtures/counting_graph.py")
+HELLO = str(REPO / "experiments/tutorials/hello_world.py")
+
+
+@dataclass(frozen=True)
+class WriteConfig:
+    text: str
+    source: str | None = None
+    output_path: str = this_output()
+    verbose: bool = execution_only(default=False)
+
+
+CALLS: list[str] = []
+EXPLODE: set[str] = set()  # texts whose step raises: a transient failure the test can clear
+
+
+def write(config: WriteConfig) -> None:
+    CALLS.append(config.text)
+    prefix = ""
+    if config.source:
+        with fsspec.open(config.source) as f:
+            prefix = f.read().decode()
+    if config.text in EXPLODE:
+        raise ValueError("the step exploded")
+    with fsspec.open(f"{config.output_path}/data.txt", "w") as f:
+        f.write(prefix + config.text)
+
+
+def chain():
+    a = Step("t/a", write, WriteConfig("a"))
+    b = Step("t/b", write, WriteConfig("b", output_of(a, "data.txt")))
+    c = Step("t/c", write, WriteConfig("c", output_of(b, "data.txt")))
+    side = Step("t/side", write, WriteConfig("side", output_of(a, "data.txt")))
+    return a, b, c, side
+
+
+@pytest.fixture(autouse=True)
+def _clear_calls():
+    CALLS.clear()
+    EXPLODE.clear()
+
+
+@pytest.mark.parametrize("prefix_kind", ["local", "memory"])
+def test_run_then_cached(tmp_path, prefix_kind):
+    prefix = str(tmp_path) if prefix_kind == "local" else f"memory://keel-test-{os.getpid()}-{tmp_path.name}"
+    a, b, c, side = chain()
+    report = run_steps([c, side], prefix, echo=lambda _: None)
+    assert report.ok and sorted(report.ran) == ["t/a", "t/b", "t/c", "t/side"]
+    graph = Graph([c], prefix)
+    with fsspec.open(f"{graph.path(c)}/data.txt") as f:
+        assert f.read() == b"abc"
+    CALLS.clear()
+    again = run_steps([c, side], prefix, echo=lambda _: None)
+    assert again.ran == [] and CALLS == []
+    assert {p.state for p in again.plans} == {"cached"}
+    record = json.loads(fsspec.open(f"{graph.path(b)}/.keel/step.json").open().read())
+    assert record["name"] == "t/b" and record["dependencies"]["t/a"] == graph.path(a)
+    assert record["config"]["source"] == f"{graph.path(a)}/data.txt"
+    assert "git_commit" in record["provenance"] and "packages" in record["provenance"]
+    manifest = json.loads(fsspec.open(f"{graph.path(b)}/.keel/manifest.json").open().read())
+    assert manifest["files"]["data.txt"]["size"] == 2
+
+
+def test_execution_only_change_reuses(tmp_path):
+    a = Step("t/a", write, WriteConfig("a"))
+    run_steps([a], str(tmp_path), echo=lambda _: None)
+    CALLS.clear()
+    report = run_steps([Step("t/a", write, WriteConfig("a", verbose=True))], str(tmp_path), echo=lambda _: None)
+    assert report.ran == [] and CALLS == []
+
+
+def test_failure_propagates_and_retry(tmp_path):
+    a, b, c, side = chain()
+    EXPLODE.add("b")
+    report = run_steps([c, side], str(tmp_path), echo=lambda _: None)
+    assert not report.ok
+    assert [f.step for f in report.failures] == ["t/b"]
+    assert report.blocked == ["t/c"]
+    assert sorted(report.ran) == ["t/a", "t/side"]  # the independent branch finished
+    failure = report.failures[0]
+    assert "the step exploded" in failure.error and failure.log.endswith(".keel/log.txt")
+    assert "the step exploded" in Path(failure.log).read_text()
+    assert read_status(failure.output_path).state == "FAILED"
+    plans = {p.name: p for p in plan_graph(Graph([c, side], str(tmp_path)))}
+    assert plans["t/b"].state == "failed" and "the step exploded" in plans["t/b"].reason
+    # the cause goes away; the next run retries the failed step without being asked
+    EXPLODE.clear()
+    CALLS.clear()
+    report = run_steps([c, side], str(tmp_path), echo=lambda _: None)
+    assert report.ok and sorted(report.ran) == ["t/b", "t/c"] and sorted(CALLS) == ["b", "c"]
+    status = read_status(failure.output_path)
+    assert status.state == "SUCCESS" and status.attempt == 2
+
+
+def test_cli_exit_code_and_message_on_failure(tmp_path):
+    env = {**os.environ, "KEEL_TEST_COUNTER": str(tmp_path / "count"), "KEEL_TEST_FAIL": "left"}
+    out = subprocess.run([sys.executable, "-m", "keel.cli_entry", "run", COUNTING, "--prefix", str(tmp_path / "o")],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 1
+    assert "step count/left failed" in out.stderr and "told to fail" in out.stderr and "log.txt" in out.stderr
+    assert "right" in (tmp_path / "count").read_text().split()  # the independent branch ran
+    assert "join" not in (tmp_path / "count").read_text().split()  # the dependent did not
+
+
+def test_force_and_only(tmp_path):
+    a, b, c, side = chain()
+    prefix = str(tmp_path)
+    report = run_steps([c, side], prefix, only="t/b", echo=lambda _: None)
+    assert sorted(report.ran) == ["t/a", "t/b"]
+    report = run_steps([c, side], prefix, force="^t/a$", echo=lambda _: None)
+    assert sorted(report.ran) == ["t/a", "t/c", "t/side"]
+    assert read_status(Graph([a], prefix).path(a)).attempt == 2
+    assert read_status(Graph([b], prefix).path(b)).attempt == 1
+
+
+def test_manifest_verified_on_cache_hit(tmp_path):
+    a, b, c, side = chain()
+    run_steps([c], str(tmp_path), echo=lambda _: None)
+    graph = Graph([c], str(tmp_path))
+    os.remove(f"{graph.path(b)}/data.txt")
+    Path(f"{graph.path(c)}/data.txt").write_text("ab")  # truncated
+    plans = {p.name: p for p in plan_graph(graph)}
+    assert plans["t/a"].state == "cached"
+    assert plans["t/b"].state == "run" and "data.txt is missing" in plans["t/b"].reason
+    assert plans["t/c"].state == "run" and "has 2 bytes, the manifest recorded 3" in plans["t/c"].reason
+    CALLS.clear()
+    report = run_steps([c], str(tmp_path), echo=lambda _: None)
+    assert sorted(report.ran) == ["t/b", "t/c"] and sorted(CALLS) == ["b", "c"]
+
+
+def test_stale_shows_field_diff(tmp_path, capsys):
+    prefix = str(tmp_path)
+    assert console_main(["run", HELLO, "--prefix", prefix]) == 0
+    capsys.readouterr()
+    assert console_main(["plan", HELLO, "--prefix", prefix, "--set", "tutorial/numbers.n=7", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    states = {s["name"]: s for s in plan["steps"]}
+    assert set(states["tutorial/numbers"]) >= {"name", "output_path", "state", "reason", "deps"}
+    assert states["tutorial/numbers"]["state"] == "stale"
+    assert states["tutorial/numbers"]["reason"] == "config.n: 100 -> 7"
+    assert states["tutorial/stats"]["state"] == "stale" and "dependency changed" in states["tutorial/stats"]["reason"]
+    assert states["tutorial/stats"]["deps"] == [states["tutorial/numbers"]["output_path"]]
+
+
+def test_set_override_runs_and_errors(tmp_path, capsys):
+    prefix = str(tmp_path)
+    assert console_main(["run", HELLO, "--prefix", prefix, "--set", "tutorial/numbers.n=5", "--set", "tutorial/numbers.seed=3"]) == 0
+    capsys.readouterr()
+    stats = list(Path(prefix, "tutorial").glob("stats-*/stats.json"))
+    assert len(stats) == 1 and json.loads(stats[0].read_text())["count"] == 5
+    assert console_main(["plan", HELLO, "--prefix", prefix, "--set", "tutorial/numbers.nn=5"]) == 2
+    err = capsys.readouterr().err
+    assert "no config field 'nn'" in err and "closest: tutorial/numbers.n" in err
+    assert console_main(["plan", HELLO, "--prefix", prefix, "--set", "tutorial/numbers.n=abc"]) == 2
+    assert "cannot read 'abc' as a int" in capsys.readouterr().err
+    assert console_main(["plan", HELLO, "--prefix", prefix, "--set", "tutorial/nope.n=1"]) == 2
+    assert "no step named" in capsys.readouterr().err
+
+
+def test_secrets_never_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "sekrit-wandb-value")
+    monkeypatch.setenv("HF_TOKEN", "sekrit-hf-value")
+    monkeypatch.setenv("KEEL_DB_PASSWORD", "sekrit-password")
+    monkeypatch.setattr(sys, "argv", ["exp.py", "run", "--set", "x.api_key=sekrit-argv"])
+
+    @dataclass(frozen=True)
+    class WithKey:
+        api_key: str
+        output_path: str = this_output()
+
+    step = Step("t/secret", lambda c: None, WithKey("sekrit-config"))
+    run_steps([step], str(tmp_path), echo=lambda _: None)
+    text = Path(Graph([step], str(tmp_path)).path(step), ".keel/step.json").read_text()
+    assert "sekrit" not in text
+    assert "WANDB_API_KEY" in text  # recorded as present, value redacted
+
+
+def test_plan_imports_no_jax(tmp_path):
+    code = ("import sys; from keel.cli import console_main;"
+            f"console_main(['plan', {HELLO!r}, '--prefix', {str(tmp_path)!r}]);"
+            "heavy = [m for m in ('jax', 'levanter', 'haliax', 'equinox', 'fray', 'iris') if m in sys.modules];"
+            "print('HEAVY', heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert "HEAVY []" in out.stdout, out.stdout
+
+
+def test_gc_lists_and_deletes_unreached(tmp_path, capsys):
+    prefix = str(tmp_path)
+    assert console_main(["run", HELLO, "--prefix", prefix, "--set", "tutorial/numbers.n=3"]) == 0
+    assert console_main(["run", HELLO, "--prefix", prefix]) == 0
+    capsys.readouterr()
+    assert console_main(["gc", HELLO, "--prefix", prefix]) == 0
+    listed = capsys.readouterr().out
+    assert "3 unreached output(s)" in listed and "(pass --yes to delete)" in listed
+    assert len(list(Path(prefix).glob("tutorial/*"))) == 6  # nothing deleted without --yes
+    assert console_main(["gc", HELLO, "--prefix", prefix, "--yes"]) == 0
+    assert len(list(Path(prefix).glob("tutorial/*"))) == 3
+    plans = plan_graph(Graph(_hello_steps(), prefix))
+    assert {p.state for p in plans} == {"cached"}
+
+
+def _hello_steps():
+    from keel.cli import load_experiment
+
+    return load_experiment(HELLO)
+
+
+def test_experiment_file_as_script(tmp_path):
+    out = subprocess.run([sys.executable, HELLO, "run", "--prefix", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "3 ran" in out.stdout
+    out = subprocess.run([sys.executable, HELLO, "status", "--prefix", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.count("cached") >= 3 and "attempt 1" in out.stdout
