@@ -1,0 +1,26 @@
+"""keel.plan: the fact sheet of a training step, derived from its declaration (no jax).
+
+`keel plan` calls `fact_sheets_for(graph)` after the step table and prints each sheet's "text".
+"""
+
+from __future__ import annotations
+
+from keel.executor.step import Step
+from keel.plan.checks import PlanError, check_train_step
+from keel.plan.facts import fact_sheet
+from keel.plan.render import render_fact_sheet
+from keel.train.config import TrainStepConfig
+
+__all__ = ["PlanError", "check_train_step", "fact_sheet", "fact_sheets_for", "render_fact_sheet"]
+
+
+def fact_sheets_for(steps) -> list[dict]:
+    """Fact sheets (each with its step name under "step" and its text under "text") of every step
+    whose config is a `TrainStepConfig`; `steps` is a planned graph (its `.order`) or steps."""
+    sheets = []
+    for step in getattr(steps, "order", steps):
+        if isinstance(step, Step) and isinstance(step.config, TrainStepConfig):
+            sheet = fact_sheet(step.config, step.name)
+            sheet["text"] = render_fact_sheet(sheet)
+            sheets.append(sheet)
+    return sheets

@@ -1,0 +1,75 @@
+"""Consistency checks of a training step's declaration, run by the planner before any figure.
+
+Every problem is a `PlanError` whose message starts with the field path
+(`train.batch_size`, `data.phases[2].start_step`, `train.transports[1].transport`, ...) and says
+how to fix it: a declaration that cannot run should fail in `keel plan`, not on 704 GPUs.
+"""
+
+from __future__ import annotations
+
+from keel.mesh.topology import TopologyError
+from keel.train.config import TrainStepConfig
+
+
+class PlanError(ValueError):
+    """A training step's declaration is inconsistent; the message names the field."""
+
+
+def mixture_phases(data) -> list[tuple[int, dict[str, float]]]:
+    """(start_step, {component: weight}) per phase of a mixture; [] when `data` has no phases."""
+    phases = getattr(data, "phases", None)
+    if not phases:
+        return []
+    out = []
+    for phase in phases:
+        weights = phase.weights
+        weights = dict(weights.items() if hasattr(weights, "items") else weights)
+        out.append((int(phase.start_step), {str(k): float(v) for k, v in weights.items()}))
+    return out
+
+
+def check_train_step(config: TrainStepConfig, where: str = "") -> None:
+    """Raise `PlanError` for the first inconsistency between model, data, train, topology and hardware."""
+    prefix = f"{where}: " if where else ""
+
+    def fail(message: str) -> None:
+        raise PlanError(prefix + message)
+
+    model, train, topo, hw = config.model, config.train, config.topology, config.hardware
+    if train.seq_len > model.max_seq_len:
+        fail(f"train.seq_len={train.seq_len} exceeds model.max_seq_len={model.max_seq_len}: shorten the sequences "
+             "or raise max_seq_len")
+    if topo is not None:
+        try:
+            topo.validate(model, train.batch_size)
+        except TopologyError as e:
+            fail(f"topology: {e}")
+        if hw is not None and topo.gpus_per_rack != hw.gpus_per_rack:
+            fail(f"topology.gpus_per_rack={topo.gpus_per_rack} differs from hardware.gpus_per_rack={hw.gpus_per_rack} "
+                 f"({hw.name}): use the hardware's value")
+        if hw is not None and topo.hbm_per_gpu_gb is not None and topo.hbm_per_gpu_gb != hw.hbm_per_device_gb:
+            fail(f"topology.hbm_per_gpu_gb={topo.hbm_per_gpu_gb} differs from hardware.hbm_per_device_gb="
+                 f"{hw.hbm_per_device_gb}: drop it from the topology or make them agree")
+    for i, phase in enumerate(train.transports):
+        if hw is not None and not hw.supports_transport(phase.transport):
+            fail(f"train.transports[{i}].transport={phase.transport!r} is not supported by hardware {hw.name!r}: "
+                 "choose a CPU-capable transport (e.g. 'fixed_all_to_all' or 'dropless')")
+    starts = [start for start, _ in mixture_phases(config.data)]
+    for i, start in enumerate(starts):
+        if start >= train.num_steps:
+            fail(f"data.phases[{i}].start_step={start} is at or after the last step (train.num_steps={train.num_steps}): "
+                 "move the phase earlier or train longer")
+    if starts and (starts[0] != 0 or starts != sorted(set(starts))):
+        fail(f"data.phases start at steps {starts}: the first must start at 0 and the rest strictly later")
+    wd = train.weight_decay_change
+    if wd is not None and wd.start_step >= train.num_steps:
+        fail(f"train.weight_decay_change.start_step={wd.start_step} is not before train.num_steps={train.num_steps}")
+    offload = train.host_offload.master_weights_until_step
+    if offload is not None and offload > train.num_steps:
+        fail(f"train.host_offload.master_weights_until_step={offload} is after train.num_steps={train.num_steps}")
+    facts = config.facts
+    if facts is not None:
+        for i, seen in enumerate(facts.observed):
+            if not 0 <= seen.step <= train.num_steps or seen.steps_per_day <= 0:
+                fail(f"facts.observed[{i}]: step {seen.step} must lie in [0, train.num_steps={train.num_steps}] and "
+                     f"steps_per_day={seen.steps_per_day} must be positive")

@@ -1,0 +1,327 @@
+"""The fact sheet of a training step: every figure of a run derived from its declaration.
+
+`fact_sheet(config)` checks the declaration (see `checks`) and returns a JSON-ready dict:
+parameters, mesh, tokens and FLOPs, memory per GPU, all-to-all traffic, time, mixture phases,
+transport timeline and the "claims checked" section. Pure arithmetic on plain configs: no jax, so
+`keel plan` on the 535B run is instant.
+
+Memory model (bytes per GPU): routed experts are split over the `expert` axis; the token
+embedding's weights are replicated; every other parameter, and all optimizer state, is
+FSDP-sharded over the whole rack (data x expert x model) and replicated across racks. Weights and gradients are held in the
+compute dtype (bf16), master weights in fp32, optimizer moments in fp32 (MuonH: one, Adam/AdamH:
+two). With per-layer rematerialisation one residual tensor per layer is kept for the backward pass.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import re
+
+from keel.model.config import MoELMConfig
+from keel.plan.checks import PlanError, check_train_step, mixture_phases
+from keel.train.config import GroupedOptimizerConfig, TrainStepConfig
+
+GB = 1e9
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+TOKEN_ID_BYTES = 4  # int32 ids: uint16 cannot hold a vocabulary above 65,536
+
+
+def _bytes_of(dtype: str, field: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise PlanError(f"{field}={dtype!r} is unknown: use one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def parameters(model: MoELMConfig) -> dict:
+    return model.param_counts()
+
+
+def mesh(config: TrainStepConfig) -> dict | None:
+    topo, train = config.topology, config.train
+    if topo is None:
+        return None
+    sequences = train.batch_size // topo.batch_shards
+    return {
+        "axes": topo.axis_sizes,
+        "racks": topo.racks,
+        "gpus_per_rack": topo.gpus_per_rack,
+        "gpus": topo.num_devices,
+        "experts_per_gpu": topo.experts_per_device(config.model),
+        "sequences_per_gpu": sequences,
+        "tokens_per_gpu": sequences * train.seq_len,
+    }
+
+
+def training(config: TrainStepConfig) -> dict:
+    model, train = config.model, config.train
+    active = model.param_counts()["active"]
+    flops_per_token = model.flops_per_token(train.seq_len)
+    return {
+        "batch_size": train.batch_size,
+        "seq_len": train.seq_len,
+        "tokens_per_step": train.tokens_per_step,
+        "num_steps": train.num_steps,
+        "total_tokens": train.total_tokens,
+        "tokens_per_active_param": train.total_tokens / active,
+        "flops_6nt": 6 * active * train.total_tokens,
+        "flops_per_token": flops_per_token,
+        "flops_with_attention": flops_per_token * train.total_tokens,
+    }
+
+
+def optimizer(config: TrainStepConfig) -> dict:
+    train = config.train
+    opt = train.optimizer
+    out = {"kind": type(opt).__name__, **{k: getattr(opt, k) for k in opt.__dataclass_fields__ if not k.endswith("_params")}}
+    out["warmup_steps"] = math.floor(train.schedule.warmup_fraction * train.num_steps)
+    out["decay_to_fraction"] = train.schedule.decay_to_fraction
+    out["z_loss"] = train.z_loss
+    wd = train.weight_decay_change
+    if wd is not None:
+        out["weight_decay_change"] = {"start_step": wd.start_step, "peak": wd.peak, "groups": list(wd.groups),
+                                      "rate_at_start": wd.peak * (1 - wd.start_step / train.num_steps)}
+    return out
+
+
+def _optimizer_moments(model: MoELMConfig, opt) -> dict[str, int]:
+    """fp32 moments kept per parameter array: MuonH one (momentum), Adam/AdamH/AdamW two."""
+    if not isinstance(opt, GroupedOptimizerConfig):
+        return dict.fromkeys(model.parameter_shapes(), 2)
+    muon = [re.compile(p) for p in opt.muonh_params]
+    return {name: 1 if any(p.search(name) for p in muon) else 2 for name in model.parameter_shapes()}
+
+
+def _elements_per_gpu(config: TrainStepConfig, replicate_embedding: bool) -> dict[str, float]:
+    """Entries of each parameter array held by one GPU: routed experts split over `expert`, the
+    embedding replicated (weights) or rack-sharded (optimizer state), the rest rack-sharded."""
+    topo = config.topology
+    out = {}
+    for name, shape in config.model.parameter_shapes().items():
+        n = math.prod(shape)
+        if name.startswith("layers.moe.experts."):
+            n /= topo.expert_parallel
+        elif name != "embedding" or not replicate_embedding:
+            n /= topo.gpus_per_rack
+        out[name] = n
+    return out
+
+
+def memory(config: TrainStepConfig) -> dict | None:
+    """Bytes per GPU on device and on host, for each phase of the host-offload choice."""
+    topo, train, hw, model = config.topology, config.train, config.hardware, config.model
+    if topo is None:
+        return None
+    hbm = topo.hbm_per_gpu_gb or (hw.hbm_per_device_gb if hw else None)
+    compute = _bytes_of(train.compute_dtype, "train.compute_dtype")
+    master = _bytes_of(train.master_dtype, "train.master_dtype")
+    elements = _elements_per_gpu(config, replicate_embedding=True)
+    sharded = _elements_per_gpu(config, replicate_embedding=False)
+    moments = _optimizer_moments(model, train.optimizer)
+    params = sum(elements.values())
+    tokens_per_gpu = train.batch_size // topo.batch_shards * train.seq_len
+    residual = tokens_per_gpu * model.hidden_dim * compute
+    parts = {
+        "weights": params * compute / GB,
+        "master_weights": params * master / GB,
+        "gradients": params * compute / GB,
+        "optimizer_state": sum(sharded[n] * moments[n] * 4 for n in sharded) / GB,
+        "residual_per_layer": residual / GB,
+        "saved_residuals": (model.num_layers * residual if train.remat else math.nan) / GB,
+    }
+    offload = train.host_offload
+    boundaries = [0] + ([offload.master_weights_until_step] if offload.master_weights_until_step else [])
+    phases = []
+    for start in boundaries:
+        if start >= train.num_steps:
+            continue
+        on_host = ["master_weights"] if offload.master_on_host(start) else []
+        if offload.optimizer_state:
+            on_host.append("optimizer_state")
+        device_parts = ["weights", "gradients", "saved_residuals"] + [
+            p for p in ("master_weights", "optimizer_state") if p not in on_host
+        ]
+        device = sum(parts[p] for p in device_parts)
+        phases.append({
+            "from_step": start,
+            "on_device": device_parts,
+            "on_host": on_host,
+            "device_gb": device,
+            "host_gb": sum(parts[p] for p in on_host),
+            "fits": None if hbm is None or math.isnan(device) else device <= hbm,
+        })
+    return {
+        "parameters_per_gpu": params,
+        "parts_gb": parts,
+        "phases": phases,
+        "hbm_per_gpu_gb": hbm,
+        "hbm_per_rack_gb": hbm * topo.gpus_per_rack if hbm else None,
+        "remat": train.remat,
+    }
+
+
+def all_to_all(config: TrainStepConfig) -> list[dict]:
+    """Dispatch + combine buffer bytes per GPU per step, for each transport phase.
+
+    A fixed-capacity transport moves capacity_factor x the assignments (padded buffers); a
+    dropless or ragged one moves the assignments themselves. Each layer sends a dispatch and a
+    combine buffer forward, two more backward, and (with remat) repeats the forward pair.
+    """
+    topo, train, model = config.topology, config.train, config.model
+    if topo is None or not model.num_experts or not train.transports:
+        return []
+    compute = _bytes_of(train.compute_dtype, "train.compute_dtype")
+    tokens = train.batch_size // topo.batch_shards * train.seq_len
+    assignment_bytes = model.expert_input_dim * compute
+    buffers_per_layer = 2 * (2 + (1 if train.remat else 0))
+    out = []
+    for phase in train.transports:
+        padded = phase.transport in ("fixed_all_to_all", "pooled_all_to_all")
+        factor = (phase.capacity_factor or model.capacity_factor) if padded else 1.0
+        buffer = tokens * model.experts_per_token * factor * assignment_bytes
+        out.append({
+            "transport": phase.transport,
+            "from_step": phase.start_step,
+            "capacity_factor": factor,
+            "width": model.expert_input_dim,
+            "buffer_gb_per_layer": buffer / GB,
+            "gb_per_step_per_gpu": buffer * buffers_per_layer * model.num_layers / GB,
+            "off_gpu_fraction": 1 - 1 / topo.expert_parallel,
+        })
+    return out
+
+
+def _date(text: str, field: str) -> dt.date:
+    try:
+        return dt.date.fromisoformat(text)
+    except (TypeError, ValueError):
+        raise PlanError(f"{field}={text!r} is not an ISO date: write it as 'yyyy-mm-dd'") from None
+
+
+def time(config: TrainStepConfig, train_facts: dict) -> dict | None:
+    """Step time and MFU for each declared speed, and the completion date from the latest one."""
+    facts, train, hw, topo = config.facts, config.train, config.hardware, config.topology
+    if facts is None or not facts.observed:
+        return None
+    start = _date(facts.start_date, "facts.start_date")
+    flops_per_step = train_facts["flops_per_token"] * train.tokens_per_step
+    peak = hw.peak_flops_per_device * topo.num_devices if hw and topo and hw.peak_flops_per_device else None
+    speeds = []
+    for i, seen in enumerate(sorted(facts.observed, key=lambda s: s.step)):
+        seconds = 86_400 / seen.steps_per_day
+        speeds.append({
+            "step": seen.step,
+            "date": _date(seen.date, f"facts.observed[{i}].date").isoformat(),
+            "steps_per_day": seen.steps_per_day,
+            "step_seconds": seconds,
+            "mfu": flops_per_step / (peak * seconds) if peak else None,
+            "mfu_6nt": 6 * config.model.param_counts()["active"] * train.tokens_per_step / (peak * seconds) if peak else None,
+        })
+    last = speeds[-1]
+    remaining_days = (train.num_steps - last["step"]) / last["steps_per_day"]
+    end = dt.date.fromisoformat(last["date"]) + dt.timedelta(days=remaining_days)
+    return {
+        "run_id": facts.run_id,
+        "start_date": start.isoformat(),
+        "speeds": speeds,
+        "projected_end_date": end.isoformat(),
+        "projected_days": (end - start).days,
+        "whole_run_days_at_latest_speed": train.num_steps / last["steps_per_day"],
+    }
+
+
+def mixture(config: TrainStepConfig) -> list[dict]:
+    train = config.train
+    phases = mixture_phases(config.data)
+    out = []
+    for i, (start, weights) in enumerate(phases):
+        end = phases[i + 1][0] if i + 1 < len(phases) else train.num_steps
+        total = sum(weights.values())
+        out.append({
+            "start_step": start,
+            "end_step": end - 1,
+            "steps": end - start,
+            "tokens": (end - start) * train.tokens_per_step,
+            "weights": {k: v / total for k, v in weights.items()},
+        })
+    return out
+
+
+def transports(config: TrainStepConfig) -> list[dict]:
+    train, facts = config.train, config.facts
+    out = []
+    for i, phase in enumerate(train.transports):
+        end = train.transports[i + 1].start_step if i + 1 < len(train.transports) else train.num_steps
+        entry = {
+            "transport": phase.transport,
+            "start_step": phase.start_step,
+            "end_step": end - 1,
+            "capacity_factor": phase.capacity_factor or config.model.capacity_factor,
+            "tokens_before": phase.start_step * train.tokens_per_step,
+        }
+        seen = [s for s in (facts.observed if facts else ()) if s.step == phase.start_step]
+        if seen:
+            entry["date"] = seen[0].date
+        out.append(entry)
+    return out
+
+
+def claims(config: TrainStepConfig, sheet: dict) -> list[dict]:
+    """Figures quoted about a run, recomputed from its declaration."""
+    model, train = config.model, config.train
+    out = []
+    time_facts = sheet.get("time")
+    if time_facts:
+        days = time_facts["whole_run_days_at_latest_speed"]
+        speed = time_facts["speeds"][-1]["steps_per_day"]
+        out.append({"claim": "trains in 60 days", "value": days,
+                    "finding": f"{train.num_steps:,} steps at {speed:,.0f} steps/day take about {days:.0f} days"})
+    batch_bytes = train.tokens_per_step * TOKEN_ID_BYTES
+    two_byte_ok = model.vocab_size <= 2**16
+    out.append({
+        "claim": f"the batch is {train.tokens_per_step * 2 / 1e6:.0f} MB", "value": batch_bytes,
+        "finding": (f"{train.tokens_per_step:,} token ids x {TOKEN_ID_BYTES} bytes = {batch_bytes / 1e6:.1f} MB; "
+                    + ("2-byte ids would also do" if two_byte_ok else
+                       f"2-byte ids cannot hold a {model.vocab_size:,}-token vocabulary")),
+    })
+    residual = train.tokens_per_step * model.hidden_dim * 2
+    out.append({
+        "claim": f"activations are {residual / GB:.0f} GB per layer", "value": residual,
+        "finding": (f"{residual / GB:.1f} GB is one bf16 {model.hidden_dim}-wide tensor over the whole global batch "
+                    f"({train.tokens_per_step:,} tokens); per GPU it is "
+                    f"{sheet['memory']['parts_gb']['residual_per_layer']:.2f} GB" if sheet.get("memory") else ""),
+    })
+    if model.num_experts:
+        k, inp, f, d = model.experts_per_token, model.expert_input_dim, model.expert_dim, model.hidden_dim
+        routed = 3 * k * inp * f
+        dense_width = k * f
+        dense = 3 * d * dense_width
+        latent = 2 * d * inp if model.latent_dim is not None else 0
+        on_hidden = model.num_layers * model.num_experts * 3 * d * f
+        out.append({
+            "claim": f"top-{k} x {f} equals a dense {dense_width / d:g}x MLP in FLOPs",
+            "value": routed / dense,
+            "finding": (f"the routed experts read {inp}-wide inputs, not {d}: {routed * 2 / 1e6:,.0f} MFLOP/token/layer "
+                        f"forward vs {dense * 2 / 1e6:,.0f} for a dense SwiGLU {d}->{dense_width}->{d}: "
+                        f"ratio {routed / dense:.3f} ({(routed + latent) / dense:.3f} with the latent projections); "
+                        f"experts on the {d}-wide token would hold {on_hidden / 1e12:.2f}T parameters"),
+        })
+    return out
+
+
+def fact_sheet(config: TrainStepConfig, name: str = "") -> dict:
+    """Every derived figure of a training step, after checking the declaration (PlanError names the field)."""
+    if not isinstance(config, TrainStepConfig):
+        raise PlanError(f"fact_sheet needs a TrainStepConfig, got {type(config).__name__}")
+    check_train_step(config, name)
+    sheet: dict = {"step": name, "parameters": parameters(config.model)}
+    sheet["mesh"] = mesh(config)
+    sheet["training"] = training(config)
+    sheet["optimizer"] = optimizer(config)
+    sheet["memory"] = memory(config)
+    sheet["all_to_all"] = all_to_all(config)
+    sheet["time"] = time(config, sheet["training"])
+    sheet["mixture"] = mixture(config)
+    sheet["transports"] = transports(config)
+    sheet["claims"] = claims(config, sheet)
+    return sheet

@@ -1,0 +1,139 @@
+"""The fact sheet as text, for `keel plan`: one short line per figure, a red flag when memory does not fit."""
+
+from __future__ import annotations
+
+import math
+
+RED, RESET = "\033[31m", "\033[0m"
+
+
+def _n(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def _e(x: float) -> str:
+    return f"{x:.3g}".replace("e+", "e")
+
+
+def _gb(x: float) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{x:,.1f} GB"
+
+
+def _parameters(p: dict) -> list[str]:
+    lines = [f"parameters   total {_n(p['total'])}   active {_n(p['active'])}"]
+    for name, count in p["components"].items():
+        if count:
+            active = p["active_components"].get(name)
+            suffix = f"   (active {_n(active)})" if active is not None and active != count else ""
+            lines.append(f"  {name:<20}{_n(count):>20}{suffix}")
+    return lines
+
+
+def _mesh(m: dict | None) -> list[str]:
+    if m is None:
+        return ["mesh         (no topology declared)"]
+    axes = " x ".join(f"{k} {v}" for k, v in m["axes"].items() if v > 1) or "single device"
+    return [
+        f"mesh         {axes}  =  {m['gpus']} GPUs ({m['racks']} racks x {m['gpus_per_rack']})",
+        f"  per GPU: {m['experts_per_gpu']} experts, {m['sequences_per_gpu']} sequences, {_n(m['tokens_per_gpu'])} tokens",
+    ]
+
+
+def _training(t: dict, o: dict) -> list[str]:
+    lines = [
+        f"tokens       {_n(t['tokens_per_step'])} per step ({_n(t['batch_size'])} x {t['seq_len']}) x {_n(t['num_steps'])} steps"
+        f" = {_n(t['total_tokens'])} ({t['tokens_per_active_param']:.1f} per active parameter)",
+        f"FLOPs        6 x active x tokens = {_e(t['flops_6nt'])};  with attention and lm_head = "
+        f"{_e(t['flops_with_attention'])} ({_e(t['flops_per_token'])} per token)",
+    ]
+    if o["kind"] == "GroupedOptimizerConfig":
+        lr = f"MuonH {o['muon_lr']:.6f}, Adam/AdamH {o['adam_lr']:.6f}"
+    else:
+        lr = f"AdamW {o['lr']:g}"
+    lines.append(f"optimizer    {lr}; warmup {_n(o['warmup_steps'])} steps, decay to {o['decay_to_fraction']:g} of peak; "
+                 f"z-loss {o['z_loss']:g}")
+    wd = o.get("weight_decay_change")
+    if wd:
+        lines.append(f"  weight decay from step {_n(wd['start_step'])}: {wd['peak']:g} x (1 - step/{_n(t['num_steps'])}) "
+                     f"= {wd['rate_at_start']:.4f} at start, on {', '.join(wd['groups'])}")
+    return lines
+
+
+def _memory(m: dict | None, color: bool) -> list[str]:
+    if m is None:
+        return []
+    p = m["parts_gb"]
+    hbm = m["hbm_per_gpu_gb"]
+    lines = [
+        f"memory/GPU   {_n(m['parameters_per_gpu'])} parameters: weights {_gb(p['weights'])}, fp32 master "
+        f"{_gb(p['master_weights'])}, gradients {_gb(p['gradients'])}, optimizer state {_gb(p['optimizer_state'])}",
+        f"  one residual per layer {_gb(p['residual_per_layer'])}; saved with remat {_gb(p['saved_residuals'])}"
+        + ("" if m["remat"] else " (no remat: activations not estimated)"),
+    ]
+    for phase in m["phases"]:
+        verdict = ""
+        if phase["fits"] is not None:
+            verdict = f"fits {_gb(hbm)} HBM" if phase["fits"] else f"DOES NOT FIT {_gb(hbm)} HBM"
+            if not phase["fits"] and color:
+                verdict = f"{RED}{verdict}{RESET}"
+        host = f"; host {_gb(phase['host_gb'])} ({', '.join(phase['on_host'])})" if phase["on_host"] else ""
+        lines.append(f"  from step {_n(phase['from_step'])}: device {_gb(phase['device_gb'])} {verdict}{host}")
+    if m["hbm_per_rack_gb"]:
+        lines.append(f"  HBM per rack {m['hbm_per_rack_gb'] / 1000:,.1f} TB")
+    return lines
+
+
+def _all_to_all(rows: list[dict]) -> list[str]:
+    return [
+        f"all-to-all   {r['transport']} from step {_n(r['from_step'])}: {r['width']}-wide bf16 rows x capacity "
+        f"{r['capacity_factor']:g}: {_gb(r['buffer_gb_per_layer'])} per buffer per layer, "
+        f"{_gb(r['gb_per_step_per_gpu'])} per step per GPU ({r['off_gpu_fraction']:.0%} leaves the GPU)"
+        for r in rows
+    ]
+
+
+def _time(t: dict | None) -> list[str]:
+    if t is None:
+        return []
+    lines = [f"time         started {t['start_date']}" + (f" as {t['run_id']}" if t["run_id"] else "")]
+    for s in t["speeds"]:
+        mfu = f", MFU {s['mfu']:.1%} ({s['mfu_6nt']:.1%} by 6NT)" if s["mfu"] is not None else ""
+        lines.append(f"  from step {_n(s['step'])} ({s['date']}): {_n(s['steps_per_day'])} steps/day = "
+                     f"{s['step_seconds']:.2f} s/step{mfu}")
+    lines.append(f"  projected end {t['projected_end_date']} ({t['projected_days']} days after the start)")
+    return lines
+
+
+def _mixture(phases: list[dict]) -> list[str]:
+    lines = []
+    for p in phases:
+        top = sorted(p["weights"].items(), key=lambda kv: -kv[1])[:4]
+        shares = ", ".join(f"{k} {v:.1%}" for k, v in top)
+        lines.append(f"mixture      steps {_n(p['start_step'])}-{_n(p['end_step'])}: {_n(p['tokens'])} tokens "
+                     f"({p['tokens'] / 1e12:.2f}T); {len(p['weights'])} component(s), top: {shares}")
+    return lines
+
+
+def _transports(rows: list[dict]) -> list[str]:
+    return [
+        f"transport    steps {_n(r['start_step'])}-{_n(r['end_step'])}: {r['transport']} (capacity {r['capacity_factor']:g})"
+        + (f", from {r['date']}" if r.get("date") else "")
+        + (f", after {r['tokens_before'] / 1e12:.2f}T tokens" if r["start_step"] else "")
+        for r in rows
+    ]
+
+
+def render_fact_sheet(sheet: dict, color: bool = False) -> str:
+    """Plain-text fact sheet; `color` paints the does-not-fit lines red for terminals."""
+    lines = [f"== fact sheet: {sheet['step']}" if sheet["step"] else "== fact sheet"]
+    lines += _parameters(sheet["parameters"])
+    lines += _mesh(sheet["mesh"])
+    lines += _training(sheet["training"], sheet["optimizer"])
+    lines += _memory(sheet["memory"], color)
+    lines += _all_to_all(sheet["all_to_all"])
+    lines += _time(sheet["time"])
+    lines += _mixture(sheet["mixture"])
+    lines += _transports(sheet["transports"])
+    lines.append("claims checked")
+    lines += [f"  \"{c['claim']}\": {c['finding']}" for c in sheet["claims"]]
+    return "\n".join(lines)
