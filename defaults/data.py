@@ -1,0 +1,52 @@
+"""Data defaults: one call per step of the documents -> tokenizer -> token cache chain.
+
+    corpus = stdlib_corpus(max_bytes=4_000_000)
+    tokenizer = default_tokenizer("stdlib-bpe-1k", corpus, vocab_size=1024)
+    cache = default_tokenize("stdlib", corpus, tokenizer, seq_len=128)
+
+Step names are `documents/<name>`, `tokenizers/<name>` and `tokenized/<name>`. Two experiment files
+that declare the same chain get the same identities, hence one shared output.
+"""
+
+from __future__ import annotations
+
+from keel import Step
+from keel.data import (
+    HfDatasetSpec,
+    IngestConfig,
+    StdlibCorpusConfig,
+    TokenizeConfig,
+    TrainTokenizerConfig,
+    build_stdlib_corpus,
+    ingest_documents,
+    tokenize_documents,
+    train_tokenizer,
+)
+
+
+def stdlib_corpus(*, max_bytes: int | None = None, max_files: int | None = None, include_tests: bool = True,
+                  validation_fraction: float = 0.01) -> Step:
+    """The running Python's standard-library sources as a document set (its version is in the identity)."""
+    config = StdlibCorpusConfig(
+        include_tests=include_tests, max_files=max_files, max_bytes=max_bytes, validation_fraction=validation_fraction
+    )
+    return Step("documents/stdlib", build_stdlib_corpus, config, description="Python stdlib sources")
+
+
+def ingest(name: str, inputs: tuple[str, ...] = (), *, hf_dataset: HfDatasetSpec | None = None, **kwargs) -> Step:
+    """A document set from local files/globs (or a HF dataset); `kwargs` are IngestConfig fields."""
+    config = IngestConfig(inputs=tuple(inputs), hf_dataset=hf_dataset, **kwargs)
+    return Step(f"documents/{name}", ingest_documents, config)
+
+
+def default_tokenizer(name: str, documents: Step, *, vocab_size: int = 1024, **kwargs) -> Step:
+    """A byte-level BPE trained on `documents`; `kwargs` are TrainTokenizerConfig fields."""
+    config = TrainTokenizerConfig(documents=documents, vocab_size=vocab_size, **kwargs)
+    return Step(f"tokenizers/{name}", train_tokenizer, config)
+
+
+def default_tokenize(name: str, dataset: Step, tokenizer: Step | str, *, seq_len: int = 1024, **kwargs) -> Step:
+    """Pack `dataset` into `seq_len` sequences with `tokenizer` (a tokenizer step, a tokenizer.json
+    path or a hub name); `kwargs` are TokenizeConfig fields."""
+    config = TokenizeConfig(documents=dataset, tokenizer=tokenizer, seq_len=seq_len, **kwargs)
+    return Step(f"tokenized/{name}", tokenize_documents, config)

@@ -1,0 +1,85 @@
+"""The jax side of keel.data: Levanter datasets over token caches and mixtures (imports Levanter).
+
+The training helper calls `build_train_dataset` with a resolved `Mixture` (every component a cache
+root path) and gets a Levanter `MixtureDataset` whose items are
+`{"input_ids": int32[seq_len], "segment_ids": int32[seq_len]}`; item `i` belongs to training step
+`i // batch_size`. The order is a pure function of the caches, the mixture and the seed.
+"""
+
+from __future__ import annotations
+
+from keel.data.mixture import Mixture
+from keel.data.tokenize import STATS_FILE
+from keel.executor import storage
+
+FIELDS = ("input_ids", "segment_ids")
+
+
+def _exemplar():
+    import numpy as np
+
+    return {field: np.zeros((0,), dtype=np.int32) for field in FIELDS}
+
+
+def has_split(cache_root: str, split: str) -> bool:
+    from levanter.store.cache import LEDGER_FILE_NAME
+
+    return storage.exists(storage.join(cache_root, split, LEDGER_FILE_NAME))
+
+
+def load_token_cache(cache_root: str, split: str, *, seq_len: int):
+    """The Levanter `TreeCache` of one split of a keel token cache, checked against `seq_len`."""
+    from levanter.store.cache import TreeCache
+
+    stats = storage.read_json(storage.join(cache_root, STATS_FILE))
+    if stats is not None and stats["seq_len"] != seq_len:
+        raise ValueError(f"token cache {cache_root} holds sequences of {stats['seq_len']} tokens, not seq_len={seq_len}")
+    cache = TreeCache.load(storage.join(cache_root, split), _exemplar())
+    if len(cache) and len(cache[0]["input_ids"]) != seq_len:
+        raise ValueError(f"token cache {cache_root}/{split} holds sequences of {len(cache[0]['input_ids'])} tokens, not {seq_len}")
+    return cache
+
+
+def build_train_dataset(mixture: Mixture, *, seq_len: int, batch_size: int, seed: int, shuffle: bool = True):
+    """A Levanter `MixtureDataset` over the components' train splits, phases converted to sequences.
+
+    Each component is shuffled with its own key (a Feistel permutation) before mixing; the mixture
+    itself draws exact per-block counts, blocks of `mixture.block_size` sequences, in an order keyed
+    by `seed`. Exhausted components restart (Levanter's RESTART strategy).
+    """
+    import jax
+    from levanter.data.mixture import MixtureDataset, StopStrategy
+
+    schedule = mixture.sequence_schedule(batch_size)
+    mix_key, shuffle_key = jax.random.split(jax.random.PRNGKey(seed))
+    datasets = {}
+    for i, (name, root) in enumerate(sorted(mixture.components.items())):
+        cache = load_token_cache(_root(name, root), "train", seq_len=seq_len)
+        if len(cache) == 0:
+            raise ValueError(f"mixture component {name!r} ({root}) has an empty train split")
+        datasets[name] = cache.shuffle(jax.random.fold_in(shuffle_key, i)) if shuffle else cache
+    return MixtureDataset(
+        datasets,
+        schedule,
+        block_size=mixture.block_size,
+        key=mix_key,
+        stop_strategy=StopStrategy.RESTART_STRATEGY,
+    )
+
+
+def build_validation_datasets(mixture: Mixture, *, seq_len: int) -> dict:
+    """{component name: Levanter TreeCache of its validation split}, for components that have one."""
+    return {
+        name: load_token_cache(_root(name, root), "validation", seq_len=seq_len)
+        for name, root in sorted(mixture.components.items())
+        if has_split(_root(name, root), "validation")
+    }
+
+
+def _root(name: str, root) -> str:
+    if not isinstance(root, str):
+        raise TypeError(
+            f"mixture component {name!r} is {type(root).__name__}, not a path: pass the mixture as the step "
+            "function received it (the executor resolves Steps and Externals to paths)"
+        )
+    return root

@@ -1,0 +1,188 @@
+"""The on-disk document set that ingestion steps write and the tokenizer and tokenize steps read.
+
+Layout under a step's output path:
+
+    documents.json                      counts, shard lists, bad-record report (written last)
+    train/docs-00000.jsonl.zst          one JSON object per line: {"id": ..., "text": ...}
+    validation/docs-00000.jsonl.zst
+
+A document's split is a pure function of its id (a SHA-256 of the id against the validation
+fraction), so adding or removing other documents never moves a document between splits. Shards are
+zstd-compressed JSON lines, cut at a fixed number of uncompressed text bytes; the same documents in
+the same order always give byte-identical shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import zstandard
+
+from keel.executor import storage
+
+SPLITS = ("train", "validation")
+INDEX_FILE = "documents.json"
+FORMAT = "keel.documents/v1"
+ZSTD_LEVEL = 3
+MAX_REPORTED_BAD_RECORDS = 100
+
+
+class BadRecordError(ValueError):
+    """An input record that cannot be turned into a document (and the config says to fail)."""
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    file: str
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.reason}"
+
+
+def split_of(doc_id: str, validation_fraction: float) -> str:
+    """'validation' for a stable `validation_fraction` share of ids, else 'train'."""
+    digest = hashlib.sha256(doc_id.encode("utf-8")).digest()
+    position = int.from_bytes(digest[:8], "big") / 2.0**64
+    return "validation" if position < validation_fraction else "train"
+
+
+def check_validation_fraction(value: float) -> None:
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"validation_fraction must be in [0, 1), got {value}")
+
+
+class _ShardedSplitWriter:
+    """Writes one split's documents into size-capped zstd JSON-lines shards."""
+
+    def __init__(self, root: str, split: str, shard_bytes: int):
+        self.root = root
+        self.split = split
+        self.shard_bytes = shard_bytes
+        self.shards: list[str] = []
+        self.documents = 0
+        self.bytes = 0
+        self._buffer = io.BytesIO()
+        self._buffer_text_bytes = 0
+
+    def add(self, doc: Document) -> None:
+        text_bytes = len(doc.text.encode("utf-8"))
+        self._buffer.write(json.dumps({"id": doc.id, "text": doc.text}, ensure_ascii=False).encode("utf-8"))
+        self._buffer.write(b"\n")
+        self._buffer_text_bytes += text_bytes
+        self.documents += 1
+        self.bytes += text_bytes
+        if self._buffer_text_bytes >= self.shard_bytes:
+            self._flush()
+
+    def close(self) -> None:
+        if self._buffer_text_bytes or not self.shards:
+            self._flush()
+
+    def _flush(self) -> None:
+        name = f"{self.split}/docs-{len(self.shards):05d}.jsonl.zst"
+        fs, path = storage.split(storage.join(self.root, name))
+        fs.makedirs(fs._parent(path), exist_ok=True)
+        with fs.open(path, "wb") as f:
+            f.write(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(self._buffer.getvalue()))
+        self.shards.append(name)
+        self._buffer = io.BytesIO()
+        self._buffer_text_bytes = 0
+
+
+@dataclass
+class BadRecordLog:
+    """Counts bad records and keeps the first few for the report; raises at once in fail mode."""
+
+    fail: bool
+    count: int = 0
+    examples: list[BadRecord] = field(default_factory=list)
+
+    def report(self, record: BadRecord) -> None:
+        if self.fail:
+            raise BadRecordError(f"bad record at {record} (set on_bad_record='skip' to skip and count such records)")
+        self.count += 1
+        if len(self.examples) < MAX_REPORTED_BAD_RECORDS:
+            self.examples.append(record)
+
+
+def clear_documents(output_path: str) -> None:
+    """Remove what an earlier, interrupted attempt left, so a rerun starts from nothing."""
+    for name in (INDEX_FILE, *SPLITS):
+        url = storage.join(output_path, name)
+        if storage.exists(url):
+            storage.delete_tree(url)
+
+
+def write_documents(
+    output_path: str,
+    documents: Iterable[Document],
+    *,
+    validation_fraction: float,
+    shard_bytes: int,
+    bad_records: BadRecordLog,
+    source: dict,
+) -> dict:
+    """Split, shard and write `documents`; the index file goes last, once every shard is complete."""
+    clear_documents(output_path)
+    writers = {split: _ShardedSplitWriter(output_path, split, shard_bytes) for split in SPLITS}
+    seen: set[str] = set()
+    empty = 0
+    for doc in documents:
+        if doc.id in seen:
+            raise ValueError(f"duplicate document id {doc.id!r}: ids must be unique within a document set")
+        seen.add(doc.id)
+        if not doc.text:
+            empty += 1
+            continue
+        writers[split_of(doc.id, validation_fraction)].add(doc)
+    for writer in writers.values():
+        writer.close()
+    index = {
+        "format": FORMAT,
+        "source": source,
+        "validation_fraction": validation_fraction,
+        "splits": {
+            split: {"shards": w.shards, "documents": w.documents, "bytes": w.bytes} for split, w in writers.items()
+        },
+        "empty_documents": empty,
+        "bad_records": {"count": bad_records.count, "examples": [str(r) for r in bad_records.examples]},
+    }
+    storage.write_json(storage.join(output_path, INDEX_FILE), index)
+    return index
+
+
+def read_index(documents_path: str) -> dict:
+    index = storage.read_json(storage.join(documents_path, INDEX_FILE))
+    if index is None or index.get("format") != FORMAT:
+        raise FileNotFoundError(
+            f"no keel document set at {documents_path} (expected {INDEX_FILE} written by an ingestion step)"
+        )
+    return index
+
+
+def shard_urls(documents_path: str, split: str) -> list[str]:
+    return [storage.join(documents_path, name) for name in read_index(documents_path)["splits"][split]["shards"]]
+
+
+def read_shard(url: str) -> list[Document]:
+    """Every document of one shard, in order."""
+    fs, path = storage.split(url)
+    raw = zstandard.ZstdDecompressor().decompress(fs.cat_file(path), max_output_size=1 << 34)
+    return [Document(**json.loads(line)) for line in raw.split(b"\n") if line]
+
+
+def iter_documents(documents_path: str, split: str) -> Iterator[Document]:
+    for url in shard_urls(documents_path, split):
+        yield from read_shard(url)

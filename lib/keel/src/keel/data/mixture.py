@@ -1,0 +1,102 @@
+"""Phased data mixtures: named token caches and the weights to draw them with, per training phase.
+
+A component is a tokenize step (or `output_of` one) or an `External` cache root; either way it
+resolves to a directory holding `train/` (and usually `validation/`) Levanter caches of
+`{"input_ids", "segment_ids"}` sequences. Phases start at training steps; `block_size` is the
+number of sequences per mixture block (Levanter's `MixtureDataset` deals exact per-block counts),
+and every phase must start on a block boundary: `check_batch_size` says so before training starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+_SUM_TOLERANCE = 1e-6
+
+
+class MixtureError(ValueError):
+    """A mixture declared with weights or phases that cannot be used."""
+
+
+@dataclass(frozen=True)
+class MixturePhase:
+    """From training step `start_step` on, draw component `name` with probability `weights[name]`."""
+
+    start_step: int
+    weights: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """Named components and their weights per phase.
+
+    Each phase's weights must sum to 1 unless `normalize=True`, which rescales each phase to sum
+    to 1 (say so explicitly when declaring counts or shares that do not add up). Components
+    missing from a phase have weight 0 in it.
+    """
+
+    components: dict[str, Any]
+    phases: tuple[MixturePhase, ...]
+    normalize: bool = False
+    block_size: int = 2048
+
+    def __post_init__(self):
+        if not self.components:
+            raise MixtureError("Mixture.components is empty: name at least one token cache")
+        if not self.phases:
+            raise MixtureError("Mixture.phases is empty: give at least one MixturePhase(start_step=0, weights=...)")
+        if not 0 < self.block_size < 2**16:
+            raise MixtureError(f"Mixture.block_size must be in [1, 65535] (Levanter's limit), got {self.block_size}")
+        previous = None
+        for i, phase in enumerate(self.phases):
+            where = f"Mixture phase {i} (start_step={phase.start_step})"
+            if previous is None and phase.start_step != 0:
+                raise MixtureError(f"{where}: the first phase must start at step 0")
+            if previous is not None and phase.start_step <= previous:
+                raise MixtureError(f"{where}: phase starts must strictly increase (previous phase starts at {previous})")
+            previous = phase.start_step
+            for name, weight in phase.weights.items():
+                if name not in self.components:
+                    raise MixtureError(f"{where}: weight for unknown component {name!r}; components: {sorted(self.components)}")
+                if not isinstance(weight, (int, float)) or math.isnan(weight) or weight < 0:
+                    raise MixtureError(f"{where}: component {name!r} has weight {weight!r}; weights must be numbers >= 0")
+            total = sum(phase.weights.values())
+            if total <= 0:
+                raise MixtureError(f"{where}: weights sum to {total}; at least one component needs a positive weight")
+            if not self.normalize and abs(total - 1.0) > _SUM_TOLERANCE:
+                raise MixtureError(
+                    f"{where}: weights sum to {total:.6g}, not 1; fix them or declare Mixture(..., normalize=True)"
+                )
+
+    @staticmethod
+    def constant(components: dict[str, Any], weights: dict[str, float], **kwargs) -> "Mixture":
+        """A single-phase mixture."""
+        return Mixture(components, (MixturePhase(0, weights),), **kwargs)
+
+    def phase_weights(self) -> list[tuple[int, dict[str, float]]]:
+        """(start_step, weights summing to 1) per phase, every component listed."""
+        out = []
+        for phase in self.phases:
+            total = sum(phase.weights.values())
+            out.append((phase.start_step, {name: phase.weights.get(name, 0.0) / total for name in self.components}))
+        return out
+
+    def sequence_schedule(self, batch_size: int) -> list[tuple[int, dict[str, float]]]:
+        """The phases in sequence indices (what Levanter's MixtureDataset takes): step x batch size."""
+        self.check_batch_size(batch_size)
+        return [(step * batch_size, weights) for step, weights in self.phase_weights()]
+
+    def check_batch_size(self, batch_size: int) -> None:
+        """Every phase must start on a mixture block boundary at this (constant) batch size."""
+        if batch_size <= 0:
+            raise MixtureError(f"batch size must be positive, got {batch_size}")
+        for i, phase in enumerate(self.phases):
+            first_sequence = phase.start_step * batch_size
+            if first_sequence % self.block_size:
+                raise MixtureError(
+                    f"Mixture phase {i} starts at step {phase.start_step}, sequence {first_sequence} at batch size "
+                    f"{batch_size}, which is not a multiple of block_size={self.block_size}; choose a block_size "
+                    f"that divides {first_sequence} (e.g. {math.gcd(first_sequence, self.block_size) or batch_size})"
+                )

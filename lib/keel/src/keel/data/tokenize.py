@@ -1,0 +1,247 @@
+"""Tokenize a document set into Levanter token caches of packed fixed-length sequences.
+
+Layout under the step's output path:
+
+    train/        a Levanter TreeCache (levanter.store), one record per sequence:
+    validation/       {"input_ids": int32[seq_len], "segment_ids": int32[seq_len]}
+    tokenize.json counts per split and the tokenizer's special ids (written last)
+
+The caches are written with Levanter's own `SerialCacheWriter`, so `TreeCache.load` and Levanter's
+dataset classes read them. The work runs as a three-stage pipeline: a thread reads and decompresses
+shards, the calling thread encodes batches with `tokenizers` (whose Rust core releases the GIL and
+uses every core) and packs them, and a thread writes sequences. Sequences are handed to the writer
+in fixed groups of `WRITE_ROWS`, so the bytes on disk do not depend on the (execution-only) batch
+size. The step starts by removing whatever an interrupted attempt left, and Levanter writes a
+cache's ledger only when the cache is complete, so a rerun after a kill rebuilds an identical cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from keel.data.documents import SPLITS, read_index, read_shard, shard_urls
+from keel.executor import storage
+from keel.executor.step import execution_only, this_output
+
+logger = logging.getLogger(__name__)
+
+STATS_FILE = "tokenize.json"
+FORMAT = "keel.token_cache/v1"
+WRITE_ROWS = 1024
+_QUEUE_DEPTH = 4
+
+
+@dataclass(frozen=True)
+class TokenizeConfig:
+    """Tokenize the document set at `documents` with `tokenizer` (a tokenizer directory,
+    a tokenizer.json path or a hub name) into `seq_len`-token packed sequences.
+
+    `bos_token`/`eos_token` name the special tokens for a tokenizer that does not carry a
+    tokenizer_config.json; each document gets bos/eos added as `add_bos`/`add_eos` say.
+    """
+
+    documents: str
+    tokenizer: str
+    seq_len: int = 1024
+    add_bos: bool = False
+    add_eos: bool = True
+    bos_token: str | None = None
+    eos_token: str | None = None
+    output_path: str = this_output()
+    batch_documents: int = execution_only(default=64)
+
+    def __post_init__(self):
+        if self.seq_len <= 0:
+            raise ValueError(f"TokenizeConfig.seq_len must be positive, got {self.seq_len}")
+        if self.batch_documents <= 0:
+            raise ValueError(f"TokenizeConfig.batch_documents must be positive, got {self.batch_documents}")
+
+
+def _exemplar():
+    import numpy as np
+
+    return {"input_ids": np.zeros((0,), dtype=np.int32), "segment_ids": np.zeros((0,), dtype=np.int32)}
+
+
+def _threaded(produce, depth: int = _QUEUE_DEPTH) -> Iterator:
+    """Run the generator `produce()` on a thread, yielding its items here; re-raises its errors."""
+    items: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+    stop = threading.Event()
+
+    def run():
+        try:
+            for item in produce():
+                while not stop.is_set():
+                    try:
+                        items.put(("item", item), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            items.put(("done", done))
+        except BaseException as e:  # handed to the consumer, which raises it
+            items.put(("error", e))
+
+    thread = threading.Thread(target=run, daemon=True, name="keel-tokenize-reader")
+    thread.start()
+    try:
+        while True:
+            kind, value = items.get()
+            if kind == "error":
+                raise value
+            if kind == "done":
+                return
+            yield value
+    finally:
+        stop.set()
+
+
+class _CacheWriterThread:
+    """Feeds a Levanter SerialCacheWriter from a queue, in fixed groups of WRITE_ROWS sequences."""
+
+    def __init__(self, cache_dir: str):
+        from levanter.store.cache import SerialCacheWriter
+
+        self._writer = SerialCacheWriter(cache_dir, _exemplar())
+        self._queue: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
+        self._error: BaseException | None = None
+        self._pending: list = []
+        self._pending_rows = 0
+        self._thread = threading.Thread(target=self._run, daemon=True, name="keel-tokenize-writer")
+        self._thread.start()
+
+    def _run(self):
+        while (batch := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._writer.write_batch(batch)
+                except BaseException as e:
+                    self._error = e
+
+    def add(self, input_ids, segment_ids) -> None:
+        import numpy as np
+
+        if self._error is not None:
+            raise self._error
+        self._pending.append((input_ids, segment_ids))
+        self._pending_rows += len(input_ids)
+        if self._pending_rows >= WRITE_ROWS:
+            ids = np.concatenate([p[0] for p in self._pending])
+            segs = np.concatenate([p[1] for p in self._pending])
+            whole = len(ids) // WRITE_ROWS * WRITE_ROWS
+            for start in range(0, whole, WRITE_ROWS):
+                self._queue.put({"input_ids": ids[start : start + WRITE_ROWS], "segment_ids": segs[start : start + WRITE_ROWS]})
+            self._pending = [(ids[whole:], segs[whole:])]
+            self._pending_rows = len(ids) - whole
+
+    def close(self) -> None:
+        """Write the rest, then the ledger that marks the cache complete."""
+        import numpy as np
+
+        if self._pending_rows:
+            ids = np.concatenate([p[0] for p in self._pending])
+            segs = np.concatenate([p[1] for p in self._pending])
+            self._queue.put({"input_ids": ids, "segment_ids": segs})
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        self._writer.__exit__(None, None, None)
+
+
+def _document_batches(urls: list[str], batch_documents: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for url in urls:
+        for doc in read_shard(url):
+            batch.append(doc.text)
+            if len(batch) == batch_documents:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def _tokenize_split(config: TokenizeConfig, loaded, split: str, total_documents: int) -> dict:
+    import numpy as np
+    from tqdm import tqdm
+
+    from keel.data.packing import SequencePacker
+
+    encode = getattr(loaded.tokenizer, "encode_batch_fast", loaded.tokenizer.encode_batch)
+    prefix = [loaded.bos_id] if config.add_bos else []
+    suffix = [loaded.eos_id] if config.add_eos else []
+    packer = SequencePacker(config.seq_len)
+    writer = _CacheWriterThread(storage.join(config.output_path, split))
+    urls = shard_urls(config.documents, split)
+    documents = tokens = sequences = 0
+    start = time.perf_counter()
+    with tqdm(total=total_documents, desc=f"tokenize {split}", unit="doc", unit_scale=True, mininterval=1.0) as bar:
+        for texts in _threaded(lambda: _document_batches(urls, config.batch_documents)):
+            encodings = encode(texts, add_special_tokens=False)
+            arrays = [np.array(prefix + e.ids + suffix, dtype=np.int32) for e in encodings]
+            input_ids, segment_ids = packer.add(arrays)
+            if len(input_ids):
+                writer.add(input_ids, segment_ids)
+            documents += len(texts)
+            tokens += sum(len(a) for a in arrays)
+            sequences += len(input_ids)
+            bar.update(len(texts))
+            bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tok/s", refresh=False)
+    writer.close()
+    return {
+        "documents": documents,
+        "tokens": tokens,
+        "sequences": sequences,
+        "dropped_tokens": packer.leftover_tokens,
+    }
+
+
+def clear_token_cache(output_path: str) -> None:
+    """Remove what an interrupted attempt left (never the executor's own `.keel/` folder)."""
+    for name in (STATS_FILE, *SPLITS):
+        url = storage.join(output_path, name)
+        if storage.exists(url):
+            storage.delete_tree(url)
+
+
+def tokenize_documents(config: TokenizeConfig) -> None:
+    """Step function: write one Levanter cache per split, then `tokenize.json`."""
+    from keel.data.tokenizer import load_tokenizer
+
+    loaded = load_tokenizer(config.tokenizer, bos_token=config.bos_token, eos_token=config.eos_token)
+    for flag, token_id, name in ((config.add_bos, loaded.bos_id, "bos"), (config.add_eos, loaded.eos_id, "eos")):
+        if flag and token_id is None:
+            raise ValueError(
+                f"TokenizeConfig.add_{name}=True but tokenizer {config.tokenizer!r} names no {name} token: "
+                f"set TokenizeConfig.{name}_token or add_{name}=False"
+            )
+    index = read_index(config.documents)
+    clear_token_cache(config.output_path)
+    splits = {}
+    for split in SPLITS:
+        started = time.perf_counter()
+        splits[split] = _tokenize_split(config, loaded, split, index["splits"][split]["documents"])
+        elapsed = max(time.perf_counter() - started, 1e-9)
+        logger.info(
+            "tokenized %s: %d documents, %d tokens, %d sequences in %.1fs (%.0f docs/s, %.0f tokens/s)",
+            split, splits[split]["documents"], splits[split]["tokens"], splits[split]["sequences"],
+            elapsed, splits[split]["documents"] / elapsed, splits[split]["tokens"] / elapsed,
+        )
+    stats = {
+        "format": FORMAT,
+        "seq_len": config.seq_len,
+        "fields": ["input_ids", "segment_ids"],
+        "vocab_size": loaded.vocab_size,
+        "bos_id": loaded.bos_id,
+        "eos_id": loaded.eos_id,
+        "pad_id": loaded.pad_id,
+        "splits": splits,
+    }
+    storage.write_json(storage.join(config.output_path, STATS_FILE), stats)
