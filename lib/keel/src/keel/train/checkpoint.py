@@ -1,0 +1,69 @@
+"""Training-state checkpoints under a step's output path, with Levanter's tensorstore checkpointer.
+
+Two policies, as in Levanter: a rolling (temporary) checkpoint by wall-clock time, of which only
+the newest is kept, and permanent ones every N steps. A rerun of a step that died finds the newest
+complete checkpoint and resumes from it; Levanter only writes a checkpoint's `metadata.json` once
+every array is committed, so a checkpoint torn by `kill -9` is never picked.
+
+States are restored into the shardings of a freshly initialised state (the exemplar), so a
+restored run keeps its expert sharding whatever the model's named-axis mapping is.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS_DIR = "checkpoints"
+
+
+def checkpoint_root(output_path: str) -> str:
+    return os.path.join(output_path, CHECKPOINTS_DIR)
+
+
+class TrainCheckpoints:
+    """Saves the train state by Levanter's time/step policies and restores the newest one."""
+
+    def __init__(self, output_path: str, *, every_steps: int | None, rolling_minutes: float | None):
+        from levanter.checkpoint import CheckpointInterval, Checkpointer
+
+        self.root = checkpoint_root(output_path)
+        policies = [CheckpointInterval(every=every_steps)] if every_steps else []
+        interval = datetime.timedelta(minutes=rolling_minutes) if rolling_minutes else None
+        self._checkpointer = Checkpointer(self.root, interval, policies, keep_last_temporary_checkpoints=1)
+
+    def latest(self) -> str | None:
+        from levanter.checkpoint import discover_latest_checkpoint
+
+        return discover_latest_checkpoint(self.root)
+
+    def restore(self, exemplar, path: str):
+        """The state saved at `path`, laid out like `exemplar` (same tree, shardings and dtypes)."""
+        return restore_like(exemplar, path)
+
+    def on_step(self, state, step: int, *, force: bool = False) -> None:
+        """Save if a policy (or `force`) says so; `step` counts completed optimizer steps."""
+        self._checkpointer.on_step(tree=state, step=step, force=force)
+
+    def wait(self) -> None:
+        self._checkpointer.wait_until_finished()
+
+
+def restore_like(exemplar, path: str):
+    """Load a checkpoint into the exact tree, shardings and dtypes of `exemplar`.
+
+    Named arrays are read as their raw arrays (same checkpoint keys), so each leaf is placed by its
+    exemplar's concrete sharding rather than by an axis mapping.
+    """
+    import haliax as hax
+    from levanter.checkpoint import load_checkpoint
+
+    is_named = lambda x: isinstance(x, hax.NamedArray)  # noqa: E731
+    raw = jax.tree.map(lambda x: x.array if is_named(x) else x, exemplar, is_leaf=is_named)
+    loaded = load_checkpoint(raw, path)
+    return jax.tree.unflatten(jax.tree.structure(exemplar), jax.tree.leaves(loaded))

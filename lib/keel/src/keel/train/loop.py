@@ -1,0 +1,242 @@
+"""The training loop: Levanter's data loader, checkpointer and trackers around a jitted optax step.
+
+A custom loop rather than Levanter's trainer because the quantile-balancing router bias of step
+t+1 is computed from step t's forward pass: state the optimizer does not own. The loop:
+
+- restores the newest checkpoint under the output path if there is one (a rerun of a died step
+  resumes by itself) and reads batches from the same position, so every later loss equals the
+  uninterrupted run's;
+- switches expert transport where the config's timeline says, checkpointing at the switch step
+  (the transport is execution-only: same output path, same identity);
+- evaluates on the validation data every `eval_every` steps (and before the first step);
+- writes metrics as JSON lines and to wandb, and a PNG of the loss curves at the end.
+
+The train state's shardings are pinned (inputs and outputs of the step), so a restored state and
+a state fresh out of the previous step run the very same executable: resumption is bit-exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from keel.train.checkpoint import TrainCheckpoints
+from keel.train.config import TrainConfig, TransportPhase
+from keel.train.lm import TrainableLM
+from keel.train.tracking import LOSS_PLOT_FILE, METRICS_FILE, MetricsLog, open_wandb, plot_loss_curves
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class LoopInputs:
+    """The runtime objects a training step assembles from its config before the loop starts."""
+
+    lm: TrainableLM
+    mesh: jax.sharding.Mesh
+    batch_axes: tuple[str, ...]
+    """Mesh axes the batch is split over, e.g. ("replica_dcn", "data", "expert")."""
+    train_data: Any
+    """A Levanter AsyncDataset of examples (dicts of int32 [seq_len] arrays), in training order."""
+    val_data: Any | None
+    default_transport: TransportPhase
+    """The transport when the config declares no timeline."""
+    wandb_project: str = "keel"
+    use_wandb: bool = True
+
+
+def train(config: TrainConfig, inputs: LoopInputs, output_path: str) -> dict[str, float]:
+    """Train to `config.num_steps` (resuming if possible); returns the final metrics."""
+    with jax.set_mesh(inputs.mesh):
+        return _Run(config, inputs, output_path).run()
+
+
+class _Run:
+    def __init__(self, config: TrainConfig, inputs: LoopInputs, output_path: str):
+        from keel.train.optimizer import build_optimizer
+
+        self.config, self.inputs, self.output_path = config, inputs, output_path
+        self.compute_dtype = jnp.dtype(config.compute_dtype)
+        model = eqx.filter_jit(inputs.lm.init)(jax.random.PRNGKey(config.seed))
+        model = jax.tree.map(lambda x: x.astype(config.master_dtype) if _is_float(x) else x, model)
+        self.tx, self.lr_schedules = build_optimizer(config, model)
+        state = {"step": jnp.zeros((), jnp.int32), "model": model, "opt_state": eqx.filter_jit(self.tx.init)(model)}
+        self.state_arrays, self.state_static = eqx.partition(state, eqx.is_array)
+        self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state_arrays)
+        self.checkpoints = TrainCheckpoints(
+            output_path, every_steps=config.checkpoint_every, rolling_minutes=config.rolling_checkpoint_minutes
+        )
+        self._step_fns: dict[TransportPhase, Any] = {}
+        self._eval_fns: dict[TransportPhase, Any] = {}
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> dict[str, float]:
+        from levanter.data.loader import DataLoader
+
+        config = self.config
+        latest = self.checkpoints.latest()
+        if latest is not None:
+            self.state_arrays = self.checkpoints.restore(self.state_arrays, latest)
+            logger.info("Resumed from %s", latest)
+        start = int(self.state_arrays["step"])
+        metrics_log = MetricsLog(os.path.join(self.output_path, METRICS_FILE))
+        tracker = self._open_tracker()
+        last: dict[str, float] = {}
+        try:
+            if start < config.num_steps:
+                loader = DataLoader(
+                    self.inputs.train_data,
+                    config.batch_size,
+                    mesh=self.inputs.mesh,
+                    axis_resources={"batch": self.inputs.batch_axes},
+                    max_buffered_batches=8,
+                )
+                batches = loader.iter_from_step(start)
+                if start == 0:
+                    self._evaluate(0, self.transport_at(0), metrics_log, tracker)
+                last = self._train_steps(start, batches, metrics_log, tracker)
+                batches.close()
+            self.checkpoints.on_step(self._state(), config.num_steps, force=True)
+            self.checkpoints.wait()
+        finally:
+            metrics_log.close()
+            if tracker is not None:
+                tracker.finish()
+        plot_loss_curves(os.path.join(self.output_path, METRICS_FILE), os.path.join(self.output_path, LOSS_PLOT_FILE))
+        return last
+
+    def _train_steps(self, start: int, batches, metrics_log: MetricsLog, tracker) -> dict[str, float]:
+        config = self.config
+        tokens_per_step = config.batch_size * config.seq_len
+        last: dict[str, float] = {}
+        previous = self.transport_at(start)
+        for step in range(start, config.num_steps):
+            phase = self.transport_at(step)
+            if phase != previous:
+                logger.info("Step %d: switching transport %s -> %s", step, previous.transport, phase.transport)
+                self.checkpoints.on_step(self._state(), step, force=True)
+                previous = phase
+            t0 = time.perf_counter()
+            batch = next(batches)
+            with jax.set_mesh(self.inputs.mesh):  # Levanter's loader leaves its own mesh context
+                self.state_arrays, metrics = self._step_fn(phase)(self.state_arrays, batch)
+            completed = step + 1
+            if completed % config.log_every == 0 or completed == config.num_steps:
+                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                values["throughput/tokens_per_s"] = tokens_per_step / (time.perf_counter() - t0)
+                values["transport"] = phase.transport
+                metrics_log.write(step, values)
+                if tracker is not None:
+                    tracker.log({k: v for k, v in values.items() if k != "transport"}, step=step)
+                last = values
+            if completed % config.eval_every == 0 or completed == config.num_steps:
+                self._evaluate(completed, phase, metrics_log, tracker)
+            self.checkpoints.on_step(self._state(), completed)
+        return last
+
+    # ------------------------------------------------------------------ pieces
+    def transport_at(self, step: int) -> TransportPhase:
+        return self.config.transport_at(step) or self.inputs.default_transport
+
+    def _state(self):
+        return self.state_arrays
+
+    def _model(self, arrays):
+        return eqx.combine(arrays, self.state_static)["model"]
+
+    def _step_fn(self, phase: TransportPhase):
+        if phase not in self._step_fns:
+            self._step_fns[phase] = self._build_step(phase)
+        return self._step_fns[phase]
+
+    def _build_step(self, phase: TransportPhase):
+        lm, tx, static = self.inputs.lm, self.tx, self.state_static
+        z_loss, compute_dtype, lrs = self.config.z_loss, self.compute_dtype, self.lr_schedules
+
+        def step(arrays, batch):
+            state = eqx.combine(arrays, static)
+            model = state["model"]
+
+            def loss_of(m):
+                return lm.loss(m, batch, transport=phase, z_loss=z_loss, compute_dtype=compute_dtype)
+
+            (loss, aux), grads = eqx.filter_value_and_grad(loss_of, has_aux=True)(model)
+            updates, opt_state = tx.update(grads, state["opt_state"], model)
+            model = eqx.apply_updates(model, updates)
+            model = lm.apply_router_update(model, aux)
+            new_state = {"step": state["step"] + 1, "model": model, "opt_state": opt_state}
+            metrics = {
+                "train/loss": loss,
+                "train/grad_norm": _global_norm(grads),
+                "moe/dropped_fraction": aux.get("dropped_fraction", jnp.zeros(())),
+                "moe/router_balance": aux.get("router_balance", jnp.ones(())),
+            }
+            metrics.update({name: fn(state["step"]) for name, fn in lrs.items()})
+            return eqx.filter(new_state, eqx.is_array), metrics
+
+        return jax.jit(step, in_shardings=(self.state_shardings, None), out_shardings=(self.state_shardings, None),
+                       donate_argnums=0)
+
+    def _eval_fn(self, phase: TransportPhase):
+        if phase not in self._eval_fns:
+            lm, static, z_loss, dtype = self.inputs.lm, self.state_static, self.config.z_loss, self.compute_dtype
+
+            def evaluate(arrays, batch):
+                model = eqx.combine(arrays, static)["model"]
+                loss, aux = lm.loss(model, batch, transport=phase, z_loss=0.0, compute_dtype=dtype)
+                return loss
+
+            self._eval_fns[phase] = jax.jit(evaluate, in_shardings=(self.state_shardings, None))
+        return self._eval_fns[phase]
+
+    def _evaluate(self, step: int, phase: TransportPhase, metrics_log: MetricsLog, tracker) -> None:
+        from levanter.data.loader import DataLoader
+
+        if self.inputs.val_data is None or self.config.eval_batches <= 0:
+            return
+        loader = DataLoader(
+            self.inputs.val_data,
+            self.config.batch_size,
+            mesh=self.inputs.mesh,
+            axis_resources={"batch": self.inputs.batch_axes},
+            max_buffered_batches=0,
+        )
+        evaluate = self._eval_fn(phase)
+        losses = []
+        batches = loader.iter_from_step(0)
+        for _ in range(self.config.eval_batches):
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            with jax.set_mesh(self.inputs.mesh):
+                losses.append(float(evaluate(self.state_arrays, batch)))
+        batches.close()
+        if losses:
+            values = {"eval/loss": sum(losses) / len(losses)}
+            metrics_log.write(step, values)
+            if tracker is not None:
+                tracker.log(values, step=step)
+            logger.info("step %d: validation loss %.4f", step, values["eval/loss"])
+
+    def _open_tracker(self):
+        if not self.inputs.use_wandb:
+            return None
+        return open_wandb(self.output_path, project=self.inputs.wandb_project, entity=None)
+
+
+def _is_float(x) -> bool:
+    return eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _global_norm(tree) -> jax.Array:
+    import optax
+
+    return optax.global_norm(eqx.filter(tree, eqx.is_array))

@@ -1,0 +1,249 @@
+"""Optax optimizers for keel models: AdamW, and the hero's grouped MuonH / AdamH / Adam optimizer.
+
+Parameters are put in groups by regular expressions over their dotted paths (Levanter's
+`leaf_key_paths`), so the grouping is declared in the config and never depends on module classes.
+Levanter's pieces are reused: the learning-rate schedule, `scale_by_adamh`, the Newton-Schulz
+orthogonalisation and the norm-preserving ("hyperball") update. Levanter's own MuonH only
+orthogonalises `haliax.nn.Linear` modules; keel's experts are stacked arrays, so the MuonH transform
+here orthogonalises every matrix of any stacked array (the last two dims; the polar factor of a
+transpose is the transpose of the polar factor, so the dim order does not matter) and flattens
+Linear modules first the way Levanter does.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+
+Schedule = Callable[[jax.Array], jax.Array]
+
+
+def lr_schedule(peak: float, num_steps: int, warmup_fraction: float, min_lr_ratio: float) -> Schedule:
+    """Linear warmup over `warmup_fraction` of the steps, then linear decay to `min_lr_ratio * peak`."""
+    from levanter.optim.config import AdamConfig
+
+    shape = AdamConfig(learning_rate=peak, warmup=warmup_fraction, min_lr_ratio=min_lr_ratio, lr_schedule="linear")
+    return shape.lr_scheduler(num_steps)
+
+
+def decay_schedule(rate: float, start_step: int, num_steps: int, anneal: bool) -> Schedule:
+    """0 before `start_step`; from it `rate`, times `(1 - step / num_steps)` when annealed."""
+
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        value = rate * (1.0 - step / num_steps) if anneal else jnp.full_like(step, rate)
+        return jnp.where(step >= start_step, value, 0.0)
+
+    return schedule
+
+
+def param_paths(params):
+    """A tree shaped like `params` whose leaves are dotted paths (`blocks.attn.w_q`, ...)."""
+    from levanter.utils.jax_utils import leaf_key_paths
+
+    return leaf_key_paths(params, is_leaf=_is_named)
+
+
+def _is_named(x) -> bool:
+    import haliax as hax
+
+    return isinstance(x, hax.NamedArray)
+
+
+def label_params(params, rules: Sequence[tuple[str, str]], default: str):
+    """Label each parameter with the group of the first rule whose regex `search`es its path."""
+    compiled = [(re.compile(pattern), label) for pattern, label in rules]
+
+    def label_of(path: str) -> str:
+        for pattern, label in compiled:
+            if pattern.search(path):
+                return label
+        return default
+
+    return jax.tree.map(label_of, param_paths(params))
+
+
+def mask_params(params, patterns: Sequence[str]):
+    """True for parameters whose path matches one of `patterns`."""
+    compiled = [re.compile(p) for p in patterns]
+    return jax.tree.map(lambda path: any(p.search(path) for p in compiled), param_paths(params))
+
+
+class ScheduleState(NamedTuple):
+    count: jax.Array
+
+
+def scale_by_neg_schedule(schedule: Schedule) -> optax.GradientTransformation:
+    """Multiply updates by `-schedule(count)` (the learning rate step of plain Adam)."""
+    return optax.scale_by_schedule(lambda count: -schedule(count))
+
+
+def scheduled_weight_decay(mask, lr: Schedule, rate: Schedule) -> optax.GradientTransformation:
+    """Decoupled weight decay on masked parameters: update -= lr(t) * rate(t) * param.
+
+    Applied after the adaptive step (as in AdamW), so it shrinks weights independently of the
+    gradient statistics.
+    """
+
+    def init_fn(params):
+        del params
+        return ScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update_fn(updates, state, params):
+        factor = lr(state.count) * rate(state.count)
+
+        def decay(u, p, m):
+            return u - factor * p if m else u
+
+        updates = jax.tree.map(decay, updates, params, mask)
+        return updates, ScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+class MuonHState(NamedTuple):
+    count: jax.Array
+    momentum: optax.Updates
+
+
+def scale_by_muonh(
+    lr: Schedule, *, momentum: float, nesterov: bool, ns_steps: int, eps: float
+) -> optax.GradientTransformation:
+    """MuonH: Nesterov momentum, Newton-Schulz orthogonalisation per matrix, hyperball update.
+
+    The update keeps each matrix's Frobenius norm at its initial value (Levanter's
+    `norm_preserving_update`), so MuonH matrices need no weight decay.
+    """
+    from levanter.optim.util import flatten_linear_layers, unflatten_linear_layers
+
+    def init_fn(params):
+        return MuonHState(count=jnp.zeros([], jnp.int32), momentum=optax.tree_utils.tree_zeros_like(params))
+
+    def update_fn(updates, state, params):
+        buf = jax.tree.map(lambda m, g: momentum * m + g, state.momentum, updates)
+        direction = jax.tree.map(lambda m, g: momentum * m + g, buf, updates) if nesterov else buf
+        rate = lr(state.count)
+        flat_dir = flatten_linear_layers(direction)
+        flat_params = flatten_linear_layers(params)
+        flat_out = jax.tree.map(lambda p, u: _hyperball(p, _orthogonalise(u, ns_steps, eps), rate), flat_params, flat_dir)
+        out = unflatten_linear_layers(direction, flat_out)
+        return out, MuonHState(count=optax.safe_increment(state.count), momentum=buf)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _per_matrix(fn, *arrays):
+    """Apply a function of 2-D matrices to every matrix of stacked arrays (leading dims vmapped)."""
+    for _ in range(arrays[0].ndim - 2):
+        fn = jax.vmap(fn)
+    return fn(*arrays)
+
+
+def _orthogonalise(update: jax.Array, steps: int, eps: float) -> jax.Array:
+    from levanter.optim.util import zeropower_via_newtonschulz5
+
+    if update.ndim < 2:
+        return update
+    out = _per_matrix(lambda x: zeropower_via_newtonschulz5(x.astype(jnp.float32), steps=steps, eps=eps), update)
+    return out.astype(update.dtype)
+
+
+def _hyperball(param: jax.Array, update: jax.Array, rate) -> jax.Array:
+    from levanter.optim.util import norm_preserving_update
+
+    if param.ndim < 2:
+        return -rate * update
+    return _per_matrix(lambda p, u: norm_preserving_update(p, u, rate), param, update)
+
+
+def scale_by_adamh(lr: Schedule, *, b1: float, b2: float, eps: float) -> optax.GradientTransformation:
+    """Levanter's AdamH (Adam direction, norm-preserving update) with a scheduled learning rate."""
+    from levanter.optim.adamh import scale_by_adamh as levanter_adamh
+
+    return optax.inject_hyperparams(lambda learning_rate: levanter_adamh(b1, b2, eps, learning_rate))(learning_rate=lr)
+
+
+def adam(lr: Schedule, *, b1: float, b2: float, eps: float) -> optax.GradientTransformation:
+    return optax.chain(optax.scale_by_adam(b1, b2, eps), scale_by_neg_schedule(lr))
+
+
+def grouped(
+    transforms: Mapping[str, optax.GradientTransformation], labels
+) -> optax.GradientTransformation:
+    """Each label's parameters go through that label's transform (optax.multi_transform)."""
+    return optax.multi_transform(dict(transforms), labels)
+
+
+def global_norm(tree) -> jax.Array:
+    return optax.global_norm(tree)
+
+
+def build_optimizer(train, params) -> tuple[optax.GradientTransformation, dict[str, Schedule]]:
+    """The optax transform a `TrainConfig` declares, plus its learning-rate schedules by name.
+
+    Parameters whose path matches `frozen` patterns (the quantile-balancing router bias, set by
+    the loop from the previous step's statistics) receive no update at all.
+    """
+    from keel.train.config import AdamWConfig, GroupedOptimizerConfig
+
+    opt, sched, n = train.optimizer, train.schedule, train.num_steps
+
+    def schedule(peak: float) -> Schedule:
+        return lr_schedule(peak, n, sched.warmup_fraction, sched.decay_to_fraction)
+
+    if isinstance(opt, AdamWConfig):
+        lr = schedule(opt.lr)
+        lrs = {"lr": lr}
+        matrices = jax.tree.map(lambda x: x.ndim >= 2, params)
+        core = {"adamw": optax.adamw(lr, opt.beta1, opt.beta2, opt.eps, weight_decay=opt.weight_decay, mask=matrices)}
+        rules: list[tuple[str, str]] = []
+        default = "adamw"
+        lr_of_label = {"adamw": lr}
+    elif isinstance(opt, GroupedOptimizerConfig):
+        muon_lr, adam_lr = schedule(opt.muon_lr), schedule(opt.adam_lr)
+        lrs = {"lr/muonh": muon_lr, "lr/adam": adam_lr}
+        core = {
+            "muonh": scale_by_muonh(
+                muon_lr, momentum=opt.muon_momentum, nesterov=opt.muon_nesterov, ns_steps=opt.muon_ns_steps, eps=1e-7
+            ),
+            "adamh": scale_by_adamh(adam_lr, b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
+            "adam": adam(adam_lr, b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
+        }
+        rules = [(p, "muonh") for p in opt.muonh_params] + [(p, "adamh") for p in opt.adamh_params]
+        default = "adam"
+        lr_of_label = {"muonh": muon_lr, "adamh": adam_lr, "adam": adam_lr}
+    else:
+        raise TypeError(f"TrainConfig.optimizer: unsupported {type(opt).__name__}; use AdamWConfig or GroupedOptimizerConfig")
+
+    core["frozen"] = optax.set_to_zero()
+    labels = label_params(params, [(p, "frozen") for p in FROZEN_PARAMS] + rules, default)
+    transform = grouped(core, labels)
+
+    change = train.weight_decay_change
+    if change is not None:
+        mask = mask_params(params, change.groups)
+        rate = decay_schedule(change.peak, change.start_step, n, anneal=True)
+        label_tree = labels
+        per_param_lr = {label: fn for label, fn in lr_of_label.items()}
+        decays = [
+            scheduled_weight_decay(_and(mask, _is_label(label_tree, label)), fn, rate)
+            for label, fn in per_param_lr.items()
+        ]
+        transform = optax.chain(transform, *decays)
+    return transform, lrs
+
+
+FROZEN_PARAMS = (r"\brouter_bias\b",)
+"""Parameters the optimizer never updates: the router bias is set from quantile statistics."""
+
+
+def _is_label(labels, label: str):
+    return jax.tree.map(lambda x: x == label, labels)
+
+
+def _and(a, b):
+    return jax.tree.map(lambda x, y: bool(x and y), a, b)

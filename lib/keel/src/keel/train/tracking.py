@@ -1,0 +1,139 @@
+"""Where a training run reports: JSON lines under its output path, wandb, and a loss-curve PNG.
+
+The JSON-lines file is the record keel itself reads (tests, plots, resume checks); wandb is for
+people. The wandb run id comes from the step's identity (its output directory ends in
+`<name>-<identity hash>`), so a rerun of the same step resumes the same wandb run and two different
+steps never share one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from typing import Any, Mapping
+
+import fsspec
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+LOSS_PLOT_FILE = "loss.png"
+
+
+def run_id_for(output_path: str) -> str:
+    """The tracker run id of the step writing to `output_path`: `<last name segment>-<hash>`."""
+    base = output_path.rstrip("/").rsplit("/", 1)[-1]
+    run_id = re.sub(r"[^A-Za-z0-9_\-]", "_", base)
+    if not run_id:
+        raise ValueError(f"output_path {output_path!r} has no final segment to derive a run id from")
+    return run_id
+
+
+def wandb_mode() -> str:
+    """`WANDB_MODE` when set; otherwise online only when an API key is present, else offline."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode:
+        return mode
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+class MetricsLog:
+    """Append-only JSON lines, one record per step (train) or evaluation; flushed on every write.
+
+    A record is `{"step": int, <metric>: float, ...}`. After a resume the same step can appear
+    twice (once from the attempt that died); readers keep the last record per step and kind.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        fs, plain = fsspec.core.url_to_fs(path)
+        fs.makedirs(os.path.dirname(plain) or ".", exist_ok=True)
+        self._file = fsspec.open(path, "a").open()
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        record = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (str, bool, int)) or value is None:
+        return value
+    return float(value)
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    """All records of a metrics file, in the order written (a torn last line is skipped)."""
+    records = []
+    with fsspec.open(path, "r") as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def latest_by_step(records: list[dict[str, Any]], key: str) -> dict[int, float]:
+    """`{step: value}` of `key`, the last record written for each step winning (resumed runs)."""
+    out: dict[int, float] = {}
+    for record in records:
+        if key in record:
+            out[record["step"]] = record[key]
+    return dict(sorted(out.items()))
+
+
+def plot_loss_curves(metrics_path: str, png_path: str) -> None:
+    """Train and validation loss against step, written as a PNG (matplotlib's Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    train = latest_by_step(records, "train/loss")
+    val = latest_by_step(records, "eval/loss")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(list(train), list(train.values()), label="train", linewidth=1)
+    if val:
+        ax.plot(list(val), list(val.values()), "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    with fsspec.open(png_path, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
+    plt.close(fig)
+
+
+def open_wandb(output_path: str, *, project: str, entity: str | None, tags: tuple[str, ...] = ()):
+    """A Levanter wandb tracker for this step (mode from `wandb_mode()`), files kept next to the run.
+
+    The local wandb directory lives under the output path when it is local, so offline runs stay
+    with the step's results.
+    """
+    from levanter.tracker.wandb import WandbConfig
+
+    if "://" not in output_path:
+        wandb_dir = os.path.join(output_path, "wandb_files")
+        os.makedirs(wandb_dir, exist_ok=True)
+        os.environ["WANDB_DIR"] = wandb_dir
+    run_id = run_id_for(output_path)
+    config = WandbConfig(
+        project=project,
+        entity=entity,
+        name=run_id,
+        id=run_id,
+        tags=list(tags),
+        mode=wandb_mode(),
+        resume="allow",
+        save_code=False,
+        background=False,
+    )
+    return config.init(run_id)

@@ -1,0 +1,99 @@
+"""A tiny stand-in LM for the training tests: embedding -> one QB-routed MoE layer -> lm_head.
+
+It has the call shape the training loop expects of a keel LM (see keel.train.lm.TrainableLM):
+expert parallelism through Levanter's grug transports, a non-learned router bias set from the
+previous step's quantile-balancing betas, dropped-assignment counts. Test support only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+
+GRUG_TRANSPORTS = {"fixed_all_to_all": "fixed_all_to_all", "dropless": "ring", "local": "scatter"}
+
+
+class StandinModel(eqx.Module):
+    embedding: jax.Array  # [V, D]
+    router: jax.Array  # [1, D, E]
+    router_bias: jax.Array  # [1, E]
+    w_gate: jax.Array  # [E, D, F]
+    w_up: jax.Array  # [E, D, F]
+    w_down: jax.Array  # [E, F, D]
+    lm_head: jax.Array  # [D, V]
+
+
+@dataclasses.dataclass(frozen=True)
+class StandinLM:
+    vocab: int = 128
+    hidden: int = 32
+    experts: int = 8
+    k: int = 2
+    ffn: int = 32
+    capacity_factor: float = 4.0
+
+    def init(self, key):
+        ks = jax.random.split(key, 6)
+        s = 0.5 / self.hidden**0.5
+        n = lambda k, shape: s * jax.random.normal(k, shape, jnp.float32)  # noqa: E731
+        return StandinModel(
+            embedding=n(ks[0], (self.vocab, self.hidden)),
+            router=n(ks[1], (1, self.hidden, self.experts)),
+            router_bias=jnp.zeros((1, self.experts), jnp.float32),
+            w_gate=n(ks[2], (self.experts, self.hidden, self.ffn)),
+            w_up=n(ks[3], (self.experts, self.hidden, self.ffn)),
+            w_down=n(ks[4], (self.experts, self.ffn, self.hidden)),
+            lm_head=n(ks[5], (self.hidden, self.vocab)),
+        )
+
+    def loss(self, model: StandinModel, batch, *, transport, z_loss: float, compute_dtype):
+        from jax.sharding import PartitionSpec as P
+        from jax.sharding import get_abstract_mesh, reshard
+        from levanter.grug.grug_moe import MoEExpertMlp, QBRoutedMoE
+        from levanter.utils.activation import ActivationFunctionEnum
+
+        mesh = get_abstract_mesh()
+        tokens = batch["input_ids"]
+        B, S = tokens.shape
+        token_axes = ("replica_dcn", "data", "expert")
+        x = model.embedding.at[tokens.reshape(-1)].get(out_sharding=P(token_axes, None)).astype(compute_dtype)
+        experts = MoEExpertMlp(
+            w_gate=model.w_gate.astype(compute_dtype),
+            w_up=model.w_up.astype(compute_dtype),
+            w_down=model.w_down.astype(compute_dtype),
+            implementation=GRUG_TRANSPORTS[transport.transport],
+            activation=ActivationFunctionEnum.silu,
+            capacity_factor=transport.capacity_factor or self.capacity_factor,
+        )
+        valid = jnp.ones((B * S,), jnp.bool_)
+        valid = reshard(valid, P(token_axes))
+        routed, stats = QBRoutedMoE(num_experts_per_token=self.k, batch_axes=token_axes)(
+            x, valid, router=model.router[0], router_bias=model.router_bias[0], expert_mlp=experts, mesh=mesh
+        )
+        h = x + routed
+        logits = jnp.einsum("td,dv->tv", h, model.lm_head.astype(compute_dtype)).astype(jnp.float32)
+        targets = jnp.roll(tokens, -1, axis=1).reshape(-1)
+        mask = jnp.ones((B, S), jnp.float32).at[:, -1].set(0).reshape(-1)
+        mask = reshard(mask, P(token_axes))
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        targets = reshard(targets, P(token_axes))
+        target_logit = jnp.sum(logits * jax.nn.one_hot(targets, self.vocab, dtype=logits.dtype), axis=-1)
+        ce = jnp.sum((lse - target_logit) * mask) / jnp.sum(mask)
+        zl = jnp.sum(lse**2 * mask) / jnp.sum(mask)
+        counts = stats["routing_counts"]
+        aux = {
+            "qb_beta": stats["qb_beta"][None, :],
+            "dropped_fraction": stats["capacity_overflow"] / (B * S * self.k),
+            "router_balance": jnp.max(counts) / jnp.maximum(jnp.mean(counts), 1.0),
+            "ce_loss": ce,
+        }
+        return ce + z_loss * zl, aux
+
+    def apply_router_update(self, model: StandinModel, aux):
+        beta = aux["qb_beta"]
+        bias = -(beta - jnp.mean(beta, axis=-1, keepdims=True))
+        return eqx.tree_at(lambda m: m.router_bias, model, bias.astype(model.router_bias.dtype))
