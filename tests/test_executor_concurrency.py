@@ -73,3 +73,20 @@ def test_stale_lease_is_taken_over_after_kill_9(tmp_path):
     status = read_status(root_path)
     assert status.state == "SUCCESS" and status.attempt == 2
     assert (tmp_path / "count").read_text().split().count("root") == 2
+
+
+def test_lease_takeover_on_memory_store():
+    from keel.executor import lease as leases
+
+    path = f"memory://lease-test-{os.getpid()}/step-abc"
+    first, holder = leases.try_acquire(path, timeout=0.3)
+    assert first is not None and holder is None
+    second, holder = leases.try_acquire(path, timeout=0.3)
+    assert second is None and holder.owner == first.owner  # live: refused
+    leases._HEARTBEATS.discard(first)  # the holder "dies": no more heartbeats
+    time.sleep(0.4)
+    second, holder = leases.try_acquire(path, timeout=0.3)
+    assert second is not None and second.epoch == first.epoch + 1
+    first.release()  # a superseded holder cannot free its successor's lease
+    assert leases.current_lease(path).owner == second.owner
+    second.release()

@@ -5,7 +5,8 @@ lease means creating the next epoch's file with an exclusive create, which exact
 wins on local disks, in-memory stores and object stores with conditional writes. The holder
 refreshes its heartbeat from a background thread; a lease whose heartbeat is older than the timeout
 belongs to a dead launcher and may be superseded by the next epoch. Each lease records its own
-timeout, so every reader judges expiry the same way. Release writes `released`.
+timeout, so every reader judges expiry the same way. Release deletes the holder's own epoch file
+(never a newer one, so a slow holder that was superseded cannot free its successor's lease).
 """
 
 from __future__ import annotations
@@ -31,10 +32,9 @@ class LeaseInfo:
     owner: str
     heartbeat: float
     timeout: float
-    released: bool
 
     def is_live(self, now: float | None = None) -> bool:
-        return not self.released and ((now or time.time()) - self.heartbeat) < self.timeout
+        return ((now or time.time()) - self.heartbeat) < self.timeout
 
 
 def _lease_url(output_path: str, epoch: int) -> str:
@@ -48,8 +48,8 @@ def current_lease(output_path: str) -> LeaseInfo | None:
     epoch = max(epochs)
     record = storage.read_json(_lease_url(output_path, epoch))
     if record is None:  # being written right now: treat as fresh
-        return LeaseInfo(epoch, "?", time.time(), DEFAULT_TIMEOUT_S, False)
-    return LeaseInfo(epoch, record["owner"], record["heartbeat"], record["timeout"], record["released"])
+        return LeaseInfo(epoch, "?", time.time(), DEFAULT_TIMEOUT_S)
+    return LeaseInfo(epoch, record["owner"], record["heartbeat"], record["timeout"])
 
 
 class Lease:
@@ -63,20 +63,17 @@ class Lease:
         self._lock = threading.Lock()
         self._released = False
 
-    def _write(self, released: bool) -> None:
-        record = {"owner": self.owner, "heartbeat": time.time(), "timeout": self.timeout, "released": released}
-        storage.write_atomic(_lease_url(self.output_path, self.epoch), json.dumps(record))
-
     def heartbeat(self) -> None:
         with self._lock:
             if not self._released:
-                self._write(released=False)
+                record = {"owner": self.owner, "heartbeat": time.time(), "timeout": self.timeout}
+                storage.write_atomic(_lease_url(self.output_path, self.epoch), json.dumps(record))
 
     def release(self) -> None:
         _HEARTBEATS.discard(self)
         with self._lock:
             self._released = True
-            self._write(released=True)
+            storage.delete_file(_lease_url(self.output_path, self.epoch))
 
 
 def try_acquire(output_path: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[Lease | None, LeaseInfo | None]:
@@ -90,7 +87,7 @@ def try_acquire(output_path: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[L
     epoch = 0 if current is None else current.epoch + 1
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
     lease = Lease(output_path, epoch, owner, timeout)
-    record = json.dumps({"owner": owner, "heartbeat": time.time(), "timeout": timeout, "released": False})
+    record = json.dumps({"owner": owner, "heartbeat": time.time(), "timeout": timeout})
     if not storage.create_exclusive(_lease_url(output_path, epoch), record):
         return None, current_lease(output_path)
     _HEARTBEATS.add(lease, timeout)

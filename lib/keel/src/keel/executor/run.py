@@ -22,7 +22,7 @@ from keel.executor.job import log_url, run_step_job
 from keel.executor.plan import CACHED, EXTERNAL, Graph, StepPlan, plan_graph, select
 from keel.executor.provenance import provenance, scrub
 from keel.executor.resolve import resolve_config
-from keel.executor.status import SUCCESS, keel_path, mark_finished, mark_running, read_status, verify_manifest
+from keel.executor.status import SUCCESS, Status, keel_path, mark_finished, mark_running, read_status, verify_manifest
 from keel.executor.step import Step
 
 _MAX_WAIT_POLL_S = 1.0
@@ -138,36 +138,34 @@ class Runner:
                     (report.ran if outcome == "ran" else report.reused).append(plan.name)
         return report
 
-    def _claim(self, plan: StepPlan) -> leases.Lease | None:
-        """The lease on the step's output, or None when another launcher finished it meanwhile."""
+    def _claim(self, plan: StepPlan) -> tuple[leases.Lease | None, Status | None]:
+        """The lease on the step's output and its last status; no lease when another launcher
+        finished the step meanwhile."""
         forced = bool(self.force and self.force.search(plan.name))
         delay = 0.02
         while True:
-            if not forced and self._finished(plan.output_path):
-                return None
-            lease, holder = leases.try_acquire(plan.output_path, self.lease_timeout)
+            lease, _holder = leases.try_acquire(plan.output_path, self.lease_timeout)
+            status = read_status(plan.output_path)
+            finished = status is not None and status.state == SUCCESS and verify_manifest(plan.output_path) is None
             if lease is not None:
-                if not forced and self._finished(plan.output_path):
+                if finished and not forced:
                     lease.release()
-                    return None
-                return lease
+                    return None, status
+                return lease, status
+            if finished and not forced:
+                return None, status
             # Another launcher holds a live lease: wait for its outcome (or for its lease to expire).
             time.sleep(delay)
             delay = min(delay * 2, _MAX_WAIT_POLL_S)
 
-    @staticmethod
-    def _finished(output_path: str) -> bool:
-        status = read_status(output_path)
-        return status is not None and status.state == SUCCESS and verify_manifest(output_path) is None
-
     def _execute(self, plan: StepPlan) -> str:
         step: Step = plan.step  # type: ignore[assignment]
-        lease = self._claim(plan)
+        lease, previous = self._claim(plan)
         if lease is None:
             self.echo(f"[keel] reuse {plan.name} (finished by another launcher)")
             return "reused"
         try:
-            running = mark_running(plan.output_path)
+            running = mark_running(plan.output_path, previous)
             resolved = resolve_config(step.config, plan.output_path, self.graph.path)
             storage.write_json(keel_path(plan.output_path, "step.json"), _step_record(self.graph, step, resolved))
             self.echo(f"[keel] start {plan.name} -> {plan.output_path}" + (f" ({plan.reason})" if plan.reason else ""))

@@ -44,8 +44,7 @@ def write_status(output_path: str, status: Status) -> None:
     storage.write_json(keel_path(output_path, "status"), asdict(status))
 
 
-def mark_running(output_path: str) -> Status:
-    previous = read_status(output_path)
+def mark_running(output_path: str, previous: Status | None) -> Status:
     status = Status(RUNNING, attempt=(previous.attempt + 1) if previous else 1, started=time.time())
     write_status(output_path, status)
     return status

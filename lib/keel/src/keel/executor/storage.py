@@ -55,10 +55,21 @@ def read_json(url: str) -> Any | None:
     return None if text is None else json.loads(text)
 
 
+_made_dirs: set[tuple[int, str]] = set()
+
+
+def _ensure_parent(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """makedirs for the file's folder, once per folder and process (folders are never removed mid-run)."""
+    key = (id(fs), fs._parent(path))
+    if key not in _made_dirs:
+        fs.makedirs(key[1], exist_ok=True)
+        _made_dirs.add(key)
+
+
 def write_atomic(url: str, text: str) -> None:
     """Replace the file's content so that readers see the old or the new content, never a part."""
     fs, path = split(url)
-    fs.makedirs(fs._parent(path), exist_ok=True)
+    _ensure_parent(fs, path)
     data = text.encode()
     if isinstance(fs, LocalFileSystem):
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
@@ -76,7 +87,7 @@ def write_json(url: str, obj: Any) -> None:
 def create_exclusive(url: str, text: str) -> bool:
     """Create the file with `text` unless it exists; True when this call created it."""
     fs, path = split(url)
-    fs.makedirs(fs._parent(path), exist_ok=True)
+    _ensure_parent(fs, path)
     try:
         with fs.open(path, "xb") as f:
             f.write(text.encode())
@@ -117,9 +128,18 @@ def exists(url: str) -> bool:
     return fs.exists(path)
 
 
+def delete_file(url: str) -> None:
+    fs, path = split(url)
+    try:
+        fs.rm_file(path)
+    except FileNotFoundError:
+        pass
+
+
 def delete_tree(url: str) -> None:
     fs, path = split(url)
     fs.rm(path, recursive=True)
+    _made_dirs.clear()
 
 
 def tree_size(url: str) -> int:
