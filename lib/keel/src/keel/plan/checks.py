@@ -61,6 +61,11 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
                  "move the phase earlier or train longer")
     if starts and (starts[0] != 0 or starts != sorted(set(starts))):
         fail(f"data.phases start at steps {starts}: the first must start at 0 and the rest strictly later")
+    if hasattr(config.data, "check_batch_size"):  # a keel.data.Mixture: phases on mixture-block boundaries
+        try:
+            config.data.check_batch_size(train.batch_size)
+        except ValueError as e:
+            fail(f"data.block_size / train.batch_size: {e}")
     wd = train.weight_decay_change
     if wd is not None and wd.start_step >= train.num_steps:
         fail(f"train.weight_decay_change.start_step={wd.start_step} is not before train.num_steps={train.num_steps}")

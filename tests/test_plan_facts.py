@@ -1,0 +1,230 @@
+"""The fact sheet derives the hero run's figures from its declaration; broken declarations fail in plan."""
+
+import dataclasses
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+
+from defaults.hardware import cpu_sim, gb200_nvl72
+from defaults.models import hero_535b, tiny_moe
+from keel import External, Step
+from keel.data import Mixture, MixturePhase
+from keel.mesh import RackTopology
+from keel.plan import PlanError, fact_sheet, fact_sheets_for, render_fact_sheet
+from keel.train import (
+    GroupedOptimizerConfig,
+    HostOffload,
+    RunFacts,
+    ScheduleConfig,
+    SpeedObservation,
+    TrainConfig,
+    TrainStepConfig,
+    TransportPhase,
+    WeightDecayChange,
+    steps_for_tokens_per_param,
+)
+
+TOPICS = {  # public topic shares per phase (initial, main, cooldown); the rest of each phase is "other"
+    "perf-logs-low-level-code": (9.0, 10.6, 11.4),
+    "software-infra-security": (9.3, 8.3, 8.0),
+    "cli-agent-transcripts": (1.3, 6.0, 6.6),
+    "general-software-web": (7.9, 4.5, 3.1),
+    "natural-science": (8.8, 6.9, 11.3),
+    "history-literature": (6.9, 3.7, 3.7),
+    "finance": (5.6, 2.4, 2.8),
+    "math": (4.3, 1.8, 1.4),
+    "law": (1.1, 3.6, 2.9),
+    "world-news": (0.8, 2.7, 1.8),
+}
+
+
+def _never_run(config):
+    raise AssertionError("planning must not run a step")
+
+
+def hero_config(racks: int = 11, batch: int = 11_264, **train_changes) -> TrainStepConfig:
+    """The hero declaration as the reference states it; derived numbers are computed."""
+    seq = 4096
+    steps = steps_for_tokens_per_param(hero_535b, batch, seq, 791)
+    block = 49_152
+    align = block // math.gcd(block, batch)
+    cooldown = math.floor(steps * 15 / 18.75 / align) * align
+    names = [*TOPICS, "other"]
+    phases = []
+    for i, start in enumerate((0, 108_000, cooldown)):
+        weights = {topic: shares[i] / 100 for topic, shares in TOPICS.items()}
+        weights["other"] = 1 - sum(weights.values())
+        phases.append(MixturePhase(start, weights))
+    components = {n: External(f"hero/data/{n}", f"gs://hero-data/cache/{n}", version="v1") for n in names}
+    data = Mixture(components, tuple(phases), block_size=block, normalize=True)
+    train = TrainConfig(
+        batch_size=batch,
+        seq_len=seq,
+        num_steps=steps,
+        optimizer=GroupedOptimizerConfig.from_scaling_law(hero_535b, batch_size=batch, seq_len=seq, num_steps=steps),
+        schedule=ScheduleConfig(warmup_fraction=0.01, decay_to_fraction=0.05),
+        z_loss=1e-4,
+        weight_decay_change=WeightDecayChange(start_step=54_000, peak=0.02),
+        eval_every=3000,
+        checkpoint_every=6000,
+        rolling_checkpoint_minutes=60,
+        transports=(TransportPhase(0, "pooled_all_to_all"), TransportPhase(81_716, "ragged_all_to_all")),
+        host_offload=HostOffload(master_weights_until_step=81_716, optimizer_state=True),
+    )
+    train = dataclasses.replace(train, **train_changes)
+    facts = RunFacts(
+        start_date="2026-08-19",
+        observed=(SpeedObservation(0, "2026-08-19", 4364), SpeedObservation(81_716, "2026-09-09", 4400)),
+        run_id="hero-12d8b6f0-dee637",
+    )
+    return TrainStepConfig(model=hero_535b, data=data, train=train, hardware=gb200_nvl72,
+                           topology=RackTopology(racks, gb200_nvl72.gpus_per_rack, expert_parallel=64), facts=facts)
+
+
+@pytest.fixture(scope="module")
+def hero():
+    return fact_sheet(hero_config(), "hero/train")
+
+
+def test_hero_parameters_and_mesh(hero):
+    assert hero["parameters"]["total"] == 535_477_106_688
+    assert hero["parameters"]["active"] == 22_762_487_808
+    mesh = hero["mesh"]
+    assert mesh["axes"] == {"replica_dcn": 11, "data": 1, "expert": 64, "model": 1}
+    assert mesh["gpus"] == 704
+    assert mesh["experts_per_gpu"] == 6
+    assert mesh["sequences_per_gpu"] == 16
+    assert mesh["tokens_per_gpu"] == 16 * 4096
+
+
+def test_hero_tokens_steps_flops_and_learning_rates(hero):
+    t = hero["training"]
+    assert t["tokens_per_step"] == 46_137_344
+    assert t["num_steps"] == 390_251
+    assert t["total_tokens"] == 18_005_144_633_344
+    assert t["flops_6nt"] == pytest.approx(2.46e24, rel=2e-3)
+    assert round(t["flops_with_attention"] / 1e24, 1) == 2.7
+    o = hero["optimizer"]
+    assert round(o["adam_lr"], 6) == 0.000759
+    assert o["muon_lr"] == pytest.approx(0.003291, abs=1e-6)
+    assert o["muon_lr"] / o["adam_lr"] == pytest.approx(13 / 3)
+    assert o["warmup_steps"] == 3902
+
+
+def test_hero_mixture_phases_and_transport_timeline(hero):
+    phases = hero["mixture"]
+    assert [(p["start_step"], p["end_step"]) for p in phases] == [(0, 107_999), (108_000, 312_191), (312_192, 390_250)]
+    assert sum(p["tokens"] for p in phases) == 18_005_144_633_344
+    assert phases[2]["weights"]["natural-science"] == pytest.approx(0.113)
+    assert sum(phases[1]["weights"].values()) == pytest.approx(1.0)
+    switch = hero["transports"][1]
+    assert (switch["transport"], switch["start_step"], switch["date"]) == ("ragged_all_to_all", 81_716, "2026-09-09")
+    assert round(switch["tokens_before"] / 1e12, 2) == 3.77
+
+
+def test_hero_memory_fits_and_rack_hbm(hero):
+    m = hero["memory"]
+    assert round(m["hbm_per_rack_gb"] / 1000, 1) == 12.3
+    assert [p["from_step"] for p in m["phases"]] == [0, 81_716]
+    launch, later = m["phases"]
+    assert launch["on_host"] == ["master_weights", "optimizer_state"]
+    assert later["on_host"] == ["optimizer_state"]
+    assert later["device_gb"] - launch["device_gb"] == pytest.approx(m["parts_gb"]["master_weights"])
+    assert launch["fits"] and later["fits"]
+    # one bf16 residual of 16 x 4096 tokens x 6144 per layer and GPU
+    assert m["parts_gb"]["residual_per_layer"] == pytest.approx(16 * 4096 * 6144 * 2 / 1e9)
+
+
+def test_hero_all_to_all_scales_with_capacity_factor(hero):
+    pooled, ragged = hero["all_to_all"]
+    assert pooled["capacity_factor"] == 1.15 and ragged["capacity_factor"] == 1.0
+    assert pooled["width"] == 3072
+    assert pooled["buffer_gb_per_layer"] == pytest.approx(65_536 * 8 * 1.15 * 3072 * 2 / 1e9)
+    assert pooled["gb_per_step_per_gpu"] / ragged["gb_per_step_per_gpu"] == pytest.approx(1.15)
+
+
+def test_hero_time_and_completion_date(hero):
+    t = hero["time"]
+    assert t["projected_end_date"] == "2026-11-18"
+    assert t["speeds"][1]["step_seconds"] == pytest.approx(86_400 / 4400)
+    assert 0 < t["speeds"][1]["mfu"] < 1
+
+
+def test_hero_claims_checked(hero):
+    claims = {c["claim"]: c["value"] for c in hero["claims"]}
+    assert round(claims["trains in 60 days"]) == 89
+    assert round(claims["the batch is 92 MB"] / 1e6) == 185
+    assert round(claims["activations are 567 GB per layer"] / 1e9) == 567
+    assert claims["top-8 x 3072 equals a dense 4x MLP in FLOPs"] == pytest.approx(0.5)
+
+
+def test_hero_text_names_the_figures(hero):
+    text = render_fact_sheet(hero)
+    for figure in ("535,477,106,688", "22,762,487,808", "replica_dcn 11 x expert 64", "46,137,344 per step",
+                   "390,251 steps", "18,005,144,633,344", "2026-11-18", "about 89 days", "184.5 MB", "566.9 GB"):
+        assert figure in text, figure
+    assert "DOES NOT FIT" not in text
+
+
+def test_ten_racks_with_the_hero_batch_fail_naming_the_field():
+    with pytest.raises(PlanError, match=r"hero/train: topology: TrainConfig.batch_size=11264 .* 640 batch shards"):
+        fact_sheet(hero_config(racks=10), "hero/train")
+
+
+def test_a_phase_after_the_last_step_fails():
+    with pytest.raises(PlanError, match=r"data.phases\[2\].start_step=312192 is at or after the last step"):
+        fact_sheet(hero_config(num_steps=300_000, transports=()))
+
+
+def test_ragged_all_to_all_on_cpu_hardware_fails():
+    config = hero_config()
+    config = dataclasses.replace(config, hardware=dataclasses.replace(cpu_sim, gpus_per_rack=64))
+    with pytest.raises(PlanError, match=r"train.transports\[1\].transport='ragged_all_to_all' is not supported"):
+        fact_sheet(config)
+
+
+def test_mixture_phase_off_a_block_boundary_fails():
+    config = hero_config()
+    phases = list(config.data.phases)
+    phases[1] = MixturePhase(108_001, phases[1].weights)  # 108,001 x 11,264 is not a multiple of 49,152
+    config = dataclasses.replace(config, data=dataclasses.replace(config.data, phases=tuple(phases)))
+    with pytest.raises(PlanError, match=r"data.block_size / train.batch_size: Mixture phase 1 starts at step 108001"):
+        fact_sheet(config)
+
+
+def test_memory_that_does_not_fit_is_flagged():
+    # the whole global batch on one rack: 176 sequences per GPU
+    sheet = fact_sheet(hero_config(racks=1))
+    assert not sheet["memory"]["phases"][0]["fits"]
+    assert "DOES NOT FIT 192.0 GB HBM" in render_fact_sheet(sheet)
+
+
+def test_fact_sheets_only_for_training_steps():
+    tiny = TrainStepConfig(model=tiny_moe, data="/tmp/tokens", train=TrainConfig(batch_size=16, seq_len=128, num_steps=10),
+                           topology=RackTopology(2, 4, expert_parallel=4), hardware=cpu_sim)
+    other = Step("prep/thing", _never_run, dataclasses.replace(ScheduleConfig()))
+    steps = [other, Step("tiny/train", _never_run, tiny), Step("hero/train", _never_run, hero_config())]
+    sheets = fact_sheets_for(steps)
+    assert [s["step"] for s in sheets] == ["tiny/train", "hero/train"]
+    assert sheets[0]["mesh"]["experts_per_gpu"] == 2 and sheets[0]["time"] is None
+    assert sheets[1]["text"].startswith("== fact sheet: hero/train")
+
+
+def test_planning_the_hero_imports_no_jax_and_is_instant():
+    code = (
+        "import sys, time; t = time.perf_counter(); sys.path[:0] = ['.', 'tests']\n"
+        "from test_plan_facts import hero_config\n"
+        "from keel.plan import fact_sheet, render_fact_sheet\n"
+        "render_fact_sheet(fact_sheet(hero_config()))\n"
+        "heavy = [m for m in sys.modules if m.split('.')[0] in ('jax', 'levanter', 'haliax', 'equinox', 'optax')]\n"
+        "assert not heavy, heavy\n"
+        "print(time.perf_counter() - t)\n"
+    )
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert float(out.stdout.strip()) < 1.0
+    assert time.perf_counter() - started < 10
