@@ -71,7 +71,7 @@ def hero_config(racks: int = 11, batch: int = 11_264, **train_changes) -> TrainS
         eval_every=3000,
         checkpoint_every=6000,
         rolling_checkpoint_minutes=60,
-        transports=(TransportPhase(0, "pooled_all_to_all"), TransportPhase(81_716, "ragged_all_to_all")),
+        transports=(TransportPhase(0, "fixed_pooled_all_to_all", num_waves=3), TransportPhase(81_716, "ragged_all_to_all")),
         host_offload=HostOffload(master_weights_until_step=81_716, optimizer_state=True),
     )
     train = dataclasses.replace(train, **train_changes)

@@ -53,7 +53,7 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
     for i, phase in enumerate(train.transports):
         if hw is not None and not hw.supports_transport(phase.transport):
             fail(f"train.transports[{i}].transport={phase.transport!r} is not supported by hardware {hw.name!r}: "
-                 "choose a CPU-capable transport (e.g. 'fixed_all_to_all' or 'dropless')")
+                 "choose a CPU-capable transport (e.g. 'fixed_all_to_all' or 'ring')")
     starts = [start for start, _ in mixture_phases(config.data)]
     for i, start in enumerate(starts):
         if start >= train.num_steps:

@@ -161,26 +161,34 @@ def memory(config: TrainStepConfig) -> dict | None:
 
 
 def all_to_all(config: TrainStepConfig) -> list[dict]:
-    """Dispatch + combine buffer bytes per GPU per step, for each transport phase.
+    """Expert-parallel bytes each GPU sends per step, for each transport phase.
 
-    A fixed-capacity transport moves capacity_factor x the assignments (padded buffers); a
-    dropless or ragged one moves the assignments themselves. Each layer sends a dispatch and a
-    combine buffer forward, two more backward, and (with remat) repeats the forward pair.
+    Fixed-capacity transports send padded buffers of capacity_factor x the assignments; the ragged
+    one sends the assignments themselves; `ring` all-gathers every token of the expert group and
+    reduce-scatters the outputs instead. A layer sends one dispatch and one combine forward, two
+    more backward and, with remat, the forward pair again. `dense` and `local` move no tokens.
     """
     topo, train, model = config.topology, config.train, config.model
-    if topo is None or not model.num_experts or not train.transports:
+    if topo is None or not model.num_experts:
         return []
     compute = _bytes_of(train.compute_dtype, "train.compute_dtype")
     tokens = train.batch_size // topo.batch_shards * train.seq_len
-    assignment_bytes = model.expert_input_dim * compute
+    row_bytes = model.expert_input_dim * compute
     buffers_per_layer = 2 * (2 + (1 if train.remat else 0))
     out = []
     for phase in train.transports:
-        padded = phase.transport in ("fixed_all_to_all", "pooled_all_to_all")
-        factor = (phase.capacity_factor or model.capacity_factor) if padded else 1.0
-        buffer = tokens * model.experts_per_token * factor * assignment_bytes
+        if phase.transport in ("dense", "local"):
+            continue
+        if phase.transport == "ring":
+            kind, factor, rows = "all_gather", 1.0, tokens * (topo.expert_parallel - 1)
+        else:
+            padded = phase.transport in ("fixed_all_to_all", "fixed_pooled_all_to_all")
+            factor = (phase.capacity_factor or model.capacity_factor) if padded else 1.0
+            kind, rows = ("padded" if padded else "ragged"), tokens * model.experts_per_token * factor
+        buffer = rows * row_bytes
         out.append({
             "transport": phase.transport,
+            "kind": kind,
             "from_step": phase.start_step,
             "capacity_factor": factor,
             "width": model.expert_input_dim,
@@ -257,6 +265,7 @@ def transports(config: TrainStepConfig) -> list[dict]:
             "start_step": phase.start_step,
             "end_step": end - 1,
             "capacity_factor": phase.capacity_factor or config.model.capacity_factor,
+            "num_waves": phase.num_waves,
             "tokens_before": phase.start_step * train.tokens_per_step,
         }
         seen = [s for s in (facts.observed if facts else ()) if s.step == phase.start_step]

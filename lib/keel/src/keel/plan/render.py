@@ -83,11 +83,18 @@ def _memory(m: dict | None, color: bool) -> list[str]:
     return lines
 
 
+ROWS = {
+    "padded": "{width}-wide bf16 rows, capacity {capacity_factor:g}",
+    "ragged": "{width}-wide bf16 rows as routed",
+    "all_gather": "{width}-wide bf16 rows of the whole expert group",
+}
+
+
 def _all_to_all(rows: list[dict]) -> list[str]:
     return [
-        f"all-to-all   {r['transport']} from step {_n(r['from_step'])}: {r['width']}-wide bf16 rows x capacity "
-        f"{r['capacity_factor']:g}: {_gb(r['buffer_gb_per_layer'])} per buffer per layer, "
-        f"{_gb(r['gb_per_step_per_gpu'])} per step per GPU ({r['off_gpu_fraction']:.0%} leaves the GPU)"
+        f"all-to-all   {r['transport']} from step {_n(r['from_step'])}: {ROWS[r['kind']].format(**r)}: "
+        f"{_gb(r['buffer_gb_per_layer'])} per buffer per layer, {_gb(r['gb_per_step_per_gpu'])} per step per GPU "
+        f"({r['off_gpu_fraction']:.0%} leaves the GPU)"
         for r in rows
     ]
 
@@ -116,7 +123,8 @@ def _mixture(phases: list[dict]) -> list[str]:
 
 def _transports(rows: list[dict]) -> list[str]:
     return [
-        f"transport    steps {_n(r['start_step'])}-{_n(r['end_step'])}: {r['transport']} (capacity {r['capacity_factor']:g})"
+        f"transport    steps {_n(r['start_step'])}-{_n(r['end_step'])}: {r['transport']} (capacity {r['capacity_factor']:g}"
+        + (f", {r['num_waves']} waves)" if r["num_waves"] > 1 else ")")
         + (f", from {r['date']}" if r.get("date") else "")
         + (f", after {r['tokens_before'] / 1e12:.2f}T tokens" if r["start_step"] else "")
         for r in rows

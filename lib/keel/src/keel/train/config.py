@@ -134,21 +134,24 @@ class WeightDecayChange:
             raise ValueError("WeightDecayChange.groups is empty: name the parameter groups to decay")
 
 
-TRANSPORTS = ("dense", "local", "fixed_all_to_all", "pooled_all_to_all", "dropless", "ragged_all_to_all")
-"""Expert dispatch transports a run may select (see keel.model's MoE layer)."""
+TRANSPORTS = ("dense", "local", "fixed_all_to_all", "ring", "fixed_pooled_all_to_all", "ragged_all_to_all")
+"""Expert dispatch transports a run may select (the names of keel.model's transports)."""
 
 
 @dataclass(frozen=True)
 class TransportPhase:
     """From `start_step` on, dispatch tokens to experts with `transport` (execution-only).
 
-    `capacity_factor` None keeps the model's `capacity_factor`. A switch checkpoints at
-    `start_step` and continues under the same output path: the transport is not identity.
+    `capacity_factor` None keeps the model's `capacity_factor` (for `fixed_pooled_all_to_all` it
+    is the pooled sender capacity); `num_waves` is read by the pooled transport only. A switch
+    checkpoints at `start_step` and continues under the same output path: the transport is not
+    part of the run's identity.
     """
 
     start_step: int
     transport: str
     capacity_factor: float | None = None
+    num_waves: int = 1
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -157,6 +160,8 @@ class TransportPhase:
             raise ValueError(f"TransportPhase.start_step={self.start_step} must be >= 0")
         if self.capacity_factor is not None:
             _positive("TransportPhase", capacity_factor=self.capacity_factor)
+        if self.num_waves < 1:
+            raise ValueError(f"TransportPhase.num_waves={self.num_waves} must be >= 1")
 
 
 @dataclass(frozen=True)
