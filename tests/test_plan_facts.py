@@ -228,3 +228,13 @@ def test_planning_the_hero_imports_no_jax_and_is_instant():
     assert out.returncode == 0, out.stderr
     assert float(out.stdout.strip()) < 1.0
     assert time.perf_counter() - started < 10
+
+
+def test_without_remat_activations_are_not_guessed_and_json_stays_valid():
+    import json
+
+    sheet = fact_sheet(hero_config(remat=False))
+    assert sheet["memory"]["parts_gb"]["saved_residuals"] is None
+    assert sheet["memory"]["phases"][0]["fits"] is None
+    json.loads(json.dumps(sheet, allow_nan=False))
+    assert "no remat: activations not estimated" in render_fact_sheet(sheet)

@@ -7,12 +7,14 @@ how to fix it: a declaration that cannot run should fail in `keel plan`, not on 
 
 from __future__ import annotations
 
+from keel.executor.step import StepDeclarationError
 from keel.mesh.topology import TopologyError
 from keel.train.config import TrainStepConfig
 
 
-class PlanError(ValueError):
-    """A training step's declaration is inconsistent; the message names the field."""
+class PlanError(StepDeclarationError):
+    """A training step's declaration is inconsistent; the message names the field (`keel plan`
+    reports it as a declaration error)."""
 
 
 def mixture_phases(data) -> list[tuple[int, dict[str, float]]]:

@@ -127,7 +127,7 @@ def memory(config: TrainStepConfig) -> dict | None:
         "gradients": params * compute / GB,
         "optimizer_state": sum(sharded[n] * moments[n] * 4 for n in sharded) / GB,
         "residual_per_layer": residual / GB,
-        "saved_residuals": (model.num_layers * residual if train.remat else math.nan) / GB,
+        "saved_residuals": model.num_layers * residual / GB if train.remat else None,  # no estimate without remat
     }
     offload = train.host_offload
     boundaries = [0] + ([offload.master_weights_until_step] if offload.master_weights_until_step else [])
@@ -141,14 +141,15 @@ def memory(config: TrainStepConfig) -> dict | None:
         device_parts = ["weights", "gradients", "saved_residuals"] + [
             p for p in ("master_weights", "optimizer_state") if p not in on_host
         ]
-        device = sum(parts[p] for p in device_parts)
+        known = [parts[p] for p in device_parts]
+        device = None if None in known else sum(known)
         phases.append({
             "from_step": start,
             "on_device": device_parts,
             "on_host": on_host,
             "device_gb": device,
             "host_gb": sum(parts[p] for p in on_host),
-            "fits": None if hbm is None or math.isnan(device) else device <= hbm,
+            "fits": None if hbm is None or device is None else device <= hbm,
         })
     return {
         "parameters_per_gpu": params,

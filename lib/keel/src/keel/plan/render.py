@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 RED, RESET = "\033[31m", "\033[0m"
 
 
@@ -16,7 +14,7 @@ def _e(x: float) -> str:
 
 
 def _gb(x: float) -> str:
-    return "n/a" if x is None or math.isnan(x) else f"{x:,.1f} GB"
+    return "n/a" if x is None else f"{x:,.1f} GB"
 
 
 def _parameters(p: dict) -> list[str]:
