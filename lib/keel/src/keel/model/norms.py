@@ -1,0 +1,64 @@
+"""RMSNorm, the parameter-free QK norm, and GatedNorm (a low-rank sigmoid gate after an RMSNorm)."""
+
+import equinox as eqx
+import haliax as hax
+import jax
+import haliax.nn as hnn
+import jax.numpy as jnp
+from haliax import Axis, NamedArray
+
+from keel.model.axes import ModelAxes, init_matrix
+from keel.model.config import MoELMConfig
+
+
+def rms_normalize(x: NamedArray, axis: Axis, eps: float) -> NamedArray:
+    """RMS-normalise along `axis` in fp32 without a gain (the QK norm)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * hax.rsqrt(hax.mean(hax.square(x32), axis=axis) + eps)
+    return normed.astype(x.dtype)
+
+
+def rms_norm(axis: Axis, config: MoELMConfig) -> hnn.RmsNorm:
+    """A learned-gain RMSNorm computed in fp32 (no bias)."""
+    return hnn.RmsNorm.init(axis, eps=config.norm_eps, use_weight=True, use_bias=False, dtype=jnp.float32)
+
+
+class GatedNorm(eqx.Module):
+    """x * sigmoid(silu(x W_down) W_up): a per-dimension gate through a rank-r bottleneck."""
+
+    down: NamedArray  # [Embed, GateRank]
+    up: NamedArray  # [GateRank, Embed]
+
+    @staticmethod
+    def init(config: MoELMConfig, *, key) -> "GatedNorm":
+        axes = ModelAxes.of(config)
+        k_down, k_up = jax.random.split(key, 2)
+        return GatedNorm(
+            down=init_matrix(k_down, (axes.Embed, axes.GateRank), config),
+            up=init_matrix(k_up, (axes.GateRank, axes.Embed), config),
+        )
+
+    def __call__(self, x: NamedArray) -> NamedArray:
+        GateRank = self.down.resolve_axis("gate_rank")
+        Embed = self.up.resolve_axis("embed")
+        hidden = hnn.silu(hax.dot(x, self.down.astype(x.dtype), axis=Embed))
+        gate = hnn.sigmoid(hax.dot(hidden, self.up.astype(x.dtype), axis=GateRank))
+        return x * gate
+
+
+class NormSite(eqx.Module):
+    """One normalisation site of the reference: RMSNorm, then GatedNorm when gated_norm_rank > 0."""
+
+    norm: hnn.RmsNorm
+    gated: GatedNorm | None
+
+    @staticmethod
+    def init(config: MoELMConfig, *, key) -> "NormSite":
+        axes = ModelAxes.of(config)
+        gated = GatedNorm.init(config, key=key) if config.gated_norm_rank else None
+        return NormSite(norm=rms_norm(axes.Embed, config), gated=gated)
+
+    def __call__(self, x: NamedArray) -> NamedArray:
+        x = self.norm(x)
+        return x if self.gated is None else self.gated(x)
+

@@ -1,0 +1,152 @@
+"""Token -> expert routing, its balance statistics, and quantile balancing's global histogram.
+
+Routing works on tokens flattened to one `Token` axis. The router runs in fp32 and adds the
+non-learned `router_bias` (stop-gradient) only to the *selection* logits:
+
+- sigmoid_topk_threshold: top-(k+1) of logits + bias; the first k are the routes, the (k+1)-th
+  value is the token's threshold; combine weights are sigmoid(unbiased logits) of the k routes,
+  renormalised to sum to `routing_renorm_sum`.
+- softmax_topk: top-k of logits (+ bias); combine weights are the softmax over the k chosen logits.
+
+Quantile balancing: per expert, beta_e is the value that exactly k/E of the valid tokens of the
+*global* batch exceed in (unbiased logit - threshold), estimated from a `qb_histogram_bins`-bin
+histogram summed over every batch shard. Setting next step's bias to -beta (centred) makes each
+expert the choice of about k/E of the tokens.
+"""
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+from haliax import Axis, NamedArray
+from jax import shard_map
+from jax.sharding import PartitionSpec as P
+from jax.sharding import get_abstract_mesh
+from levanter.sharding import partition_spec_of
+
+from keel.model.config import MoELMConfig, Routing
+
+TOP_K = "top_k"
+
+
+class Routes(eqx.Module):
+    selected: NamedArray  # [Token, TopK] int32 expert ids
+    weights: NamedArray  # [Token, TopK] combine weights
+    logits: NamedArray  # [Token, Experts] fp32, without the bias
+    threshold: NamedArray | None  # [Token] fp32: the (k+1)-th biased logit (sigmoid routing only)
+
+
+def route(u: NamedArray, router: NamedArray, router_bias: NamedArray | None, config: MoELMConfig) -> Routes:
+    """u [Token, Embed], router [Embed, Experts], router_bias [Experts] -> Routes."""
+    Embed, Experts = router.axes
+    k = config.experts_per_token
+    TopK = Axis(TOP_K, k)
+    logits = hax.dot(u.astype(jnp.float32), router.astype(jnp.float32), axis=Embed)
+    biased = logits if router_bias is None else logits + jax.lax.stop_gradient(router_bias.astype(jnp.float32))
+    if config.routing is Routing.SIGMOID_TOPK_THRESHOLD:
+        values, indices = hax.top_k(biased, Experts, k + 1, new_axis=Axis(TOP_K, k + 1))
+        selected = indices[TOP_K, :k]
+        threshold = values[TOP_K, k]
+        weights = hnn.sigmoid(_take_experts(logits, selected, Experts))
+        weights = weights * (config.routing_renorm_sum / (hax.sum(weights, TopK) + 1e-9))
+    else:
+        values, selected = hax.top_k(biased, Experts, k, new_axis=TopK)
+        weights = hnn.softmax(_take_experts(logits, selected, Experts), axis=TopK)
+        threshold = None
+    return Routes(selected=selected.astype(jnp.int32), weights=weights.astype(u.dtype), logits=logits, threshold=threshold)
+
+
+def _take_experts(logits: NamedArray, selected: NamedArray, Experts: Axis) -> NamedArray:
+    """logits[t, selected[t, j]] as [Token, TopK]."""
+    Token = selected.axes[0]
+    raw = jnp.take_along_axis(logits.rearrange((Token, Experts)).array, selected.rearrange((Token, ...)).array, axis=1)
+    return hax.named(raw, selected.rearrange((Token, ...)).axes)
+
+
+def routing_stats(routes: Routes, valid: NamedArray, Experts: Axis) -> dict[str, NamedArray]:
+    """Per-layer balance statistics over valid tokens of the global batch.
+
+    routing_counts [Experts]: assignments per expert; max_load: the busiest expert's share relative
+    to a perfectly even split (1.0 = balanced); load_balancing_loss: E * sum_e f_e * P_e (f: share
+    of assignments, P: mean softmax probability), the usual auxiliary loss.
+    """
+    counts = token_sum(
+        lambda sel, ok: jnp.zeros(Experts.size, jnp.int32).at[sel].add(ok[:, None].astype(jnp.int32)),
+        routes.selected.array,
+        valid.array,
+    )
+    counts = hax.named(counts, Experts).astype(jnp.float32)
+    total = jnp.maximum(hax.sum(counts).array, 1.0)
+    share = counts / total
+    valid_f = valid.astype(jnp.float32)
+    n_valid = jnp.maximum(hax.sum(valid_f).array, 1.0)
+    mean_prob = hax.sum(hnn.softmax(routes.logits, axis=Experts) * valid_f, axis=valid.axes[0]) / n_valid
+    return {
+        "routing_counts": counts,
+        "max_load": hax.max(share) * Experts.size,
+        "load_balancing_loss": Experts.size * hax.sum(share * mean_prob),
+    }
+
+
+def quantile_beta(routes: Routes, valid: NamedArray, config: MoELMConfig) -> NamedArray:
+    """beta [Experts]: the (1 - k/E) upper quantile of (logit - threshold) over the global batch's valid tokens."""
+    if routes.threshold is None:
+        raise ValueError("quantile balancing needs the top-(k+1) threshold (routing='sigmoid_topk_threshold')")
+    Token, Experts = valid.axes[0], routes.logits.resolve_axis("experts")
+    scores = (routes.logits - routes.threshold).rearrange((Token, Experts))
+    ok = valid.array
+    lo = hax.min(hax.where(valid, scores, jnp.inf), axis=Token).array
+    hi = hax.max(hax.where(valid, scores, -jnp.inf), axis=Token).array
+    bins = config.qb_histogram_bins
+    width = jnp.maximum(hi - lo, 0.0) / bins
+
+    def local_histogram(s, ok, lo, width):
+        idx = jnp.clip(jnp.floor((s - lo) / jnp.where(width > 0, width, 1.0)), 0, bins - 1).astype(jnp.int32)
+        rows = jnp.broadcast_to(jnp.arange(s.shape[1]), s.shape)
+        return jnp.zeros((s.shape[1], bins), jnp.int32).at[rows, idx].add(ok[:, None].astype(jnp.int32))
+
+    counts = token_sum(local_histogram, scores.array, ok, replicated=(lo, width)).astype(jnp.float32)
+    target = jnp.sum(ok).astype(jnp.float32) * config.experts_per_token / config.num_experts
+    at_or_above = jnp.cumsum(counts[:, ::-1], axis=1)[:, ::-1]  # tokens in bin b or higher
+    top_bin = jnp.maximum(jnp.sum(at_or_above >= target, axis=1) - 1, 0)
+    in_bin = jnp.take_along_axis(counts, top_bin[:, None], axis=1)[:, 0]
+    from_bin = jnp.take_along_axis(at_or_above, top_bin[:, None], axis=1)[:, 0]
+    # Tokens spread evenly inside the bin: the cut leaves `target` tokens above it.
+    beta = lo + (top_bin + (from_bin - target) / jnp.maximum(in_bin, 1.0)) * width
+    beta = jnp.where(target > 0, beta, 0.0)
+    return hax.named(beta, Experts)
+
+
+def token_sum(fn, *token_arrays, replicated=()):
+    """Sum fn(*local shards, *replicated) over every shard of the token (leading) dimension.
+
+    The counts are built with scatter-adds on each shard's own tokens and then summed with one
+    psum, which is how the global router histogram crosses racks. Without a mesh it is just fn.
+    """
+    mesh = get_abstract_mesh()
+    spec = partition_spec_of(token_arrays[0])
+    token_entry = spec[0] if spec is not None and len(spec) else None
+    if mesh is None or mesh.empty or token_entry is None:
+        return fn(*token_arrays, *replicated)
+    token_axes = token_entry if isinstance(token_entry, tuple) else (token_entry,)
+
+    def local(*args):
+        return jax.lax.psum(fn(*args), token_axes)
+
+    in_specs = tuple(P(token_entry, *([None] * (a.ndim - 1))) for a in token_arrays)
+    in_specs += tuple(P(*([None] * r.ndim)) for r in replicated)
+    return shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False)(
+        *token_arrays, *replicated
+    )
+
+
+def initial_router_bias(config: MoELMConfig) -> NamedArray:
+    """The router bias before the first step: zeros [Layers, Experts]."""
+    return hax.zeros((Axis("layers", config.num_layers), Axis("experts", config.num_experts)))
+
+
+def next_router_bias(betas: NamedArray) -> NamedArray:
+    """Next step's router bias from this step's betas [Layers, Experts]: -beta, centred to zero mean per layer."""
+    Experts = betas.resolve_axis("experts")
+    return -(betas - hax.mean(betas, axis=Experts))

@@ -1,0 +1,141 @@
+"""Expert dispatch: run the routed experts on a flat batch of tokens with a chosen transport.
+
+Every transport computes the same function, out[t] = sum_j w[t, j] * expert_{e[t, j]}(x[t]),
+except for assignments a fixed-capacity transport drops (counted and returned). The expert
+parallel ones are Levanter's grug kernels (`levanter.grug.grug_moe.moe_mlp`) called on the raw
+arrays behind our named ones; keel adds only what grug lacks:
+
+- `dense`: grug has no all-experts reference, and tests need one that shares no code with the
+  kernels under test.
+- `local`: grug refuses its grouped local kernel when the mesh has an expert axis, so keel runs
+  that kernel inside its own shard_map over the token shards with the experts gathered.
+"""
+
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+from haliax import NamedArray
+from jax import shard_map
+from jax.sharding import AbstractMesh, get_abstract_mesh, reshard
+from jax.sharding import PartitionSpec as P
+from levanter.grug.grug_moe import moe_mlp
+from levanter.sharding import partition_spec_of
+
+from keel.model.transport_spec import TransportSpec, check_transport_supported
+
+_GRUG_NAMES = {
+    "fixed_all_to_all": "fixed_all_to_all",
+    "ring": "ring",
+    "fixed_pooled_all_to_all": "fixed_pooled_wave_all_to_all",
+    "ragged_all_to_all": "ragged_all_to_all",
+}
+
+
+def dispatch(
+    x: NamedArray,
+    selected: NamedArray,
+    weights: NamedArray,
+    valid: NamedArray,
+    gate: NamedArray,
+    up: NamedArray,
+    down: NamedArray,
+    *,
+    transport: TransportSpec,
+    capacity_factor: float,
+) -> tuple[NamedArray, jax.Array]:
+    """x [Token, Latent], selected/weights [Token, TopK], valid [Token]; expert weights
+    gate/up [Experts, Latent, ExpertMlp], down [Experts, ExpertMlp, Latent].
+
+    Returns (out [Token, Latent], dropped assignments: int32 scalar over the global batch).
+    Invalid (padding) tokens get a zero output and are never counted as dropped.
+    """
+    check_transport_supported(transport, jax.default_backend())
+    if transport.name == "dense":
+        return _dense(x, selected, weights, valid, gate, up, down), jnp.zeros((), jnp.int32)
+
+    Token, Latent = x.axes
+    TopK = selected.resolve_axis("top_k")
+    raw = dict(
+        x=x.rearrange((Token, Latent)).array,
+        selected=selected.rearrange((Token, TopK)).array,
+        weights=weights.rearrange((Token, TopK)).array,
+        valid=valid.array,
+    )
+    w13 = jnp.concatenate([gate.array, up.array], axis=-1)  # [E, Latent, 2F], gate first (grug's layout)
+    w2 = down.array
+    if transport.name == "local":
+        out, dropped = _local(raw, w13, w2)
+    else:
+        mesh = get_abstract_mesh()
+        expert_size = 1 if mesh.empty else int(mesh.shape.get("expert", 1))
+        # `ring` is dropless here: a capacity of ep_size x the even share fits every assignment.
+        factor = float(max(expert_size, 1)) if transport.name == "ring" else capacity_factor
+        out, counts = moe_mlp(
+            raw["x"],
+            raw["selected"],
+            raw["weights"],
+            w13,
+            w2,
+            token_valid=raw["valid"],
+            implementation=_GRUG_NAMES[transport.name],
+            mesh=mesh,
+            capacity_factor=factor,
+            pooled_transport_capacity_factor=transport.pooled_capacity_factor,
+            num_expert_waves=transport.num_waves,
+            report_capacity_overflow=True,
+        )
+        dropped = counts.dropped
+    return hax.named(out, (Token, Latent)), dropped.astype(jnp.int32)
+
+
+def _local(raw: dict, w13: jax.Array, w2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """grug's grouped scatter kernel on each token shard, all experts gathered onto every device."""
+    no_mesh = AbstractMesh((), ())
+
+    def run(x, selected, weights, valid, w13, w2):
+        out, counts = moe_mlp(
+            x, selected, weights, w13, w2, token_valid=valid, implementation="scatter", mesh=no_mesh,
+            report_capacity_overflow=True,
+        )
+        return out, counts.dropped
+
+    mesh = get_abstract_mesh()
+    spec = partition_spec_of(raw["x"])
+    token_entry = spec[0] if spec is not None and len(spec) else None
+    if mesh.empty or token_entry is None:
+        return run(raw["x"], raw["selected"], raw["weights"], raw["valid"], w13, w2)
+    token_axes = token_entry if isinstance(token_entry, tuple) else (token_entry,)
+
+    def run_shard(*args):
+        out, dropped = run(*args)
+        return out, jax.lax.psum(dropped, token_axes)
+
+    t2 = P(token_entry, None)
+    return shard_map(
+        run_shard,
+        mesh=mesh,
+        in_specs=(t2, t2, t2, P(token_entry), P(None, None, None), P(None, None, None)),
+        out_specs=(t2, P()),
+        check_vma=False,
+    )(raw["x"], raw["selected"], raw["weights"], raw["valid"], _replicate(w13), _replicate(w2))
+
+
+def _dense(x, selected, weights, valid, gate, up, down) -> NamedArray:
+    """Every expert on every token, weighted by a dense [Token, Experts] routing matrix."""
+    gate, up, down = (hax.named(_replicate(w.array), w.axes) for w in (gate, up, down))
+    Experts, Latent = gate.axes[0], gate.axes[1]
+    TopK = selected.resolve_axis("top_k")
+    ExpertMlp = gate.axes[2]
+    dense_w = hax.sum(hnn.one_hot(selected, Experts, dtype=weights.dtype) * weights, axis=TopK)
+    dense_w = dense_w * valid.astype(weights.dtype)
+    hidden = hnn.silu(hax.dot(x, gate, axis=Latent)) * hax.dot(x, up, axis=Latent)
+    per_expert = hax.dot(hidden, down, axis=ExpertMlp)  # [Token, Experts, Latent]
+    return hax.dot(per_expert, dense_w, axis=Experts).astype(x.dtype)
+
+
+def _replicate(a: jax.Array) -> jax.Array:
+    mesh = get_abstract_mesh()
+    if mesh.empty:
+        return a
+    return reshard(a, P(*([None] * a.ndim)))
