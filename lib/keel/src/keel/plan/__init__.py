@@ -9,9 +9,18 @@ from keel.executor.step import Step
 from keel.plan.checks import PlanError, check_train_step
 from keel.plan.facts import fact_sheet
 from keel.plan.render import render_fact_sheet
+from keel.plan.twin import architecture_features, scale_down
 from keel.train.config import TrainStepConfig
 
-__all__ = ["PlanError", "check_train_step", "fact_sheet", "fact_sheets_for", "render_fact_sheet"]
+__all__ = [
+    "PlanError",
+    "architecture_features",
+    "check_train_step",
+    "fact_sheet",
+    "fact_sheets_for",
+    "render_fact_sheet",
+    "scale_down",
+]
 
 
 def fact_sheets_for(steps) -> list[dict]:

@@ -276,6 +276,11 @@ def transports(config: TrainStepConfig) -> list[dict]:
     return out
 
 
+def _quoted(x: float) -> str:
+    """A figure the way people quote it: whole units when large, three digits when small."""
+    return f"{x:.0f}" if x >= 10 else f"{x:.3g}"
+
+
 def claims(config: TrainStepConfig, sheet: dict) -> list[dict]:
     """Figures quoted about a run, recomputed from its declaration."""
     model, train = config.model, config.train
@@ -284,22 +289,24 @@ def claims(config: TrainStepConfig, sheet: dict) -> list[dict]:
     if time_facts:
         days = time_facts["whole_run_days_at_latest_speed"]
         speed = time_facts["speeds"][-1]["steps_per_day"]
-        out.append({"claim": "trains in 60 days", "value": days,
+        out.append({"id": "duration", "claim": "trains in 60 days", "value": days,
                     "finding": f"{train.num_steps:,} steps at {speed:,.0f} steps/day take about {days:.0f} days"})
     batch_bytes = train.tokens_per_step * TOKEN_ID_BYTES
     two_byte_ok = model.vocab_size <= 2**16
     out.append({
-        "claim": f"the batch is {train.tokens_per_step * 2 / 1e6:.0f} MB", "value": batch_bytes,
-        "finding": (f"{train.tokens_per_step:,} token ids x {TOKEN_ID_BYTES} bytes = {batch_bytes / 1e6:.1f} MB; "
+        "id": "batch_bytes",
+        "claim": f"the batch is {_quoted(train.tokens_per_step * 2 / 1e6)} MB", "value": batch_bytes,
+        "finding": (f"{train.tokens_per_step:,} token ids x {TOKEN_ID_BYTES} bytes = {batch_bytes / 1e6:.4g} MB; "
                     + ("2-byte ids would also do" if two_byte_ok else
                        f"2-byte ids cannot hold a {model.vocab_size:,}-token vocabulary")),
     })
     residual = train.tokens_per_step * model.hidden_dim * 2
     out.append({
-        "claim": f"activations are {residual / GB:.0f} GB per layer", "value": residual,
-        "finding": (f"{residual / GB:.1f} GB is one bf16 {model.hidden_dim}-wide tensor over the whole global batch "
+        "id": "activations_per_layer",
+        "claim": f"activations are {_quoted(residual / GB)} GB per layer", "value": residual,
+        "finding": (f"{residual / GB:.4g} GB is one bf16 {model.hidden_dim}-wide tensor over the whole global batch "
                     f"({train.tokens_per_step:,} tokens); per GPU it is "
-                    f"{sheet['memory']['parts_gb']['residual_per_layer']:.2f} GB" if sheet.get("memory") else ""),
+                    f"{sheet['memory']['parts_gb']['residual_per_layer']:.3g} GB" if sheet.get("memory") else ""),
     })
     if model.num_experts:
         k, inp, f, d = model.experts_per_token, model.expert_input_dim, model.expert_dim, model.hidden_dim
@@ -309,12 +316,13 @@ def claims(config: TrainStepConfig, sheet: dict) -> list[dict]:
         latent = 2 * d * inp if model.latent_dim is not None else 0
         on_hidden = model.num_layers * model.num_experts * 3 * d * f
         out.append({
+            "id": "moe_vs_dense",
             "claim": f"top-{k} x {f} equals a dense {dense_width / d:g}x MLP in FLOPs",
             "value": routed / dense,
-            "finding": (f"the routed experts read {inp}-wide inputs, not {d}: {routed * 2 / 1e6:,.0f} MFLOP/token/layer "
-                        f"forward vs {dense * 2 / 1e6:,.0f} for a dense SwiGLU {d}->{dense_width}->{d}: "
+            "finding": (f"the routed experts read {inp}-wide inputs, not {d}: {routed * 2:.3g} FLOP/token/layer "
+                        f"forward vs {dense * 2:.3g} for a dense SwiGLU {d}->{dense_width}->{d}: "
                         f"ratio {routed / dense:.3f} ({(routed + latent) / dense:.3f} with the latent projections); "
-                        f"experts on the {d}-wide token would hold {on_hidden / 1e12:.2f}T parameters"),
+                        f"experts on the {d}-wide token would hold {on_hidden:.3g} parameters"),
         })
     return out
 

@@ -14,7 +14,16 @@ def _e(x: float) -> str:
 
 
 def _gb(x: float) -> str:
-    return "n/a" if x is None else f"{x:,.1f} GB"
+    """GB (1e9 bytes) at the hero's scale; MB or KB for small twins."""
+    if x is None:
+        return "n/a"
+    if x >= 0.1 or x == 0:
+        return f"{x:,.1f} GB"
+    return f"{x * 1e3:,.1f} MB" if x >= 1e-4 else f"{x * 1e6:,.1f} KB"
+
+
+def _tera(tokens: float) -> str:
+    return f" ({tokens / 1e12:.2f}T)" if tokens >= 1e11 else ""
 
 
 def _parameters(p: dict) -> list[str]:
@@ -77,7 +86,8 @@ def _memory(m: dict | None, color: bool) -> list[str]:
         host = f"; host {_gb(phase['host_gb'])} ({', '.join(phase['on_host'])})" if phase["on_host"] else ""
         lines.append(f"  from step {_n(phase['from_step'])}: device {_gb(phase['device_gb'])} {verdict}{host}")
     if m["hbm_per_rack_gb"]:
-        lines.append(f"  HBM per rack {m['hbm_per_rack_gb'] / 1000:,.1f} TB")
+        lines.append(f"  HBM per rack {m['hbm_per_rack_gb'] / 1000:,.1f} TB" if m["hbm_per_rack_gb"] >= 1000
+                     else f"  HBM per rack {_gb(m['hbm_per_rack_gb'])}")
     return lines
 
 
@@ -114,8 +124,8 @@ def _mixture(phases: list[dict]) -> list[str]:
     for p in phases:
         top = sorted(p["weights"].items(), key=lambda kv: -kv[1])[:4]
         shares = ", ".join(f"{k} {v:.1%}" for k, v in top)
-        lines.append(f"mixture      steps {_n(p['start_step'])}-{_n(p['end_step'])}: {_n(p['tokens'])} tokens "
-                     f"({p['tokens'] / 1e12:.2f}T); {len(p['weights'])} component(s), top: {shares}")
+        lines.append(f"mixture      steps {_n(p['start_step'])}-{_n(p['end_step'])}: {_n(p['tokens'])} tokens"
+                     f"{_tera(p['tokens'])}; {len(p['weights'])} component(s), top: {shares}")
     return lines
 
 
@@ -124,7 +134,7 @@ def _transports(rows: list[dict]) -> list[str]:
         f"transport    steps {_n(r['start_step'])}-{_n(r['end_step'])}: {r['transport']} (capacity {r['capacity_factor']:g}"
         + (f", {r['num_waves']} waves)" if r["num_waves"] > 1 else ")")
         + (f", from {r['date']}" if r.get("date") else "")
-        + (f", after {r['tokens_before'] / 1e12:.2f}T tokens" if r["start_step"] else "")
+        + (f", after {_n(r['tokens_before'])} tokens{_tera(r['tokens_before'])}" if r["start_step"] else "")
         for r in rows
     ]
 

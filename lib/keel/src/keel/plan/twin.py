@@ -1,0 +1,129 @@
+"""The scaled-down twin of a training step: the same run in shape, small enough for a laptop.
+
+A twin keeps what makes the run the run: every architecture feature that is switched on, the
+optimizer's groups and learning-rate law, the schedule's shape, the mixture's phase structure and
+weights, the weight-decay change and the transport switch, all at proportionally scaled steps.
+It swaps what only sizes it: model widths, batch, sequence length, step count, the data (one
+small token cache stands in for every mixture component) and the hardware. Pure config: no jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from keel.mesh.hardware import Hardware
+from keel.mesh.topology import RackTopology
+from keel.model.config import Balancing, MoELMConfig, Routing
+from keel.plan.checks import PlanError
+from keel.train.config import GroupedOptimizerConfig, TrainConfig, TrainStepConfig
+
+CPU_STAND_INS = {"ragged_all_to_all": "ring"}
+"""Transports the twin's hardware may lack, and the CPU-capable one that plays their part
+(`ring` is dropless, like the ragged all-to-all)."""
+
+
+def architecture_features(model: MoELMConfig) -> set[str]:
+    """The names of the hero-architecture features a model switches on."""
+    on = {
+        "embed_norm": model.embed_norm,
+        "global_layers": bool(model.global_layers),
+        "fewer_global_kv_heads": model.global_kv_heads < model.num_kv_heads,
+        "sliding_window": model.sliding_window is not None,
+        "partial_rope": 0 < model.rope_fraction < 1,
+        "qk_norm": model.qk_norm,
+        "qk_mult": model.qk_mult != 1.0,
+        "xsa": model.xsa,
+        "attention_gate": model.attention_gate,
+        "gated_norm": model.gated_norm_rank > 0,
+        "latent_moe": model.latent_dim is not None,
+        "shared_experts": model.num_shared_experts > 0,
+        "threshold_routing": model.routing is Routing.SIGMOID_TOPK_THRESHOLD,
+        "quantile_balancing": model.balancing is Balancing.QUANTILE,
+        "untied_embeddings": not model.tie_embeddings,
+    }
+    on.update({f"conv_{site.value}": True for site in model.conv_sites})
+    return {name for name, enabled in on.items() if enabled}
+
+
+def scale_down(
+    config: TrainStepConfig,
+    *,
+    model: MoELMConfig,
+    data: Any,
+    batch_size: int,
+    seq_len: int,
+    num_steps: int,
+    topology: RackTopology,
+    hardware: Hardware,
+    **train_overrides: Any,
+) -> TrainStepConfig:
+    """The twin of `config` on `model` (which must keep every feature `config.model` has on),
+    reading `data` (a token cache) for every mixture component. `train_overrides` are set last
+    (e.g. `eval_every`)."""
+    missing = architecture_features(config.model) - architecture_features(model)
+    if missing:
+        raise PlanError(f"scale_down(model=...): the twin's model switches off {', '.join(sorted(missing))}; "
+                        "a twin keeps every architecture feature of the run it mirrors")
+    train = config.train
+    ratio = num_steps / train.num_steps
+
+    def step(s: int) -> int:
+        return min(num_steps - 1, round(s * ratio))
+
+    twin_train = dataclasses.replace(
+        train,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        num_steps=num_steps,
+        optimizer=_optimizer(train, model, batch_size, seq_len, num_steps),
+        weight_decay_change=train.weight_decay_change and dataclasses.replace(
+            train.weight_decay_change, start_step=step(train.weight_decay_change.start_step)),
+        eval_every=max(1, round(train.eval_every * ratio)),
+        checkpoint_every=None,
+        transports=_distinct_starts(tuple(
+            dataclasses.replace(t, start_step=step(t.start_step),
+                                transport=t.transport if hardware.supports_transport(t.transport)
+                                else CPU_STAND_INS.get(t.transport, "fixed_all_to_all"))
+            for t in train.transports
+        )),
+        host_offload=dataclasses.replace(train.host_offload, master_weights_until_step=None),
+    )
+    twin_train = dataclasses.replace(twin_train, **train_overrides)
+    return dataclasses.replace(
+        config,
+        model=model,
+        data=_data(config.data, data, step, batch_size),
+        train=twin_train,
+        topology=topology,
+        hardware=hardware,
+        facts=None,
+    )
+
+
+def _optimizer(train: TrainConfig, model: MoELMConfig, batch_size: int, seq_len: int, num_steps: int):
+    """The same optimizer; a grouped one gets its peak LRs from the same law at the twin's size."""
+    opt = train.optimizer
+    if not isinstance(opt, GroupedOptimizerConfig):
+        return opt
+    law = GroupedOptimizerConfig.from_scaling_law(model, batch_size=batch_size, seq_len=seq_len, num_steps=num_steps)
+    return dataclasses.replace(opt, muon_lr=law.muon_lr, adam_lr=law.adam_lr)
+
+
+def _distinct_starts(phases: tuple) -> tuple:
+    """Drop a phase squeezed onto the same step as the next one by the scaling (the later wins)."""
+    return tuple(p for i, p in enumerate(phases) if i + 1 == len(phases) or phases[i + 1].start_step > p.start_step)
+
+
+def _data(original: Any, stand_in: Any, step, batch_size: int) -> Any:
+    """A mixture keeps its components' names, phases and weights, every component reading `stand_in`;
+    a mixture block of one batch puts every step on a block boundary. Other data is replaced."""
+    if not hasattr(original, "phases"):
+        return stand_in
+    phases = _distinct_starts(tuple(dataclasses.replace(p, start_step=step(p.start_step)) for p in original.phases))
+    return dataclasses.replace(
+        original,
+        components={name: stand_in for name in original.components},
+        phases=phases,
+        block_size=batch_size,
+    )

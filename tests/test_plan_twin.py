@@ -1,0 +1,41 @@
+"""scale_down: the hero's twin keeps the run's shape (features, phases, switch) at CPU size."""
+
+import pytest
+
+from defaults.hardware import cpu_sim
+from defaults.models import tiny_moe
+from keel.mesh import RackTopology
+from keel.plan import PlanError, architecture_features, fact_sheet, scale_down
+from test_plan_facts import hero_config
+
+CPU = dict(batch_size=16, seq_len=128, num_steps=60, topology=RackTopology(2, 4, expert_parallel=4), hardware=cpu_sim)
+
+
+def test_twin_keeps_the_run_shape_at_scaled_steps():
+    hero = hero_config()
+    twin = scale_down(hero, model=tiny_moe, data="/caches/stdlib", **CPU)
+    assert architecture_features(twin.model) >= architecture_features(hero.model)
+    assert [p.start_step for p in twin.data.phases] == [round(p.start_step * 60 / 390_251) for p in hero.data.phases]
+    assert [p.weights for p in twin.data.phases] == [p.weights for p in hero.data.phases]
+    assert set(twin.data.components.values()) == {"/caches/stdlib"}
+    assert twin.data.components.keys() == hero.data.components.keys()
+    switch = twin.train.transports[1]
+    assert switch.start_step == round(81_716 * 60 / 390_251)
+    assert switch.transport == "ring"  # cpu_sim has no ragged all-to-all: the dropless CPU transport stands in
+    assert twin.train.weight_decay_change.start_step == round(54_000 * 60 / 390_251)
+    assert twin.train.schedule == hero.train.schedule and twin.train.z_loss == hero.train.z_loss
+    assert twin.train.optimizer.muonh_params == hero.train.optimizer.muonh_params
+    assert twin.train.optimizer.muon_lr / twin.train.optimizer.adam_lr == pytest.approx(13 / 3)
+    assert twin.facts is None
+
+
+def test_twin_passes_plan_on_cpu_hardware():
+    sheet = fact_sheet(scale_down(hero_config(), model=tiny_moe, data="/caches/stdlib", **CPU), "hero/train-tiny")
+    assert sheet["mesh"]["axes"] == {"replica_dcn": 2, "data": 1, "expert": 4, "model": 1}
+    assert sheet["training"]["num_steps"] == 60
+    assert [t["transport"] for t in sheet["transports"]] == ["fixed_pooled_all_to_all", "ring"]
+
+
+def test_twin_must_keep_every_feature():
+    with pytest.raises(PlanError, match="switches off qk_norm, xsa"):
+        scale_down(hero_config(), model=tiny_moe.replace(xsa=False, qk_norm=False), data="/c", **CPU)
