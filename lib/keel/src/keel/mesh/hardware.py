@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from keel.model.transport_spec import ACCELERATOR_ONLY
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -39,4 +41,4 @@ class Hardware:
 
     def supports_transport(self, transport: str) -> bool:
         """Whether the backend can run an expert transport (XLA:CPU lacks ragged-all-to-all)."""
-        return transport != "ragged_all_to_all" or self.supports_ragged_all_to_all
+        return transport not in ACCELERATOR_ONLY or self.supports_ragged_all_to_all

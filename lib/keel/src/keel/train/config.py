@@ -18,6 +18,7 @@ from keel.executor.step import execution_only, this_output
 from keel.mesh.hardware import Hardware
 from keel.mesh.topology import RackTopology
 from keel.model.config import MoELMConfig
+from keel.model.transport_spec import TRANSPORTS
 
 
 def _positive(owner: str, **values: float) -> None:
@@ -134,10 +135,6 @@ class WeightDecayChange:
             raise ValueError("WeightDecayChange.groups is empty: name the parameter groups to decay")
 
 
-TRANSPORTS = ("dense", "local", "fixed_all_to_all", "ring", "fixed_pooled_all_to_all", "ragged_all_to_all")
-"""Expert dispatch transports a run may select (the names of keel.model's transports)."""
-
-
 @dataclass(frozen=True)
 class TransportPhase:
     """From `start_step` on, dispatch tokens to experts with `transport` (execution-only).
@@ -155,7 +152,7 @@ class TransportPhase:
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"TransportPhase.transport={self.transport!r} is unknown: use one of {', '.join(TRANSPORTS)}")
+            raise ValueError(f"TransportPhase.transport={self.transport!r} is unknown: use one of {', '.join(sorted(TRANSPORTS))}")
         if self.start_step < 0:
             raise ValueError(f"TransportPhase.start_step={self.start_step} must be >= 0")
         if self.capacity_factor is not None:
