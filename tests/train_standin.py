@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 
-GRUG_TRANSPORTS = {"fixed_all_to_all": "fixed_all_to_all", "dropless": "ring", "local": "scatter"}
+GRUG_TRANSPORTS = {"fixed_all_to_all": "fixed_all_to_all", "ring": "ring", "local": "scatter"}
 
 
 class StandinModel(eqx.Module):
@@ -97,3 +97,60 @@ class StandinLM:
         beta = aux["qb_beta"]
         bias = -(beta - jnp.mean(beta, axis=-1, keepdims=True))
         return eqx.tree_at(lambda m: m.router_bias, model, bias.astype(model.router_bias.dtype))
+
+
+BATCH_AXES = ("replica_dcn", "data", "expert")
+
+
+def rack_mesh(racks: int = 2, per_rack: int = 4):
+    """8 simulated devices as racks x GPUs, explicit axes (replica_dcn, data, expert, model)."""
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    devices = np.array(jax.devices()[: racks * per_rack]).reshape(racks, 1, per_rack, 1)
+    return Mesh(devices, ("replica_dcn", "data", "expert", "model"), axis_types=(AxisType.Explicit,) * 4)
+
+
+def arithmetic_sequences(n: int, *, seq_len: int, vocab: int, seed: int, delay_per_item: float = 0.0):
+    """A learnable dataset: each sequence counts up by 3 from a random start (mod vocab)."""
+    import asyncio
+
+    import numpy as np
+    from levanter.data.dataset import ListAsyncDataset
+
+    starts = np.random.RandomState(seed).randint(0, vocab, n)
+    items = [
+        {
+            "input_ids": ((s + 3 * np.arange(seq_len)) % vocab).astype(np.int32),
+            "segment_ids": np.zeros(seq_len, np.int32),
+        }
+        for s in starts
+    ]
+
+    class Throttled(ListAsyncDataset):
+        """Reads slowly, so that a test can kill a run in the middle."""
+
+        async def get_batch(self, indices):
+            await asyncio.sleep(delay_per_item * len(indices))
+            return await super().get_batch(indices)
+
+    return Throttled(items) if delay_per_item else ListAsyncDataset(items)
+
+
+def standin_inputs(
+    lm: StandinLM | None = None, *, seq_len: int = 64, delay_per_item: float = 0.0, use_wandb: bool = True
+):
+    from keel.train.config import TransportPhase
+    from keel.train.loop import LoopInputs
+
+    lm = lm or StandinLM()
+    return LoopInputs(
+        lm=lm,
+        mesh=rack_mesh(),
+        batch_axes=BATCH_AXES,
+        train_data=arithmetic_sequences(512, seq_len=seq_len, vocab=lm.vocab, seed=0, delay_per_item=delay_per_item),
+        val_data={"held_out": arithmetic_sequences(32, seq_len=seq_len, vocab=lm.vocab, seed=1)},
+        default_transport=TransportPhase(0, "fixed_all_to_all"),
+        use_wandb=use_wandb,
+        fetch_batches=1 if delay_per_item else 8,
+    )

@@ -27,6 +27,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from keel.train.batches import batch_loader
 from keel.train.checkpoint import TrainCheckpoints
 from keel.train.config import TrainConfig, TransportPhase
 from keel.train.lm import TrainableLM
@@ -45,9 +46,12 @@ class LoopInputs:
     """Mesh axes the batch is split over, e.g. ("replica_dcn", "data", "expert")."""
     train_data: Any
     """A Levanter AsyncDataset of examples (dicts of int32 [seq_len] arrays), in training order."""
-    val_data: Any | None
+    val_data: dict[str, Any]
+    """Validation datasets by name; `eval/loss` is their mean, `eval/<name>/loss` each one's."""
     default_transport: TransportPhase
     """The transport when the config declares no timeline."""
+    fetch_batches: int = 8
+    """Training batches read from storage per request (Levanter's fetch_batch_size)."""
     wandb_project: str = "keel"
     use_wandb: bool = True
 
@@ -78,8 +82,6 @@ class _Run:
 
     # ------------------------------------------------------------------ main
     def run(self) -> dict[str, float]:
-        from levanter.data.loader import DataLoader
-
         config = self.config
         latest = self.checkpoints.latest()
         if latest is not None:
@@ -91,12 +93,9 @@ class _Run:
         last: dict[str, float] = {}
         try:
             if start < config.num_steps:
-                loader = DataLoader(
-                    self.inputs.train_data,
-                    config.batch_size,
-                    mesh=self.inputs.mesh,
-                    axis_resources={"batch": self.inputs.batch_axes},
-                    max_buffered_batches=8,
+                loader = batch_loader(
+                    self.inputs.train_data, batch_size=config.batch_size, mesh=self.inputs.mesh,
+                    batch_axes=self.inputs.batch_axes, fetch_batches=self.inputs.fetch_batches,
                 )
                 batches = loader.iter_from_step(start)
                 if start == 0:
@@ -197,34 +196,26 @@ class _Run:
         return self._eval_fns[phase]
 
     def _evaluate(self, step: int, phase: TransportPhase, metrics_log: MetricsLog, tracker) -> None:
-        from levanter.data.loader import DataLoader
-
-        if self.inputs.val_data is None or self.config.eval_batches <= 0:
+        """Mean loss over the first `eval_batches` batches of each validation set (same batches every time)."""
+        if not self.inputs.val_data or self.config.eval_batches <= 0:
             return
-        loader = DataLoader(
-            self.inputs.val_data,
-            self.config.batch_size,
-            mesh=self.inputs.mesh,
-            axis_resources={"batch": self.inputs.batch_axes},
-            max_buffered_batches=0,
-        )
         evaluate = self._eval_fn(phase)
-        losses = []
-        batches = loader.iter_from_step(0)
-        for _ in range(self.config.eval_batches):
-            try:
-                batch = next(batches)
-            except StopIteration:
-                break
-            with jax.set_mesh(self.inputs.mesh):
-                losses.append(float(evaluate(self.state_arrays, batch)))
-        batches.close()
-        if losses:
-            values = {"eval/loss": sum(losses) / len(losses)}
-            metrics_log.write(step, values)
-            if tracker is not None:
-                tracker.log(values, step=step)
-            logger.info("step %d: validation loss %.4f", step, values["eval/loss"])
+        values = {}
+        for name, dataset in sorted(self.inputs.val_data.items()):
+            loader = batch_loader(dataset, batch_size=self.config.batch_size, mesh=self.inputs.mesh,
+                                  batch_axes=self.inputs.batch_axes, prefetch=0)
+            batches = loader.iter_from_step(0)
+            losses = []
+            for _, batch in zip(range(self.config.eval_batches), batches):
+                with jax.set_mesh(self.inputs.mesh):
+                    losses.append(float(evaluate(self.state_arrays, batch)))
+            batches.close()
+            values[f"eval/{name}/loss"] = sum(losses) / len(losses)
+        values["eval/loss"] = sum(values.values()) / len(values)
+        metrics_log.write(step, values)
+        if tracker is not None:
+            tracker.log(values, step=step)
+        logger.info("step %d: validation loss %.4f", step, values["eval/loss"])
 
     def _open_tracker(self):
         if not self.inputs.use_wandb:

@@ -1,0 +1,50 @@
+"""Training and validation batches: keel.data's Levanter datasets behind Levanter's DataLoader.
+
+Batch `s` of the training loader holds dataset items `[s * batch_size, (s + 1) * batch_size)`, and
+the mixture dataset fixes which component each item comes from, so mixture phases switch exactly
+at their declared steps and a resumed run reads the very batches the died run would have read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def as_mixture(data: Any):
+    """A `Mixture` as is; a tokenize step's output path as a one-component mixture."""
+    from keel.data import Mixture
+
+    if isinstance(data, Mixture):
+        return data
+    if isinstance(data, str):
+        return Mixture.constant({"data": data}, {"data": 1.0})
+    raise TypeError(
+        f"TrainStepConfig.data is a {type(data).__name__}: give a keel.data.Mixture or a tokenize step "
+        "(its output path)"
+    )
+
+
+def training_datasets(data: Any, *, seq_len: int, batch_size: int, seed: int):
+    """(train dataset, {component: validation dataset}) for a mixture or a single token cache."""
+    from keel.data import build_train_dataset, build_validation_datasets
+
+    mixture = as_mixture(data)
+    train = build_train_dataset(mixture, seq_len=seq_len, batch_size=batch_size, seed=seed)
+    return train, build_validation_datasets(mixture, seq_len=seq_len)
+
+
+def batch_loader(
+    dataset, *, batch_size: int, mesh, batch_axes: tuple[str, ...], prefetch: int = 8, fetch_batches: int = 8
+):
+    """Levanter's DataLoader: whole batches, sharded over `batch_axes`, read `fetch_batches` at a
+    time and up to `prefetch` batches ahead on the host."""
+    from levanter.data.loader import DataLoader
+
+    return DataLoader(
+        dataset,
+        batch_size,
+        mesh=mesh,
+        axis_resources={"batch": batch_axes},
+        max_buffered_batches=prefetch,
+        fetch_batch_size=fetch_batches,
+    )
