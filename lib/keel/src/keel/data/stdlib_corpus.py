@@ -4,7 +4,8 @@ About 30 MB of code and docstrings for CPython 3.12 (half of it under `test/`). 
 between Python releases, so the full version (and the implementation) are fields of the config and
 therefore of the step's identity: a default taken from the interpreter that declares the step, and
 checked against the interpreter that runs it. Files are read in sorted relative-path order, which
-makes the `max_files` / `max_bytes` caps (for fast tests and tutorials) deterministic too.
+makes the `max_files` / `max_bytes` caps (for fast tests and tutorials) deterministic too: the
+corpus ends before the first file that would exceed a cap.
 """
 
 from __future__ import annotations

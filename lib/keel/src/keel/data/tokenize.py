@@ -216,6 +216,7 @@ def tokenize_documents(config: TokenizeConfig) -> None:
     from keel.data.tokenizer import load_tokenizer
 
     loaded = load_tokenizer(config.tokenizer, bos_token=config.bos_token, eos_token=config.eos_token)
+    loaded.tokenizer.encode_special_tokens = True  # "<|endoftext|>" inside a document is text, not a boundary
     for flag, token_id, name in ((config.add_bos, loaded.bos_id, "bos"), (config.add_eos, loaded.eos_id, "eos")):
         if flag and token_id is None:
             raise ValueError(

@@ -1,0 +1,163 @@
+"""Ingestion: every file format, HF datasets' local loaders, bad-record reporting, the stable split."""
+
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from keel.data import BadRecordError, HfDatasetSpec, IngestConfig, ingest_documents, iter_documents, read_index, split_of
+
+TEXTS = ["first document", "second: ünïcödé ✓", "third\nhas two lines", "fourth\u2028with a line separator"]
+
+
+def _jsonl(records) -> bytes:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+
+
+def _all_documents(path):
+    return {d.id: d.text for split in ("train", "validation") for d in iter_documents(path, split)}
+
+
+def _ingest(tmp_path, name="out", **kwargs):
+    out = str(tmp_path / name)
+    ingest_documents(IngestConfig(output_path=out, **kwargs))
+    return out
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet"])
+def test_each_record_format_is_ingested_with_its_text_field(tmp_path, suffix):
+    records = [{"body": t, "n": i} for i, t in enumerate(TEXTS)]
+    path = tmp_path / f"data{suffix}"
+    if suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(records), path)
+    else:
+        raw = _jsonl(records)
+        compress = {".jsonl": lambda b: b, ".jsonl.gz": gzip.compress, ".jsonl.zst": zstandard.compress}[suffix]
+        path.write_bytes(compress(raw))
+
+    out = _ingest(tmp_path, inputs=(str(path),), text_field="body", validation_fraction=0.5)
+
+    assert _all_documents(out) == {f"data{suffix}:{i + 1}": t for i, t in enumerate(TEXTS)}
+    index = read_index(out)
+    splits = index["splits"]
+    assert splits["train"]["documents"] + splits["validation"]["documents"] == len(TEXTS)
+    assert splits["train"]["bytes"] + splits["validation"]["bytes"] == sum(len(t.encode()) for t in TEXTS)
+    for doc_id in _all_documents(out):
+        expected = split_of(doc_id, 0.5)
+        assert doc_id in {d.id for d in iter_documents(out, expected)}
+
+
+def test_txt_files_are_one_document_each_from_a_sorted_glob(tmp_path):
+    (tmp_path / "in" / "sub").mkdir(parents=True)
+    (tmp_path / "in" / "b.txt").write_text("bee")
+    (tmp_path / "in" / "sub" / "a.txt").write_text("ay\nay")
+    (tmp_path / "in" / "skip.md").write_text("not matched")
+
+    out = _ingest(tmp_path, inputs=(str(tmp_path / "in" / "**" / "*.txt"),), validation_fraction=0.0)
+
+    assert [(d.id, d.text) for d in iter_documents(out, "train")] == [("b.txt:1", "bee"), ("sub/a.txt:1", "ay\nay")]
+
+
+def test_hf_datasets_local_json_and_parquet_loaders(tmp_path):
+    records = [{"text": t} for t in TEXTS]
+    (tmp_path / "d.jsonl").write_bytes(_jsonl(records))
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "d.parquet")
+
+    for builder, file in (("json", "d.jsonl"), ("parquet", "d.parquet")):
+        spec = HfDatasetSpec(builder, data_files=(str(tmp_path / file),))
+        out = _ingest(tmp_path, name=builder, hf_dataset=spec, validation_fraction=0.0)
+        assert _all_documents(out) == {f"hf:{builder}/train:{i + 1}": t for i, t in enumerate(TEXTS)}
+
+
+def _bad_input(tmp_path):
+    lines = [
+        json.dumps({"text": "good one"}),
+        "{not json",
+        json.dumps({"other": "no text field"}),
+        "",
+        json.dumps({"text": 7}),
+        json.dumps({"text": "good two"}),
+    ]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_bad_records_are_skipped_counted_and_reported_with_file_and_line(tmp_path):
+    path = _bad_input(tmp_path)
+
+    out = _ingest(tmp_path, inputs=(str(path),), validation_fraction=0.0)
+
+    assert sorted(_all_documents(out).values()) == ["good one", "good two"]
+    report = read_index(out)["bad_records"]
+    assert report["count"] == 3
+    assert [e.split(": ", 1)[0] for e in report["examples"]] == [f"{path}:2", f"{path}:3", f"{path}:5"]
+    assert "missing text field 'text'" in report["examples"][1]
+
+
+def test_bad_records_fail_the_step_when_configured(tmp_path):
+    path = _bad_input(tmp_path)
+    with pytest.raises(BadRecordError, match=rf"{path}:2: not valid UTF-8 JSON"):
+        _ingest(tmp_path, inputs=(str(path),), on_bad_record="fail")
+
+
+def test_bad_parquet_rows_and_invalid_utf8_text(tmp_path):
+    pq.write_table(pa.Table.from_pylist([{"text": "ok"}, {"text": None}]), tmp_path / "p.parquet")
+    (tmp_path / "t.txt").write_bytes(b"line one\nline \xff two\n")
+
+    out = _ingest(tmp_path, inputs=(str(tmp_path / "p.parquet"), str(tmp_path / "t.txt")), validation_fraction=0.0)
+
+    assert list(_all_documents(out).values()) == ["ok"]
+    assert read_index(out)["bad_records"]["examples"] == [
+        f"{tmp_path}/p.parquet:2: text field 'text' is NoneType, not a string",
+        f"{tmp_path}/t.txt:2: not valid UTF-8: invalid start byte",
+    ]
+
+
+def test_split_is_a_stable_function_of_the_document_id(tmp_path):
+    ids = [f"doc-{i}" for i in range(4000)]
+    validation = [i for i in ids if split_of(i, 0.1) == "validation"]
+    assert 300 < len(validation) < 500
+    assert validation == [i for i in ids if split_of(i, 0.1) == "validation"]
+
+    # adding documents never moves the earlier ones between splits
+    (tmp_path / "a.jsonl").write_bytes(_jsonl({"text": f"t{i}"} for i in range(50)))
+    small = _ingest(tmp_path, name="small", inputs=(str(tmp_path / "a.jsonl"),), validation_fraction=0.3)
+    (tmp_path / "b.jsonl").write_bytes(_jsonl({"text": f"u{i}"} for i in range(50)))
+    both = _ingest(tmp_path, name="both", inputs=(str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")),
+                   validation_fraction=0.3)
+    small_validation = {d.id for d in iter_documents(small, "validation")}
+    both_validation = {d.id for d in iter_documents(both, "validation")}
+    assert small_validation and small_validation == {i for i in both_validation if i.startswith("a.jsonl")}
+
+
+def test_shards_are_cut_by_size_and_rewritten_on_rerun(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(_jsonl({"text": "x" * 100 + str(i)} for i in range(40)))
+    out = _ingest(tmp_path, inputs=(str(tmp_path / "a.jsonl"),), shard_bytes=1000, validation_fraction=0.0)
+    shards = read_index(out)["splits"]["train"]["shards"]
+    assert len(shards) == 4
+    before = {s: (tmp_path / "out" / s).read_bytes() for s in shards}
+
+    (tmp_path / "out" / "train" / "docs-00009.jsonl.zst").write_bytes(b"left by an interrupted attempt")
+    _ingest(tmp_path, inputs=(str(tmp_path / "a.jsonl"),), shard_bytes=1000, validation_fraction=0.0)
+
+    assert sorted(p.name for p in (tmp_path / "out" / "train").iterdir()) == sorted(s.split("/")[1] for s in shards)
+    assert {s: (tmp_path / "out" / s).read_bytes() for s in shards} == before
+
+
+def test_bad_declarations_fail_before_reading(tmp_path):
+    with pytest.raises(ValueError, match="exactly one of `inputs`"):
+        IngestConfig()
+    with pytest.raises(ValueError, match="on_bad_record must be one of"):
+        IngestConfig(inputs=("x.jsonl",), on_bad_record="ignore")
+    with pytest.raises(ValueError, match="validation_fraction"):
+        IngestConfig(inputs=("x.jsonl",), validation_fraction=1.5)
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="data.csv has an unsupported format"):
+        _ingest(tmp_path, inputs=(str(tmp_path / "data.csv"),))
+    with pytest.raises(FileNotFoundError, match="matches no file"):
+        _ingest(tmp_path, inputs=(str(tmp_path / "none" / "*.jsonl"),))
+    assert not (tmp_path / "out" / "documents.json").exists()

@@ -1,0 +1,189 @@
+"""The tokenize step: packed sequences with segment ids in Levanter caches that Levanter reads,
+identical across runs and after a kill."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from keel.data import (
+    StdlibCorpusConfig,
+    TokenizeConfig,
+    TrainTokenizerConfig,
+    build_stdlib_corpus,
+    iter_documents,
+    load_token_cache,
+    load_tokenizer,
+    tokenize_documents,
+    train_tokenizer,
+)
+from keel.data.packing import SequencePacker
+from keel.executor import storage
+
+SEQ_LEN = 64
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tokenize")
+    corpus, tok = str(root / "corpus"), str(root / "tok")
+    build_stdlib_corpus(StdlibCorpusConfig(max_bytes=250_000, validation_fraction=0.1, output_path=corpus))
+    train_tokenizer(TrainTokenizerConfig(documents=corpus, vocab_size=512, output_path=tok))
+    return corpus, tok
+
+
+def _tokenize(output, inputs, seq_len=SEQ_LEN, **kwargs):
+    corpus, tok = inputs
+    tokenize_documents(TokenizeConfig(documents=corpus, tokenizer=tok, seq_len=seq_len, output_path=str(output), **kwargs))
+    return str(output)
+
+
+@pytest.fixture(scope="module")
+def cache(inputs, tmp_path_factory):
+    return _tokenize(tmp_path_factory.mktemp("cache") / "out", inputs)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_packer_counts_segments_per_sequence_and_drops_the_tail():
+    packer = SequencePacker(4)
+    ids, segs = packer.add([np.array([1, 2, 3]), np.array([4, 5, 6, 7, 8]), np.array([9])])
+    assert ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert segs.tolist() == [[0, 0, 0, 1], [0, 0, 0, 0]]
+    ids, segs = packer.add([np.array([10, 11]), np.array([12])])
+    assert ids.tolist() == [[9, 10, 11, 12]] and segs.tolist() == [[0, 1, 1, 2]]
+    assert packer.add([np.array([13])])[0].shape == (0, 4) and packer.leftover_tokens == 1
+
+
+@pytest.mark.parametrize("split", ["train", "validation"])
+def test_cache_holds_every_document_packed_with_segment_ids(cache, inputs, split):
+    corpus, tok = inputs
+    loaded = load_tokenizer(tok)
+    loaded.tokenizer.encode_special_tokens = True
+    docs = [loaded.tokenizer.encode(d.text).ids + [loaded.eos_id] for d in iter_documents(corpus, split)]
+    stream = np.concatenate(docs)
+    doc_of_token = np.repeat(np.arange(len(docs)), [len(d) for d in docs])
+
+    records = list(load_token_cache(cache, split, seq_len=SEQ_LEN))
+    stats = storage.read_json(f"{cache}/tokenize.json")["splits"][split]
+
+    n = len(records)
+    assert n == stats["sequences"] == len(stream) // SEQ_LEN > 0
+    assert stats["tokens"] == len(stream) and stats["dropped_tokens"] == len(stream) - n * SEQ_LEN
+    assert stats["documents"] == len(docs)
+    input_ids = np.stack([r["input_ids"] for r in records])
+    segment_ids = np.stack([r["segment_ids"] for r in records])
+    assert input_ids.dtype == np.int32 and input_ids.shape == (n, SEQ_LEN)
+    assert np.array_equal(input_ids.ravel(), stream[: n * SEQ_LEN])
+    rows = doc_of_token[: n * SEQ_LEN].reshape(n, SEQ_LEN)
+    assert np.array_equal(segment_ids, rows - rows[:, :1])
+
+
+def test_levanter_dataset_classes_read_the_cache(cache, inputs):
+    import jax
+    from haliax import Axis
+    from levanter.data.text.datasets import DatasetComponent, LmDataConfig
+    from levanter.data.text.formats import PrebuiltLmDatasetFormat
+    from levanter.schedule import BatchSchedule
+
+    _, tok = inputs
+    config = LmDataConfig(
+        tokenizer=tok,
+        cache_dir=None,
+        auto_build_caches=False,
+        shuffle=False,
+        components={"stdlib": DatasetComponent(cache_dir=cache, format=PrebuiltLmDatasetFormat())},
+    )
+    Pos = Axis("position", SEQ_LEN)
+    train = config.train_mixture(Pos, BatchSchedule(4), key=jax.random.PRNGKey(0))
+    validation = config.validation_sets(Pos)["stdlib"]
+
+    ours = load_token_cache(cache, "train", seq_len=SEQ_LEN)
+    first = train.as_sync_dataset()[0]
+    match = [i for i in range(len(ours)) if np.array_equal(ours[i]["input_ids"], np.asarray(first.tokens))]
+    assert match, "Levanter's training mixture served a sequence that is not in the cache"
+    # Levanter derives segments from eos; they agree with the stored segment ids
+    assert np.array_equal(np.asarray(first.attn_mask.segment_ids[0]), ours[match[0]]["segment_ids"])
+    assert len(validation.as_sync_dataset()) == len(load_token_cache(cache, "validation", seq_len=SEQ_LEN))
+
+
+def test_two_runs_write_identical_caches(cache, inputs, tmp_path):
+    again = _tokenize(tmp_path / "again", inputs, batch_documents=7)  # batch size is execution-only
+    assert _files(Path(again)) == _files(Path(cache))
+
+
+def test_a_special_token_inside_a_document_is_text(tmp_path):
+    from keel.data import IngestConfig, ingest_documents
+
+    (tmp_path / "d.jsonl").write_text('{"text": "before <|endoftext|> after"}\n' * 40)
+    ingest_documents(IngestConfig(inputs=(str(tmp_path / "d.jsonl"),), validation_fraction=0.0,
+                                  output_path=str(tmp_path / "docs")))
+    train_tokenizer(TrainTokenizerConfig(documents=str(tmp_path / "docs"), vocab_size=300, output_path=str(tmp_path / "tok")))
+    tokenize_documents(TokenizeConfig(documents=str(tmp_path / "docs"), tokenizer=str(tmp_path / "tok"), seq_len=16,
+                                      output_path=str(tmp_path / "cache")))
+    tokens = np.concatenate([r["input_ids"] for r in load_token_cache(str(tmp_path / "cache"), "train", seq_len=16)])
+    stats = storage.read_json(str(tmp_path / "cache" / "tokenize.json"))
+    assert (tokens == stats["eos_id"]).sum() <= 40  # one eos per document, none from the text
+
+
+_KILLED_RUN = textwrap.dedent(
+    """
+    import sys, time
+    from levanter.store.cache import SerialCacheWriter
+    from keel.data import TokenizeConfig, tokenize_documents
+
+    original = SerialCacheWriter.write_batch
+    def write_then_stall(self, batch):  # the first batch of sequences reaches the disk, then the kill comes
+        original(self, batch)
+        print("WRITTEN", len(batch["input_ids"]), flush=True)
+        time.sleep(600)
+    SerialCacheWriter.write_batch = write_then_stall
+    corpus, tok, out, seq_len = sys.argv[1:]
+    tokenize_documents(TokenizeConfig(documents=corpus, tokenizer=tok, seq_len=int(seq_len), output_path=out))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_killed_run_leaves_no_complete_cache_and_a_rerun_matches_a_clean_run(inputs, tmp_path):
+    corpus, tok = inputs
+    seq_len = 16  # enough sequences for several write batches: the kill lands after the first
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_RUN, corpus, tok, str(out), str(seq_len)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=REPO, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stdout.readline().split() == ["WRITTEN", "1024"]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+    assert any((out / "train" / "input_ids" / "data").rglob("c/*")), "the kill should land with part of the cache written"
+    assert not (out / "tokenize.json").exists() and not (out / "train" / "shard_ledger.json").exists()
+    with pytest.raises(FileNotFoundError):
+        load_token_cache(str(out), "train", seq_len=seq_len)
+
+    _tokenize(out, inputs, seq_len=seq_len)
+    clean = _tokenize(tmp_path / "clean", inputs, seq_len=seq_len)
+    assert _files(out) == _files(Path(clean))
+    assert storage.read_json(f"{clean}/tokenize.json")["splits"]["train"]["sequences"] > 2 * 1024
+
+
+def test_bad_tokenize_declarations(inputs, tmp_path):
+    corpus, tok = inputs
+    with pytest.raises(ValueError, match="seq_len must be positive"):
+        TokenizeConfig(documents=corpus, tokenizer=tok, seq_len=0)
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_bytes(Path(tok, "tokenizer.json").read_bytes())
+    with pytest.raises(ValueError, match="names no eos token: set TokenizeConfig.eos_token"):
+        _tokenize(tmp_path / "out", (corpus, str(tmp_path / "tok")))
+    with pytest.raises(FileNotFoundError, match="no keel document set"):
+        _tokenize(tmp_path / "out", (str(tmp_path), tok))

@@ -1,0 +1,87 @@
+"""The tokenizer step: a byte-level BPE that round-trips text, deterministic, readable by Levanter."""
+
+import json
+
+import pytest
+
+from keel.data import (
+    IngestConfig,
+    StdlibCorpusConfig,
+    TrainTokenizerConfig,
+    build_stdlib_corpus,
+    ingest_documents,
+    iter_documents,
+    load_tokenizer,
+    train_tokenizer,
+)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("corpus"))
+    build_stdlib_corpus(StdlibCorpusConfig(max_bytes=300_000, validation_fraction=0.2, output_path=path))
+    return path
+
+
+def _train(path, corpus, **kwargs):
+    train_tokenizer(TrainTokenizerConfig(documents=corpus, output_path=str(path), **kwargs))
+    return str(path)
+
+
+def test_tokenizer_round_trips_text_and_names_its_special_tokens(tmp_path, corpus):
+    tok_dir = _train(tmp_path / "tok", corpus, vocab_size=512)
+    loaded = load_tokenizer(tok_dir)
+
+    assert loaded.vocab_size == 512
+    assert (loaded.eos_id, loaded.bos_id, loaded.pad_id) == (0, 1, 2)
+    samples = [d.text for d in iter_documents(corpus, "validation")]
+    samples += ["unicode: ünïcödé ✓ 日本語 \U0001f600", "\ttabs  and   spaces\r\n", "<|endoftext|> stays text"]
+    for text in samples:
+        ids = loaded.tokenizer.encode(text, add_special_tokens=False).ids
+        assert loaded.tokenizer.decode(ids, skip_special_tokens=False) == text
+    code = "".join(d.text for d in iter_documents(corpus, "validation"))
+    assert len(loaded.tokenizer.encode(code).ids) < 0.6 * len(code.encode())  # it learned merges
+
+
+def test_tokenizer_training_is_deterministic_and_uses_only_the_train_split(tmp_path, corpus):
+    a = _train(tmp_path / "a", corpus, vocab_size=512)
+    b = _train(tmp_path / "b", corpus, vocab_size=512)
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
+
+    marker = "zqxjzqxj" * 50
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"{marker} {i}"}) + "\n" for i in range(200)))
+    ingest_documents(IngestConfig(inputs=(str(tmp_path / "docs.jsonl"),), validation_fraction=0.5,
+                                  output_path=str(tmp_path / "docs")))
+    c = load_tokenizer(_train(tmp_path / "c", str(tmp_path / "docs"), vocab_size=300, min_frequency=1))
+    assert len(c.tokenizer.encode(marker).ids) < 20
+    assert load_tokenizer(a).tokenizer.to_str() == load_tokenizer(b).tokenizer.to_str()
+
+
+def test_a_tokenizer_json_path_with_explicit_special_tokens(tmp_path, corpus):
+    _train(tmp_path / "tok", corpus, vocab_size=400, bos_token=None, pad_token=None)
+    path = str(tmp_path / "tok" / "tokenizer.json")
+    (tmp_path / "tok" / "tokenizer_config.json").unlink()
+
+    bare = load_tokenizer(path)
+    assert (bare.bos_id, bare.eos_id, bare.pad_id) == (None, None, None)
+    assert load_tokenizer(path, eos_token="<|endoftext|>").eos_id == 0
+    with pytest.raises(ValueError, match="has no token '<missing>'"):
+        load_tokenizer(path, eos_token="<missing>")
+
+
+def test_levanter_loads_the_tokenizer_directory(tmp_path, corpus):
+    from levanter.tokenizers import load_tokenizer as levanter_load
+
+    tok_dir = _train(tmp_path / "tok", corpus, vocab_size=512)
+    levanter_tok = levanter_load(tok_dir)
+    ours = load_tokenizer(tok_dir)
+    assert (levanter_tok.eos_token_id, levanter_tok.bos_token_id, levanter_tok.vocab_size) == (ours.eos_id, ours.bos_id, 512)
+    text = "def f(x):\n    return x + 1\n"
+    assert list(levanter_tok.encode(text, add_special_tokens=False)) == ours.tokenizer.encode(text).ids
+
+
+def test_bad_tokenizer_declarations():
+    with pytest.raises(ValueError, match="vocab_size=100 is too small"):
+        TrainTokenizerConfig(documents="x", vocab_size=100)
+    with pytest.raises(ValueError, match="must differ"):
+        TrainTokenizerConfig(documents="x", bos_token="<|endoftext|>")
