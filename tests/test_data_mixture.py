@@ -1,0 +1,121 @@
+"""Mixtures: declaration errors, external components, and Levanter mixture datasets over phases."""
+
+import numpy as np
+import pytest
+
+from keel import External, Step
+from keel.data import Mixture, MixtureError, MixturePhase, build_train_dataset, build_validation_datasets
+from keel.executor.plan import EXTERNAL, Graph, plan_graph
+
+SEQ_LEN = 8
+
+
+def _mixture(*phases, **kwargs):
+    return Mixture({"a": "/a", "b": "/b"}, tuple(MixturePhase(s, w) for s, w in phases), **kwargs)
+
+
+@pytest.mark.parametrize(
+    "phases, kwargs, message",
+    [
+        ([(0, {"a": 0.5, "b": -0.5})], {}, r"phase 0 \(start_step=0\): component 'b' has weight -0.5"),
+        ([(0, {"a": 0.5, "b": 0.4})], {}, r"phase 0 \(start_step=0\): weights sum to 0.9, not 1.*normalize=True"),
+        ([(0, {"a": 1.0}), (10, {"a": 2.0})], {}, r"phase 1 \(start_step=10\): weights sum to 2"),
+        ([(0, {"a": 0.0, "b": 0.0})], {"normalize": True}, "at least one component needs a positive weight"),
+        ([(5, {"a": 1.0})], {}, "the first phase must start at step 0"),
+        ([(0, {"a": 1.0}), (10, {"b": 1.0}), (10, {"a": 1.0})], {}, r"phase 2 \(start_step=10\): phase starts must strictly increase"),
+        ([(0, {"c": 1.0})], {}, r"weight for unknown component 'c'; components: \['a', 'b'\]"),
+        ([(0, {"a": float("nan"), "b": 1.0})], {}, "component 'a' has weight nan"),
+        ([], {}, "Mixture.phases is empty"),
+        ([(0, {"a": 1.0})], {"block_size": 2**16}, "block_size must be in"),
+    ],
+)
+def test_mixture_declaration_errors_name_the_phase_and_component(phases, kwargs, message):
+    with pytest.raises(MixtureError, match=message):
+        _mixture(*phases, **kwargs)
+
+
+def test_normalize_rescales_each_phase_and_fills_missing_components():
+    mixture = _mixture((0, {"a": 3.0, "b": 1.0}), (100, {"b": 2.0}), normalize=True, block_size=400)
+    assert mixture.phase_weights() == [(0, {"a": 0.75, "b": 0.25}), (100, {"a": 0.0, "b": 1.0})]
+    assert mixture.sequence_schedule(batch_size=4) == [(0, {"a": 0.75, "b": 0.25}), (400, {"a": 0.0, "b": 1.0})]
+    with pytest.raises(MixtureError, match="Mixture.components is empty"):
+        Mixture.constant({}, {})
+
+
+def test_hero_phases_over_external_cells_check_the_block_boundary():
+    cells = {f"cell-{i:03d}": External(f"hero/data/cell-{i:03d}", f"gs://bucket/cache/cell-{i:03d}", version="v1")
+             for i in range(200)}
+    shares = [np.random.default_rng(p).dirichlet(np.ones(200)) for p in range(3)]
+    phases = tuple(MixturePhase(start, {name: float(w) for name, w in zip(cells, share)})
+                   for start, share in zip((0, 108_000, 312_192), shares))
+    mixture = Mixture(cells, phases, normalize=True, block_size=49_152)
+
+    mixture.check_batch_size(11_264)  # 108,000 x 11,264 = 24,750 blocks; 312,192 x 11,264 = 71,544 blocks
+    assert [start for start, _ in mixture.sequence_schedule(11_264)] == [0, 108_000 * 11_264, 312_192 * 11_264]
+    with pytest.raises(MixtureError, match=r"phase 1 starts at step 108000, sequence 432000 at batch size 4"):
+        mixture.check_batch_size(4)
+
+    def train(config):
+        raise AssertionError("planning runs nothing")
+
+    step = Step("hero/train", train, mixture)
+    plans = {p.name: p for p in plan_graph(Graph([step], "/tmp/keel-plan-only"))}
+    assert plans["hero/data/cell-007"].state == EXTERNAL
+    assert plans["hero/data/cell-007"].output_path == "gs://bucket/cache/cell-007"
+    assert len([p for p in plans.values() if p.state == EXTERNAL]) == 200
+
+
+def _write_cache(root, split, values):
+    """A token cache whose sequence i is SEQ_LEN copies of values[i]: items name their source."""
+    from levanter.store.cache import SerialCacheWriter
+
+    exemplar = {"input_ids": np.zeros((0,), np.int32), "segment_ids": np.zeros((0,), np.int32)}
+    with SerialCacheWriter(f"{root}/{split}", exemplar) as writer:
+        ids = np.repeat(np.array(values, np.int32)[:, None], SEQ_LEN, axis=1)
+        writer.write_batch({"input_ids": ids, "segment_ids": np.zeros_like(ids)})
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    root = tmp_path_factory.mktemp("caches")
+    a = _write_cache(root / "a", "train", range(1000, 1040))
+    _write_cache(root / "a", "validation", [1999])
+    b = _write_cache(root / "b", "train", range(2000, 2040))
+    return a, b
+
+
+def _items(dataset, n):
+    return np.array([int(item["input_ids"][0]) for item in dataset.as_sync_dataset().get_batch(list(range(n)))])
+
+
+def test_train_dataset_switches_phase_at_the_declared_step_and_is_deterministic_per_seed(caches):
+    a, b = caches
+    batch_size = 8
+    mixture = Mixture({"a": a, "b": b},
+                      (MixturePhase(0, {"a": 1.0}), MixturePhase(3, {"a": 0.25, "b": 0.75})), block_size=8)
+
+    dataset = build_train_dataset(mixture, seq_len=SEQ_LEN, batch_size=batch_size, seed=0)
+    items = _items(dataset, 10 * batch_size)
+
+    assert all(1000 <= v < 1040 for v in items[: 3 * batch_size])  # steps 0-2: all a
+    later = items[3 * batch_size :].reshape(-1, 8)  # one block per step from step 3: exactly 2 a and 6 b
+    assert ((later >= 1000) & (later < 1040)).sum(axis=1).tolist() == [2] * 7
+    assert len(set(items[: 3 * batch_size].tolist())) == 3 * batch_size  # a shuffled pass, no repeats
+    assert items[:24].tolist() != list(range(1000, 1024))
+
+    assert np.array_equal(items, _items(build_train_dataset(mixture, seq_len=SEQ_LEN, batch_size=batch_size, seed=0), 80))
+    assert not np.array_equal(items, _items(build_train_dataset(mixture, seq_len=SEQ_LEN, batch_size=batch_size, seed=1), 80))
+    item = dataset.as_sync_dataset()[0]
+    assert set(item) == {"input_ids", "segment_ids"} and item["input_ids"].shape == (SEQ_LEN,)
+
+
+def test_validation_datasets_and_sequence_length_checks(caches):
+    a, b = caches
+    mixture = Mixture.constant({"a": a, "b": b}, {"a": 0.5, "b": 0.5})
+    validation = build_validation_datasets(mixture, seq_len=SEQ_LEN)
+    assert list(validation) == ["a"] and int(validation["a"][0]["input_ids"][0]) == 1999
+    with pytest.raises(ValueError, match="holds sequences of 8 tokens, not 16"):
+        build_train_dataset(mixture, seq_len=16, batch_size=4, seed=0)
+    with pytest.raises(TypeError, match="pass the mixture as the step function received it"):
+        build_train_dataset(Mixture.constant({"a": External("x/a", "/a")}, {"a": 1.0}), seq_len=8, batch_size=4, seed=0)
