@@ -22,10 +22,10 @@ import jax.numpy as jnp
 from haliax import Axis, NamedArray
 from jax import shard_map
 from jax.sharding import PartitionSpec as P
-from jax.sharding import get_abstract_mesh
-from levanter.sharding import partition_spec_of
+from jax.sharding import get_abstract_mesh, reshard
 
 from keel.model.config import MoELMConfig, Routing
+from keel.model.layout import token_axes
 
 TOP_K = "top_k"
 
@@ -124,20 +124,18 @@ def token_sum(fn, *token_arrays, replicated=()):
     The counts are built with scatter-adds on each shard's own tokens and then summed with one
     psum, which is how the global router histogram crosses racks. Without a mesh it is just fn.
     """
-    mesh = get_abstract_mesh()
-    spec = partition_spec_of(token_arrays[0])
-    token_entry = spec[0] if spec is not None and len(spec) else None
-    if mesh is None or mesh.empty or token_entry is None:
+    axes = token_axes()
+    if not axes:
         return fn(*token_arrays, *replicated)
-    token_axes = token_entry if isinstance(token_entry, tuple) else (token_entry,)
 
     def local(*args):
-        return jax.lax.psum(fn(*args), token_axes)
+        return jax.lax.psum(fn(*args), axes)
 
-    in_specs = tuple(P(token_entry, *([None] * (a.ndim - 1))) for a in token_arrays)
-    in_specs += tuple(P(*([None] * r.ndim)) for r in replicated)
-    return shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False)(
-        *token_arrays, *replicated
+    token_specs = tuple(P(axes, *([None] * (a.ndim - 1))) for a in token_arrays)
+    replicated_specs = tuple(P(*([None] * r.ndim)) for r in replicated)
+    args = [reshard(a, spec) for a, spec in zip((*token_arrays, *replicated), token_specs + replicated_specs)]
+    return shard_map(local, mesh=get_abstract_mesh(), in_specs=token_specs + replicated_specs, out_specs=P(), check_vma=False)(
+        *args
     )
 
 

@@ -22,6 +22,7 @@ from keel.model.attention import Attention
 from keel.model.axes import POS, ModelAxes, init_matrix
 from keel.model.config import Balancing, ConvSite, MoELMConfig
 from keel.model.conv import CausalDepthwiseConv
+from keel.model.layout import gathered
 from keel.model.moe import LatentMoE, SharedExperts
 from keel.model.norms import NormSite
 from keel.model.transport_spec import TransportSpec
@@ -55,6 +56,7 @@ class Block(eqx.Module):
         )
 
     def __call__(self, h, segment_ids, valid, is_global, *, transport: TransportSpec):
+        self = gathered(self)
         Pos = segment_ids.resolve_axis(POS)
         branch = self.attn(self.attn_norm(h), segment_ids, is_global.array, Pos)
         if self.conv_attention_output is not None:
@@ -101,13 +103,13 @@ class MoELM(eqx.Module):
         cfg = self.config
         a = ModelAxes.of(cfg)
         model = self if router_bias is None else with_router_bias(self, router_bias)
-        h = model.embedding.astype(compute_dtype).take(a.Vocab, input_ids)
+        h = gathered(model.embedding).astype(compute_dtype).take(a.Vocab, input_ids)
         if model.embed_norm is not None:
-            h = model.embed_norm(h)
+            h = gathered(model.embed_norm)(h)
         flags = hax.named(jnp.array([cfg.is_global_layer(i) for i in range(cfg.num_layers)]), a.Layers)
         valid = segment_ids >= 0
         h, stats = model.layers.scan(h, segment_ids, valid, flags, transport=transport)
-        h = model.final_norm(h)
+        h = gathered(model.final_norm)(h)
         return h, _aux(stats, cfg)
 
     def __call__(
@@ -130,7 +132,7 @@ class MoELM(eqx.Module):
         """
         h, aux = self.activations(input_ids, segment_ids, router_bias, transport=transport, compute_dtype=compute_dtype)
         Embed = ModelAxes.of(self.config).Embed
-        return hax.dot(h, self.lm_head_weight().astype(h.dtype), axis=Embed), aux
+        return hax.dot(h, gathered(self.lm_head_weight()).astype(h.dtype), axis=Embed), aux
 
 
 def _aux(stats: dict, config: MoELMConfig) -> dict:

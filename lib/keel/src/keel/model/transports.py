@@ -20,8 +20,8 @@ from jax import shard_map
 from jax.sharding import AbstractMesh, get_abstract_mesh, reshard
 from jax.sharding import PartitionSpec as P
 from levanter.grug.grug_moe import moe_mlp
-from levanter.sharding import partition_spec_of
 
+from keel.model.layout import split_tokens, token_axes
 from keel.model.transport_spec import TransportSpec, check_transport_supported
 
 _GRUG_NAMES = {
@@ -57,10 +57,10 @@ def dispatch(
     Token, Latent = x.axes
     TopK = selected.resolve_axis("top_k")
     raw = dict(
-        x=x.rearrange((Token, Latent)).array,
-        selected=selected.rearrange((Token, TopK)).array,
-        weights=weights.rearrange((Token, TopK)).array,
-        valid=valid.array,
+        x=split_tokens(x.rearrange((Token, Latent)).array),
+        selected=split_tokens(selected.rearrange((Token, TopK)).array),
+        weights=split_tokens(weights.rearrange((Token, TopK)).array),
+        valid=split_tokens(valid.array),
     )
     w13 = jnp.concatenate([gate.array, up.array], axis=-1)  # [E, Latent, 2F], gate first (grug's layout)
     w2 = down.array
@@ -100,22 +100,19 @@ def _local(raw: dict, w13: jax.Array, w2: jax.Array) -> tuple[jax.Array, jax.Arr
         )
         return out, counts.dropped
 
-    mesh = get_abstract_mesh()
-    spec = partition_spec_of(raw["x"])
-    token_entry = spec[0] if spec is not None and len(spec) else None
-    if mesh.empty or token_entry is None:
+    axes = token_axes()
+    if not axes:
         return run(raw["x"], raw["selected"], raw["weights"], raw["valid"], w13, w2)
-    token_axes = token_entry if isinstance(token_entry, tuple) else (token_entry,)
 
     def run_shard(*args):
         out, dropped = run(*args)
-        return out, jax.lax.psum(dropped, token_axes)
+        return out, jax.lax.psum(dropped, axes)
 
-    t2 = P(token_entry, None)
+    t2 = P(axes, None)
     return shard_map(
         run_shard,
-        mesh=mesh,
-        in_specs=(t2, t2, t2, P(token_entry), P(None, None, None), P(None, None, None)),
+        mesh=get_abstract_mesh(),
+        in_specs=(t2, t2, t2, P(axes), P(None, None, None), P(None, None, None)),
         out_specs=(t2, P()),
         check_vma=False,
     )(raw["x"], raw["selected"], raw["weights"], raw["valid"], _replicate(w13), _replicate(w2))

@@ -1,0 +1,109 @@
+"""From a `RackTopology` to a JAX mesh, and where every named array of the model lives on it.
+
+Axes (all Explicit): `replica_dcn` (racks) x `data` x `expert` x `model` (inside a rack).
+Placement rules, by the array's named axes:
+
+- routed expert weights (`experts` and `expert_mlp` axes): `experts` split over `expert`, and their
+  `latent` axis FSDP-split over `data` when it divides; replicated across racks.
+- the token embedding: replicated (a lookup would gather it anyway).
+- every other array with an `embed` axis: FSDP-split over (`data`, `expert`) inside a rack when the
+  width divides, replicated across racks; anything else replicated.
+- activations: `batch` over (`replica_dcn`, `data`, `expert`); `vocab` named to `model` in the compute
+  mapping so Levanter's fused cross-entropy shard_map sees the lm_head's layout.
+
+On hardware with slices (TPU multislice) racks are the slices; with several processes they are
+contiguous blocks of processes; on one process (CPU with simulated devices) they are contiguous
+blocks of `jax.devices()`. Levanter's `MeshConfig` is not used: it refuses a DCN axis > 1 on one
+CPU process (CPU devices have no slice index), which the simulated racks need.
+"""
+
+import contextlib
+
+import equinox as eqx
+import haliax as hax
+import jax
+import numpy as np
+from haliax import NamedArray
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from keel.mesh.topology import BATCH_AXES, MESH_AXES, RackTopology, TopologyError
+
+FSDP_AXES = ("data", "expert")
+
+
+def build_mesh(topology: RackTopology, devices=None) -> Mesh:
+    """The explicit (replica_dcn, data, expert, model) mesh; racks are contiguous device blocks."""
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) != topology.num_devices:
+        raise TopologyError(
+            f"RackTopology: {len(devices)} devices are present but racks={topology.racks} x gpus_per_rack="
+            f"{topology.gpus_per_rack} = {topology.num_devices}: set racks and gpus_per_rack to match the devices"
+        )
+    ordered = sorted(devices, key=_rack_key(devices, topology.racks))
+    shape = tuple(topology.axis_sizes[name] for name in MESH_AXES)
+    return Mesh(np.array(ordered, dtype=object).reshape(shape), MESH_AXES, axis_types=(AxisType.Explicit,) * 4)
+
+
+def _rack_key(devices, racks: int):
+    """Sort key grouping each rack's devices together: by slice, else process, else given order."""
+    slices = {getattr(d, "slice_index", None) for d in devices}
+    if None not in slices and len(slices) == racks:
+        return lambda d: (d.slice_index, d.process_index, d.id)
+    position = {id(d): i for i, d in enumerate(devices)}
+    return lambda d: (d.process_index, position[id(d)])
+
+
+def compute_axis_mapping() -> dict[str, tuple[str, ...] | str]:
+    """Logical -> mesh axes for activations (Haliax `axis_mapping`)."""
+    return {"batch": BATCH_AXES, "vocab": "model"}
+
+
+def partition_spec(array: NamedArray, mesh: Mesh) -> P:
+    """Where a parameter (or optimizer-state) array with these named axes lives; see the module doc."""
+    names = [ax.name for ax in array.axes]
+    sizes = {ax.name: ax.size for ax in array.axes}
+    spec: dict[str, object] = {}
+    if "experts" in names and "expert_mlp" in names:
+        spec["experts"] = "expert"
+        if "latent" in names and sizes["latent"] % mesh.shape["data"] == 0:
+            spec["latent"] = "data"
+    elif "embed" in names and sizes["embed"] % (mesh.shape["data"] * mesh.shape["expert"]) == 0:
+        spec["embed"] = FSDP_AXES
+    return P(*(spec.get(name) for name in names))
+
+
+def tree_shardings(tree, mesh: Mesh):
+    """A NamedSharding in place of every NamedArray (and plain array) of a pytree such as a model or an
+    optimizer state shaped like it: a prefix tree for `jax.device_put` and jit's in/out_shardings."""
+
+    def sharding(leaf):
+        spec = partition_spec(leaf, mesh) if isinstance(leaf, NamedArray) else P()
+        return NamedSharding(mesh, spec)
+
+    return jax.tree.map(sharding, tree, is_leaf=lambda x: isinstance(x, NamedArray))
+
+
+def model_shardings(model, mesh: Mesh):
+    """`tree_shardings` of the model, with the token embedding replicated."""
+    return eqx.tree_at(lambda m: m.embedding, tree_shardings(model, mesh), NamedSharding(mesh, P()))
+
+
+def shard_model(model, mesh: Mesh):
+    """The model's arrays placed per `model_shardings`."""
+    return jax.device_put(model, model_shardings(model, mesh))
+
+
+def shard_batch(array: NamedArray, mesh: Mesh) -> NamedArray:
+    """Place a [Batch, ...] array with its batch over (replica_dcn, data, expert)."""
+    if array.axes[0].name != "batch":
+        raise ValueError(f"shard_batch expects the batch axis first, got axes {array.axes}")
+    return jax.device_put(array, NamedSharding(mesh, P(BATCH_AXES, *([None] * (array.ndim - 1)))))
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh):
+    """Make `mesh` current for jax and the compute axis mapping current for Haliax."""
+    with jax.set_mesh(mesh), hax.axis_mapping(compute_axis_mapping()):
+        yield
+
