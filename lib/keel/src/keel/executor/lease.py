@@ -46,9 +46,10 @@ def current_lease(output_path: str) -> LeaseInfo | None:
     if not epochs:
         return None
     epoch = max(epochs)
-    record = storage.read_json(_lease_url(output_path, epoch))
-    if record is None:  # being written right now: treat as fresh
+    text = storage.read_text(_lease_url(output_path, epoch))
+    if not text:  # being written right now (created, still empty, or gone): treat as fresh
         return LeaseInfo(epoch, "?", time.time(), DEFAULT_TIMEOUT_S)
+    record = json.loads(text)
     return LeaseInfo(epoch, record["owner"], record["heartbeat"], record["timeout"])
 
 
