@@ -145,18 +145,15 @@ def render_table(plans: list[StepPlan], timings: bool = False) -> str:
 
 
 def _run(args, graph: Graph) -> int:
+    from keel.executor.cluster import cluster_client, in_iris_job
     from keel.executor.run import Runner
 
-    client = None
-    cluster = args.cluster or os.environ.get("KEEL_CLUSTER")
-    if cluster:
-        from keel.executor.cluster import cluster_client
-
-        client = cluster_client(cluster)
-    runner = Runner(graph, client=client, max_concurrent=args.max_concurrent, force=re.compile(args.force) if args.force else None)
+    url = args.cluster or os.environ.get("KEEL_CLUSTER")
+    cluster = cluster_client(url) if url or in_iris_job() else None  # a driver inside an Iris job uses that cluster
+    runner = Runner(graph, cluster=cluster, max_concurrent=args.max_concurrent, force=re.compile(args.force) if args.force else None)
     with contextlib.ExitStack() as stack:
-        if client is not None and hasattr(client, "shutdown"):
-            stack.callback(client.shutdown)
+        if url:
+            stack.callback(cluster.shutdown)
         report = runner.run(re.compile(args.only) if args.only else None)
     print(f"[keel] {len(report.ran)} ran, {len(report.reused)} reused, "
           f"{sum(p.state == 'cached' for p in report.plans)} cached, {len(report.failures)} failed, {len(report.blocked)} skipped")

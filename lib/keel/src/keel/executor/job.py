@@ -1,10 +1,15 @@
 """The function every dispatched step runs, wherever fray runs it: call `fn`, keep the log,
 write the manifest. Module-level and built from picklable parts so that a cluster task can run it.
+
+A multi-replica cluster job runs `fn` on every replica (they join one another through
+`jax.distributed` inside `fn`). Replica 0 alone keeps `log.txt` and writes the manifest, so the
+replicas never race on keel's files; the others log to `log.replica<N>.txt`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import traceback
 
@@ -16,11 +21,22 @@ def log_url(output_path: str) -> str:
     return keel_path(output_path, "log.txt")
 
 
+def replica_index() -> int:
+    """This process's task index within a multi-task Iris job; 0 everywhere else."""
+    if int(os.environ.get("IRIS_NUM_TASKS", "1")) <= 1:
+        return 0
+    from iris.cluster.client.job_info import get_job_info
+
+    info = get_job_info()
+    return info.task_index if info is not None else 0
+
+
 def run_step_job(fn, resolved_config, output_path: str) -> None:
     """Run one step: its outputs and manifest land under `output_path`, its log in `.keel/log.txt`."""
     fs, path = storage.split(output_path)
     fs.makedirs(path, exist_ok=True)
-    target = log_url(output_path)
+    replica = replica_index()
+    target = log_url(output_path) if replica == 0 else keel_path(output_path, f"log.replica{replica}.txt")
     local = storage.is_local(output_path)
     log_file = storage.split(target)[1] if local else tempfile.mktemp(prefix="keel-log-")
     os.makedirs(os.path.dirname(log_file), exist_ok=True)
@@ -28,6 +44,7 @@ def run_step_job(fn, resolved_config, output_path: str) -> None:
         try:
             with logs.capture(log):
                 fn(resolved_config)
+                _join_replicas(output_path)
         except BaseException:
             log.write(traceback.format_exc())
             raise
@@ -36,4 +53,16 @@ def run_step_job(fn, resolved_config, output_path: str) -> None:
             if not local:
                 fs.put_file(log_file, storage.split(target)[1])
                 os.remove(log_file)
-    write_manifest(output_path)
+    if replica == 0:
+        write_manifest(output_path)
+
+
+def _join_replicas(output_path: str) -> None:
+    """When `fn` joined its replicas through jax.distributed, wait until every replica is done
+    writing, so that replica 0's manifest lists all of their files."""
+    jax = sys.modules.get("jax")
+    if jax is None or not jax.distributed.is_initialized():
+        return
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(f"keel: outputs of {output_path} written")

@@ -1,10 +1,11 @@
 """Run a graph: the steps that are not cached, in dependency order, concurrently where they can be.
 
 Each step is claimed with a lease on its output path (so concurrent launchers run it once), marked
-RUNNING, recorded in `step.json`, dispatched as a fray job (in-process `LocalClient` by default,
-a cluster client when one is given) and marked SUCCESS once its manifest is written. A failure
-marks the step FAILED, stops its dependents, lets independent branches finish and is reported
-with the step's name, output path, exception and log.
+RUNNING, recorded in `step.json`, dispatched as a fray job (in-process `LocalClient` by default;
+steps that declare `resources=` go to the cluster client when one is given, see `cluster.py`) and
+marked SUCCESS once its manifest is written. A failure marks the step FAILED, stops its
+dependents, lets independent branches finish and is reported with the step's name, output path,
+exception and log.
 """
 
 from __future__ import annotations
@@ -84,9 +85,13 @@ def _plain(value):
 
 
 class Runner:
-    def __init__(self, graph: Graph, *, client=None, max_concurrent: int = 8, force: re.Pattern | None = None,
+    """`client` runs the steps in the driver (default: an in-process `LocalClient`); `cluster`, when
+    given, runs the steps that declare `resources=`."""
+
+    def __init__(self, graph: Graph, *, client=None, cluster=None, max_concurrent: int = 8, force: re.Pattern | None = None,
                  lease_timeout: float = leases.DEFAULT_TIMEOUT_S, echo: Callable[[str], None] = print):
         self.graph = graph
+        self.cluster = cluster
         self.max_concurrent = max(1, max_concurrent)
         self.client = client
         self.force = force
@@ -191,14 +196,19 @@ class Runner:
         )
         if step.resources is not None:
             request = dataclasses.replace(request, resources=step.resources.to_fray(), replicas=None)
+            if self.cluster is not None:
+                from keel.executor.cluster import run_on_cluster
+
+                run_on_cluster(self.cluster, request, step.resources.describe())
+                return
         handle = self.client.submit(request)
         handle.wait(raise_on_failure=True)
 
 
 def run_steps(steps, prefix: str, *, force: str | None = None, only: str | None = None, max_concurrent: int = 8,
-              client=None, lease_timeout: float = leases.DEFAULT_TIMEOUT_S, echo: Callable[[str], None] = print) -> RunReport:
+              client=None, cluster=None, lease_timeout: float = leases.DEFAULT_TIMEOUT_S, echo: Callable[[str], None] = print) -> RunReport:
     """Run the graph behind `steps` under `prefix`; the report says what ran, was reused or failed."""
     graph = Graph(list(steps), prefix)
-    runner = Runner(graph, client=client, max_concurrent=max_concurrent, force=re.compile(force) if force else None,
+    runner = Runner(graph, client=client, cluster=cluster, max_concurrent=max_concurrent, force=re.compile(force) if force else None,
                     lease_timeout=lease_timeout, echo=echo)
     return runner.run(re.compile(only) if only else None)

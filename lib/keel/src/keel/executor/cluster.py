@@ -1,0 +1,101 @@
+"""Sending steps to an Iris cluster through fray.
+
+With `keel run --cluster URL` (or `KEEL_CLUSTER=URL`, or a driver that itself runs inside an Iris
+job) every step that declares `resources=` becomes a fray job with those resources; steps without
+resources still run in the driver. The cluster only runs step functions: the driver keeps leases,
+status and caching, and the job writes the outputs, log and manifest under the step's output path,
+so the prefix must be storage that the driver and the workers both reach.
+
+Imported only when a run uses a cluster, so that planning never loads fray or Iris.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+LOG_TAIL_LINES = 30
+
+
+class ClusterJobFailed(RuntimeError):
+    """A step's cluster job failed, or the cluster refused it; the message carries the job's log tail."""
+
+
+def in_iris_job() -> bool:
+    """True inside an Iris task (checked without importing Iris)."""
+    return bool(os.environ.get("IRIS_TASK_ID"))
+
+
+def workspace_root(start: Path | None = None) -> Path:
+    """The project the workers need: the nearest folder at or above `start` (default: the current
+    directory) whose pyproject.toml declares a uv workspace, else the nearest with a pyproject.toml.
+    """
+    here = (start or Path.cwd()).resolve()
+    candidates = [here, *here.parents]
+    for folder in candidates:
+        pyproject = folder / "pyproject.toml"
+        if pyproject.is_file() and "[tool.uv.workspace]" in pyproject.read_text():
+            return folder
+    for folder in candidates:
+        if (folder / "pyproject.toml").is_file():
+            return folder
+    raise FileNotFoundError(
+        f"keel: no pyproject.toml at or above {here}; run keel from inside the project so that its "
+        "code can be shipped to the cluster's workers"
+    )
+
+
+def cluster_client(url: str | None = None, *, workspace: Path | None = None):
+    """A fray client for the Iris controller at `url`, shipping `workspace` (default: the project
+    around the current directory) to the workers so their tasks import keel, defaults and the
+    experiment. Without a URL, the cluster of the Iris job this process runs in.
+    """
+    if url:
+        from fray.iris_backend import FrayIrisClient
+
+        return FrayIrisClient(url, workspace=workspace or workspace_root())
+    if in_iris_job():
+        from fray.current_client import current_client
+
+        return current_client()
+    raise ValueError("keel: no cluster given: pass --cluster URL or set KEEL_CLUSTER")
+
+
+def run_on_cluster(client, request, resources: str) -> None:
+    """Submit `request` and wait for it; any failure becomes `ClusterJobFailed`.
+
+    A request the cluster cannot place (no scaling group offers the device) fails here, at submit,
+    before anything waits on it. A job that fails brings back the tail of its log.
+    """
+    try:
+        handle = client.submit(request)
+    except Exception as exc:  # noqa: BLE001 - Iris raises raw RPC errors at submit
+        raise ClusterJobFailed(_refusal(exc, resources)) from exc
+    try:
+        handle.wait(raise_on_failure=True)
+    except Exception as exc:  # noqa: BLE001 - JobFailedError, JobFailed, timeouts: one error for all
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ClusterJobFailed(f"cluster job {handle.job_id} failed: {reason}\n{_log_tail(handle)}") from exc
+    except BaseException:
+        handle.terminate()  # the driver is going away (Ctrl-C): do not leave the job running
+        raise
+
+
+def _refusal(exc: Exception, resources: str) -> str:
+    text = str(exc)
+    if "unschedulable" in text:
+        why = re.sub(r" \(constraints: .*\)$", "", text.split(": ", 1)[-1])  # drop Iris's internal constraint dump
+        return (f"the cluster cannot schedule this step's resources ({resources}): {why}; ask for a device and "
+                "size that one of the cluster's scaling groups offers, or add such a group to the cluster's config")
+    return f"could not submit the step to the cluster ({type(exc).__name__}): {text}"
+
+
+def _log_tail(handle) -> str:
+    try:
+        lines = handle.logs(max_lines=LOG_TAIL_LINES)
+    except Exception as exc:  # noqa: BLE001 - the failure itself matters more than its log
+        return f"(the job's log could not be read: {exc})"
+    if not lines:
+        return "(the job left no log lines)"
+    return f"--- last {len(lines)} lines of the job's log ---\n" + "\n".join(lines)
