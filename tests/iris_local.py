@@ -1,0 +1,36 @@
+"""An in-process Iris cluster for tests, on 127.0.0.1 only (see fixtures/iris_local.yaml).
+
+The cluster writes credentials under HOME and scratch under TMPDIR, so both point into a scratch
+folder while it is up. It is always stopped: a process that exits with the cluster up hangs.
+"""
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+CONFIG = Path(__file__).parent / "fixtures" / "iris_local.yaml"
+
+
+@contextlib.contextmanager
+def local_iris_cluster(scratch: Path):
+    """Start the cluster; yield its controller URL; stop it and restore HOME and TMPDIR."""
+    saved = {key: os.environ.get(key) for key in ("HOME", "TMPDIR")}
+    for key in saved:
+        (scratch / key.lower()).mkdir(parents=True, exist_ok=True)
+        os.environ[key] = str(scratch / key.lower())
+    tempfile.tempdir = None  # tempfile caches its folder: make it read TMPDIR again
+    from iris.cluster.config import load_config, make_local_config
+    from iris.cluster.local_cluster import LocalCluster
+
+    cluster = LocalCluster(make_local_config(load_config(CONFIG)))
+    try:
+        yield cluster.start()
+    finally:
+        cluster.close()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        tempfile.tempdir = None

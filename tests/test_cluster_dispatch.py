@@ -1,0 +1,210 @@
+"""Cluster dispatch: the executor's caching, failure/retry and concurrent launchers, run in-process
+(`local`) and on a real Iris cluster on this machine (`iris`); gangs on a fake TPU slice; requests
+no scaling group can place. One cluster serves the whole module.
+"""
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import cloudpickle
+import pytest
+
+from iris_local import local_iris_cluster
+from keel import Resources, Step, execution_only, output_of, this_output
+from keel.executor.cluster import cluster_client, workspace_root
+from keel.executor.job import replica_index
+from keel.executor.plan import Graph, plan_graph
+from keel.executor.run import run_steps
+from keel.executor.status import keel_path, read_status
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+CLUSTER_GRAPH = str(REPO / "tests/fixtures/cluster_graph.py")
+HELLO = str(REPO / "experiments/tutorials/hello_world.py")
+QUIET = lambda _: None  # noqa: E731
+
+# Cluster tasks unpickle the step functions: ship this module's code with them, since the tests
+# folder is not importable there.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def iris(tmp_path_factory):
+    """(controller URL, fray client) of one local Iris cluster for the module."""
+    with local_iris_cluster(tmp_path_factory.mktemp("iris")) as url:
+        client = cluster_client(url, workspace=workspace_root(Path(__file__).parent))
+        try:
+            yield url, client
+        finally:
+            client.shutdown(wait=False)
+
+
+@pytest.fixture(params=["local", "iris"])
+def cluster(request):
+    """None (everything in-process) or the cluster client (steps with resources go there)."""
+    return None if request.param == "local" else request.getfixturevalue("iris")[1]
+
+
+@dataclass(frozen=True)
+class NoteConfig:
+    text: str
+    source: str | None = None
+    output_path: str = this_output()
+    ledger: str = execution_only(default="")  # each execution appends `text@where` here
+    fail_while: str = execution_only(default="")  # the step raises while this file exists
+
+
+def note(config: NoteConfig) -> None:
+    with open(config.ledger, "a") as f:
+        f.write(f"{config.text}@{os.environ.get('IRIS_TASK_ID', 'driver')}\n")
+    if config.fail_while and os.path.exists(config.fail_while):
+        print("about to explode", flush=True)
+        raise ValueError("the step exploded")
+    prefix = open(config.source).read() if config.source else ""
+    with open(f"{config.output_path}/data.txt", "w") as f:
+        f.write(prefix + config.text)
+
+
+def chain(tmp_path: Path, fail: str = ""):
+    """a -> b -> c with resources, and `side` (no resources: always in the driver) off a."""
+    cpu = Resources.with_cpu()
+
+    def cfg(text, source=None):
+        flag = str(tmp_path / "explode") if text == fail else ""
+        return NoteConfig(text, source, ledger=str(tmp_path / "ledger"), fail_while=flag)
+
+    a = Step("t/a", note, cfg("a"), resources=cpu)
+    b = Step("t/b", note, cfg("b", output_of(a, "data.txt")), resources=cpu)
+    c = Step("t/c", note, cfg("c", output_of(b, "data.txt")), resources=cpu)
+    side = Step("t/side", note, cfg("side", output_of(a, "data.txt")))
+    return a, b, c, side
+
+
+def ledger(tmp_path: Path) -> dict[str, list[str]]:
+    """Where each step ran, per step label (one entry per execution)."""
+    runs: dict[str, list[str]] = {}
+    path = tmp_path / "ledger"
+    for line in path.read_text().split() if path.exists() else []:
+        label, where = line.split("@", 1)
+        runs.setdefault(label, []).append(where)
+    return runs
+
+
+def test_run_then_cached(tmp_path, cluster):
+    a, b, c, side = chain(tmp_path)
+    prefix = str(tmp_path / "out")
+    report = run_steps([c, side], prefix, cluster=cluster, echo=QUIET)
+    assert report.ok and sorted(report.ran) == ["t/a", "t/b", "t/c", "t/side"]
+    graph = Graph([c, side], prefix)
+    assert Path(graph.path(c), "data.txt").read_text() == "abc"
+    runs = ledger(tmp_path)
+    assert sorted(runs) == ["a", "b", "c", "side"] and all(len(w) == 1 for w in runs.values())
+    assert runs["side"] == ["driver"]  # no resources: never sent to the cluster
+    on_cluster = [runs[s][0].startswith("/") for s in "abc"]
+    assert on_cluster == [cluster is not None] * 3  # an Iris task id, or the driver
+    assert Path(keel_path(graph.path(b), "manifest.json")).exists()
+    assert read_status(graph.path(c)).state == "SUCCESS"
+
+    again = run_steps([c, side], prefix, cluster=cluster, echo=QUIET)
+    assert again.ok and again.ran == [] and {p.state for p in again.plans} == {"cached"}
+    assert ledger(tmp_path) == runs  # nothing executed
+
+
+def test_failure_then_retry(tmp_path, cluster):
+    (tmp_path / "explode").touch()
+    a, b, c, side = chain(tmp_path, fail="b")
+    prefix = str(tmp_path / "out")
+    report = run_steps([c, side], prefix, cluster=cluster, echo=QUIET)
+    assert not report.ok
+    assert [f.step for f in report.failures] == ["t/b"] and report.blocked == ["t/c"]
+    assert sorted(report.ran) == ["t/a", "t/side"]  # the independent branch finished
+    failure = report.failures[0]
+    assert "the step exploded" in failure.error
+    if cluster is not None:  # keel's own error, carrying the job's log tail
+        assert "ClusterJobFailed" in failure.error and "lines of the job's log" in failure.error
+        assert "about to explode" in failure.error
+    assert "the step exploded" in Path(failure.log).read_text()  # the job wrote the step's log
+    assert read_status(failure.output_path).state == "FAILED"
+    assert "c" not in ledger(tmp_path)
+
+    (tmp_path / "explode").unlink()  # the cause goes away; the next run retries without being asked
+    report = run_steps([c, side], prefix, cluster=cluster, echo=QUIET)
+    assert report.ok and sorted(report.ran) == ["t/b", "t/c"]
+    runs = ledger(tmp_path)
+    assert len(runs["a"]) == 1 and len(runs["b"]) == 2 and len(runs["c"]) == 1
+    status = read_status(failure.output_path)
+    assert status.state == "SUCCESS" and status.attempt == 2
+
+
+def test_concurrent_launchers_run_each_step_once(tmp_path, cluster, iris):
+    """Three `keel run` processes on overlapping graphs (with `--cluster` for iris)."""
+    flags = ["--cluster", iris[0]] if cluster is not None else []
+    env = {**os.environ, "KEEL_TEST_COUNTER": str(tmp_path / "ledger"), "KEEL_TEST_SLEEP": "1"}
+    procs = [subprocess.Popen([sys.executable, "-m", "keel.cli_entry", "run", CLUSTER_GRAPH, "--prefix", str(tmp_path / "out"), *flags],
+                              env={**env, "KEEL_TEST_BRANCH": branch}, cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+             for branch in ("a", "b", "all")]
+    try:
+        outputs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), outputs
+    runs = ledger(tmp_path)
+    assert sorted(runs) == ["join", "left", "right", "root"] and all(len(w) == 1 for w in runs.values()), runs
+    assert all(w[0].startswith("/") == (cluster is not None) for w in runs.values()), runs
+    assert any("reuse" in out for out in outputs)  # someone waited for a shared step and reused it
+
+
+@dataclass(frozen=True)
+class GangConfig:
+    output_path: str = this_output()
+
+
+def report_replica(config: GangConfig) -> None:
+    with open(f"{config.output_path}/replica-{replica_index()}.txt", "w") as f:
+        f.write(os.environ.get("IRIS_NUM_TASKS", "?"))
+
+
+def test_tpu_step_runs_as_a_gang_on_the_slice(tmp_path, iris):
+    step = Step("t/gang", report_replica, GangConfig(), resources=Resources.with_tpu("v5litepod-16"))
+    report = run_steps([step], str(tmp_path), cluster=iris[1], echo=QUIET)
+    assert report.ok, report.failures
+    out = Path(Graph([step], str(tmp_path)).path(step))
+    written = {p.name: p.read_text() for p in out.glob("replica-*.txt")}
+    assert written == {f"replica-{i}.txt": "4" for i in range(4)}  # one task per host of the slice
+    assert Path(keel_path(str(out), "log.txt")).exists()  # replica 0 keeps the step's log ...
+    assert sorted(p.name for p in out.glob(".keel/log.replica*.txt")) == [f"log.replica{i}.txt" for i in (1, 2, 3)]
+    assert read_status(str(out)).state == "SUCCESS"
+    assert [p.state for p in plan_graph(Graph([step], str(tmp_path)))] == ["cached"]  # ... and the manifest
+
+
+def test_unschedulable_request_fails_at_submit_naming_the_step(tmp_path, iris):
+    cpu_step = Step("t/fine", note, NoteConfig("fine", ledger=str(tmp_path / "ledger")), resources=Resources.with_cpu())
+    wrong = Step("t/a100", note, NoteConfig("a100", ledger=str(tmp_path / "ledger")), resources=Resources.with_gpu("A100", 8))
+    after = Step("t/after", note, NoteConfig("after", output_of(wrong, "data.txt"), ledger=str(tmp_path / "ledger")))
+    started = time.monotonic()
+    report = run_steps([cpu_step, after], str(tmp_path / "out"), cluster=iris[1], echo=QUIET)
+    assert time.monotonic() - started < 60  # refused at submit, not left pending
+    assert [f.step for f in report.failures] == ["t/a100"] and report.blocked == ["t/after"]
+    assert report.ran == ["t/fine"]
+    error = report.failures[0].error
+    assert "cannot schedule this step's resources (cpu 1, gpu A100 x8)" in error
+    assert "no scaling group provides device gpu:a100 (available: cpu, tpu_v5e_16, gpu_h100_8)" in error
+    assert "scaling groups offers" in error.splitlines()[-1]  # the fix, on the line keel's progress shows
+    assert "a100" not in ledger(tmp_path)  # nothing ran
+    assert read_status(report.failures[0].output_path).state == "FAILED"
+
+
+def test_plan_with_a_cluster_configured_imports_no_fray(tmp_path):
+    code = ("import sys; from keel.cli import console_main;"
+            f"console_main(['plan', {HELLO!r}, '--prefix', {str(tmp_path)!r}, '--cluster', 'http://127.0.0.1:9']);"
+            "print('HEAVY', [m for m in ('jax', 'fray', 'iris') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "KEEL_CLUSTER": "http://127.0.0.1:9"})
+    assert "HEAVY []" in out.stdout, out.stdout + out.stderr
