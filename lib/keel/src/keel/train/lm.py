@@ -23,3 +23,89 @@ class TrainableLM(Protocol):
     def loss(self, model, batch, *, transport: str, z_loss: float, compute_dtype) -> tuple[Any, dict[str, Any]]: ...
 
     def apply_router_update(self, model, aux: dict[str, Any]) -> Any: ...
+
+
+class KeelLM:
+    """keel's Haliax MoE model (keel.model) as a `TrainableLM` on a rack mesh (keel.mesh).
+
+    Batches are `{"input_ids", "segment_ids"}` int32 [batch, seq]; the loss is next-token
+    cross-entropy within documents (a target in another document or in padding does not count),
+    plus `z_loss x mean(logsumexp^2)` and the model's auxiliary balancing loss if it has one.
+    """
+
+    def __init__(self, config, mesh, *, remat: bool = True):
+        self.config, self.mesh, self.remat = config, mesh, remat
+
+    def init(self, key):
+        import equinox as eqx
+        import jax
+
+        from keel.mesh.mesh import model_shardings
+        from keel.model.transformer import init_model
+
+        shapes = eqx.filter_eval_shape(init_model, self.config, key)
+        init = jax.jit(init_model, static_argnums=0, out_shardings=model_shardings(shapes, self.mesh))
+        return init(self.config, key)
+
+    def loss(self, model, batch, *, transport, z_loss: float, compute_dtype):
+        import haliax as hax
+        import jax
+        import jax.numpy as jnp
+
+        from keel.mesh.mesh import compute_axis_mapping
+        from keel.model.axes import BATCH, POS
+
+        model = self._for_phase(model, transport)
+        ids, seg = batch["input_ids"], batch["segment_ids"]
+        with hax.axis_mapping(compute_axis_mapping()):
+            logits, aux = model(
+                hax.named(ids, (BATCH, POS)),
+                hax.named(seg, (BATCH, POS)),
+                transport=_transport_spec(transport),
+                compute_dtype=compute_dtype,
+            )
+        logits = logits.array.astype(jnp.float32)
+        targets = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
+        next_seg = jnp.concatenate([seg[:, 1:], jnp.full_like(seg[:, :1], -1)], axis=1)
+        weight = ((seg >= 0) & (next_seg == seg)).astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
+        count = jnp.maximum(jnp.sum(weight), 1.0)
+        ce = jnp.sum((lse - target_logit) * weight) / count
+        loss = ce + z_loss * jnp.sum(lse**2 * weight) / count + aux["aux_loss"]
+        out = {}
+        if "dropped_fraction" in aux:
+            out["dropped_fraction"] = jnp.mean(aux["dropped_fraction"].array)
+            out["router_balance"] = jnp.mean(aux["max_load"].array)
+        if "qb_beta" in aux:
+            out["qb_beta"] = aux["qb_beta"]
+        return loss, out
+
+    def apply_router_update(self, model, aux):
+        from keel.model.routing import next_router_bias
+        from keel.model.transformer import with_router_bias
+
+        if "qb_beta" not in aux:
+            return model
+        current = model.layers.stacked.moe.router_bias
+        return with_router_bias(model, next_router_bias(aux["qb_beta"]).astype(current.dtype))
+
+    def _for_phase(self, model, phase):
+        """The model with the run's remat choice and this phase's capacity factor (static fields)."""
+        import dataclasses
+
+        layers = dataclasses.replace(model.layers, gradient_checkpointing=self.remat)
+        if phase.capacity_factor is not None and phase.transport == "fixed_all_to_all":
+            block = layers.stacked
+            moe = dataclasses.replace(block.moe, config=block.moe.config.replace(capacity_factor=phase.capacity_factor))
+            layers = dataclasses.replace(layers, stacked=dataclasses.replace(block, moe=moe))
+        return dataclasses.replace(model, layers=layers)
+
+
+def _transport_spec(phase):
+    """keel.model's TransportSpec for a TransportPhase (its capacity is the pooled transport's)."""
+    from keel.model.transport_spec import TransportSpec
+
+    if phase.transport == "fixed_pooled_all_to_all" and phase.capacity_factor is not None:
+        return TransportSpec(phase.transport, pooled_capacity_factor=phase.capacity_factor, num_waves=phase.num_waves)
+    return TransportSpec(phase.transport, num_waves=phase.num_waves)

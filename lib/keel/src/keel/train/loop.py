@@ -68,7 +68,7 @@ class _Run:
 
         self.config, self.inputs, self.output_path = config, inputs, output_path
         self.compute_dtype = jnp.dtype(config.compute_dtype)
-        model = eqx.filter_jit(inputs.lm.init)(jax.random.PRNGKey(config.seed))
+        model = inputs.lm.init(jax.random.PRNGKey(config.seed))
         model = jax.tree.map(lambda x: x.astype(config.master_dtype) if _is_float(x) else x, model)
         self.tx, self.lr_schedules = build_optimizer(config, model)
         state = {"step": jnp.zeros((), jnp.int32), "model": model, "opt_state": eqx.filter_jit(self.tx.init)(model)}

@@ -96,10 +96,10 @@ def scheduled_weight_decay(mask, lr: Schedule, rate: Schedule) -> optax.Gradient
     def update_fn(updates, state, params):
         factor = lr(state.count) * rate(state.count)
 
-        def decay(u, p, m):
+        def decay(m, u, p):
             return u - factor * p if m else u
 
-        updates = jax.tree.map(decay, updates, params, mask)
+        updates = jax.tree.map(decay, mask, updates, params)  # mask first: its leaves may sit above arrays
         return updates, ScheduleState(count=optax.safe_increment(state.count))
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -144,12 +144,47 @@ def _per_matrix(fn, *arrays):
 
 
 def _orthogonalise(update: jax.Array, steps: int, eps: float) -> jax.Array:
-    from levanter.optim.util import zeropower_via_newtonschulz5
-
     if update.ndim < 2:
         return update
-    out = _per_matrix(lambda x: zeropower_via_newtonschulz5(x.astype(jnp.float32), steps=steps, eps=eps), update)
-    return out.astype(update.dtype)
+    whole, spec = _whole_matrices(update)
+    out = _per_matrix(lambda x: _newton_schulz(x.astype(jnp.float32), steps, eps), whole)
+    out = out.astype(update.dtype)
+    return out if spec is None else jax.sharding.reshard(out, spec)
+
+
+def _whole_matrices(x: jax.Array):
+    """x with its two matrix dims unsplit (stack dims keep their split), and x's own spec.
+
+    FSDP splits a matrix's rows over devices; Newton-Schulz multiplies whole matrices, so they are
+    gathered for it (and the result split back like the parameter).
+    """
+    from jax.sharding import PartitionSpec as P
+
+    sharding = jax.typeof(x).sharding
+    if sharding.mesh.empty:
+        return x, None
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    return jax.sharding.reshard(x, P(*spec[:-2], None, None)), P(*spec)
+
+
+def _newton_schulz(x: jax.Array, steps: int, eps: float) -> jax.Array:
+    """Levanter's quintic Newton-Schulz iteration (its coefficients) toward the polar factor of x.
+
+    Levanter's own `zeropower_via_newtonschulz5` pins a (data, model) sharding constraint, which
+    an explicit-axis mesh rejects; this is the same iteration without it.
+    """
+    from levanter.optim.util import NEWTON_SCHULZ_COEFFICIENTS
+
+    coefficients = NEWTON_SCHULZ_COEFFICIENTS["quintic"]
+    x = x / (jnp.linalg.norm(x) + eps)
+    transpose = x.shape[0] > x.shape[1]
+    if transpose:
+        x = x.T
+    for i in range(steps):
+        a, b, c = coefficients[i % len(coefficients)]
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if transpose else x
 
 
 def _hyperball(param: jax.Array, update: jax.Array, rate) -> jax.Array:
@@ -174,8 +209,12 @@ def adam(lr: Schedule, *, b1: float, b2: float, eps: float) -> optax.GradientTra
 def grouped(
     transforms: Mapping[str, optax.GradientTransformation], labels
 ) -> optax.GradientTransformation:
-    """Each label's parameters go through that label's transform (optax.multi_transform)."""
-    return optax.multi_transform(dict(transforms), labels)
+    """Each label's parameters go through that label's transform (optax.multi_transform).
+
+    The labels tree has the model's type, which may be callable (an Equinox module with
+    `__call__`): optax would call it, so it is handed over behind a function.
+    """
+    return optax.multi_transform(dict(transforms), lambda _: labels)
 
 
 def global_norm(tree) -> jax.Array:
@@ -199,7 +238,7 @@ def build_optimizer(train, params) -> tuple[optax.GradientTransformation, dict[s
         lr = schedule(opt.lr)
         lrs = {"lr": lr}
         matrices = jax.tree.map(lambda x: x.ndim >= 2, params)
-        core = {"adamw": optax.adamw(lr, opt.beta1, opt.beta2, opt.eps, weight_decay=opt.weight_decay, mask=matrices)}
+        core = {"adamw": optax.adamw(lr, opt.beta1, opt.beta2, opt.eps, weight_decay=opt.weight_decay, mask=lambda _: matrices)}
         rules: list[tuple[str, str]] = []
         default = "adamw"
         lr_of_label = {"adamw": lr}
