@@ -72,7 +72,8 @@ def _write_cache(root, split, values):
     exemplar = {"input_ids": np.zeros((0,), np.int32), "segment_ids": np.zeros((0,), np.int32)}
     with SerialCacheWriter(f"{root}/{split}", exemplar) as writer:
         ids = np.repeat(np.array(values, np.int32)[:, None], SEQ_LEN, axis=1)
-        writer.write_batch({"input_ids": ids, "segment_ids": np.zeros_like(ids)})
+        if len(ids):
+            writer.write_batch({"input_ids": ids, "segment_ids": np.zeros_like(ids)})
     return str(root)
 
 
@@ -82,6 +83,7 @@ def caches(tmp_path_factory):
     a = _write_cache(root / "a", "train", range(1000, 1040))
     _write_cache(root / "a", "validation", [1999])
     b = _write_cache(root / "b", "train", range(2000, 2040))
+    _write_cache(root / "b", "validation", [])
     return a, b
 
 

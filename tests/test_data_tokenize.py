@@ -187,3 +187,24 @@ def test_bad_tokenize_declarations(inputs, tmp_path):
         _tokenize(tmp_path / "out", (corpus, str(tmp_path / "tok")))
     with pytest.raises(FileNotFoundError, match="no keel document set"):
         _tokenize(tmp_path / "out", (str(tmp_path), tok))
+
+
+def test_an_error_mid_way_stops_the_pipeline_threads_and_leaves_no_complete_cache(inputs, tmp_path, monkeypatch):
+    import threading
+
+    from keel.data import tokenize as module
+
+    real_batches = module._document_batches
+
+    def batches_then_fail(urls, batch_documents):
+        for i, batch in enumerate(real_batches(urls, batch_documents)):
+            if i == 3:
+                raise OSError("the shard store went away")
+            yield batch
+
+    monkeypatch.setattr(module, "_document_batches", batches_then_fail)
+    with pytest.raises(OSError, match="the shard store went away"):
+        _tokenize(tmp_path / "out", inputs, seq_len=16, batch_documents=2)
+    assert not (tmp_path / "out" / "train" / "shard_ledger.json").exists()
+    assert not (tmp_path / "out" / "tokenize.json").exists()
+    assert not [t for t in threading.enumerate() if t.name.startswith("keel-tokenize")]

@@ -68,12 +68,14 @@ def build_train_dataset(mixture: Mixture, *, seq_len: int, batch_size: int, seed
 
 
 def build_validation_datasets(mixture: Mixture, *, seq_len: int) -> dict:
-    """{component name: Levanter TreeCache of its validation split}, for components that have one."""
-    return {
-        name: load_token_cache(_root(name, root), "validation", seq_len=seq_len)
-        for name, root in sorted(mixture.components.items())
-        if has_split(_root(name, root), "validation")
-    }
+    """{component name: Levanter TreeCache of its validation split}, for components with a non-empty one."""
+    out = {}
+    for name, root in sorted(mixture.components.items()):
+        if has_split(_root(name, root), "validation"):
+            cache = load_token_cache(root, "validation", seq_len=seq_len)
+            if len(cache):
+                out[name] = cache
+    return out
 
 
 def _root(name: str, root) -> str:

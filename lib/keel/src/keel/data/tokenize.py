@@ -141,19 +141,24 @@ class _CacheWriterThread:
             self._pending = [(ids[whole:], segs[whole:])]
             self._pending_rows = len(ids) - whole
 
-    def close(self) -> None:
-        """Write the rest, then the ledger that marks the cache complete."""
+    def __enter__(self) -> "_CacheWriterThread":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """On success write the rest, then the ledger that marks the cache complete; on an error
+        stop the thread and leave the cache incomplete (no ledger)."""
         import numpy as np
 
-        if self._pending_rows:
+        if exc_type is None and self._pending_rows:
             ids = np.concatenate([p[0] for p in self._pending])
             segs = np.concatenate([p[1] for p in self._pending])
             self._queue.put({"input_ids": ids, "segment_ids": segs})
         self._queue.put(None)
         self._thread.join()
-        if self._error is not None:
-            raise self._error
-        self._writer.__exit__(None, None, None)
+        if exc_type is None:
+            if self._error is not None:
+                raise self._error
+            self._writer.__exit__(None, None, None)
 
 
 def _document_batches(urls: list[str], batch_documents: int) -> Iterator[list[str]]:
@@ -178,11 +183,11 @@ def _tokenize_split(config: TokenizeConfig, loaded, split: str, total_documents:
     prefix = [loaded.bos_id] if config.add_bos else []
     suffix = [loaded.eos_id] if config.add_eos else []
     packer = SequencePacker(config.seq_len)
-    writer = _CacheWriterThread(storage.join(config.output_path, split))
     urls = shard_urls(config.documents, split)
     documents = tokens = sequences = 0
-    start = time.perf_counter()
-    with tqdm(total=total_documents, desc=f"tokenize {split}", unit="doc", unit_scale=True, mininterval=1.0) as bar:
+    bar = tqdm(total=total_documents, desc=f"tokenize {split}", unit="doc", unit_scale=True, mininterval=1.0)
+    with bar, _CacheWriterThread(storage.join(config.output_path, split)) as writer:
+        start = time.perf_counter()
         for texts in _threaded(lambda: _document_batches(urls, config.batch_documents)):
             encodings = encode(texts, add_special_tokens=False)
             arrays = [np.array(prefix + e.ids + suffix, dtype=np.int32) for e in encodings]
@@ -194,7 +199,6 @@ def _tokenize_split(config: TokenizeConfig, loaded, split: str, total_documents:
             sequences += len(input_ids)
             bar.update(len(texts))
             bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tok/s", refresh=False)
-    writer.close()
     return {
         "documents": documents,
         "tokens": tokens,
