@@ -107,7 +107,8 @@ def quantile_beta(routes: Routes, valid: NamedArray, config: MoELMConfig) -> Nam
         return jnp.zeros((s.shape[1], bins), jnp.int32).at[rows, idx].add(ok[:, None].astype(jnp.int32))
 
     counts = token_sum(local_histogram, scores.array, ok, replicated=(lo, width)).astype(jnp.float32)
-    target = jnp.sum(ok).astype(jnp.float32) * config.experts_per_token / config.num_experts
+    # k/E of the valid tokens, rounded down as in grug's per-shard estimate.
+    target = (jnp.sum(ok) * config.experts_per_token // config.num_experts).astype(jnp.float32)
     at_or_above = jnp.cumsum(counts[:, ::-1], axis=1)[:, ::-1]  # tokens in bin b or higher
     top_bin = jnp.maximum(jnp.sum(at_or_above >= target, axis=1) - 1, 0)
     in_bin = jnp.take_along_axis(counts, top_bin[:, None], axis=1)[:, 0]
