@@ -1,5 +1,6 @@
 """The built-in stdlib corpus: deterministic, capped, and keyed by the Python version."""
 
+import os
 import platform
 import sysconfig
 
@@ -58,3 +59,18 @@ def test_python_version_is_part_of_the_identity_and_checked_at_run_time(tmp_path
 
     with pytest.raises(RuntimeError, match="3.99.0's standard library but this step runs on"):
         build_stdlib_corpus(StdlibCorpusConfig(python_version="3.99.0", output_path=str(tmp_path)))
+
+
+def test_declaring_the_data_chain_imports_nothing_heavy():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from defaults.data import default_tokenize, default_tokenizer, stdlib_corpus\n"
+        "corpus = stdlib_corpus(max_bytes=1000)\n"
+        "default_tokenize('s', corpus, default_tokenizer('t', corpus), seq_len=16)\n"
+        "print(sorted(m for m in ('jax', 'levanter', 'tokenizers', 'datasets', 'pyarrow', 'numpy') if m in sys.modules))"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo)
+    assert out.stdout.strip() == "[]"
