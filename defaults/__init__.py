@@ -1,3 +1,4 @@
 from defaults.data import default_tokenize, default_tokenizer, ingest, stdlib_corpus
+from defaults.train import default_train
 
-__all__ = ["default_tokenize", "default_tokenizer", "ingest", "stdlib_corpus"]
+__all__ = ["default_tokenize", "default_tokenizer", "default_train", "ingest", "stdlib_corpus"]

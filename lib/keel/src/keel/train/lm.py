@@ -20,7 +20,33 @@ from typing import Any, Protocol
 class TrainableLM(Protocol):
     def init(self, key) -> Any: ...
 
-    def loss(self, model, batch, *, transport: str, z_loss: float, compute_dtype) -> tuple[Any, dict[str, Any]]: ...
+    def loss(self, model, batch, *, transport, z_loss: float, compute_dtype):
+        import haliax as hax
+        import jax.numpy as jnp
+
+        from keel.mesh.mesh import compute_axis_mapping
+        from keel.model.axes import BATCH, POS
+        from keel.model.loss import TokenBatch, loss_fn
+
+        tokens = TokenBatch(
+            input_ids=hax.named(batch["input_ids"], (BATCH, POS)),
+            segment_ids=hax.named(batch["segment_ids"], (BATCH, POS)),
+        )
+        with hax.axis_mapping(compute_axis_mapping()):
+            loss, aux = loss_fn(
+                self._for_phase(model, transport),
+                tokens,
+                z_loss=z_loss,
+                transport=_transport_spec(transport),
+                compute_dtype=compute_dtype,
+            )
+        out = {}
+        if "dropped_fraction" in aux:
+            out["dropped_fraction"] = jnp.mean(aux["dropped_fraction"].array)
+            out["router_balance"] = jnp.mean(aux["max_load"].array)
+        if "qb_beta" in aux:
+            out["qb_beta"] = aux["qb_beta"]
+        return loss, out
 
     def apply_router_update(self, model, aux: dict[str, Any]) -> Any: ...
 
@@ -28,9 +54,9 @@ class TrainableLM(Protocol):
 class KeelLM:
     """keel's Haliax MoE model (keel.model) as a `TrainableLM` on a rack mesh (keel.mesh).
 
-    Batches are `{"input_ids", "segment_ids"}` int32 [batch, seq]; the loss is next-token
-    cross-entropy within documents (a target in another document or in padding does not count),
-    plus `z_loss x mean(logsumexp^2)` and the model's auxiliary balancing loss if it has one.
+    Batches are `{"input_ids", "segment_ids"}` int32 [batch, seq]; the loss is keel.model's
+    `loss_fn`: next-token cross-entropy within documents, plus z-loss on the final logits, plus
+    the model's auxiliary balancing loss if it has one.
     """
 
     def __init__(self, config, mesh, *, remat: bool = True):

@@ -1,0 +1,52 @@
+"""`default_train`: the training step of an experiment, in one call.
+
+    model_step = default_train("tiny_moe", data=cache, model=tiny_moe, train=TrainConfig(...),
+                               topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4))
+
+The step is named `train/<name>`; its identity is the model, the data (and through it every
+upstream step), the optimizer, schedule, seed, batch size, sequence length and step count.
+Topology, hardware, transports, checkpoint/log cadence, eval batch counts, precision and remat are
+execution-only: changing them resumes the same run under the same output path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keel import Resources, Step
+from keel.data import Mixture
+from keel.executor.step import External, OutputOf
+from keel.mesh import Hardware, RackTopology
+from keel.model import MoELMConfig
+from keel.train import TrainConfig, TrainStepConfig
+from keel.train.step import train_step
+
+
+def default_train(
+    name: str,
+    *,
+    data: Mixture | Step | External | Any,
+    model: MoELMConfig,
+    train: TrainConfig,
+    topology: RackTopology | None = None,
+    hardware: Hardware | None = None,
+    resources: Resources | None = None,
+    description: str | None = None,
+) -> Step:
+    """A `Step` that trains `model` on `data` (a Mixture, or a tokenize step / External cache)."""
+    if isinstance(data, Mixture):
+        data.check_batch_size(train.batch_size)
+    elif not isinstance(data, (Step, External, OutputOf)):
+        raise TypeError(
+            f"default_train({name!r}): data is a {type(data).__name__}; give a keel.data.Mixture, a tokenize Step "
+            "or an External token cache"
+        )
+    if train.seq_len > model.max_seq_len:
+        raise ValueError(
+            f"default_train({name!r}): TrainConfig.seq_len={train.seq_len} exceeds MoELMConfig.max_seq_len="
+            f"{model.max_seq_len}: shorten the sequences or raise max_seq_len"
+        )
+    if topology is not None:
+        topology.validate(model, train.batch_size)
+    config = TrainStepConfig(model=model, data=data, train=train, topology=topology, hardware=hardware)
+    return Step(f"train/{name}", train_step, config, resources=resources, description=description)
