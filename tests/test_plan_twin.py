@@ -15,7 +15,9 @@ def test_twin_keeps_the_run_shape_at_scaled_steps():
     hero = hero_config()
     twin = scale_down(hero, model=tiny_moe, data="/caches/stdlib", **CPU)
     assert architecture_features(twin.model) >= architecture_features(hero.model)
-    assert [p.start_step for p in twin.data.phases] == [round(p.start_step * 60 / 390_251) for p in hero.data.phases]
+    # phases at 60/390,251 of the hero's steps, on blocks of 256 sequences = 16 steps of 16
+    assert [p.start_step for p in twin.data.phases] == [0, 16, 48]
+    assert twin.data.block_size == 256
     assert [p.weights for p in twin.data.phases] == [p.weights for p in hero.data.phases]
     assert set(twin.data.components.values()) == {"/caches/stdlib"}
     assert twin.data.components.keys() == hero.data.components.keys()

@@ -56,11 +56,13 @@ def scale_down(
     num_steps: int,
     topology: RackTopology,
     hardware: Hardware,
+    mixture_block: int = 256,
     **train_overrides: Any,
 ) -> TrainStepConfig:
     """The twin of `config` on `model` (which must keep every feature `config.model` has on),
-    reading `data` (a token cache) for every mixture component. `train_overrides` are set last
-    (e.g. `eval_every`)."""
+    reading `data` (a token cache) for every mixture component. Mixture blocks hold at least
+    `mixture_block` sequences (whole batches), so small components still get rows in every block,
+    and phases start on block boundaries. `train_overrides` are set last (e.g. `eval_every`)."""
     missing = architecture_features(config.model) - architecture_features(model)
     if missing:
         raise PlanError(f"scale_down(model=...): the twin's model switches off {', '.join(sorted(missing))}; "
@@ -93,7 +95,7 @@ def scale_down(
     return dataclasses.replace(
         config,
         model=model,
-        data=_data(config.data, data, step, batch_size),
+        data=_data(config.data, data, step, batch_size, -(-mixture_block // batch_size)),
         train=twin_train,
         topology=topology,
         hardware=hardware,
@@ -115,15 +117,16 @@ def _distinct_starts(phases: tuple) -> tuple:
     return tuple(p for i, p in enumerate(phases) if i + 1 == len(phases) or phases[i + 1].start_step > p.start_step)
 
 
-def _data(original: Any, stand_in: Any, step, batch_size: int) -> Any:
+def _data(original: Any, stand_in: Any, step, batch_size: int, block_steps: int) -> Any:
     """A mixture keeps its components' names, phases and weights, every component reading `stand_in`;
-    a mixture block of one batch puts every step on a block boundary. Other data is replaced."""
+    phase starts are rounded to whole blocks of `block_steps` steps. Other data is replaced."""
     if not hasattr(original, "phases"):
         return stand_in
-    phases = _distinct_starts(tuple(dataclasses.replace(p, start_step=step(p.start_step)) for p in original.phases))
+    starts = [round(step(p.start_step) / block_steps) * block_steps for p in original.phases]
+    phases = _distinct_starts(tuple(dataclasses.replace(p, start_step=s) for p, s in zip(original.phases, starts)))
     return dataclasses.replace(
         original,
         components={name: stand_in for name in original.components},
         phases=phases,
-        block_size=batch_size,
+        block_size=block_steps * batch_size,
     )

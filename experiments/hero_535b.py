@@ -1,0 +1,178 @@
+"""The 535B-A23B hero run, declared as one graph: read this file to know the whole run.
+
+    uv run keel plan experiments/hero_535b.py                   # step table + fact sheet, no jax, instant
+    KEEL_SCALE=tiny uv run keel run experiments/hero_535b.py    # its twin trains on this CPU
+
+Numbers that follow from others are computed here (steps from tokens per active parameter,
+learning rates from the scaling law, the cooldown start from the phase token budgets); `keel plan`
+derives the rest (parameters, tokens, FLOPs, memory, all-to-all traffic, dates) and checks the
+figures quoted about the run. The twin (`KEEL_SCALE=tiny`) is the same declaration scaled down by
+`keel.plan.scale_down`: every architecture feature, the optimizer groups, the schedule, the
+mixture phases and the transport switch, on 8 simulated CPU devices with the stdlib corpus
+standing in for the external data.
+"""
+
+import dataclasses
+import math
+import os
+
+from defaults.data import default_tokenize, default_tokenizer, stdlib_corpus
+from defaults.hardware import cpu_sim, gb200_nvl72
+from defaults.models import hero_535b, tiny_moe
+from defaults.train import default_train
+from keel import External, Resources, main
+from keel.data import Mixture, MixturePhase
+from keel.mesh import RackTopology
+from keel.plan import scale_down
+from keel.train import (
+    GroupedOptimizerConfig,
+    HostOffload,
+    RunFacts,
+    ScheduleConfig,
+    SpeedObservation,
+    TrainConfig,
+    TransportPhase,
+    WeightDecayChange,
+    steps_for_tokens_per_param,
+)
+
+BUCKET = "gs://hero-535b"
+
+# Hardware and mesh: 11 GB200 NVL72 racks, 64 GPUs of each (16 hosts x 4); one replica per rack,
+# the 384 routed experts split over the 64 GPUs of a rack's NVLink domain.
+RACKS = 11
+HOSTS_PER_RACK, GPUS_PER_HOST = 16, 4
+topology = RackTopology(racks=RACKS, gpus_per_rack=gb200_nvl72.gpus_per_rack, expert_parallel=64)
+
+# Length: 1,024 sequences of 4,096 tokens per rack per step, 791 tokens per active parameter.
+SEQ_LEN = 4096
+BATCH_SIZE = 1024 * RACKS
+NUM_STEPS = steps_for_tokens_per_param(hero_535b, BATCH_SIZE, SEQ_LEN, tokens_per_param=791)
+
+# Data: a Llama-3-style 128,256-token vocabulary; topic caches from the 200-cell pool (40 topic
+# clusters x 5 quality levels, 23.1T tokens after dedup and decontamination).
+tokenizer = External("hero/tokenizer/llama3-128k", f"{BUCKET}/tokenizer", version="v1")
+assert hero_535b.vocab_size == 128_256
+
+TOPIC_SHARES = {  # percent of each phase: initial, main, cooldown (the public part)
+    "perf-logs-low-level-code": (9.0, 10.6, 11.4),
+    "software-infra-security": (9.3, 8.3, 8.0),
+    "cli-agent-transcripts": (1.3, 6.0, 6.6),
+    "general-software-web": (7.9, 4.5, 3.1),
+    "natural-science-research": (8.8, 6.9, 11.3),
+    "history-literature": (6.9, 3.7, 3.7),
+    "finance": (5.6, 2.4, 2.8),
+    "math": (4.3, 1.8, 1.4),
+    "law": (1.1, 3.6, 2.9),
+    "world-news": (0.8, 2.7, 1.8),
+}
+MIXTURE_BLOCK = 49_152  # sequences per mixture block: every phase starts on a block boundary
+PRETRAIN_TOKENS, COOLDOWN_TOKENS = 15e12, 3.75e12
+MAIN_START = 108_000
+
+
+def block_aligned(step: float) -> int:
+    """The last step at or before `step` whose first sequence starts a mixture block."""
+    steps_per_block = MIXTURE_BLOCK // math.gcd(MIXTURE_BLOCK, BATCH_SIZE)
+    return math.floor(step / steps_per_block) * steps_per_block
+
+
+PHASE_STARTS = {
+    "initial": 0,
+    "main": MAIN_START,
+    "cooldown": block_aligned(NUM_STEPS * PRETRAIN_TOKENS / (PRETRAIN_TOKENS + COOLDOWN_TOKENS)),
+}
+
+
+def topic_cache(name: str) -> External:
+    return External(f"hero/data/{name}", f"{BUCKET}/cache/{name}", version="v1")
+
+
+def phase_weights(index: int, phase: str) -> dict[str, float]:
+    """The public topic shares of a phase; the rest of it is that phase's "other" component."""
+    weights = {topic: shares[index] / 100 for topic, shares in TOPIC_SHARES.items()}
+    weights[f"other-{phase}"] = 1 - sum(weights.values())
+    return weights
+
+
+mixture = Mixture(
+    components={name: topic_cache(name) for name in [*TOPIC_SHARES, *(f"other-{p}" for p in PHASE_STARTS)]},
+    phases=tuple(MixturePhase(start, phase_weights(i, phase)) for i, (phase, start) in enumerate(PHASE_STARTS.items())),
+    block_size=MIXTURE_BLOCK,
+)
+
+# Training: the grouped optimizer (MuonH / AdamH / Adam) with peak LRs from the scaling law,
+# warmup over 1% of steps then linear decay to 5%, no clipping, z-loss on the final logits, and
+# from step 54,000 an annealed decay on attention gates and router weights.
+RAGGED_FROM = 81_716  # the forced checkpoint where the ragged all-to-all took over (2026-09-09)
+train = TrainConfig(
+    batch_size=BATCH_SIZE,
+    seq_len=SEQ_LEN,
+    num_steps=NUM_STEPS,
+    seed=0,
+    optimizer=GroupedOptimizerConfig.from_scaling_law(
+        hero_535b, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, num_steps=NUM_STEPS, beta1=0.9, beta2=0.95, eps=6.04e-15
+    ),
+    schedule=ScheduleConfig(warmup_fraction=0.01, decay_to_fraction=0.05),
+    z_loss=1e-4,
+    weight_decay_change=WeightDecayChange(start_step=54_000, peak=0.02, groups=(r"\battn\.gate\b", r"\bmoe\.router\b")),
+    eval_every=3000,
+    checkpoint_every=6000,
+    rolling_checkpoint_minutes=60,
+    transports=(
+        TransportPhase(0, "fixed_pooled_all_to_all", num_waves=3),
+        TransportPhase(RAGGED_FROM, "ragged_all_to_all"),
+    ),
+    compute_dtype="bfloat16",
+    master_dtype="float32",
+    remat=True,
+    host_offload=HostOffload(master_weights_until_step=RAGGED_FROM, optimizer_state=True),
+)
+
+# Declared facts about the real run, for the time section of the fact sheet.
+facts = RunFacts(
+    run_id="hero-12d8b6f0-dee637",
+    start_date="2026-08-19",
+    observed=(
+        SpeedObservation(step=0, date="2026-08-19", steps_per_day=86_400 / 19.8),  # pooled: 19.8 s/step
+        SpeedObservation(step=RAGGED_FROM, date="2026-09-09", steps_per_day=4400),
+    ),
+)
+
+hero_train = default_train(
+    "hero_535b",
+    data=mixture,
+    model=hero_535b,
+    train=train,
+    topology=topology,
+    hardware=gb200_nvl72,
+    resources=Resources.with_gpu("GB200", GPUS_PER_HOST, replicas=RACKS * HOSTS_PER_RACK),
+    description="535B-A23B MoE on 11 GB200 NVL72 racks",
+)
+hero_train = hero_train.with_config(dataclasses.replace(hero_train.config, facts=facts))
+
+
+def twin(num_steps: int = 120) -> list:
+    """The hero scaled down to this CPU: 8 simulated devices as 2 racks x 4, the stdlib corpus for data."""
+    corpus = stdlib_corpus(max_bytes=4_000_000)
+    bpe = default_tokenizer("stdlib-bpe-1k", corpus, vocab_size=tiny_moe.vocab_size)
+    cache = default_tokenize("stdlib", corpus, bpe, seq_len=tiny_moe.max_seq_len)
+    small = scale_down(
+        hero_train.config,
+        model=tiny_moe,
+        data=cache,
+        batch_size=16,
+        seq_len=tiny_moe.max_seq_len,
+        num_steps=num_steps,
+        topology=RackTopology(racks=2, gpus_per_rack=cpu_sim.gpus_per_rack, expert_parallel=4),
+        hardware=cpu_sim,
+        eval_every=max(1, num_steps // 6),
+        eval_batches=2,
+    )
+    step = default_train("hero_535b-tiny", data=small.data, model=small.model, train=small.train,
+                         topology=small.topology, hardware=small.hardware, description="the hero's CPU twin")
+    return [step]
+
+
+if __name__ == "__main__":
+    main(twin() if os.environ.get("KEEL_SCALE") == "tiny" else [tokenizer, hero_train])

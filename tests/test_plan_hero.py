@@ -1,0 +1,81 @@
+"""`keel plan experiments/hero_535b.py`: the declared hero graph derives the reference's figures."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from keel.cli import load_experiment
+from keel.plan import fact_sheets_for
+
+ROOT = Path(__file__).resolve().parents[1]
+HERO = str(ROOT / "experiments" / "hero_535b.py")
+
+
+def _keel(*args, env=None):
+    keel = Path(sys.executable).parent / "keel"  # the console script of this environment
+    return subprocess.run([str(keel), *args], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def sheet():
+    (only,) = fact_sheets_for(load_experiment(HERO))
+    return only
+
+
+def test_hero_file_derives_the_reference(sheet):
+    assert sheet["step"] == "train/hero_535b"
+    assert (sheet["parameters"]["total"], sheet["parameters"]["active"]) == (535_477_106_688, 22_762_487_808)
+    assert sheet["mesh"]["axes"]["replica_dcn"] == 11 and sheet["mesh"]["axes"]["expert"] == 64
+    assert (sheet["mesh"]["experts_per_gpu"], sheet["mesh"]["sequences_per_gpu"]) == (6, 16)
+    t = sheet["training"]
+    assert (t["tokens_per_step"], t["num_steps"], t["total_tokens"]) == (46_137_344, 390_251, 18_005_144_633_344)
+    assert [p["start_step"] for p in sheet["mixture"]] == [0, 108_000, 312_192]
+    assert [(x["transport"], x["start_step"]) for x in sheet["transports"]] == [
+        ("fixed_pooled_all_to_all", 0), ("ragged_all_to_all", 81_716)]
+    assert sheet["time"]["projected_end_date"] == "2026-11-18"
+    assert round(sheet["optimizer"]["adam_lr"], 6) == 0.000759
+    claims = {c["id"]: c["value"] for c in sheet["claims"]}
+    assert round(claims["duration"]) == 89 and round(claims["batch_bytes"] / 1e6) == 185
+    assert round(claims["activations_per_layer"] / 1e9) == 567
+
+
+def test_keel_plan_prints_the_fact_sheet_fast_and_without_jax():
+    started = time.perf_counter()
+    out = _keel("plan", HERO, "--json", "--prefix", "/tmp/keel-hero-plan")
+    elapsed = time.perf_counter() - started
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    (sheet,) = plan["fact_sheets"]
+    assert "2026-11-18" in sheet["text"]
+    assert elapsed < 10  # the whole process, interpreter and CLI start included
+    probe = (
+        "import sys, time\nfrom keel.cli import load_experiment\nt = time.perf_counter()\n"
+        "from keel.plan import fact_sheets_for\n"
+        f"fact_sheets_for(load_experiment({HERO!r}))\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'levanter', 'haliax', 'equinox')]\n"
+        "print(time.perf_counter() - t)\n"
+    )
+    timed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert timed.returncode == 0, timed.stderr
+    assert float(timed.stdout) < 1.0
+
+
+def test_a_broken_hero_variant_fails_in_plan_naming_the_field():
+    out = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b.topology.racks=10")
+    assert out.returncode == 2
+    assert "TrainConfig.batch_size=11264 is not divisible by the 640 batch shards" in out.stderr
+
+
+def test_the_twin_plans_on_cpu_hardware():
+    out = _keel("plan", HERO, "--json", "--prefix", "/tmp/keel-hero-plan", env={"KEEL_SCALE": "tiny"})
+    assert out.returncode == 0, out.stderr
+    (sheet,) = json.loads(out.stdout)["fact_sheets"]
+    assert sheet["mesh"]["axes"] == {"replica_dcn": 2, "data": 1, "expert": 4, "model": 1}
+    assert [x["transport"] for x in sheet["transports"]] == ["fixed_pooled_all_to_all", "ring"]
+    assert len(sheet["mixture"]) == 3
