@@ -1,0 +1,115 @@
+"""The training step's declaration: identity vs execution-only fields, early errors, data batches."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from defaults import default_train
+from defaults.models import tiny_moe
+from keel import External
+from keel.data import Mixture, MixturePhase
+from keel.executor.identity import Identities
+from keel.mesh import RackTopology, TopologyError
+from keel.train import AdamWConfig, TrainConfig, TransportPhase
+
+CACHE = External("test/cache", "/nowhere/cache")
+
+
+def _train(**changes):
+    base = TrainConfig(batch_size=16, seq_len=64, num_steps=20, optimizer=AdamWConfig(lr=1e-3), seed=3)
+    return dataclasses.replace(base, **changes)
+
+
+def _hash(step):
+    return Identities().hash(step)
+
+
+def test_identity_ignores_execution_only_fields_and_tracks_the_rest():
+    base = default_train("t", data=CACHE, model=tiny_moe, train=_train())
+    same = default_train(
+        "t",
+        data=CACHE,
+        model=tiny_moe,
+        train=_train(
+            transports=(TransportPhase(0, "fixed_all_to_all"), TransportPhase(10, "ring")),
+            checkpoint_every=5,
+            rolling_checkpoint_minutes=1.0,
+            log_every=3,
+            eval_batches=9,
+            remat=False,
+            compute_dtype="float32",
+        ),
+        topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4),
+    )
+    assert _hash(same) == _hash(base)
+    for changed in (_train(seed=4), _train(num_steps=21), _train(batch_size=32), _train(seq_len=128),
+                    _train(optimizer=AdamWConfig(lr=2e-3)), _train(z_loss=1e-4)):
+        assert _hash(default_train("t", data=CACHE, model=tiny_moe, train=changed)) != _hash(base)
+    other_model = default_train("t", data=CACHE, model=tiny_moe.replace(num_layers=2), train=_train())
+    assert _hash(other_model) != _hash(base)
+
+
+def test_bad_declarations_fail_before_any_compute():
+    with pytest.raises(ValueError, match="seq_len=256 exceeds MoELMConfig.max_seq_len=128"):
+        default_train("t", data=CACHE, model=tiny_moe, train=_train(seq_len=256))
+    with pytest.raises(TopologyError, match="batch_size=12 is not divisible by the 8 batch shards"):
+        default_train("t", data=CACHE, model=tiny_moe, train=_train(batch_size=12),
+                      topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4))
+    with pytest.raises(TypeError, match="give a keel.data.Mixture"):
+        default_train("t", data="/some/path", model=tiny_moe, train=_train())
+    phased = Mixture({"a": CACHE}, (MixturePhase(0, {"a": 1.0}), MixturePhase(3, {"a": 1.0})), block_size=64)
+    with pytest.raises(ValueError, match="not a multiple of block_size=64"):
+        default_train("t", data=phased, model=tiny_moe, train=_train())
+
+
+def test_transports_the_platform_or_mesh_cannot_run_are_refused():
+    from keel.train.config import TrainStepConfig
+    from keel.train.step import check_step_config
+
+    racks = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
+    ragged = TrainStepConfig(model=tiny_moe, data=CACHE, train=_train(
+        transports=(TransportPhase(0, "fixed_all_to_all"), TransportPhase(5, "ragged_all_to_all"))))
+    with pytest.raises(ValueError, match="ragged_all_to_all.*needs a GPU or TPU"):
+        check_step_config(ragged, racks, num_devices=8, platform="cpu")
+    check_step_config(ragged, racks, num_devices=8, platform="gpu")
+    no_ep = TrainStepConfig(model=tiny_moe, data=CACHE, train=_train(transports=(TransportPhase(0, "ring"),)))
+    with pytest.raises(ValueError, match="expert_parallel=1: set expert_parallel > 1 or use 'local'"):
+        check_step_config(no_ep, RackTopology(racks=2, gpus_per_rack=4), num_devices=8, platform="cpu")
+    with pytest.raises(TopologyError, match="8 devices are present but racks=1 x gpus_per_rack=4"):
+        check_step_config(no_ep, RackTopology(racks=1, gpus_per_rack=4), num_devices=8, platform="cpu")
+
+
+def _cache(root, values, seq_len):
+    from levanter.store.cache import SerialCacheWriter
+
+    exemplar = {"input_ids": np.zeros((0,), np.int32), "segment_ids": np.zeros((0,), np.int32)}
+    with SerialCacheWriter(f"{root}/train", exemplar) as writer:
+        ids = np.repeat(np.array(values, np.int32)[:, None], seq_len, axis=1)
+        writer.write_batch({"input_ids": ids, "segment_ids": np.zeros_like(ids)})
+    return str(root)
+
+
+def test_mixture_phase_switches_at_the_declared_step_in_the_training_batches(tmp_path):
+    """The loop's own loader: steps 0-2 read only component a, steps 3+ only b, also after a resume."""
+    from train_standin import BATCH_AXES, rack_mesh
+
+    from keel.train.batches import batch_loader, training_datasets
+
+    seq_len, batch = 16, 8
+    a = _cache(tmp_path / "a", range(100, 164), seq_len)
+    b = _cache(tmp_path / "b", range(200, 264), seq_len)
+    mixture = Mixture({"a": a, "b": b}, (MixturePhase(0, {"a": 1.0}), MixturePhase(3, {"b": 1.0})), block_size=batch)
+    train_data, _ = training_datasets(mixture, seq_len=seq_len, batch_size=batch, seed=0)
+    mesh = rack_mesh()
+
+    def batches_from(step, n):
+        it = batch_loader(train_data, batch_size=batch, mesh=mesh, batch_axes=BATCH_AXES).iter_from_step(step)
+        out = [np.asarray(next(it)["input_ids"])[:, 0] for _ in range(n)]
+        it.close()
+        return out
+
+    first = batches_from(0, 6)
+    assert [set(v // 100) for v in first] == [{1}, {1}, {1}, {2}, {2}, {2}]
+    resumed = batches_from(3, 3)
+    assert all(np.array_equal(x, y) for x, y in zip(resumed, first[3:]))
