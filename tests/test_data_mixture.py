@@ -46,8 +46,8 @@ def test_hero_phases_over_external_cells_check_the_block_boundary():
     cells = {f"cell-{i:03d}": External(f"hero/data/cell-{i:03d}", f"gs://bucket/cache/cell-{i:03d}", version="v1")
              for i in range(200)}
     shares = [np.random.default_rng(p).dirichlet(np.ones(200)) for p in range(3)]
-    phases = tuple(MixturePhase(start, {name: float(w) for name, w in zip(cells, share)})
-                   for start, share in zip((0, 108_000, 312_192), shares))
+    phases = tuple(MixturePhase(start, {name: float(w) for name, w in zip(cells, share, strict=True)})
+                   for start, share in zip((0, 108_000, 312_192), shares, strict=True))
     mixture = Mixture(cells, phases, normalize=True, block_size=49_152)
 
     mixture.check_batch_size(11_264)  # 108,000 x 11,264 = 24,750 blocks; 312,192 x 11,264 = 71,544 blocks

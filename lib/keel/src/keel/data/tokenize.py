@@ -8,11 +8,16 @@ Layout under the step's output path:
 
 The caches are written with Levanter's own `SerialCacheWriter`, so `TreeCache.load` and Levanter's
 dataset classes read them. The work runs as a three-stage pipeline: a thread reads and decompresses
-shards, the calling thread encodes batches with `tokenizers` (whose Rust core releases the GIL and
-uses every core) and packs them, and a thread writes sequences. Sequences are handed to the writer
-in fixed groups of `WRITE_ROWS`, so the bytes on disk do not depend on the (execution-only) batch
-size. The step starts by removing whatever an interrupted attempt left, and Levanter writes a
-cache's ledger only when the cache is complete, so a rerun after a kill rebuilds an identical cache.
+shards, the calling thread encodes batches of `batch_documents` with `tokenizers` (its Rust core
+releases the GIL and encodes the batch's documents on every core) and packs them, and a thread
+writes sequences. (A process pool over shards was measured too: no faster on 2 cores, since the
+tokenizer already keeps them busy, and it pays for moving token arrays between processes.)
+Special-token strings inside a document are encoded as text, so only the step adds bos/eos.
+
+Sequences are handed to the writer in fixed groups of `WRITE_ROWS`, so the bytes on disk do not
+depend on the (execution-only) batch size. The step starts by removing whatever an interrupted
+attempt left, and Levanter writes a cache's ledger only when the cache is complete, so a killed run
+leaves no loadable cache and a rerun rebuilds an identical one.
 """
 
 from __future__ import annotations
