@@ -1,0 +1,79 @@
+"""The rack mesh on 8 simulated CPU devices: where experts and batches live, and layout invariance."""
+
+import jax
+import numpy as np
+import pytest
+from model_tiny import hero_like, packed_batch
+
+from keel.mesh import RackTopology, TopologyError
+from keel.mesh.mesh import build_mesh, shard_batch, shard_model, use_mesh
+from keel.model.loss import TokenBatch, loss_fn
+from keel.model.transformer import init_model
+from keel.model.transport_spec import TransportSpec
+
+RACKS_2X4 = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
+
+
+def _rows_by_device(array) -> dict[int, tuple]:
+    return {d.id: tuple((s.start, s.stop) for s in idx) for d, idx in array.sharding.devices_indices_map(array.shape).items()}
+
+
+def test_racks_are_contiguous_device_blocks():
+    mesh = build_mesh(RACKS_2X4)
+    assert dict(mesh.shape) == {"replica_dcn": 2, "data": 1, "expert": 4, "model": 1}
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    assert ids[0].ravel().tolist() == [0, 1, 2, 3] and ids[1].ravel().tolist() == [4, 5, 6, 7]
+
+
+def test_expert_weights_split_inside_a_rack_and_batch_over_all_devices():
+    config = hero_like()
+    mesh = build_mesh(RACKS_2X4)
+    ids, _ = packed_batch(config)
+    with use_mesh(mesh):
+        model = shard_model(init_model(config, jax.random.PRNGKey(0)), mesh)
+        batch = shard_batch(ids, mesh)
+    gate = model.layers.stacked.moe.experts.gate  # [Layers, Experts, Latent, ExpertMlp]
+    print("expert weight", gate.axes, gate.array.sharding.spec)
+    print("batch", batch.axes, batch.array.sharding.spec)
+    assert gate.array.sharding.spec == jax.P(None, "expert", "data", None)
+    where = _rows_by_device(gate.array)
+    per_gpu = config.num_experts // RACKS_2X4.expert
+    for device in range(4):  # the expert slice of GPU i in rack 0 is the one of GPU i in rack 1
+        assert where[device][1] == (device * per_gpu, (device + 1) * per_gpu)
+        assert where[device] == where[device + 4]
+
+    assert batch.array.sharding.spec == jax.P(("replica_dcn", "data", "expert"), None)
+    rows = _rows_by_device(batch.array)
+    assert sorted(r[0] for r in rows.values()) == [(i, i + 1) for i in range(8)]
+
+    q = model.layers.stacked.attn.q  # [Layers, Embed, Heads, HeadSize]: FSDP inside a rack
+    assert q.array.sharding.spec == jax.P(None, ("data", "expert"), None, None)
+    assert model.embedding.array.sharding.spec == jax.P()
+
+
+def test_device_count_must_match_the_racks():
+    with pytest.raises(TopologyError, match="gpus_per_rack"):
+        build_mesh(RackTopology(racks=2, gpus_per_rack=2, expert_parallel=2))
+
+
+@pytest.mark.slow
+def test_loss_is_identical_across_rack_layouts():
+    config = hero_like(num_layers=2)
+    model = init_model(config, jax.random.PRNGKey(0))
+    ids, seg = packed_batch(config)
+
+    def loss(model, batch):
+        return loss_fn(model, batch, z_loss=1e-4, transport=TransportSpec("ring"))[0]
+
+    losses = {"no mesh": float(jax.jit(loss)(model, TokenBatch(ids, seg)))}
+    for name, topology in {
+        "2 racks x 4 (expert 4)": RACKS_2X4,
+        "1 rack x 8 (expert 8)": RackTopology(racks=1, gpus_per_rack=8, expert_parallel=8),
+        "data parallel only": RackTopology(racks=1, gpus_per_rack=8, expert_parallel=1),
+    }.items():
+        mesh = build_mesh(topology)
+        with use_mesh(mesh):
+            batch = TokenBatch(shard_batch(ids, mesh), shard_batch(seg, mesh))
+            losses[name] = float(jax.jit(loss)(shard_model(model, mesh), batch))
+    print(losses)
+    assert max(losses.values()) - min(losses.values()) < 1e-5
