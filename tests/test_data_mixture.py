@@ -121,3 +121,12 @@ def test_validation_datasets_and_sequence_length_checks(caches):
         build_train_dataset(mixture, seq_len=16, batch_size=4, seed=0)
     with pytest.raises(TypeError, match="pass the mixture as the step function received it"):
         build_train_dataset(Mixture.constant({"a": External("x/a", "/a")}, {"a": 1.0}), seq_len=8, batch_size=4, seed=0)
+
+
+def test_adding_a_component_keeps_the_other_components_orders(caches):
+    a, b = caches
+    alone = Mixture.constant({"b": b}, {"b": 1.0}, block_size=8)
+    joined = Mixture.constant({"a": a, "b": b}, {"a": 0.0, "b": 1.0}, block_size=8)
+    items = _items(build_train_dataset(alone, seq_len=SEQ_LEN, batch_size=8, seed=3), 40)
+    assert np.array_equal(items, _items(build_train_dataset(joined, seq_len=SEQ_LEN, batch_size=8, seed=3), 40))
+    assert sorted(items.tolist()) == list(range(2000, 2040))

@@ -8,6 +8,8 @@ root path) and gets a Levanter `MixtureDataset` whose items are
 
 from __future__ import annotations
 
+import zlib
+
 from keel.data.mixture import Mixture
 from keel.data.tokenize import STATS_FILE
 from keel.executor import storage
@@ -43,7 +45,8 @@ def load_token_cache(cache_root: str, split: str, *, seq_len: int):
 def build_train_dataset(mixture: Mixture, *, seq_len: int, batch_size: int, seed: int, shuffle: bool = True):
     """A Levanter `MixtureDataset` over the components' train splits, phases converted to sequences.
 
-    Each component is shuffled with its own key (a Feistel permutation) before mixing; the mixture
+    Each component is shuffled with a key folded from the seed and its name (a Feistel permutation;
+    adding a component leaves the others' orders alone) before mixing; the mixture
     itself draws exact per-block counts, blocks of `mixture.block_size` sequences, in an order keyed
     by `seed`. Exhausted components restart (Levanter's RESTART strategy).
     """
@@ -53,11 +56,12 @@ def build_train_dataset(mixture: Mixture, *, seq_len: int, batch_size: int, seed
     schedule = mixture.sequence_schedule(batch_size)
     mix_key, shuffle_key = jax.random.split(jax.random.PRNGKey(seed))
     datasets = {}
-    for i, (name, root) in enumerate(sorted(mixture.components.items())):
+    for name, root in sorted(mixture.components.items()):
         cache = load_token_cache(_root(name, root), "train", seq_len=seq_len)
         if len(cache) == 0:
             raise ValueError(f"mixture component {name!r} ({root}) has an empty train split")
-        datasets[name] = cache.shuffle(jax.random.fold_in(shuffle_key, i)) if shuffle else cache
+        name_key = jax.random.fold_in(shuffle_key, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+        datasets[name] = cache.shuffle(name_key) if shuffle else cache
     return MixtureDataset(
         datasets,
         schedule,
