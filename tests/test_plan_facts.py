@@ -241,3 +241,9 @@ def test_without_remat_activations_are_not_guessed_and_json_stays_valid():
     assert sheet["memory"]["phases"][0]["fits"] is None
     json.loads(json.dumps(sheet, allow_nan=False))
     assert "no remat: activations not estimated" in render_fact_sheet(sheet)
+
+
+def test_pooled_waves_must_divide_the_experts_per_gpu():
+    waves = (TransportPhase(0, "fixed_pooled_all_to_all", num_waves=4), TransportPhase(81_716, "ragged_all_to_all"))
+    with pytest.raises(PlanError, match=r"train.transports\[0\].num_waves=4 must divide the 6 experts per GPU"):
+        fact_sheet(hero_config(transports=waves))

@@ -53,6 +53,10 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
             fail(f"topology.hbm_per_gpu_gb={topo.hbm_per_gpu_gb} differs from hardware.hbm_per_device_gb="
                  f"{hw.hbm_per_device_gb}: drop it from the topology or make them agree")
     for i, phase in enumerate(train.transports):
+        local_experts = model.num_experts // topo.expert_parallel if topo is not None else model.num_experts
+        if phase.num_waves > 1 and local_experts % phase.num_waves:
+            fail(f"train.transports[{i}].num_waves={phase.num_waves} must divide the {local_experts} experts per GPU "
+                 "(num_experts / expert_parallel): each wave sends to an equal share of them")
         if hw is not None and not hw.supports_transport(phase.transport):
             fail(f"train.transports[{i}].transport={phase.transport!r} is not supported by hardware {hw.name!r}: "
                  "choose a CPU-capable transport (e.g. 'fixed_all_to_all' or 'ring')")

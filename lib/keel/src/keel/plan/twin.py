@@ -4,12 +4,15 @@ A twin keeps what makes the run the run: every architecture feature that is swit
 optimizer's groups and learning-rate law, the schedule's shape, the mixture's phase structure and
 weights, the weight-decay change and the transport switch, all at proportionally scaled steps.
 It swaps what only sizes it: model widths, batch, sequence length, step count, the data (one
-small token cache stands in for every mixture component) and the hardware. Pure config: no jax.
+small token cache stands in for every mixture component), the hardware, and what must follow
+them (a transport the hardware lacks gets a CPU stand-in; pooled waves must divide the experts
+per device). Pure config: no jax.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from keel.mesh.hardware import Hardware
@@ -86,7 +89,8 @@ def scale_down(
         transports=_distinct_starts(tuple(
             dataclasses.replace(t, start_step=step(t.start_step),
                                 transport=t.transport if hardware.supports_transport(t.transport)
-                                else CPU_STAND_INS.get(t.transport, "fixed_all_to_all"))
+                                else CPU_STAND_INS.get(t.transport, "fixed_all_to_all"),
+                                num_waves=math.gcd(t.num_waves, model.num_experts // topology.expert_parallel))
             for t in train.transports
         )),
         host_offload=dataclasses.replace(train.host_offload, master_weights_until_step=None),
