@@ -79,3 +79,10 @@ def test_the_twin_plans_on_cpu_hardware():
     assert sheet["mesh"]["axes"] == {"replica_dcn": 2, "data": 1, "expert": 4, "model": 1}
     assert [x["transport"] for x in sheet["transports"]] == ["fixed_pooled_all_to_all", "ring"]
     assert len(sheet["mixture"]) == 3
+
+
+def test_an_override_the_config_refuses_is_a_clear_error():
+    out = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b.train.num_steps=50000")
+    assert out.returncode == 2
+    assert "TrainConfig.transports: a phase starts at step 81716, at or after num_steps=50000" in out.stderr
+    assert "Traceback" not in out.stderr

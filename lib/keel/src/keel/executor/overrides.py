@@ -80,7 +80,12 @@ def _set_one(step: Step, parts: list[str], text: str, key: str) -> Step:
             hint = f"; closest: {', '.join(close)}" if close else f"; fields of {step.name}: {', '.join(known[:12])}"
             raise OverrideError(f"--set {key}: step {step.name!r} has no config field {'.'.join(parts[: i + 1])!r}{hint}")
         obj = getattr(obj, part)
-    return step.with_config(_replace_path(step.config, parts, text, key))
+    try:
+        return step.with_config(_replace_path(step.config, parts, text, key))
+    except OverrideError:
+        raise
+    except ValueError as exc:  # a config's own validation refused the new value
+        raise OverrideError(f"--set {key}: {exc}") from exc
 
 
 def apply_overrides(targets: list[Step | External], order: list[Step | External], assignments: list[str]) -> list[Step | External]:
