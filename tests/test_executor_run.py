@@ -230,3 +230,13 @@ def test_experiment_file_as_script(tmp_path):
     assert "3 ran" in out.stdout
     out = subprocess.run([sys.executable, HELLO, "status", "--prefix", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.stdout.count("cached") >= 3 and "attempt 1" in out.stdout
+
+
+def test_scale_selects_a_declared_version_of_the_graph(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KEEL_TEST_COUNTER", str(tmp_path / "count"))
+    counting = str(REPO / "tests/fixtures/counting_graph.py")
+    assert console_main(["plan", counting, "--prefix", str(tmp_path), "--scale", "left-only", "--json"]) == 0
+    names = [s["name"] for s in json.loads(capsys.readouterr().out)["steps"]]
+    assert names == ["count/root", "count/left"]
+    assert console_main(["plan", counting, "--prefix", str(tmp_path), "--scale", "huge"]) == 2
+    assert "declares no such scale (declared: left-only)" in capsys.readouterr().err

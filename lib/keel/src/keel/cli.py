@@ -1,7 +1,8 @@
 """`keel run|plan|status|gc EXPERIMENT.py [options]`, and `python EXPERIMENT.py run|plan|...`.
 
-An experiment file ends with `keel.main([steps])`. Run as a script, `main` parses the command line
-and acts. Run through the `keel` console script, the file is executed as `__main__` while a
+An experiment file ends with `keel.main([steps])`, optionally with named scalings of its graph
+(`keel.main([hero], scales={"tiny": twin})`, selected with `--scale tiny`). Run as a script, `main`
+parses the command line and acts. Run through the `keel` console script, the file is executed as `__main__` while a
 collector is active, so `main` only hands its steps back and the console script acts on them; `gc`
 uses that to gather the steps of several experiments at once.
 """
@@ -23,7 +24,7 @@ from keel.executor.status import KEEL_DIR
 from keel.executor.step import StepDeclarationError
 
 COMMANDS = ("run", "plan", "status", "gc")
-_collecting: list[list] | None = None
+_collecting: list[tuple[list, dict]] | None = None
 
 
 def _parser(prog: str, with_experiment: bool) -> argparse.ArgumentParser:
@@ -37,6 +38,7 @@ def _parser(prog: str, with_experiment: bool) -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="STEP.field=value", help="override a config field")
     p.add_argument("--max-concurrent", type=int, default=8, metavar="N", help="steps running at once")
     p.add_argument("--cluster", default=None, metavar="URL", help="send steps with resources to this Iris cluster (default: $KEEL_CLUSTER)")
+    p.add_argument("--scale", default=None, metavar="NAME", help="use the experiment's graph scaled as NAME (e.g. tiny)")
     p.add_argument("--json", action="store_true", help="machine-readable plan/status")
     p.add_argument("--yes", action="store_true", help="gc: really delete")
     return p
@@ -50,7 +52,7 @@ def console_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser("keel", with_experiment=True).parse_args(argv)
     try:
-        step_lists = [load_experiment(path) for path in args.experiments]
+        step_lists = [load_experiment(path, args.scale) for path in args.experiments]
         if args.command != "gc" and len(step_lists) > 1:
             raise StepDeclarationError(f"keel {args.command} takes one experiment file, got {len(step_lists)}")
         return _act(args, step_lists)
@@ -59,8 +61,8 @@ def console_main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def load_experiment(path: str) -> list:
-    """The steps an experiment file hands to `keel.main`, without running them."""
+def load_experiment(path: str, scale: str | None = None) -> list:
+    """The steps an experiment file hands to `keel.main` (or its `scale` of them), without running them."""
     global _collecting
     if not os.path.exists(path):
         raise StepDeclarationError(f"experiment file {path} does not exist")
@@ -71,20 +73,31 @@ def load_experiment(path: str) -> list:
         runpy.run_path(path, run_name="__main__")
         if not _collecting:
             raise StepDeclarationError(f"{path} never called keel.main([...]) under `if __name__ == '__main__':`")
-        return [s for steps in _collecting for s in steps]
+        return [s for steps, scales in _collecting for s in _scaled(steps, scales, scale, path)]
     finally:
         sys.argv = saved_argv
         _collecting = previous
 
 
-def experiment_main(steps, argv: list[str] | None = None) -> int:
+def _scaled(steps, scales: dict, scale: str | None, where: str) -> list:
+    if scale is None:
+        return list(steps)
+    if scale not in scales:
+        known = ", ".join(sorted(scales)) or "none"
+        raise StepDeclarationError(f"--scale {scale}: {where} declares no such scale (declared: {known}); "
+                                   "pass scales={name: function returning steps} to keel.main")
+    return list(scales[scale]())
+
+
+def experiment_main(steps, argv: list[str] | None = None, scales: dict | None = None) -> int:
     """What `keel.main(steps)` does: hand the steps to `keel`, or act on this script's own argv."""
+    scales = dict(scales or {})
     if _collecting is not None:
-        _collecting.append(list(steps))
+        _collecting.append((list(steps), scales))
         return 0
     args = _parser(os.path.basename(sys.argv[0]) or "experiment", with_experiment=False).parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        code = _act(args, [list(steps)])
+        code = _act(args, [_scaled(steps, scales, args.scale, sys.argv[0])])
     except StepDeclarationError as exc:
         print(f"keel: error: {exc}", file=sys.stderr)
         code = 2
