@@ -4,8 +4,9 @@ The step reads zstd shards, encodes, packs into sequences and writes Levanter ca
 only call the tokenizer on the same documents, already in memory, in batches of the same size:
 `encode_batch`, and `encode_batch_fast` (no character offsets; what the step itself calls). The
 ratio printed last is against the faster of the two, so the step cannot look good merely by
-skipping offsets. Each is run `--repeats` times, alternating, best of each kept. Levanter is
-imported before timing (a one-off ~8 s import that is not throughput).
+skipping offsets. Each is run `--repeats` times, alternating, best of each kept; CPU seconds per
+million tokens are printed too, since a shared machine's load moves wall-clock rates far more than
+it moves CPU cost. Levanter is imported before timing (a one-off ~8 s import, not throughput).
 
     uv run python benchmarks/tokenize_throughput.py [--max-bytes N] [--repeats R]
 """
@@ -31,20 +32,21 @@ from keel.data.tokenize import STATS_FILE
 from keel.executor import storage
 
 
-def raw_encode(encode, texts: list[str], batch: int) -> tuple[int, float]:
-    start = time.perf_counter()
-    tokens = 0
-    for i in range(0, len(texts), batch):
-        tokens += sum(len(e) for e in encode(texts[i : i + batch], add_special_tokens=False))
-    return tokens, time.perf_counter() - start
+def measured(run) -> tuple[int, float, float]:
+    """(tokens, wall seconds, CPU seconds of this process's threads) of `run()`, which returns tokens."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    tokens = run()
+    return tokens, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def step_run(config: TokenizeConfig) -> tuple[int, float]:
-    start = time.perf_counter()
+def raw_encode(encode, texts: list[str], batch: int) -> int:
+    return sum(len(e) for i in range(0, len(texts), batch) for e in encode(texts[i : i + batch], add_special_tokens=False))
+
+
+def step_run(config: TokenizeConfig) -> int:
     tokenize_documents(config)
-    elapsed = time.perf_counter() - start
     splits = storage.read_json(storage.join(config.output_path, STATS_FILE))["splits"].values()
-    return sum(s["tokens"] - s["documents"] for s in splits), elapsed  # minus the eos the step adds per document
+    return sum(s["tokens"] - s["documents"] for s in splits)  # minus the eos the step adds per document
 
 
 def main() -> None:
@@ -63,6 +65,7 @@ def main() -> None:
         train_tokenizer(TrainTokenizerConfig(documents=corpus, vocab_size=args.vocab_size,
                                              max_training_bytes=4_000_000, output_path=tok_dir))
         tokenizer = load_tokenizer(tok_dir).tokenizer
+        tokenizer.encode_special_tokens = True  # as the step sets it
         texts = [d.text for split in ("train", "validation") for d in iter_documents(corpus, split)]
         config = TokenizeConfig(documents=corpus, tokenizer=tok_dir, seq_len=1024, output_path=cache,
                                 batch_documents=args.batch_documents)
@@ -70,23 +73,26 @@ def main() -> None:
               f"cpus: {os.cpu_count()}; batch: {args.batch_documents} documents")
 
         baselines = {"encode_batch": tokenizer.encode_batch, "encode_batch_fast": tokenizer.encode_batch_fast}
-        best = dict.fromkeys([*baselines, "tokenize step"], 0.0)
+        runs = {name: (lambda encode=encode: raw_encode(encode, texts, args.batch_documents)) for name, encode in baselines.items()}
+        runs["tokenize step"] = lambda: step_run(config)
+        best_rate = dict.fromkeys(runs, 0.0)
+        best_cpu = dict.fromkeys(runs, float("inf"))  # CPU seconds per million tokens: what load cannot inflate much
         for repeat in range(args.repeats):
-            rates = {}
-            for name, encode in baselines.items():
-                tokens, seconds = raw_encode(encode, texts, args.batch_documents)
-                rates[name] = tokens / seconds
-            step_tokens, step_s = step_run(config)
-            if step_tokens != tokens:
-                raise AssertionError(f"the step tokenized {step_tokens} tokens, the raw tokenizer {tokens}")
-            rates["tokenize step"] = step_tokens / step_s
-            best = {name: max(best[name], rates[name]) for name in best}
-            print(f"repeat {repeat} ({tokens} tokens): " + "; ".join(f"{n} {r:,.0f} tokens/s" for n, r in rates.items()))
-        print("best: " + "; ".join(f"{n} {r:,.0f} tokens/s" for n, r in best.items()))
-        print(f"ratio vs encode_batch: {best['tokenize step'] / best['encode_batch']:.3f}")
-        raw = max(best["encode_batch"], best["encode_batch_fast"])
-        print(f"ratio (tokenize step / fastest raw encode_batch call): {best['tokenize step'] / raw:.3f}")
-
+            counts = {}
+            for name, run in runs.items():
+                counts[name], wall, cpu = measured(run)
+                best_rate[name] = max(best_rate[name], counts[name] / wall)
+                best_cpu[name] = min(best_cpu[name], cpu / counts[name] * 1e6)
+                print(f"repeat {repeat}: {name} {counts[name] / wall:,.0f} tokens/s, {cpu / counts[name] * 1e6:.2f} CPU s/M tokens")
+            if len(set(counts.values())) != 1:
+                raise AssertionError(f"token counts differ: {counts}")
+        print(f"load average during the run: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cpus")
+        print("best: " + "; ".join(f"{n} {best_rate[n]:,.0f} tokens/s ({best_cpu[n]:.2f} CPU s/M)" for n in runs))
+        print(f"CPU cost ratio (fastest raw call / tokenize step): "
+              f"{min(best_cpu['encode_batch'], best_cpu['encode_batch_fast']) / best_cpu['tokenize step']:.3f}")
+        print(f"ratio vs encode_batch: {best_rate['tokenize step'] / best_rate['encode_batch']:.3f}")
+        raw = max(best_rate["encode_batch"], best_rate["encode_batch_fast"])
+        print(f"ratio (tokenize step / fastest raw encode_batch call, tokens/s): {best_rate['tokenize step'] / raw:.3f}")
 
 if __name__ == "__main__":
     main()
