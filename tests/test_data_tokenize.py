@@ -208,3 +208,48 @@ def test_an_error_mid_way_stops_the_pipeline_threads_and_leaves_no_complete_cach
     assert not (tmp_path / "out" / "train" / "shard_ledger.json").exists()
     assert not (tmp_path / "out" / "tokenize.json").exists()
     assert not [t for t in threading.enumerate() if t.name.startswith("keel-tokenize")]
+
+
+_KILLED_GRAPH = textwrap.dedent(
+    """
+    import sys, time
+    from levanter.store.cache import SerialCacheWriter
+    from defaults import default_tokenize, default_tokenizer, stdlib_corpus
+    from keel.executor.run import run_steps
+
+    original = SerialCacheWriter.write_batch
+    def write_then_stall(self, batch):
+        original(self, batch)
+        print("WRITTEN", flush=True)
+        time.sleep(600)
+    SerialCacheWriter.write_batch = write_then_stall
+    corpus = stdlib_corpus(max_bytes=250_000, validation_fraction=0.1)
+    cache = default_tokenize("stdlib", corpus, default_tokenizer("bpe", corpus, vocab_size=512), seq_len=16)
+    run_steps([cache], prefix=sys.argv[1], lease_timeout=2.0, echo=lambda _: None)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_killed_tokenize_step_is_not_cached_and_the_executor_reruns_it(tmp_path):
+    from defaults import default_tokenize, default_tokenizer, stdlib_corpus
+    from keel.executor.run import run_steps
+    from keel.executor.status import SUCCESS, read_status
+
+    prefix = str(tmp_path / "outputs")
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_GRAPH, prefix], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, cwd=REPO, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "WRITTEN"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    (tokenized,) = (tmp_path / "outputs" / "tokenized").iterdir()
+    assert read_status(str(tokenized)).state != SUCCESS
+
+    corpus = stdlib_corpus(max_bytes=250_000, validation_fraction=0.1)  # the same declaration, in this process
+    cache = default_tokenize("stdlib", corpus, default_tokenizer("bpe", corpus, vocab_size=512), seq_len=16)
+    report = run_steps([cache], prefix=prefix, lease_timeout=2.0, echo=lambda _: None)
+    assert report.ok and report.ran == ["tokenized/stdlib"]
+    assert read_status(str(tokenized)).state == SUCCESS
+    assert len(load_token_cache(str(tokenized), "train", seq_len=16)) > 1024
