@@ -1,12 +1,12 @@
 """The 535B-A23B hero run, declared as one graph: read this file to know the whole run.
 
     uv run keel plan experiments/hero_535b.py                   # step table + fact sheet, no jax, instant
-    KEEL_SCALE=tiny uv run keel run experiments/hero_535b.py    # its twin trains on this CPU
+    uv run keel run experiments/hero_535b.py --scale tiny       # its twin trains on this CPU
 
 Numbers that follow from others are computed here (steps from tokens per active parameter,
 learning rates from the scaling law, the cooldown start from the phase token budgets); `keel plan`
 derives the rest (parameters, tokens, FLOPs, memory, all-to-all traffic, dates) and checks the
-figures quoted about the run. The twin (`KEEL_SCALE=tiny`) is the same declaration scaled down by
+figures quoted about the run. The twin (`--scale tiny`) is the same declaration scaled down by
 `keel.plan.scale_down`: every architecture feature, the optimizer groups, the schedule, the
 mixture phases and the transport switch, on 8 simulated CPU devices with the stdlib corpus
 standing in for the external data.
@@ -14,7 +14,6 @@ standing in for the external data.
 
 import dataclasses
 import math
-import os
 
 from defaults.data import default_tokenize, default_tokenizer, stdlib_corpus
 from defaults.hardware import cpu_sim, gb200_nvl72
@@ -175,4 +174,4 @@ def twin(num_steps: int = 120) -> list:
 
 
 if __name__ == "__main__":
-    main(twin() if os.environ.get("KEEL_SCALE") == "tiny" else [tokenizer, hero_train])
+    main([tokenizer, hero_train], scales={"tiny": twin})

@@ -73,7 +73,7 @@ def test_a_broken_hero_variant_fails_in_plan_naming_the_field():
 
 
 def test_the_twin_plans_on_cpu_hardware():
-    out = _keel("plan", HERO, "--json", "--prefix", "/tmp/keel-hero-plan", env={"KEEL_SCALE": "tiny"})
+    out = _keel("plan", HERO, "--json", "--prefix", "/tmp/keel-hero-plan", "--scale", "tiny")
     assert out.returncode == 0, out.stderr
     (sheet,) = json.loads(out.stdout)["fact_sheets"]
     assert sheet["mesh"]["axes"] == {"replica_dcn": 2, "data": 1, "expert": 4, "model": 1}
