@@ -151,9 +151,9 @@ hero_train = default_train(
 hero_train = hero_train.with_config(dataclasses.replace(hero_train.config, facts=facts))
 
 
-def twin(num_steps: int = 120) -> list:
+def twin(num_steps: int = 120, corpus_bytes: int = 4_000_000, mixture_block: int = 256) -> list:
     """The hero scaled down to this CPU: 8 simulated devices as 2 racks x 4, the stdlib corpus for data."""
-    corpus = stdlib_corpus(max_bytes=4_000_000)
+    corpus = stdlib_corpus(max_bytes=corpus_bytes)
     bpe = default_tokenizer("stdlib-bpe-1k", corpus, vocab_size=tiny_moe.vocab_size)
     cache = default_tokenize("stdlib", corpus, bpe, seq_len=tiny_moe.max_seq_len)
     small = scale_down(
@@ -165,6 +165,7 @@ def twin(num_steps: int = 120) -> list:
         num_steps=num_steps,
         topology=RackTopology(racks=2, gpus_per_rack=cpu_sim.gpus_per_rack, expert_parallel=4),
         hardware=cpu_sim,
+        mixture_block=mixture_block,
         eval_every=max(1, num_steps // 6),
         eval_batches=2,
     )

@@ -12,7 +12,6 @@ per device). Pure config: no jax.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 from keel.mesh.hardware import Hardware
@@ -90,7 +89,7 @@ def scale_down(
             dataclasses.replace(t, start_step=step(t.start_step),
                                 transport=t.transport if hardware.supports_transport(t.transport)
                                 else CPU_STAND_INS.get(t.transport, "fixed_all_to_all"),
-                                num_waves=math.gcd(t.num_waves, model.num_experts // topology.expert_parallel))
+                                num_waves=_waves(t.num_waves, model.num_experts // topology.expert_parallel))
             for t in train.transports
         )),
         host_offload=dataclasses.replace(train.host_offload, master_weights_until_step=None),
@@ -114,6 +113,12 @@ def _optimizer(train: TrainConfig, model: MoELMConfig, batch_size: int, seq_len:
         return opt
     law = GroupedOptimizerConfig.from_scaling_law(model, batch_size=batch_size, seq_len=seq_len, num_steps=num_steps)
     return dataclasses.replace(opt, muon_lr=law.muon_lr, adam_lr=law.adam_lr)
+
+
+def _waves(declared: int, local_experts: int) -> int:
+    """The most pooled waves, up to the declared count, that split the twin's experts per device
+    evenly (the hero's 3 waves over 6 experts become 2 over 2)."""
+    return max(w for w in range(1, declared + 1) if local_experts % w == 0)
 
 
 def _distinct_starts(phases: tuple) -> tuple:
