@@ -71,12 +71,9 @@ def routing_stats(routes: Routes, valid: NamedArray, Experts: Axis) -> dict[str,
     to a perfectly even split (1.0 = balanced); load_balancing_loss: E * sum_e f_e * P_e (f: share
     of assignments, P: mean softmax probability), the usual auxiliary loss.
     """
-    counts = token_sum(
-        lambda sel, ok: jnp.zeros(Experts.size, jnp.int32).at[sel].add(ok[:, None].astype(jnp.int32)),
-        routes.selected.array,
-        valid.array,
-    )
-    counts = hax.named(counts, Experts).astype(jnp.float32)
+    TopK = routes.selected.resolve_axis(TOP_K)
+    chosen = hnn.one_hot(routes.selected, Experts, dtype=jnp.float32) * valid.astype(jnp.float32)
+    counts = hax.sum(chosen, axis=(valid.axes[0], TopK))
     total = jnp.maximum(hax.sum(counts).array, 1.0)
     share = counts / total
     valid_f = valid.astype(jnp.float32)
