@@ -12,6 +12,7 @@ from keel.data import (
     ingest_documents,
     iter_documents,
     load_tokenizer,
+    split_of,
     train_tokenizer,
 )
 
@@ -48,12 +49,17 @@ def test_tokenizer_training_is_deterministic_and_uses_only_the_train_split(tmp_p
     b = _train(tmp_path / "b", corpus, vocab_size=512)
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (tmp_path / "b" / "tokenizer.json").read_bytes()
 
-    marker = "zqxjzqxj" * 50
-    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": f"{marker} {i}"}) + "\n" for i in range(200)))
+    # train-split documents repeat one word, validation-split documents another: only the first is learned
+    lines = []
+    for line in range(1, 201):
+        word = "zqxjvk" if split_of(f"docs.jsonl:{line}", 0.5) == "train" else "pwgfby"
+        lines.append(json.dumps({"text": " ".join([word] * 50)}) + "\n")
+    (tmp_path / "docs.jsonl").write_text("".join(lines))
     ingest_documents(IngestConfig(inputs=(str(tmp_path / "docs.jsonl"),), validation_fraction=0.5,
                                   output_path=str(tmp_path / "docs")))
     c = load_tokenizer(_train(tmp_path / "c", str(tmp_path / "docs"), vocab_size=300, min_frequency=1))
-    assert len(c.tokenizer.encode(marker).ids) < 20
+    assert len(c.tokenizer.encode(" zqxjvk").ids) == 1
+    assert len(c.tokenizer.encode(" pwgfby").ids) > 1
     assert load_tokenizer(a).tokenizer.to_str() == load_tokenizer(b).tokenizer.to_str()
 
 
