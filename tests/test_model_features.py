@@ -9,7 +9,7 @@ from model_tiny import hero_like, packed_batch
 
 from keel.mesh.mesh import build_mesh, use_mesh
 from keel.mesh.topology import RackTopology
-from keel.model.routing import Routes, next_router_bias, quantile_beta
+from keel.model.routing import Routes, next_router_bias, quantile_beta, route
 from keel.model.transformer import init_model
 from keel.model.transport_spec import TransportSpec
 
@@ -91,3 +91,37 @@ def test_forward_reports_per_layer_balance_stats():
     assert counts.shape == (L, E)
     assert np.all(counts.sum(1) == ids.array.size * config.experts_per_token)
     assert np.all(np.asarray(aux["dropped_fraction"].array) == 0)
+
+
+def test_router_bias_steers_selection_but_not_the_combine_weights_and_gets_no_gradient():
+    config = hero_like()
+    moe = init_model(config, jax.random.PRNGKey(0)).layers.get_layer(0).moe
+    Token = hax.Axis("token", 32)
+    u = hax.random.normal(jax.random.PRNGKey(1), (Token, moe.router.axes[0]))
+    bias = hax.named(jnp.zeros(config.num_experts).at[3].set(100.0), moe.router.axes[1])
+    plain, steered = route(u, moe.router, None, config), route(u, moe.router, bias, config)
+    assert np.all(np.any(np.asarray(steered.selected.array) == 3, axis=1))
+    np.testing.assert_allclose(np.asarray(steered.weights.array).sum(1), config.routing_renorm_sum, rtol=1e-5)
+    assert not np.array_equal(plain.selected.array, steered.selected.array)
+
+    def routed_weight_sum(bias):
+        return hax.sum(route(u, moe.router, bias, config).weights).array
+
+    assert np.all(np.asarray(jax.grad(lambda b: routed_weight_sum(b))(bias).array) == 0)
+
+
+def test_softmax_routing_with_auxiliary_loss():
+    config = hero_like(routing="softmax_topk", balancing="aux_loss", aux_loss_coef=0.01, routing_renorm_sum=1.0)
+    model = init_model(config, jax.random.PRNGKey(0))
+    router = model.layers.get_layer(0).moe.router
+    routes = route(hax.random.normal(jax.random.PRNGKey(1), (hax.Axis("token", 16), router.axes[0])), router, None, config)
+    np.testing.assert_allclose(np.asarray(routes.weights.array).sum(1), 1.0, rtol=1e-5)
+    assert routes.threshold is None
+    ids, seg = packed_batch(config)
+
+    def aux_loss(model):
+        return model(ids, seg, transport=TransportSpec("local"))[1]["aux_loss"]
+
+    value, grads = jax.jit(jax.value_and_grad(aux_loss))(model)
+    assert float(value) == pytest.approx(0.01 * config.num_layers, rel=0.5)  # about 1 per layer when balanced
+    assert float(np.abs(np.asarray(grads.layers.stacked.moe.router.array)).max()) > 0
