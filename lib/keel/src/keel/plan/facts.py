@@ -148,6 +148,7 @@ def memory(config: TrainStepConfig) -> dict | None:
             "on_device": device_parts,
             "on_host": on_host,
             "device_gb": device,
+            "rack_gb": None if device is None else device * topo.gpus_per_rack,
             "host_gb": sum(parts[p] for p in on_host),
             "fits": None if hbm is None or device is None else device <= hbm,
         })

@@ -22,6 +22,10 @@ def _gb(x: float) -> str:
     return f"{x * 1e3:,.1f} MB" if x >= 1e-4 else f"{x * 1e6:,.1f} KB"
 
 
+def _rack(gb: float | None) -> str:
+    return "n/a" if gb is None else f"{gb / 1000:,.1f} TB" if gb >= 1000 else _gb(gb)
+
+
 def _tera(tokens: float) -> str:
     return f" ({tokens / 1e12:.2f}T)" if tokens >= 1e11 else ""
 
@@ -84,10 +88,8 @@ def _memory(m: dict | None, color: bool) -> list[str]:
             if not phase["fits"] and color:
                 verdict = f"{RED}{verdict}{RESET}"
         host = f"; host {_gb(phase['host_gb'])} ({', '.join(phase['on_host'])})" if phase["on_host"] else ""
-        lines.append(f"  from step {_n(phase['from_step'])}: device {_gb(phase['device_gb'])} {verdict}{host}")
-    if m["hbm_per_rack_gb"]:
-        lines.append(f"  HBM per rack {m['hbm_per_rack_gb'] / 1000:,.1f} TB" if m["hbm_per_rack_gb"] >= 1000
-                     else f"  HBM per rack {_gb(m['hbm_per_rack_gb'])}")
+        rack = f"; per rack {_rack(phase['rack_gb'])} of {_rack(m['hbm_per_rack_gb'])}" if m["hbm_per_rack_gb"] else ""
+        lines.append(f"  from step {_n(phase['from_step'])}: device {_gb(phase['device_gb'])} {verdict}{rack}{host}")
     return lines
 
 
