@@ -117,7 +117,7 @@ def file_sizes(url: str, skip_dir: str) -> dict[str, int]:
     out = {}
     for full, info in found.items():
         rel = full[len(root):] if full.startswith(root) else full
-        if rel.split("/", 1)[0] == skip_dir or info.get("type") == "directory":
+        if rel.split("/", 1)[0] == skip_dir or info.get("type") != "file":  # dirs, and links (wandb's latest-run)
             continue
         out[rel] = int(info.get("size") or 0)
     return out
