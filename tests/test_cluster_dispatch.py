@@ -16,7 +16,7 @@ import pytest
 from iris_local import local_iris_cluster
 from keel import Resources, Step, execution_only, output_of, this_output
 from keel.executor.cluster import cluster_client, workspace_root
-from keel.executor.job import replica_index
+from keel.executor.replicas import replica_index
 from keel.executor.plan import Graph, plan_graph
 from keel.executor.run import run_steps
 from keel.executor.status import keel_path, read_status

@@ -1,34 +1,25 @@
 """The function every dispatched step runs, wherever fray runs it: call `fn`, keep the log,
 write the manifest. Module-level and built from picklable parts so that a cluster task can run it.
 
-A multi-replica cluster job runs `fn` on every replica (they join one another through
-`jax.distributed` inside `fn`). Replica 0 alone keeps `log.txt` and writes the manifest, so the
-replicas never race on keel's files; the others log to `log.replica<N>.txt`.
+A multi-replica cluster job runs `fn` on every replica (`fn` joins them through jax.distributed,
+see `replicas.py`). Replica 0 alone keeps `log.txt` and writes the manifest, after every replica
+finished writing, so the replicas never race on keel's files; the others log to
+`log.replica<N>.txt`.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import traceback
 
 from keel.executor import logs, storage
+from keel.executor.replicas import replica_index, wait_for_replicas
 from keel.executor.status import keel_path, write_manifest
 
 
 def log_url(output_path: str) -> str:
     return keel_path(output_path, "log.txt")
-
-
-def replica_index() -> int:
-    """This process's task index within a multi-task Iris job; 0 everywhere else."""
-    if int(os.environ.get("IRIS_NUM_TASKS", "1")) <= 1:
-        return 0
-    from iris.cluster.client.job_info import get_job_info
-
-    info = get_job_info()
-    return info.task_index if info is not None else 0
 
 
 def run_step_job(fn, resolved_config, output_path: str) -> None:
@@ -44,7 +35,7 @@ def run_step_job(fn, resolved_config, output_path: str) -> None:
         try:
             with logs.capture(log):
                 fn(resolved_config)
-                _join_replicas(output_path)
+                wait_for_replicas(f"keel: outputs of {output_path} written")  # then the manifest lists them all
         except BaseException:
             log.write(traceback.format_exc())
             raise
@@ -56,13 +47,3 @@ def run_step_job(fn, resolved_config, output_path: str) -> None:
     if replica == 0:
         write_manifest(output_path)
 
-
-def _join_replicas(output_path: str) -> None:
-    """When `fn` joined its replicas through jax.distributed, wait until every replica is done
-    writing, so that replica 0's manifest lists all of their files."""
-    jax = sys.modules.get("jax")
-    if jax is None or not jax.distributed.is_initialized():
-        return
-    from jax.experimental import multihost_utils
-
-    multihost_utils.sync_global_devices(f"keel: outputs of {output_path} written")

@@ -1,0 +1,100 @@
+"""Training across processes: the stand-in MoE training step as 2 replicas x 4 simulated CPU devices
+on a local Iris cluster (racks = processes, `replica_dcn` across them, joined through
+jax.distributed on 127.0.0.1) gives the losses of the same step run in one process on 8 devices.
+"""
+
+import json
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import cloudpickle
+import pytest
+
+from iris_local import local_iris_cluster
+from keel import Resources, Step, execution_only, this_output
+from keel.executor.cluster import cluster_client
+from keel.executor.plan import Graph
+from keel.executor.replicas import join_replicas
+from keel.executor.run import run_steps
+from keel.executor.status import keel_path, read_status
+from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics
+
+pytestmark = pytest.mark.slow
+
+HERE = str(Path(__file__).resolve().parent)
+DEVICES = 8
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the tests folder is not importable in a task
+
+
+@pytest.fixture(scope="module")
+def iris(tmp_path_factory):
+    with local_iris_cluster(tmp_path_factory.mktemp("iris")) as url:
+        client = cluster_client(url, workspace=Path(HERE).parent)
+        try:
+            yield client
+        finally:
+            client.shutdown(wait=False)
+
+
+@dataclass(frozen=True)
+class StandinTrainConfig:
+    num_steps: int
+    output_path: str = this_output()
+    processes: int = execution_only(default=1)  # the 8 devices split over this many jax processes
+    coordinator_port: int = execution_only(default=0)
+    support_dir: str = execution_only(default=HERE)  # where train_standin.py lives
+
+
+def train_standin_step(config: StandinTrainConfig) -> None:
+    if config.processes > 1:  # a replica of a cluster job: jax is not imported yet in this process
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES // config.processes}"
+        join_replicas(f"127.0.0.1:{config.coordinator_port}")  # one machine: the replicas meet on loopback
+    import jax
+
+    sys.path.insert(0, config.support_dir)
+    from train_standin import standin_inputs
+
+    from keel.train.config import AdamWConfig, TrainConfig
+    from keel.train.loop import train
+
+    train_config = TrainConfig(num_steps=config.num_steps, batch_size=16, seq_len=64, eval_every=100, eval_batches=0,
+                               z_loss=1e-4, rolling_checkpoint_minutes=None, optimizer=AdamWConfig(lr=1e-2))
+    train(train_config, standin_inputs(use_wandb=False), config.output_path)
+    with open(f"{config.output_path}/process-{jax.process_index()}.json", "w") as f:
+        json.dump({"processes": jax.process_count(), "local_devices": len(jax.local_devices()),
+                   "devices": len(jax.devices())}, f)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(600)
+def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path, iris):
+    steps = 3
+    one = Step("t/train", train_standin_step, StandinTrainConfig(steps))
+    two = Step("t/train", train_standin_step, StandinTrainConfig(steps, processes=2, coordinator_port=free_port()),
+               resources=Resources(cpu=1, replicas=2))
+    assert run_steps([one], str(tmp_path / "one"), echo=lambda _: None).ok  # in the driver: 1 process x 8 devices
+    report = run_steps([two], str(tmp_path / "two"), cluster=iris, echo=lambda _: None)
+    assert report.ok, report.failures
+
+    one_out, two_out = Graph([one], str(tmp_path / "one")).path(one), Graph([two], str(tmp_path / "two")).path(two)
+    assert one_out.rsplit("/", 1)[1] == two_out.rsplit("/", 1)[1]  # the process layout is execution-only
+    ran_as = {p.name: json.loads(p.read_text()) for p in Path(two_out).glob("process-*.json")}
+    assert ran_as == {f"process-{i}.json": {"processes": 2, "local_devices": 4, "devices": 8} for i in (0, 1)}
+    assert Path(keel_path(two_out, "log.replica1.txt")).exists()  # replica 1 ran the same function ...
+    assert read_status(two_out).state == "SUCCESS"  # ... and replica 0 alone wrote the manifest
+    assert Path(keel_path(two_out, "manifest.json")).exists()
+
+    expected = latest_by_step(read_metrics(os.path.join(one_out, METRICS_FILE)), "train/loss")
+    got = latest_by_step(read_metrics(os.path.join(two_out, METRICS_FILE)), "train/loss")
+    assert sorted(got) == list(range(steps)) and got[steps - 1] < got[0]
+    for step in range(steps):
+        assert got[step] == pytest.approx(expected[step], abs=1e-5), step
