@@ -7,9 +7,10 @@ transport timeline and the "claims checked" section. Pure arithmetic on plain co
 
 Memory model (bytes per GPU): routed experts are split over the `expert` axis; the token
 embedding's weights are replicated; every other parameter, and all optimizer state, is
-FSDP-sharded over the whole rack (data x expert x model) and replicated across racks. Weights and gradients are held in the
-compute dtype (bf16), master weights in fp32, optimizer moments in fp32 (MuonH: one, Adam/AdamH:
-two). With per-layer rematerialisation one residual tensor per layer is kept for the backward pass.
+FSDP-sharded over the whole rack (data x expert x model) and replicated across racks. Weights and
+gradients are held in the compute dtype (bf16), master weights in fp32, optimizer moments in fp32
+(MuonH: one, Adam/AdamH/AdamW: two, the router bias none: it is set, not trained). With per-layer
+rematerialisation one residual tensor per layer is kept for the backward pass.
 """
 
 from __future__ import annotations
@@ -31,10 +32,6 @@ def _bytes_of(dtype: str, field: str) -> int:
     if dtype not in DTYPE_BYTES:
         raise PlanError(f"{field}={dtype!r} is unknown: use one of {', '.join(DTYPE_BYTES)}")
     return DTYPE_BYTES[dtype]
-
-
-def parameters(model: MoELMConfig) -> dict:
-    return model.param_counts()
 
 
 def mesh(config: TrainStepConfig) -> dict | None:
@@ -85,11 +82,16 @@ def optimizer(config: TrainStepConfig) -> dict:
 
 
 def _optimizer_moments(model: MoELMConfig, opt) -> dict[str, int]:
-    """fp32 moments kept per parameter array: MuonH one (momentum), Adam/AdamH/AdamW two."""
-    if not isinstance(opt, GroupedOptimizerConfig):
-        return dict.fromkeys(model.parameter_shapes(), 2)
-    muon = [re.compile(p) for p in opt.muonh_params]
-    return {name: 1 if any(p.search(name) for p in muon) else 2 for name in model.parameter_shapes()}
+    """fp32 moments kept per parameter array: MuonH one (momentum), Adam/AdamH/AdamW two, none for
+    the router bias (quantile balancing sets it; the optimizer leaves it alone)."""
+    muon = [re.compile(p) for p in opt.muonh_params] if isinstance(opt, GroupedOptimizerConfig) else []
+
+    def moments(name: str) -> int:
+        if name == "layers.moe.router_bias":
+            return 0
+        return 1 if any(p.search(name) for p in muon) else 2
+
+    return {name: moments(name) for name in model.parameter_shapes()}
 
 
 def _elements_per_gpu(config: TrainStepConfig, replicate_embedding: bool) -> dict[str, float]:
@@ -333,7 +335,7 @@ def fact_sheet(config: TrainStepConfig, name: str = "") -> dict:
     if not isinstance(config, TrainStepConfig):
         raise PlanError(f"fact_sheet needs a TrainStepConfig, got {type(config).__name__}")
     check_train_step(config, name)
-    sheet: dict = {"step": name, "parameters": parameters(config.model)}
+    sheet: dict = {"step": name, "parameters": config.model.param_counts()}
     sheet["mesh"] = mesh(config)
     sheet["training"] = training(config)
     sheet["optimizer"] = optimizer(config)
