@@ -146,6 +146,13 @@ def test_hero_all_to_all_scales_with_capacity_factor(hero):
     assert pooled["gb_per_step_per_gpu"] / ragged["gb_per_step_per_gpu"] == pytest.approx(1.15)
 
 
+def test_hero_cross_rack_traffic(hero):
+    c = hero["cross_rack"]
+    ring = 2 * 10 / 11
+    assert c["gradient_all_reduce_gb"] == pytest.approx(ring * hero["memory"]["parts_gb"]["gradients"])
+    assert c["router_histogram_gb"] == pytest.approx(ring * 48 * 384 * 10_000 * 4 / 1e9)
+
+
 def test_hero_time_and_completion_date(hero):
     t = hero["time"]
     assert t["projected_end_date"] == "2026-11-18"

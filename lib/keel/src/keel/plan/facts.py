@@ -203,6 +203,21 @@ def all_to_all(config: TrainStepConfig) -> list[dict]:
     return out
 
 
+def cross_rack(config: TrainStepConfig, memory_facts: dict | None) -> dict | None:
+    """Bytes each GPU sends across racks per step: its gradient shard's all-reduce over the
+    replicas, and the quantile-balancing histograms (layers x experts x bins, int32) summed globally.
+    A ring all-reduce of B bytes over R replicas sends 2 (R - 1) / R x B per participant."""
+    topo, model = config.topology, config.model
+    if topo is None or memory_facts is None or topo.racks == 1:
+        return None
+    ring = 2 * (topo.racks - 1) / topo.racks
+    histogram = model.num_layers * model.num_experts * model.qb_histogram_bins * 4 if model.has_router_bias else 0
+    return {
+        "gradient_all_reduce_gb": ring * memory_facts["parts_gb"]["gradients"],
+        "router_histogram_gb": ring * histogram / GB,
+    }
+
+
 def _date(text: str, field: str) -> dt.date:
     try:
         return dt.date.fromisoformat(text)
@@ -341,6 +356,7 @@ def fact_sheet(config: TrainStepConfig, name: str = "") -> dict:
     sheet["optimizer"] = optimizer(config)
     sheet["memory"] = memory(config)
     sheet["all_to_all"] = all_to_all(config)
+    sheet["cross_rack"] = cross_rack(config, sheet["memory"])
     sheet["time"] = time(config, sheet["training"])
     sheet["mixture"] = mixture(config)
     sheet["transports"] = transports(config)

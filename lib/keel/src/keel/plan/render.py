@@ -109,6 +109,15 @@ def _all_to_all(rows: list[dict]) -> list[str]:
     ]
 
 
+def _cross_rack(c: dict | None) -> list[str]:
+    if c is None:
+        return []
+    line = f"cross-rack   per step per GPU: gradient all-reduce {_gb(c['gradient_all_reduce_gb'])}"
+    if c["router_histogram_gb"]:
+        line += f", router histogram sum {_gb(c['router_histogram_gb'])}"
+    return [line]
+
+
 def _time(t: dict | None) -> list[str]:
     if t is None:
         return []
@@ -149,6 +158,7 @@ def render_fact_sheet(sheet: dict, color: bool = False) -> str:
     lines += _training(sheet["training"], sheet["optimizer"])
     lines += _memory(sheet["memory"], color)
     lines += _all_to_all(sheet["all_to_all"])
+    lines += _cross_rack(sheet["cross_rack"])
     lines += _time(sheet["time"])
     lines += _mixture(sheet["mixture"])
     lines += _transports(sheet["transports"])
