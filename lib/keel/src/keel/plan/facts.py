@@ -294,6 +294,14 @@ def transports(config: TrainStepConfig) -> list[dict]:
     return out
 
 
+def _si(x: float) -> str:
+    """453M, 1.04T: large counts the way they are spoken."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if x >= scale:
+            return f"{x / scale:.3g}{suffix}"
+    return f"{x:.3g}"
+
+
 def _quoted(x: float) -> str:
     """A figure the way people quote it: whole units when large, three digits when small."""
     return f"{x:.0f}" if x >= 10 else f"{x:.3g}"
@@ -337,10 +345,10 @@ def claims(config: TrainStepConfig, sheet: dict) -> list[dict]:
             "id": "moe_vs_dense",
             "claim": f"top-{k} x {f} equals a dense {dense_width / d:g}x MLP in FLOPs",
             "value": routed / dense,
-            "finding": (f"the routed experts read {inp}-wide inputs, not {d}: {routed * 2:.3g} FLOP/token/layer "
-                        f"forward vs {dense * 2:.3g} for a dense SwiGLU {d}->{dense_width}->{d}: "
+            "finding": (f"the routed experts read {inp}-wide inputs, not {d}: {_si(routed * 2)} FLOP/token/layer "
+                        f"forward vs {_si(dense * 2)} for a dense SwiGLU {d}->{dense_width}->{d}: "
                         f"ratio {routed / dense:.3f} ({(routed + latent) / dense:.3f} with the latent projections); "
-                        f"experts on the {d}-wide token would hold {on_hidden:.3g} parameters"),
+                        f"experts on the {d}-wide token would hold {_si(on_hidden)} parameters"),
         })
     return out
 
