@@ -12,8 +12,8 @@ Two baselines in the same run, each at equal dims:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 uv run python benchmarks/moe_layer.py
 
-Times are the best of `--repeats` steps after a compile-and-warm-up call (the best, not the median,
-because other jobs share this machine's two cores); the ratios print last.
+Times are the best of `--repeats` steps after a compile-and-warm-up call, the variants taking turns
+(the best, not the median, because other jobs share this machine's two cores); ratios print last.
 """
 
 import argparse
@@ -47,14 +47,19 @@ TRANSPORTS = {
 }
 
 
-def time_step(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
+def time_round_robin(steps: dict, repeats: int) -> dict[str, float]:
+    """Best time of each step; the steps take turns, so background load hits them alike."""
+    for context, fn, args in steps.values():
+        with context():
+            jax.block_until_ready(fn(*args))  # compile and warm up
+    best = dict.fromkeys(steps, float("inf"))
     for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for name, (context, fn, args) in steps.items():
+            with context():
+                start = time.perf_counter()
+                jax.block_until_ready(fn(*args))
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 def fwd_bwd(apply):
@@ -114,32 +119,32 @@ def main():
     print(f"{args.tokens} tokens, hidden {args.hidden}, {args.experts} experts top-{args.topk}, expert dim "
           f"{args.expert_dim}, capacity factor {args.capacity_factor}; dense SwiGLU intermediate {args.topk * args.expert_dim}")
 
-    results: dict[str, float] = {}
     mesh = build_mesh(RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4))
-    with use_mesh(mesh):
+    on_racks = lambda: use_mesh(mesh)  # noqa: E731
+    one_device = jax.devices()[:1]
+    on_one = lambda: use_mesh(build_mesh(RackTopology(racks=1, gpus_per_rack=1), devices=one_device))  # noqa: E731
+    # Levanter's block routes inside shard_maps, so it needs a mesh, and one with Auto axes (its
+    # ragged_dot has no explicit-sharding rule).
+    on_one_auto = lambda: jax.set_mesh(Mesh(np.array(one_device).reshape(1, 1, 1, 1), MESH_AXES))  # noqa: E731
+
+    steps: dict[str, tuple] = {}  # name -> (mesh context, fn, args)
+    with on_racks():
         xs, cts, vs = shard_batch(x, mesh), shard_batch(cotangent, mesh), shard_batch(valid, mesh)
         dense_s = jax.device_put(dense, tree_shardings(dense, mesh))
-        results["dense SwiGLU (2x4 mesh)"] = time_step(fwd_bwd(lambda m, x: gathered(m)(x)), dense_s, xs, cts, repeats=args.repeats)
         moe_s = jax.device_put(moe, tree_shardings(moe, mesh))
+        steps["dense SwiGLU (2x4 mesh)"] = (on_racks, fwd_bwd(lambda m, x: gathered(m)(x)), (dense_s, xs, cts))
         drops = {}
         for name, spec in TRANSPORTS.items():
-            apply = lambda m, x, spec=spec: gathered(m)(x, vs, transport=spec)[0]
-            results[f"keel MoE, {name} (2x4 mesh)"] = time_step(fwd_bwd(apply), moe_s, xs, cts, repeats=args.repeats)
+            apply = lambda m, x, spec=spec: gathered(m)(x, vs, transport=spec)[0]  # noqa: E731
+            steps[f"keel MoE, {name} (2x4 mesh)"] = (on_racks, fwd_bwd(apply), (moe_s, xs, cts))
             _, stats = jax.jit(lambda m, x, spec=spec: gathered(m)(x, vs, transport=spec))(moe_s, xs)
             drops[name] = float(stats["dropped_fraction"].array)
-
-    # Levanter's block routes inside shard_maps, so it needs a mesh, and one with Auto axes (its
-    # ragged_dot has no explicit-sharding rule): both blocks get one device.
-    one_device = jax.devices()[:1]
-    with use_mesh(build_mesh(RackTopology(racks=1, gpus_per_rack=1), devices=one_device)):
-        results["keel MoE, local (1 device)"] = time_step(
-            fwd_bwd(lambda m, x: m(x, valid, transport=TRANSPORTS["local"])[0]), moe, x, cotangent, repeats=args.repeats
-        )
-    with jax.set_mesh(Mesh(np.array(one_device).reshape(1, 1, 1, 1), MESH_AXES)):
+    keel_local = lambda m, x: m(x, valid, transport=TRANSPORTS["local"])[0]  # noqa: E731
+    steps["keel MoE, local (1 device)"] = (on_one, fwd_bwd(keel_local), (moe, x, cotangent))
+    with on_one_auto():
         qwen_block = _qwen3_block(args, key_qwen)
-        results["Levanter Qwen3-MoE block (1 device)"] = time_step(
-            fwd_bwd(lambda m, x: m(x)[0]), qwen_block, x, cotangent, repeats=args.repeats
-        )
+    steps["Levanter Qwen3-MoE block (1 device)"] = (on_one_auto, fwd_bwd(lambda m, x: m(x)[0]), (qwen_block, x, cotangent))
+    results = time_round_robin(steps, repeats=args.repeats)
 
     print()
     for name, seconds in results.items():

@@ -102,3 +102,27 @@ def test_ragged_all_to_all_fails_before_xla_in_the_model():
     moe, u, valid, _ = _moe_and_inputs(config)
     with pytest.raises(ValueError, match="ragged-all-to-all"):
         moe(u, valid, transport=TransportSpec("ragged_all_to_all"))
+
+
+def test_tiled_cpu_kernel_is_dropless_under_skewed_routing():
+    from keel.model.tiled_experts import tiled_expert_mlp
+
+    tokens, k, width, mlp, E = 40, 2, 6, 5, 4
+    rng = np.random.default_rng(1)
+    selected = np.stack([np.zeros(tokens, int), rng.integers(1, 3, tokens)], axis=1)  # expert 0 hot, 3 idle
+    weights = rng.random((tokens, k)).astype(np.float32)
+    valid = np.arange(tokens) % 9 != 4
+    x = rng.normal(size=(tokens, width)).astype(np.float32)
+    w13 = rng.normal(size=(E, width, 2 * mlp)).astype(np.float32)
+    w2 = rng.normal(size=(E, mlp, width)).astype(np.float32)
+    out = tiled_expert_mlp(jnp.asarray(x), jnp.asarray(selected), jnp.asarray(weights), jnp.asarray(valid), w13, w2)
+
+    def expert(e, row):
+        gate, up = np.split(row @ w13[e], 2)
+        return (gate / (1 + np.exp(-gate)) * up) @ w2[e]
+
+    expected = np.array([
+        sum(weights[t, j] * expert(selected[t, j], x[t]) for j in range(k)) if valid[t] else np.zeros(width)
+        for t in range(tokens)
+    ])
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)

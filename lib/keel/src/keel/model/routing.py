@@ -24,10 +24,9 @@ from jax import shard_map
 from jax.sharding import PartitionSpec as P
 from jax.sharding import get_abstract_mesh, reshard
 
+from keel.model.axes import TOP_K
 from keel.model.config import MoELMConfig, Routing
 from keel.model.layout import token_axes
-
-TOP_K = "top_k"
 
 
 class Routes(eqx.Module):

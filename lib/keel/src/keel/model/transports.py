@@ -8,7 +8,9 @@ arrays behind our named ones; keel adds only what grug lacks:
 - `dense`: grug has no all-experts reference, and tests need one that shares no code with the
   kernels under test.
 - `local`: grug refuses its grouped local kernel when the mesh has an expert axis, so keel runs
-  that kernel inside its own shard_map over the token shards with the experts gathered.
+  that kernel inside its own shard_map over the token shards with the experts gathered; on
+  XLA:CPU it runs keel's tiled kernel instead (tiled_experts.py: grug's uses ragged_dot, ~15x
+  slower there).
 """
 
 import haliax as hax
@@ -21,7 +23,9 @@ from jax.sharding import AbstractMesh, get_abstract_mesh, reshard
 from jax.sharding import PartitionSpec as P
 from levanter.grug.grug_moe import moe_mlp
 
+from keel.model.axes import TOP_K
 from keel.model.layout import split_tokens, token_axes
+from keel.model.tiled_experts import tiled_expert_mlp
 from keel.model.transport_spec import TransportSpec, check_transport_supported
 
 _GRUG_NAMES = {
@@ -55,7 +59,7 @@ def dispatch(
         return _dense(x, selected, weights, valid, gate, up, down), jnp.zeros((), jnp.int32)
 
     Token, Latent = x.axes
-    TopK = selected.resolve_axis("top_k")
+    TopK = selected.resolve_axis(TOP_K)
     raw = dict(
         x=split_tokens(x.rearrange((Token, Latent)).array),
         selected=split_tokens(selected.rearrange((Token, TopK)).array),
@@ -90,10 +94,13 @@ def dispatch(
 
 
 def _local(raw: dict, w13: jax.Array, w2: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """grug's grouped scatter kernel on each token shard, all experts gathered onto every device."""
+    """A dropless grouped kernel on each token shard, all experts gathered onto every device:
+    grug's scatter kernel on accelerators, keel's tiled batched matmuls on XLA:CPU."""
     no_mesh = AbstractMesh((), ())
 
     def run(x, selected, weights, valid, w13, w2):
+        if jax.default_backend() == "cpu":
+            return tiled_expert_mlp(x, selected, weights, valid, w13, w2), jnp.zeros((), jnp.int32)
         out, counts = moe_mlp(
             x, selected, weights, w13, w2, token_valid=valid, implementation="scatter", mesh=no_mesh,
             report_capacity_overflow=True,
@@ -122,7 +129,7 @@ def _dense(x, selected, weights, valid, gate, up, down) -> NamedArray:
     """Every expert on every token, weighted by a dense [Token, Experts] routing matrix."""
     gate, up, down = (hax.named(_replicate(w.array), w.axes) for w in (gate, up, down))
     Experts, Latent = gate.axes[0], gate.axes[1]
-    TopK = selected.resolve_axis("top_k")
+    TopK = selected.resolve_axis(TOP_K)
     ExpertMlp = gate.axes[2]
     dense_w = hax.sum(hnn.one_hot(selected, Experts, dtype=weights.dtype) * weights, axis=TopK)
     dense_w = dense_w * valid.astype(weights.dtype)
