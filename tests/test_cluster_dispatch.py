@@ -208,3 +208,13 @@ def test_plan_with_a_cluster_configured_imports_no_fray(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "KEEL_CLUSTER": "http://127.0.0.1:9"})
     assert "HEAVY []" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_wrong_cluster_url_fails_fast_with_the_fix(tmp_path):
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "keel.cli_entry", "run", HELLO, "--prefix", str(tmp_path), "--cluster", "http://127.0.0.1:9"],
+                         capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - started < 60
+    assert out.returncode == 2
+    assert "no Iris controller answers at http://127.0.0.1:9" in out.stderr and "cluster start" in out.stderr
+    assert not list(tmp_path.iterdir())  # nothing ran

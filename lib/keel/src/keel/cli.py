@@ -158,11 +158,15 @@ def render_table(plans: list[StepPlan], timings: bool = False) -> str:
 
 
 def _run(args, graph: Graph) -> int:
-    from keel.executor.cluster import cluster_client, in_iris_job
+    from keel.executor.cluster import ClusterUnreachable, cluster_client, in_iris_job
     from keel.executor.run import Runner
 
     url = args.cluster or os.environ.get("KEEL_CLUSTER")
-    cluster = cluster_client(url) if url or in_iris_job() else None  # a driver inside an Iris job uses that cluster
+    try:
+        cluster = cluster_client(url) if url or in_iris_job() else None  # a driver inside an Iris job uses that cluster
+    except ClusterUnreachable as exc:
+        print(f"keel: error: {exc}", file=sys.stderr)
+        return 2
     runner = Runner(graph, cluster=cluster, max_concurrent=args.max_concurrent, force=re.compile(args.force) if args.force else None)
     with contextlib.ExitStack() as stack:
         if url:

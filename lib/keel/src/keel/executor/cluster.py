@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.request
 from pathlib import Path
 
 LOG_TAIL_LINES = 30
+HEALTH_TIMEOUT_S = 5.0
+
+
+class ClusterUnreachable(RuntimeError):
+    """No Iris controller answers at the given URL."""
 
 
 class ClusterJobFailed(RuntimeError):
@@ -52,6 +58,7 @@ def cluster_client(url: str | None = None, *, workspace: Path | None = None):
     experiment. Without a URL, the cluster of the Iris job this process runs in.
     """
     if url:
+        check_reachable(url)
         from fray.iris_backend import FrayIrisClient
 
         return FrayIrisClient(url, workspace=workspace or workspace_root())
@@ -60,6 +67,23 @@ def cluster_client(url: str | None = None, *, workspace: Path | None = None):
 
         return current_client()
     raise ValueError("keel: no cluster given: pass --cluster URL or set KEEL_CLUSTER")
+
+
+def check_reachable(url: str) -> None:
+    """Ask the controller's `/health` once, so that a wrong URL fails now, in seconds, rather than
+    after Iris's submit retries (many minutes)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via an HTTP proxy
+    try:
+        with opener.open(f"{url.rstrip('/')}/health", timeout=HEALTH_TIMEOUT_S) as response:
+            if response.status == 200:
+                return
+            why = f"HTTP {response.status}"
+    except OSError as exc:
+        why = str(exc)
+    raise ClusterUnreachable(
+        f"no Iris controller answers at {url} ({why}): start one (`iris --config=CLUSTER.yaml cluster start`, "
+        "add --local for this machine) and pass the URL it prints to --cluster or KEEL_CLUSTER"
+    )
 
 
 def run_on_cluster(client, request, resources: str) -> None:
