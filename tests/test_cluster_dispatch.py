@@ -218,3 +218,29 @@ def test_a_wrong_cluster_url_fails_fast_with_the_fix(tmp_path):
     assert out.returncode == 2
     assert "no Iris controller answers at http://127.0.0.1:9" in out.stderr and "cluster start" in out.stderr
     assert not list(tmp_path.iterdir())  # nothing ran
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    inner_prefix: str
+    ledger: str
+    output_path: str = this_output()
+
+
+def drive_inner_graph(config: DriverConfig) -> None:
+    """`keel run` from inside an Iris task, with no --cluster: it must find the cluster itself."""
+    from keel.cli import console_main
+
+    os.environ["KEEL_TEST_COUNTER"] = config.ledger  # read by the experiment file as it loads
+    assert console_main(["run", CLUSTER_GRAPH, "--prefix", config.inner_prefix]) == 0
+
+
+def test_a_driver_inside_an_iris_job_sends_steps_to_that_cluster(tmp_path, iris):
+    driver = Step("t/driver", drive_inner_graph, DriverConfig(str(tmp_path / "inner"), str(tmp_path / "ledger")),
+                  resources=Resources.with_cpu())
+    report = run_steps([driver], str(tmp_path / "out"), cluster=iris[1], echo=QUIET)
+    assert report.ok, report.failures
+    runs = ledger(tmp_path)
+    assert sorted(runs) == ["join", "left", "right", "root"] and all(len(w) == 1 for w in runs.values()), runs
+    driver_job = "/root/t-driver-"
+    assert all(w[0].startswith(driver_job) and w[0].count("/") >= 4 for w in runs.values()), runs  # child jobs
