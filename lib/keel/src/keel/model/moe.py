@@ -53,7 +53,8 @@ class SharedExperts(eqx.Module):
     def __call__(self, u: NamedArray) -> NamedArray:
         Shared, Embed, Mlp = self.gate.axes
         dtype = u.dtype
-        hidden = hnn.silu(hax.dot(u, self.gate.astype(dtype), axis=Embed)) * hax.dot(u, self.up.astype(dtype), axis=Embed)
+        gate = hax.dot(u, self.gate.astype(dtype), axis=Embed)
+        hidden = hnn.silu(gate) * hax.dot(u, self.up.astype(dtype), axis=Embed)
         return hax.dot(hidden, self.down.astype(dtype), axis=(Shared, Mlp))
 
 

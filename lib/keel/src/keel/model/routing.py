@@ -50,17 +50,19 @@ def route(u: NamedArray, router: NamedArray, router_bias: NamedArray | None, con
         weights = hnn.sigmoid(_take_experts(logits, selected, Experts))
         weights = weights * (config.routing_renorm_sum / (hax.sum(weights, TopK) + 1e-9))
     else:
-        values, selected = hax.top_k(biased, Experts, k, new_axis=TopK)
+        _, selected = hax.top_k(biased, Experts, k, new_axis=TopK)
         weights = hnn.softmax(_take_experts(logits, selected, Experts), axis=TopK)
         threshold = None
-    return Routes(selected=selected.astype(jnp.int32), weights=weights.astype(u.dtype), logits=logits, threshold=threshold)
+    selected = selected.astype(jnp.int32)
+    return Routes(selected=selected, weights=weights.astype(u.dtype), logits=logits, threshold=threshold)
 
 
 def _take_experts(logits: NamedArray, selected: NamedArray, Experts: Axis) -> NamedArray:
     """logits[t, selected[t, j]] as [Token, TopK]."""
     Token = selected.axes[0]
-    raw = jnp.take_along_axis(logits.rearrange((Token, Experts)).array, selected.rearrange((Token, ...)).array, axis=1)
-    return hax.named(raw, selected.rearrange((Token, ...)).axes)
+    selected = selected.rearrange((Token, ...))
+    raw = jnp.take_along_axis(logits.rearrange((Token, Experts)).array, selected.array, axis=1)
+    return hax.named(raw, selected.axes)
 
 
 def routing_stats(routes: Routes, valid: NamedArray, Experts: Axis) -> dict[str, NamedArray]:
@@ -131,9 +133,8 @@ def token_sum(fn, *token_arrays, replicated=()):
     token_specs = tuple(P(axes, *([None] * (a.ndim - 1))) for a in token_arrays)
     replicated_specs = tuple(P(*([None] * r.ndim)) for r in replicated)
     args = [reshard(a, spec) for a, spec in zip((*token_arrays, *replicated), token_specs + replicated_specs)]
-    return shard_map(local, mesh=get_abstract_mesh(), in_specs=token_specs + replicated_specs, out_specs=P(), check_vma=False)(
-        *args
-    )
+    in_specs = token_specs + replicated_specs
+    return shard_map(local, mesh=get_abstract_mesh(), in_specs=in_specs, out_specs=P(), check_vma=False)(*args)
 
 
 def initial_router_bias(config: MoELMConfig) -> NamedArray:

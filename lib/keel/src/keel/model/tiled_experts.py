@@ -40,13 +40,15 @@ def tiled_expert_mlp(x, selected, weights, valid, w13, w2):
     padded_start = jnp.cumsum(padded) - padded
     order = jnp.argsort(expert, stable=True)
     sorted_expert = expert[order]
-    in_group = jnp.arange(assignments) - group_start[jnp.minimum(sorted_expert, num_experts - 1)]
-    slot_sorted = jnp.where(sorted_expert < num_experts, padded_start[jnp.minimum(sorted_expert, num_experts - 1)] + in_group, rows)
+    real_expert = jnp.minimum(sorted_expert, num_experts - 1)
+    in_group = jnp.arange(assignments) - group_start[real_expert]
+    slot_sorted = jnp.where(sorted_expert < num_experts, padded_start[real_expert] + in_group, rows)
     slot = jnp.zeros(assignments, jnp.int32).at[order].set(slot_sorted.astype(jnp.int32))  # row of each assignment
 
     token_of = jnp.arange(assignments) // k
     buffer = jnp.zeros((rows, width), x.dtype).at[slot].set(x[token_of], mode="drop")
-    tile_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_tiles) * tile, side="right"), num_experts - 1)
+    tile_expert = jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_tiles) * tile, side="right")
+    tile_expert = jnp.minimum(tile_expert, num_experts - 1)  # tiles past the last group: all padding
 
     hidden = jnp.einsum("ntd,ndf->ntf", buffer.reshape(n_tiles, tile, width), w13[tile_expert])
     gate, up = jnp.split(hidden, 2, axis=-1)

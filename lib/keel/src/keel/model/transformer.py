@@ -130,7 +130,9 @@ class MoELM(eqx.Module):
           qb_beta [Layers, Experts] (quantile balancing only: feed to `next_router_bias`),
           aux_loss (scalar): aux_loss_coef x the summed load-balancing loss, 0 unless balancing='aux_loss'.
         """
-        h, aux = self.activations(input_ids, segment_ids, router_bias, transport=transport, compute_dtype=compute_dtype)
+        h, aux = self.activations(
+            input_ids, segment_ids, router_bias, transport=transport, compute_dtype=compute_dtype
+        )
         Embed = ModelAxes.of(self.config).Embed
         return hax.dot(h, gathered(self.lm_head_weight()).astype(h.dtype), axis=Embed), aux
 
