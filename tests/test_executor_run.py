@@ -185,13 +185,18 @@ def test_secrets_never_written(tmp_path, monkeypatch):
     @dataclass(frozen=True)
     class WithKey:
         api_key: str
+        note: str
+        experts_per_token: int = 2
+        tokenizer: str = "bpe"
         output_path: str = this_output()
 
-    step = Step("t/secret", lambda c: None, WithKey("sekrit-config"))
+    step = Step("t/secret", lambda c: None, WithKey("sekrit-config", note="copied sekrit-hf-value"))
     run_steps([step], str(tmp_path), echo=lambda _: None)
     text = Path(Graph([step], str(tmp_path)).path(step), ".keel/step.json").read_text()
     assert "sekrit" not in text
     assert "WANDB_API_KEY" in text  # recorded as present, value redacted
+    record = json.loads(text)
+    assert record["config"]["experts_per_token"] == 2 and record["config"]["tokenizer"] == "bpe"  # not secrets
 
 
 def test_plan_imports_no_jax(tmp_path):
