@@ -1,4 +1,4 @@
-"""The training loop on 8 simulated devices (2 racks x 4, expert parallel 4) with a stand-in MoE LM.
+"""The training loop on 8 simulated devices (2 racks x 4, expert parallel 4) with a micro keel MoE.
 
 Exact resume after kill -9, the transport switch, the quantile-balancing bias carried from one
 step to the next and through checkpoints, metrics / PNG / wandb outputs.
@@ -69,27 +69,31 @@ def _safe_losses(output_path):
 
 @pytest.fixture(scope="module")
 def switch_run(tmp_path_factory):
-    """8 steps, fixed-capacity all-to-all until step 4 then the dropless ring; checkpoint every step."""
-    from train_standin import standin_inputs
+    """8 steps, fixed-capacity all-to-all until step 4 then the dropless ring; checkpoint every step.
+
+    fp32 compute, so that two transports summing in different orders agree to ~1e-6.
+    """
+    from train_standin import loop_inputs
 
     from keel.train.loop import train
 
     out = str(tmp_path_factory.mktemp("runs") / "tiny_switch-0123abcd89")
     transports = (TransportPhase(0, "fixed_all_to_all"), TransportPhase(4, "ring"))
-    config = TrainConfig(num_steps=8, checkpoint_every=1, optimizer=AdamWConfig(lr=1e-2), transports=transports, **BASE)
-    train(config, standin_inputs(), out)
+    config = TrainConfig(num_steps=8, checkpoint_every=1, optimizer=AdamWConfig(lr=1e-2), transports=transports,
+                         compute_dtype="float32", **BASE)
+    train(config, loop_inputs(), out)
     return out, config
 
 
 @pytest.fixture(scope="module")
 def fixed_run(tmp_path_factory):
-    from train_standin import standin_inputs
+    from train_standin import loop_inputs
 
     from keel.train.loop import train
 
     out = str(tmp_path_factory.mktemp("runs") / "tiny_fixed-0123abcd89")
-    config = TrainConfig(num_steps=8, optimizer=AdamWConfig(lr=1e-2), **BASE)
-    train(config, standin_inputs(use_wandb=False), out)
+    config = TrainConfig(num_steps=8, optimizer=AdamWConfig(lr=1e-2), compute_dtype="float32", **BASE)
+    train(config, loop_inputs(use_wandb=False), out)
     return out
 
 
@@ -111,28 +115,34 @@ def test_router_bias_of_step_t_plus_1_comes_from_step_t_and_survives_checkpoints
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from train_standin import BATCH_AXES, StandinLM, rack_mesh, standin_inputs
+    from train_standin import BATCH_AXES, loop_inputs, micro_lm, rack_mesh
 
     from keel.train.batches import batch_loader
     from keel.train.checkpoint import restore_like
 
     out, config = switch_run
-    lm, mesh = StandinLM(), rack_mesh()
+    mesh = rack_mesh()
+    lm = micro_lm(mesh)
     with jax.set_mesh(mesh):
-        exemplar = jax.jit(lm.init)(jax.random.PRNGKey(0))
+        exemplar = lm.init(jax.random.PRNGKey(0))
         before = restore_like({"model": exemplar}, os.path.join(out, "checkpoints", "step-6"))["model"]
         after = restore_like({"model": exemplar}, os.path.join(out, "checkpoints", "step-7"))["model"]
-    batches = batch_loader(standin_inputs().train_data, batch_size=16, mesh=mesh, batch_axes=BATCH_AXES).iter_from_step(6)
+    batches = batch_loader(loop_inputs().train_data, batch_size=16, mesh=mesh, batch_axes=BATCH_AXES).iter_from_step(6)
     batch = next(batches)
     batches.close()
+    phase = TransportPhase(4, "ring")
     with jax.set_mesh(mesh):
-        _, aux = jax.jit(
-            lambda m, b: lm.loss(m, b, transport=TransportPhase(6, "ring"), z_loss=1e-4, compute_dtype=jnp.bfloat16)
-        )(before, batch)
-        expected = lm.apply_router_update(before, aux).router_bias
-    assert np.abs(np.asarray(after.router_bias)).max() > 0, "quantile balancing moved the bias"
-    np.testing.assert_allclose(np.asarray(after.router_bias), np.asarray(expected), atol=1e-6)
-    assert not np.allclose(np.asarray(after.router_bias), np.asarray(before.router_bias))
+        _, aux = jax.jit(lambda m, b: lm.loss(m, b, transport=phase, z_loss=1e-4, compute_dtype=jnp.float32))(
+            before, batch
+        )
+        expected = lm.apply_router_update(before, aux)
+
+    def bias(model):
+        return np.asarray(model.layers.stacked.moe.router_bias.array)
+
+    assert np.abs(bias(after)).max() > 0, "quantile balancing moved the bias"
+    np.testing.assert_allclose(bias(after), bias(expected), atol=1e-6)
+    assert not np.allclose(bias(after), bias(before))
 
 
 def test_metrics_lines_and_loss_plot_are_written(switch_run):

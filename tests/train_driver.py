@@ -1,4 +1,4 @@
-"""Runs one stand-in training in its own process (for kill -9 tests): `python train_driver.py OUT CONFIG_JSON`."""
+"""Runs one micro-model training in its own process (for kill -9 tests): `python train_driver.py OUT CONFIG_JSON`."""
 
 import json
 import os
@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def main(output_path: str, config_json: str) -> None:
-    from train_standin import standin_inputs
+    from train_standin import loop_inputs
 
     from keel.train.config import AdamWConfig, TrainConfig
     from keel.train.loop import train
@@ -19,7 +19,7 @@ def main(output_path: str, config_json: str) -> None:
     fields = json.loads(config_json)
     delay = fields.pop("delay_per_item", 0.0)
     config = TrainConfig(optimizer=AdamWConfig(lr=1e-2), **fields)
-    train(config, standin_inputs(seq_len=config.seq_len, delay_per_item=delay, use_wandb=False), output_path)
+    train(config, loop_inputs(seq_len=config.seq_len, delay_per_item=delay, use_wandb=False), output_path)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""A tiny stand-in LM for the training tests: embedding -> one QB-routed MoE layer -> lm_head.
+"""Models, mesh and data for the training tests.
 
-It has the call shape the training loop expects of a keel LM (see keel.train.lm.TrainableLM):
-expert parallelism through Levanter's grug transports, a non-learned router bias set from the
-previous step's quantile-balancing betas, dropped-assignment counts. Test support only.
+- `MICRO`: a micro keel MoE with every hero feature on (`micro_lm`, `loop_inputs`): what the
+  training tests train.
+- `StandinLM`: a one-layer stand-in (embedding -> one QB-routed grug MoE layer -> lm_head) with the
+  `TrainableLM` call shape; quick to compile, for tests of the loop's machinery across processes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,55 @@ import dataclasses
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+
+from keel.model import Balancing, ConvSite, MoELMConfig, Routing
+
+MICRO = MoELMConfig(
+    hidden_dim=32,
+    num_layers=2,
+    vocab_size=128,
+    max_seq_len=64,
+    embed_norm=True,
+    num_heads=2,
+    head_dim=16,
+    num_kv_heads=2,
+    num_global_kv_heads=1,
+    global_every=2,
+    sliding_window=32,
+    rope_fraction=0.5,
+    qk_norm=True,
+    qk_mult=1.3,
+    xsa=True,
+    attention_gate=True,
+    conv_sites=(ConvSite.KEY, ConvSite.ATTENTION_OUTPUT, ConvSite.MOE_OUTPUT),
+    gated_norm_rank=8,
+    num_experts=8,
+    experts_per_token=2,
+    latent_dim=16,
+    expert_dim=16,
+    num_shared_experts=1,
+    shared_expert_dim=16,
+    routing=Routing.SIGMOID_TOPK_THRESHOLD,
+    routing_renorm_sum=2.5,
+    balancing=Balancing.QUANTILE,
+    qb_histogram_bins=100,
+    capacity_factor=4.0,
+)
+"""Capacity 4x the even share: the fixed-capacity transport drops nothing, so transports agree."""
+
+
+def micro_lm(mesh):
+    from keel.train.lm import KeelLM
+
+    return KeelLM(MICRO, mesh)
+
+
+
+def micro_lm(mesh):
+    from keel.train.lm import KeelLM
+
+    return KeelLM(MICRO, mesh)
+
 
 
 GRUG_TRANSPORTS = {"fixed_all_to_all": "fixed_all_to_all", "ring": "ring", "local": "scatter"}
@@ -150,6 +200,23 @@ def standin_inputs(
         batch_axes=BATCH_AXES,
         train_data=arithmetic_sequences(512, seq_len=seq_len, vocab=lm.vocab, seed=0, delay_per_item=delay_per_item),
         val_data={"held_out": arithmetic_sequences(32, seq_len=seq_len, vocab=lm.vocab, seed=1)},
+        default_transport=TransportPhase(0, "fixed_all_to_all"),
+        use_wandb=use_wandb,
+        fetch_batches=1 if delay_per_item else 8,
+    )
+
+
+def loop_inputs(*, seq_len: int = 64, delay_per_item: float = 0.0, use_wandb: bool = True):
+    from keel.train.config import TransportPhase
+    from keel.train.loop import LoopInputs
+
+    mesh = rack_mesh()
+    return LoopInputs(
+        lm=micro_lm(mesh),
+        mesh=mesh,
+        batch_axes=BATCH_AXES,
+        train_data=arithmetic_sequences(512, seq_len=seq_len, vocab=MICRO.vocab_size, seed=0, delay_per_item=delay_per_item),
+        val_data={"held_out": arithmetic_sequences(32, seq_len=seq_len, vocab=MICRO.vocab_size, seed=1)},
         default_transport=TransportPhase(0, "fixed_all_to_all"),
         use_wandb=use_wandb,
         fetch_batches=1 if delay_per_item else 8,

@@ -70,8 +70,9 @@ class _Run:
         self.compute_dtype = jnp.dtype(config.compute_dtype)
         model = inputs.lm.init(jax.random.PRNGKey(config.seed))
         model = jax.tree.map(lambda x: x.astype(config.master_dtype) if _is_float(x) else x, model)
-        self.tx, self.lr_schedules = build_optimizer(config, model)
-        state = {"step": jnp.zeros((), jnp.int32), "model": model, "opt_state": eqx.filter_jit(self.tx.init)(model)}
+        params = _params(model)
+        self.tx, self.lr_schedules = build_optimizer(config, params)
+        state = {"step": jnp.zeros((), jnp.int32), "model": model, "opt_state": eqx.filter_jit(self.tx.init)(params)}
         self.state_arrays, self.state_static = eqx.partition(state, eqx.is_array)
         self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state_arrays)
         self.checkpoints = TrainCheckpoints(
@@ -102,8 +103,7 @@ class _Run:
                     self._evaluate(0, self.transport_at(0), metrics_log, tracker)
                 last = self._train_steps(start, batches, metrics_log, tracker)
                 batches.close()
-            self.checkpoints.on_step(self._state(), config.num_steps, force=True)
-            self.checkpoints.wait()
+                self.checkpoints.wait()
         finally:
             metrics_log.close()
             if tracker is not None:
@@ -120,7 +120,6 @@ class _Run:
             phase = self.transport_at(step)
             if phase != previous:
                 logger.info("Step %d: switching transport %s -> %s", step, previous.transport, phase.transport)
-                self.checkpoints.on_step(self._state(), step, force=True)
                 previous = phase
             t0 = time.perf_counter()
             batch = next(batches)
@@ -137,7 +136,9 @@ class _Run:
                 last = values
             if completed % config.eval_every == 0 or completed == config.num_steps:
                 self._evaluate(completed, phase, metrics_log, tracker)
-            self.checkpoints.on_step(self._state(), completed)
+            # Permanent checkpoints at the end and where the next step switches transport.
+            switching = completed < config.num_steps and self.transport_at(completed) != phase
+            self.checkpoints.on_step(self._state(), completed, force=completed == config.num_steps or switching)
         return last
 
     # ------------------------------------------------------------------ pieces
@@ -167,7 +168,7 @@ class _Run:
                 return lm.loss(m, batch, transport=phase, z_loss=z_loss, compute_dtype=compute_dtype)
 
             (loss, aux), grads = eqx.filter_value_and_grad(loss_of, has_aux=True)(model)
-            updates, opt_state = tx.update(grads, state["opt_state"], model)
+            updates, opt_state = tx.update(_params(grads), state["opt_state"], _params(model))
             model = eqx.apply_updates(model, updates)
             model = lm.apply_router_update(model, aux)
             new_state = {"step": state["step"] + 1, "model": model, "opt_state": opt_state}
@@ -221,6 +222,11 @@ class _Run:
         if not self.inputs.use_wandb:
             return None
         return open_wandb(self.output_path, project=self.inputs.wandb_project, entity=None)
+
+
+def _params(tree):
+    """The float arrays of a model (other leaves None, as in its gradients): what the optimizer sees."""
+    return eqx.filter(tree, eqx.is_inexact_array)
 
 
 def _is_float(x) -> bool:

@@ -237,8 +237,10 @@ def build_optimizer(train, params) -> tuple[optax.GradientTransformation, dict[s
     if isinstance(opt, AdamWConfig):
         lr = schedule(opt.lr)
         lrs = {"lr": lr}
-        matrices = jax.tree.map(lambda x: x.ndim >= 2, params)
-        core = {"adamw": optax.adamw(lr, opt.beta1, opt.beta2, opt.eps, weight_decay=opt.weight_decay, mask=lambda _: matrices)}
+        def matrices(group_params):  # decay matrices only; computed on the group's own (masked) tree
+            return jax.tree.map(lambda x: x.ndim >= 2, group_params)
+
+        core = {"adamw": optax.adamw(lr, opt.beta1, opt.beta2, opt.eps, weight_decay=opt.weight_decay, mask=matrices)}
         rules: list[tuple[str, str]] = []
         default = "adamw"
         lr_of_label = {"adamw": lr}
