@@ -10,6 +10,7 @@ x 4) on the same synthetic token stream:
 - Levanter's own Qwen3-MoE at the same widths (hidden 64, 4 layers, 4 heads of 16, 8 experts top-2,
   expert width 32, vocab 1024): it has no expert parallelism, so it trains data-parallel with
   every expert on every device;
+- the same keel model with the hero's extra features off (diagnostic: architecture vs framework);
 - a dense keel model (no routed experts; shared SwiGLU experts widened) with the same training
   FLOPs per token as `tiny_moe` (`MoELMConfig.flops_per_token`).
 
@@ -44,6 +45,14 @@ def token_stream(n: int, seed: int = 0):
 
     ids = np.random.default_rng(seed).integers(0, tiny_moe.vocab_size, (n, SEQ), dtype=np.int32)
     return ListAsyncDataset([{"input_ids": row, "segment_ids": np.zeros(SEQ, np.int32)} for row in ids])
+
+
+def plain_twin(model: MoELMConfig) -> MoELMConfig:
+    """`model` with the hero's extra features off: the architecture Levanter's Qwen3-MoE has."""
+    return model.replace(embed_norm=False, global_every=None, sliding_window=None, rope_fraction=1.0, qk_mult=1.0,
+                         xsa=False, attention_gate=False, conv_sites=(), gated_norm_rank=0, latent_dim=None,
+                         num_shared_experts=0, shared_expert_dim=0, routing="softmax_topk", routing_renorm_sum=1.0,
+                         balancing=Balancing.NONE)
 
 
 def dense_twin(model: MoELMConfig) -> MoELMConfig:
@@ -162,6 +171,8 @@ def main() -> None:
     auto_mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
     qwen = tokens_per_second("Levanter Qwen3-MoE, same dims, data parallel", LevanterQwen3Moe(tiny_moe, auto_mesh),
                              auto_mesh, args.steps, TransportPhase(0, "local"), data)
+    tokens_per_second("keel plain MoE (hero features off), EP 4, " + fastest, KeelLM(plain_twin(tiny_moe), mesh),
+                      mesh, args.steps, TransportPhase(0, fastest), data)
     dense_rate = tokens_per_second("keel dense twin, same FLOPs/token", KeelLM(dense, mesh), mesh, args.steps,
                                    TransportPhase(0, "local"), data)
 

@@ -138,18 +138,12 @@ class _Run:
                 self._evaluate(completed, phase, metrics_log, tracker)
             # Permanent checkpoints at the end and where the next step switches transport.
             switching = completed < config.num_steps and self.transport_at(completed) != phase
-            self.checkpoints.on_step(self._state(), completed, force=completed == config.num_steps or switching)
+            self.checkpoints.on_step(self.state_arrays, completed, force=completed == config.num_steps or switching)
         return last
 
     # ------------------------------------------------------------------ pieces
     def transport_at(self, step: int) -> TransportPhase:
         return self.config.transport_at(step) or self.inputs.default_transport
-
-    def _state(self):
-        return self.state_arrays
-
-    def _model(self, arrays):
-        return eqx.combine(arrays, self.state_static)["model"]
 
     def _step_fn(self, phase: TransportPhase):
         if phase not in self._step_fns:
@@ -186,11 +180,11 @@ class _Run:
 
     def _eval_fn(self, phase: TransportPhase):
         if phase not in self._eval_fns:
-            lm, static, z_loss, dtype = self.inputs.lm, self.state_static, self.config.z_loss, self.compute_dtype
+            lm, static, dtype = self.inputs.lm, self.state_static, self.compute_dtype
 
-            def evaluate(arrays, batch):
+            def evaluate(arrays, batch):  # the validation loss: cross-entropy without the z-loss term
                 model = eqx.combine(arrays, static)["model"]
-                loss, aux = lm.loss(model, batch, transport=phase, z_loss=0.0, compute_dtype=dtype)
+                loss, _ = lm.loss(model, batch, transport=phase, z_loss=0.0, compute_dtype=dtype)
                 return loss
 
             self._eval_fns[phase] = jax.jit(evaluate, in_shardings=(self.state_shardings, None))
