@@ -2,7 +2,8 @@
 
 The loop is model-agnostic so that benchmarks can run Levanter's own models and a dense baseline
 under exactly the same trainer, devices and data. A `TrainableLM` owns its mixed precision (it is
-handed fp32 master weights and the compute dtype) and reports its routing statistics in `aux`:
+handed fp32 master weights and the compute dtype), is told the `TransportPhase` in force for the
+step, and reports its routing statistics in `aux`:
 
 - `qb_beta` [layers, experts]: this step's quantile-balancing betas (absent without QB);
 - `dropped_fraction`: assignments dropped by expert capacity / all assignments;
