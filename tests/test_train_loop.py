@@ -15,6 +15,7 @@ import pytest
 
 from keel.train.config import AdamWConfig, TrainConfig, TransportPhase
 from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics, run_id_for
+from keel.train.tracking import main as plot_main
 
 HERE = os.path.dirname(__file__)
 BASE = dict(batch_size=16, seq_len=64, eval_every=4, eval_batches=1, z_loss=1e-4, rolling_checkpoint_minutes=None)
@@ -154,8 +155,12 @@ def test_metrics_lines_and_loss_plot_are_written(switch_run):
         assert key in train_keys, key
     evals = latest_by_step(records, "eval/loss")
     assert sorted(evals) == [0, 4, 8]
-    with open(os.path.join(out, "loss.png"), "rb") as f:
+    png = os.path.join(out, "loss.png")
+    with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    os.remove(png)
+    plot_main([out])  # on demand, e.g. mid-run
+    assert os.path.getsize(png) > 1000
 
 
 def test_wandb_offline_run_is_named_by_the_step_identity(switch_run):

@@ -89,7 +89,8 @@ class _Run:
             self.state_arrays = self.checkpoints.restore(self.state_arrays, latest)
             logger.info("Resumed from %s", latest)
         start = int(self.state_arrays["step"])
-        metrics_log = MetricsLog(os.path.join(self.output_path, METRICS_FILE))
+        primary = jax.process_index() == 0
+        metrics_log = MetricsLog(os.path.join(self.output_path, METRICS_FILE), writer=primary)
         tracker = self._open_tracker()
         last: dict[str, float] = {}
         try:
@@ -108,7 +109,8 @@ class _Run:
             metrics_log.close()
             if tracker is not None:
                 tracker.finish()
-        plot_loss_curves(os.path.join(self.output_path, METRICS_FILE), os.path.join(self.output_path, LOSS_PLOT_FILE))
+        if primary:
+            plot_loss_curves(os.path.join(self.output_path, METRICS_FILE), os.path.join(self.output_path, LOSS_PLOT_FILE))
         return last
 
     def _train_steps(self, start: int, batches, metrics_log: MetricsLog, tracker) -> dict[str, float]:

@@ -46,19 +46,25 @@ class MetricsLog:
     twice (once from the attempt that died); readers keep the last record per step and kind.
     """
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, *, writer: bool = True):
+        """`writer=False` (every process of a multi-process run but the first) writes nothing."""
         self.path = path
-        fs, plain = fsspec.core.url_to_fs(path)
-        fs.makedirs(os.path.dirname(plain) or ".", exist_ok=True)
-        self._file = fsspec.open(path, "a").open()
+        self._file = None
+        if writer:
+            fs, plain = fsspec.core.url_to_fs(path)
+            fs.makedirs(os.path.dirname(plain) or ".", exist_ok=True)
+            self._file = fsspec.open(path, "a").open()
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if self._file is None:
+            return
         record = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def _plain(value: Any) -> Any:
@@ -137,3 +143,19 @@ def open_wandb(output_path: str, *, project: str, entity: str | None, tags: tupl
         background=False,
     )
     return config.init(run_id)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """On demand: `python -m keel.train.tracking OUTPUT_PATH` redraws OUTPUT_PATH/loss.png (also mid-run)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        raise SystemExit("usage: python -m keel.train.tracking OUTPUT_PATH  (a training step's output directory)")
+    output_path = args[0].rstrip("/")
+    plot_loss_curves(f"{output_path}/{METRICS_FILE}", f"{output_path}/{LOSS_PLOT_FILE}")
+    print(f"{output_path}/{LOSS_PLOT_FILE}")
+
+
+if __name__ == "__main__":
+    main()
