@@ -1,5 +1,5 @@
-"""Training across processes: the stand-in MoE training step as 2 replicas x 4 simulated CPU devices
-on a local Iris cluster (racks = processes, `replica_dcn` across them, joined through
+"""Training across processes: the micro keel MoE (every feature on) trained as 2 replicas x 4 simulated
+CPU devices on a local Iris cluster (racks = processes, `replica_dcn` across them, joined through
 jax.distributed on 127.0.0.1) gives the losses of the same step run in one process on 8 devices.
 """
 
@@ -41,7 +41,7 @@ def iris(tmp_path_factory):
 
 
 @dataclass(frozen=True)
-class StandinTrainConfig:
+class MicroTrainConfig:
     num_steps: int
     output_path: str = this_output()
     processes: int = execution_only(default=1)  # the 8 devices split over this many jax processes
@@ -49,21 +49,22 @@ class StandinTrainConfig:
     support_dir: str = execution_only(default=HERE)  # where train_standin.py lives
 
 
-def train_standin_step(config: StandinTrainConfig) -> None:
+def train_micro_moe(config: MicroTrainConfig) -> None:
     if config.processes > 1:  # a replica of a cluster job: jax is not imported yet in this process
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES // config.processes}"
         join_replicas(f"127.0.0.1:{config.coordinator_port}")  # one machine: the replicas meet on loopback
     import jax
 
     sys.path.insert(0, config.support_dir)
-    from train_standin import standin_inputs
+    from train_standin import loop_inputs
 
     from keel.train.config import AdamWConfig, TrainConfig
     from keel.train.loop import train
 
     train_config = TrainConfig(num_steps=config.num_steps, batch_size=16, seq_len=64, eval_every=100, eval_batches=0,
-                               z_loss=1e-4, rolling_checkpoint_minutes=None, optimizer=AdamWConfig(lr=1e-2))
-    train(train_config, standin_inputs(use_wandb=False), config.output_path)
+                               z_loss=1e-4, rolling_checkpoint_minutes=None, optimizer=AdamWConfig(lr=1e-2),
+                               compute_dtype="float32")
+    train(train_config, loop_inputs(use_wandb=False), config.output_path)
     with open(f"{config.output_path}/process-{jax.process_index()}.json", "w") as f:
         json.dump({"processes": jax.process_count(), "local_devices": len(jax.local_devices()),
                    "devices": len(jax.devices())}, f)
@@ -78,8 +79,8 @@ def free_port() -> int:
 @pytest.mark.timeout(600)
 def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path, iris):
     steps = 3
-    one = Step("t/train", train_standin_step, StandinTrainConfig(steps))
-    two = Step("t/train", train_standin_step, StandinTrainConfig(steps, processes=2, coordinator_port=free_port()),
+    one = Step("t/train", train_micro_moe, MicroTrainConfig(steps))
+    two = Step("t/train", train_micro_moe, MicroTrainConfig(steps, processes=2, coordinator_port=free_port()),
                resources=Resources(cpu=1, replicas=2))
     assert run_steps([one], str(tmp_path / "one"), echo=lambda _: None).ok  # in the driver: 1 process x 8 devices
     report = run_steps([two], str(tmp_path / "two"), cluster=iris, echo=lambda _: None)
