@@ -30,13 +30,12 @@ def lr_schedule(peak: float, num_steps: int, warmup_fraction: float, min_lr_rati
     return shape.lr_scheduler(num_steps)
 
 
-def decay_schedule(rate: float, start_step: int, num_steps: int, anneal: bool) -> Schedule:
-    """0 before `start_step`; from it `rate`, times `(1 - step / num_steps)` when annealed."""
+def decay_schedule(peak: float, start_step: int, num_steps: int) -> Schedule:
+    """0 before `start_step`; from it `peak x (1 - step / num_steps)` (the hero's linear anneal)."""
 
     def schedule(step):
         step = jnp.asarray(step, jnp.float32)
-        value = rate * (1.0 - step / num_steps) if anneal else jnp.full_like(step, rate)
-        return jnp.where(step >= start_step, value, 0.0)
+        return jnp.where(step >= start_step, peak * (1.0 - step / num_steps), 0.0)
 
     return schedule
 
@@ -217,74 +216,68 @@ def grouped(
     return optax.multi_transform(dict(transforms), lambda _: labels)
 
 
-def global_norm(tree) -> jax.Array:
-    return optax.global_norm(tree)
-
-
-def build_optimizer(train, params) -> tuple[optax.GradientTransformation, dict[str, Schedule]]:
-    """The optax transform a `TrainConfig` declares, plus its learning-rate schedules by name.
-
-    Parameters whose path matches `frozen` patterns (the quantile-balancing router bias, set by
-    the loop from the previous step's statistics) receive no update at all.
-    """
-    from keel.train.config import AdamWConfig, GroupedOptimizerConfig
-
-    opt, sched, n = train.optimizer, train.schedule, train.num_steps
-
-    def schedule(peak: float) -> Schedule:
-        return lr_schedule(peak, n, sched.warmup_fraction, sched.decay_to_fraction)
-
-    if isinstance(opt, AdamWConfig):
-        lr = schedule(opt.lr)
-        lrs = {"lr": lr}
-        def matrices(group_params):  # decay matrices only; computed on the group's own (masked) tree
-            return jax.tree.map(lambda x: x.ndim >= 2, group_params)
-
-        core = {"adamw": optax.adamw(lr, opt.beta1, opt.beta2, opt.eps, weight_decay=opt.weight_decay, mask=matrices)}
-        rules: list[tuple[str, str]] = []
-        default = "adamw"
-        lr_of_label = {"adamw": lr}
-    elif isinstance(opt, GroupedOptimizerConfig):
-        muon_lr, adam_lr = schedule(opt.muon_lr), schedule(opt.adam_lr)
-        lrs = {"lr/muonh": muon_lr, "lr/adam": adam_lr}
-        core = {
-            "muonh": scale_by_muonh(
-                muon_lr, momentum=opt.muon_momentum, nesterov=opt.muon_nesterov, ns_steps=opt.muon_ns_steps, eps=1e-7
-            ),
-            "adamh": scale_by_adamh(adam_lr, b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
-            "adam": adam(adam_lr, b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
-        }
-        rules = [(p, "muonh") for p in opt.muonh_params] + [(p, "adamh") for p in opt.adamh_params]
-        default = "adam"
-        lr_of_label = {"muonh": muon_lr, "adamh": adam_lr, "adam": adam_lr}
-    else:
-        raise TypeError(f"TrainConfig.optimizer: unsupported {type(opt).__name__}; use AdamWConfig or GroupedOptimizerConfig")
-
-    core["frozen"] = optax.set_to_zero()
-    labels = label_params(params, [(p, "frozen") for p in FROZEN_PARAMS] + rules, default)
-    transform = grouped(core, labels)
-
-    change = train.weight_decay_change
-    if change is not None:
-        mask = mask_params(params, change.groups)
-        rate = decay_schedule(change.peak, change.start_step, n, anneal=True)
-        label_tree = labels
-        per_param_lr = {label: fn for label, fn in lr_of_label.items()}
-        decays = [
-            scheduled_weight_decay(_and(mask, _is_label(label_tree, label)), fn, rate)
-            for label, fn in per_param_lr.items()
-        ]
-        transform = optax.chain(transform, *decays)
-    return transform, lrs
-
-
 FROZEN_PARAMS = (r"\brouter_bias\b",)
 """Parameters the optimizer never updates: the router bias is set from quantile statistics."""
 
 
-def _is_label(labels, label: str):
-    return jax.tree.map(lambda x: x == label, labels)
+class _Groups(NamedTuple):
+    transforms: dict[str, optax.GradientTransformation]
+    rules: list[tuple[str, str]]  # (path regex, group), first match wins
+    default: str  # the group of a parameter no rule matches
+    lr: dict[str, Schedule]  # each group's learning rate
 
 
-def _and(a, b):
-    return jax.tree.map(lambda x, y: bool(x and y), a, b)
+def build_optimizer(train, params) -> tuple[optax.GradientTransformation, dict[str, Schedule]]:
+    """The optax transform a `TrainConfig` declares, plus its learning-rate schedules by metric name.
+
+    The router bias (`FROZEN_PARAMS`) receives no update at all. A `WeightDecayChange` adds
+    decoupled weight decay on its groups, scaled by each parameter's own learning rate.
+    """
+    from keel.train.config import AdamWConfig, GroupedOptimizerConfig
+
+    sched = train.schedule
+
+    def schedule(peak: float) -> Schedule:
+        return lr_schedule(peak, train.num_steps, sched.warmup_fraction, sched.decay_to_fraction)
+
+    opt = train.optimizer
+    if isinstance(opt, AdamWConfig):
+        groups, metrics = _adamw_groups(opt, schedule(opt.lr)), {"lr": schedule(opt.lr)}
+    elif isinstance(opt, GroupedOptimizerConfig):
+        groups = _hero_groups(opt, schedule(opt.muon_lr), schedule(opt.adam_lr))
+        metrics = {"lr/muonh": groups.lr["muonh"], "lr/adam": groups.lr["adam"]}
+    else:
+        raise TypeError(f"TrainConfig.optimizer: unsupported {type(opt).__name__}; use AdamWConfig or GroupedOptimizerConfig")
+
+    labels = label_params(params, [(p, "frozen") for p in FROZEN_PARAMS] + groups.rules, groups.default)
+    transform = grouped({**groups.transforms, "frozen": optax.set_to_zero()}, labels)
+    change = train.weight_decay_change
+    if change is not None:
+        in_groups = mask_params(params, change.groups)
+        rate = decay_schedule(change.peak, change.start_step, train.num_steps)
+        decays = [
+            scheduled_weight_decay(jax.tree.map(lambda m, lab: bool(m and lab == name), in_groups, labels), lr, rate)
+            for name, lr in groups.lr.items()
+        ]
+        transform = optax.chain(transform, *decays)
+    return transform, metrics
+
+
+def _adamw_groups(opt, lr: Schedule) -> _Groups:
+    def matrices(group_params):  # decay matrices only; computed on the group's own (masked) tree
+        return jax.tree.map(lambda x: x.ndim >= 2, group_params)
+
+    adamw = optax.adamw(lr, opt.beta1, opt.beta2, opt.eps, weight_decay=opt.weight_decay, mask=matrices)
+    return _Groups({"adamw": adamw}, [], "adamw", {"adamw": lr})
+
+
+def _hero_groups(opt, muon_lr: Schedule, adam_lr: Schedule) -> _Groups:
+    transforms = {
+        "muonh": scale_by_muonh(
+            muon_lr, momentum=opt.muon_momentum, nesterov=opt.muon_nesterov, ns_steps=opt.muon_ns_steps, eps=1e-7
+        ),
+        "adamh": scale_by_adamh(adam_lr, b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
+        "adam": adam(adam_lr, b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
+    }
+    rules = [(p, "muonh") for p in opt.muonh_params] + [(p, "adamh") for p in opt.adamh_params]
+    return _Groups(transforms, rules, "adam", {"muonh": muon_lr, "adamh": adam_lr, "adam": adam_lr})
