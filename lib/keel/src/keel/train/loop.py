@@ -31,7 +31,7 @@ from keel.train.batches import batch_loader
 from keel.train.checkpoint import TrainCheckpoints
 from keel.train.config import TrainConfig, TransportPhase
 from keel.train.lm import TrainableLM
-from keel.train.tracking import LOSS_PLOT_FILE, METRICS_FILE, MetricsLog, open_wandb, plot_loss_curves
+from keel.train.tracking import LOSS_PLOT_FILE, METRICS_FILE, MetricsLog, close_wandb, open_wandb, plot_loss_curves
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class _Run:
         finally:
             metrics_log.close()
             if tracker is not None:
-                tracker.finish()
+                close_wandb(tracker)
         if primary:
             plot_loss_curves(os.path.join(self.output_path, METRICS_FILE), os.path.join(self.output_path, LOSS_PLOT_FILE))
         return last

@@ -145,6 +145,22 @@ def open_wandb(output_path: str, *, project: str, entity: str | None, tags: tupl
     return config.init(run_id)
 
 
+def close_wandb(tracker) -> None:
+    """Finish the run and shut wandb's service down now, not at interpreter exit.
+
+    Levanter defers the service teardown to an exit hook that starts a thread, which Python
+    refuses at interpreter shutdown (a traceback after every run); doing it here is clean.
+    """
+    import atexit
+
+    import wandb
+    from levanter.tracker import wandb as levanter_wandb
+
+    tracker.finish()
+    atexit.unregister(levanter_wandb._teardown_wandb_service_bounded)
+    wandb.teardown()
+
+
 def main(argv: list[str] | None = None) -> None:
     """On demand: `python -m keel.train.tracking OUTPUT_PATH` redraws OUTPUT_PATH/loss.png (also mid-run)."""
     import sys
