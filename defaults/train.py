@@ -48,5 +48,11 @@ def default_train(
         )
     if topology is not None:
         topology.validate(model, train.batch_size)
+    for phase in train.transports:
+        if hardware is not None and not hardware.supports_transport(phase.transport):
+            raise ValueError(
+                f"default_train({name!r}): TrainConfig.transports uses {phase.transport!r} from step "
+                f"{phase.start_step}, which {hardware.name} cannot run: pick another transport or hardware"
+            )
     config = TrainStepConfig(model=model, data=data, train=train, topology=topology, hardware=hardware)
     return Step(f"train/{name}", train_step, config, resources=resources, description=description)

@@ -64,6 +64,11 @@ def test_bad_declarations_fail_before_any_compute():
 
 
 def test_transports_the_platform_or_mesh_cannot_run_are_refused():
+    from defaults.hardware import cpu_sim
+
+    with pytest.raises(ValueError, match="'ragged_all_to_all' from step 5, which simulated CPU racks cannot run"):
+        default_train("t", data=CACHE, model=tiny_moe, hardware=cpu_sim, train=_train(
+            transports=(TransportPhase(0, "fixed_all_to_all"), TransportPhase(5, "ragged_all_to_all"))))
     from keel.train.config import TrainStepConfig
     from keel.train.step import check_step_config
 
