@@ -19,11 +19,13 @@ def train_step(config: TrainStepConfig) -> None:
     """Train (or resume training) to `config.train.num_steps`; results land under `config.output_path`."""
     import jax
 
+    from keel.executor.replicas import join_replicas
     from keel.mesh.mesh import build_mesh
     from keel.train.batches import training_datasets
     from keel.train.lm import KeelLM
     from keel.train.loop import LoopInputs, train
 
+    join_replicas()  # a multi-host step: its replicas become one jax.distributed world (no-op alone)
     topology = config.topology or RackTopology(racks=1, gpus_per_rack=len(jax.devices()))
     check_step_config(config, topology, num_devices=len(jax.devices()), platform=jax.default_backend())
     mesh = build_mesh(topology)
