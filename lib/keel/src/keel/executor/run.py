@@ -56,7 +56,8 @@ def default_client(max_concurrent: int):
     return LocalClient(max_threads=max_concurrent)
 
 
-def _step_record(graph: Graph, step: Step, resolved) -> dict:
+def _step_record(graph: Graph, step: Step, resolved, launch: dict) -> dict:
+    """What `step.json` holds; `launch` is this launch's provenance (the same for all its steps)."""
     return scrub(
         {
             "name": step.name,
@@ -66,7 +67,7 @@ def _step_record(graph: Graph, step: Step, resolved) -> dict:
             "dependencies": {d.name: graph.path(d) for d in step.deps},
             "description": step.description,
             "resources": step.resources.describe() if step.resources else None,
-            "provenance": provenance(),
+            "provenance": launch,
         }
     )
 
@@ -91,6 +92,7 @@ class Runner:
     def __init__(self, graph: Graph, *, client=None, cluster=None, max_concurrent: int = 8, force: re.Pattern | None = None,
                  lease_timeout: float = leases.DEFAULT_TIMEOUT_S, echo: Callable[[str], None] = print):
         self.graph = graph
+        self._launch = provenance()
         self.cluster = cluster
         self.max_concurrent = max(1, max_concurrent)
         self.client = client
@@ -172,7 +174,7 @@ class Runner:
         try:
             running = mark_running(plan.output_path, previous)
             resolved = resolve_config(step.config, plan.output_path, self.graph.path)
-            storage.write_json(keel_path(plan.output_path, "step.json"), _step_record(self.graph, step, resolved))
+            storage.write_json(keel_path(plan.output_path, "step.json"), _step_record(self.graph, step, resolved, self._launch))
             self.echo(f"[keel] start {plan.name} -> {plan.output_path}" + (f" ({plan.reason})" if plan.reason else ""))
             try:
                 self._dispatch(step, resolved, plan.output_path)
