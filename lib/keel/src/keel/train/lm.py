@@ -21,33 +21,7 @@ from typing import Any, Protocol
 class TrainableLM(Protocol):
     def init(self, key) -> Any: ...
 
-    def loss(self, model, batch, *, transport, z_loss: float, compute_dtype):
-        import haliax as hax
-        import jax.numpy as jnp
-
-        from keel.mesh.mesh import compute_axis_mapping
-        from keel.model.axes import BATCH, POS
-        from keel.model.loss import TokenBatch, loss_fn
-
-        tokens = TokenBatch(
-            input_ids=hax.named(batch["input_ids"], (BATCH, POS)),
-            segment_ids=hax.named(batch["segment_ids"], (BATCH, POS)),
-        )
-        with hax.axis_mapping(compute_axis_mapping()):
-            loss, aux = loss_fn(
-                self._for_phase(model, transport),
-                tokens,
-                z_loss=z_loss,
-                transport=_transport_spec(transport),
-                compute_dtype=compute_dtype,
-            )
-        out = {}
-        if "dropped_fraction" in aux:
-            out["dropped_fraction"] = jnp.mean(aux["dropped_fraction"].array)
-            out["router_balance"] = jnp.mean(aux["max_load"].array)
-        if "qb_beta" in aux:
-            out["qb_beta"] = aux["qb_beta"]
-        return loss, out
+    def loss(self, model, batch, *, transport, z_loss: float, compute_dtype) -> tuple[Any, dict[str, Any]]: ...
 
     def apply_router_update(self, model, aux: dict[str, Any]) -> Any: ...
 
@@ -76,30 +50,24 @@ class KeelLM:
 
     def loss(self, model, batch, *, transport, z_loss: float, compute_dtype):
         import haliax as hax
-        import jax
         import jax.numpy as jnp
 
         from keel.mesh.mesh import compute_axis_mapping
         from keel.model.axes import BATCH, POS
+        from keel.model.loss import TokenBatch, loss_fn
 
-        model = self._for_phase(model, transport)
-        ids, seg = batch["input_ids"], batch["segment_ids"]
+        tokens = TokenBatch(
+            input_ids=hax.named(batch["input_ids"], (BATCH, POS)),
+            segment_ids=hax.named(batch["segment_ids"], (BATCH, POS)),
+        )
         with hax.axis_mapping(compute_axis_mapping()):
-            logits, aux = model(
-                hax.named(ids, (BATCH, POS)),
-                hax.named(seg, (BATCH, POS)),
+            loss, aux = loss_fn(
+                self._for_phase(model, transport),
+                tokens,
+                z_loss=z_loss,
                 transport=_transport_spec(transport),
                 compute_dtype=compute_dtype,
             )
-        logits = logits.array.astype(jnp.float32)
-        targets = jnp.concatenate([ids[:, 1:], jnp.zeros_like(ids[:, :1])], axis=1)
-        next_seg = jnp.concatenate([seg[:, 1:], jnp.full_like(seg[:, :1], -1)], axis=1)
-        weight = ((seg >= 0) & (next_seg == seg)).astype(jnp.float32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        target_logit = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), axis=-1)
-        count = jnp.maximum(jnp.sum(weight), 1.0)
-        ce = jnp.sum((lse - target_logit) * weight) / count
-        loss = ce + z_loss * jnp.sum(lse**2 * weight) / count + aux["aux_loss"]
         out = {}
         if "dropped_fraction" in aux:
             out["dropped_fraction"] = jnp.mean(aux["dropped_fraction"].array)
