@@ -17,7 +17,7 @@ from keel.executor import lease as leases
 from keel.executor import storage
 from keel.executor.graph import topological_order
 from keel.executor.identity import Identities, output_path
-from keel.executor.status import FAILED, KEEL_DIR, RUNNING, SUCCESS, Status, keel_path, read_status, verify_manifest
+from keel.executor.status import FAILED, SUCCESS, Status, keel_path, read_status, verify_manifest
 from keel.executor.step import External, Step
 
 CACHED, RUN, STALE, FAILED_STATE, RUNNING_ELSEWHERE, EXTERNAL = "cached", "run", "stale", "failed", "running-elsewhere", "external"
@@ -176,4 +176,4 @@ def select(plans: list[StepPlan], only: re.Pattern | None) -> set[int]:
     return chosen
 
 
-__all__ = ["CACHED", "EXTERNAL", "FAILED_STATE", "Graph", "KEEL_DIR", "RUN", "RUNNING", "RUNNING_ELSEWHERE", "STALE", "StepPlan", "plan_graph", "plan_step", "select"]
+__all__ = ["CACHED", "EXTERNAL", "FAILED_STATE", "Graph", "RUN", "RUNNING_ELSEWHERE", "STALE", "StepPlan", "plan_graph", "plan_step", "select"]

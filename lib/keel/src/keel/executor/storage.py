@@ -140,8 +140,3 @@ def delete_tree(url: str) -> None:
     fs, path = split(url)
     fs.rm(path, recursive=True)
     _made_dirs.clear()
-
-
-def tree_size(url: str) -> int:
-    fs, path = split(url)
-    return int(fs.du(path, total=True))
