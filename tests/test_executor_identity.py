@@ -1,6 +1,5 @@
 """Identity: golden hashes, what counts and what does not, and canonical encoding."""
 
-import dataclasses
 import enum
 import pathlib
 import subprocess
@@ -166,4 +165,5 @@ def test_output_path_layout():
 def test_config_must_be_a_dataclass_instance():
     with pytest.raises(StepDeclarationError, match="dataclass instance"):
         Step("x/y", noop, {"n": 1})
-    assert dataclasses.is_dataclass(Config(n=1))
+    with pytest.raises(StepDeclarationError, match="dataclass instance"):
+        Step("x/y", noop, Config)

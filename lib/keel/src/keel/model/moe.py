@@ -15,6 +15,16 @@ from keel.model.transport_spec import TransportSpec
 from keel.model.transports import dispatch
 
 
+def swiglu_weights(key, experts, inputs, mlp, config: MoELMConfig) -> tuple[NamedArray, NamedArray, NamedArray]:
+    """gate, up [experts, inputs, mlp] and down [experts, mlp, inputs] of a bank of SwiGLU experts."""
+    k_gate, k_up, k_down = jax.random.split(key, 3)
+    return (
+        init_matrix(k_gate, (experts, inputs, mlp), config),
+        init_matrix(k_up, (experts, inputs, mlp), config),
+        init_matrix(k_down, (experts, mlp, inputs), config),
+    )
+
+
 class RoutedExperts(eqx.Module):
     """SwiGLU experts at the latent width; `Experts` is the axis expert parallelism splits."""
 
@@ -25,12 +35,7 @@ class RoutedExperts(eqx.Module):
     @staticmethod
     def init(config: MoELMConfig, *, key) -> "RoutedExperts":
         a = ModelAxes.of(config)
-        k_gate, k_up, k_down = jax.random.split(key, 3)
-        return RoutedExperts(
-            gate=init_matrix(k_gate, (a.Experts, a.Latent, a.ExpertMlp), config),
-            up=init_matrix(k_up, (a.Experts, a.Latent, a.ExpertMlp), config),
-            down=init_matrix(k_down, (a.Experts, a.ExpertMlp, a.Latent), config),
-        )
+        return RoutedExperts(*swiglu_weights(key, a.Experts, a.Latent, a.ExpertMlp, config))
 
 
 class SharedExperts(eqx.Module):
@@ -43,12 +48,7 @@ class SharedExperts(eqx.Module):
     @staticmethod
     def init(config: MoELMConfig, *, key) -> "SharedExperts":
         a = ModelAxes.of(config)
-        k_gate, k_up, k_down = jax.random.split(key, 3)
-        return SharedExperts(
-            gate=init_matrix(k_gate, (a.SharedExperts, a.Embed, a.SharedMlp), config),
-            up=init_matrix(k_up, (a.SharedExperts, a.Embed, a.SharedMlp), config),
-            down=init_matrix(k_down, (a.SharedExperts, a.SharedMlp, a.Embed), config),
-        )
+        return SharedExperts(*swiglu_weights(key, a.SharedExperts, a.Embed, a.SharedMlp, config))
 
     def __call__(self, u: NamedArray) -> NamedArray:
         Shared, Embed, Mlp = self.gate.axes
