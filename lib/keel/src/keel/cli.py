@@ -27,6 +27,14 @@ COMMANDS = ("run", "plan", "status", "gc")
 _collecting: list[tuple[list, dict]] | None = None
 
 
+class UsageError(ValueError):
+    """A command-line option keel cannot use, such as a `--force` that is not a regular expression."""
+
+
+# Mistakes in the experiment or the command line: one `keel: error: ...` line and exit code 2.
+USER_ERRORS = (StepDeclarationError, storage.PrefixError, UsageError)
+
+
 def _parser(prog: str, with_experiment: bool) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Plan, run and cache a declared graph of steps.")
     p.add_argument("command", choices=COMMANDS)
@@ -56,7 +64,7 @@ def console_main(argv: list[str] | None = None) -> int:
         if args.command != "gc" and len(step_lists) > 1:
             raise StepDeclarationError(f"keel {args.command} takes one experiment file, got {len(step_lists)}")
         return _act(args, step_lists)
-    except StepDeclarationError as exc:
+    except USER_ERRORS as exc:
         print(f"keel: error: {exc}", file=sys.stderr)
         return 2
 
@@ -98,7 +106,7 @@ def experiment_main(steps, argv: list[str] | None = None, scales: dict | None = 
     args = _parser(os.path.basename(sys.argv[0]) or "experiment", with_experiment=False).parse_args(sys.argv[1:] if argv is None else argv)
     try:
         code = _act(args, [_scaled(steps, scales, args.scale, sys.argv[0])])
-    except StepDeclarationError as exc:
+    except USER_ERRORS as exc:
         print(f"keel: error: {exc}", file=sys.stderr)
         code = 2
     if argv is None:
@@ -109,17 +117,28 @@ def experiment_main(steps, argv: list[str] | None = None, scales: dict | None = 
 def _graph(args, steps) -> Graph:
     graph = Graph(steps, _prefix(args))
     if args.overrides:
-        graph = Graph(apply_overrides(steps, graph.order, args.overrides), _prefix(args))
+        graph = Graph(apply_overrides(graph.targets, graph.order, args.overrides), _prefix(args))
     return graph
 
 
+def _regex(option: str, text: str | None) -> re.Pattern | None:
+    try:
+        return re.compile(text) if text else None
+    except re.error as exc:
+        raise UsageError(f"{option} {text!r}: not a regular expression ({exc}); escape special characters, e.g. {re.escape(text)!r}") from None
+
+
 def _act(args, step_lists: list[list]) -> int:
+    """Validate everything that can be wrong before a step runs (options, graph, prefix), then act."""
+    force = _regex("--force", args.force)
+    _regex("--only", args.only)
+    graphs = [_graph(args, steps) for steps in step_lists]
+    storage.check_prefix(_prefix(args), write=args.command == "run" or (args.command == "gc" and args.yes))
     if args.command == "gc":
-        return _gc(args, step_lists)
-    graph = _graph(args, step_lists[0])
+        return _gc(args, graphs)
+    graph = graphs[0]
     if args.command == "run":
         return _run(args, graph)
-    force = re.compile(args.force) if args.force else None
     plans = plan_graph(graph, force)
     sheets = _fact_sheets(graph) if args.command == "plan" else []
     if args.json:
@@ -173,19 +192,29 @@ def _run(args, graph: Graph) -> int:
             stack.callback(cluster.shutdown)
         report = runner.run(re.compile(args.only) if args.only else None)
     print(f"[keel] {len(report.ran)} ran, {len(report.reused)} reused, "
-          f"{sum(p.state == 'cached' for p in report.plans)} cached, {len(report.failures)} failed, {len(report.blocked)} skipped")
+          f"{sum(p.state == 'cached' for p in report.plans)} cached, {len(report.failures)} failed, {len(report.blocked)} skipped"
+          + (f", {len(report.interrupted)} interrupted, {len(report.not_started)} not started" if report.interrupted or report.not_started else ""))
     for failure in report.failures:
         print(f"keel: {failure}", file=sys.stderr)
+    if report.interrupted or report.not_started:
+        for stopped in report.interrupted:
+            print(f"keel: {stopped}", file=sys.stderr)
+        if report.not_started:
+            print(f"keel: not started: {', '.join(report.not_started)}", file=sys.stderr)
+        print(f"keel: interrupted; run the same command again (keel run {' '.join(args.experiments) if hasattr(args, 'experiments') else sys.argv[0]}) "
+              "to resume from the last checkpoints", file=sys.stderr)
+        from keel.executor.interrupt import EXIT_INTERRUPTED
+
+        return EXIT_INTERRUPTED
     return 0 if report.ok else 1
 
 
-def _gc(args, step_lists: list[list]) -> int:
+def _gc(args, graphs: list[Graph]) -> int:
     """List (and with --yes delete) outputs under the prefix that none of the experiments reach."""
     prefix = _prefix(args)
     fs, root = storage.split(prefix)
     reached = set()
-    for steps in step_lists:
-        graph = _graph(args, steps)
+    for graph in graphs:
         reached.update(storage.split(graph.path(s))[1] for s in graph.steps())
     found = sorted({p.rsplit(f"/{KEEL_DIR}/", 1)[0] for p in fs.glob(f"{root.rstrip('/')}/**/{KEEL_DIR}/status")})
     unreached = [p for p in found if p not in reached]

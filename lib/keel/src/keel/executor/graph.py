@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
-from keel.executor.step import External, Step, StepDeclarationError
+import dataclasses
+from typing import Any, Container
+
+from keel.executor.step import External, OutputOf, Step, StepDeclarationError
 
 
 class CycleError(StepDeclarationError):
     """The steps depend on each other in a circle."""
 
+    def __init__(self, cycle: list[Step | External]):
+        super().__init__("dependency cycle: " + " -> ".join(s.name for s in cycle)
+                         + "; a step cannot depend on its own output: remove the reference that closes the loop")
 
-def topological_order(targets: list[Step | External]) -> list[Step | External]:
-    """Every step reachable from `targets`, each after all of its dependencies."""
+
+def topological_order(targets: list[Step | External], done: Container[int] = ()) -> list[Step | External]:
+    """Every step reachable from `targets`, each after all of its dependencies; steps whose id is in
+    `done` are left out and not walked (identity hashing passes the ids it already knows)."""
     order: list[Step | External] = []
     state: dict[int, int] = {}  # 1 = on the current path, 2 = done
     for root in targets:
@@ -31,10 +39,31 @@ def topological_order(targets: list[Step | External]) -> list[Step | External]:
                 continue
             seen = state.get(id(dep))
             if seen == 1:
-                cycle = path[path.index(dep):] + [dep]
-                raise CycleError("dependency cycle: " + " -> ".join(s.name for s in cycle))
-            if seen is None:
+                raise CycleError(path[path.index(dep):] + [dep])
+            if seen is None and id(dep) not in done:
                 state[id(dep)] = 1
                 path.append(dep)
                 stack.append((dep, iter(dep.deps)))
     return order
+
+
+def substitute(value: Any, new: dict[int, Any]) -> Any:
+    """`value` with every step (or `output_of` target) whose id is in `new` swapped for its
+    replacement; unchanged parts are kept as they are, so untouched configs stay the same objects."""
+    if isinstance(value, (Step, External)):
+        return new.get(id(value), value)
+    if isinstance(value, OutputOf):
+        target = new.get(id(value.step), value.step)
+        return value if target is value.step else OutputOf(target, value.subpath)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {f.name: substitute(getattr(value, f.name), new) for f in dataclasses.fields(value)}
+        if all(changes[k] is getattr(value, k) for k in changes):
+            return value
+        return dataclasses.replace(value, **{k: v for k, v in changes.items() if v is not getattr(value, k)})
+    if isinstance(value, list):
+        return [substitute(v, new) for v in value]
+    if isinstance(value, tuple):
+        return tuple(substitute(v, new) for v in value)
+    if isinstance(value, dict):
+        return {k: substitute(v, new) for k, v in value.items()}
+    return value

@@ -13,8 +13,11 @@ import enum
 import hashlib
 import json
 import pathlib
+import threading
+from collections import ChainMap
 from typing import Any
 
+from keel.executor.graph import CycleError, topological_order
 from keel.executor.step import External, OutputOf, Step, StepDeclarationError, ThisOutput, is_execution_only
 
 HASH_CHARS = 10
@@ -67,11 +70,17 @@ def canonical_json(payload: Any) -> str:
 
 
 class Identities:
-    """Memoised identity payloads and hashes for the steps of one graph."""
+    """Memoised identity payloads and hashes for the steps of one graph.
+
+    A step's hash needs its dependencies' hashes, so a miss first hashes the missing ancestry
+    bottom-up (a 10,000-deep chain must not recurse 10,000 deep), and a step met again while its
+    own payload is being encoded (a config that came to hold the step itself) is a `CycleError`.
+    """
 
     def __init__(self) -> None:
         self._hashes: dict[int, str] = {}
         self._payloads: dict[int, dict] = {}
+        self._local = threading.local()  # .encoding: steps whose payload this thread is encoding, outermost first
         self._keep: list[Any] = []  # keep ids stable while memoised
 
     def payload(self, step: Step | External) -> dict:
@@ -80,17 +89,31 @@ class Identities:
             if isinstance(step, External):
                 payload = {"external": step.name, "path": step.path, "version": step.version}
             else:
-                payload = {"name": step.name, "config": encode(step.config, f"{step.name}.config", self.hash)}
+                encoding = self._encoding()
+                if key in encoding:
+                    inner = list(encoding.values())
+                    raise CycleError(inner[inner.index(step):] + [step])
+                encoding[key] = step
+                try:
+                    payload = {"name": step.name, "config": encode(step.config, f"{step.name}.config", self.hash)}
+                finally:
+                    del encoding[key]
             self._payloads[key] = payload
             self._keep.append(step)
         return self._payloads[key]
 
+    def _encoding(self) -> dict[int, Step]:
+        return self._local.__dict__.setdefault("encoding", {})
+
     def hash(self, step: Step | External) -> str:
-        key = id(step)
-        found = self._hashes.get(key)
+        found = self._hashes.get(id(step))
         if found is None:
-            digest = hashlib.sha256(canonical_json(self.payload(step)).encode()).hexdigest()
-            found = self._hashes[key] = digest[:HASH_CHARS]
+            known = all(id(d) in self._hashes for d in step.deps)
+            # Steps being encoded are not walked again: meeting one in `payload` names the cycle.
+            for node in [step] if known else topological_order([step], done=ChainMap(self._hashes, self._encoding())):
+                digest = hashlib.sha256(canonical_json(self.payload(node)).encode()).hexdigest()
+                self._hashes[id(node)] = digest[:HASH_CHARS]
+            found = self._hashes[id(step)]
         return found
 
 

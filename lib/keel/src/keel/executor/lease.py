@@ -4,8 +4,9 @@ A lease is a numbered file `.keel/lease-<epoch>` holding its owner and a heartbe
 lease means creating the next epoch's file with an exclusive create, which exactly one contender
 wins on local disks, in-memory stores and object stores with conditional writes. The holder
 refreshes its heartbeat from a background thread; a lease whose heartbeat is older than the timeout
-belongs to a dead launcher and may be superseded by the next epoch. Each lease records its own
-timeout, so every reader judges expiry the same way. Release deletes the holder's own epoch file
+belongs to a dead launcher and may be superseded by the next epoch; so does one whose owner ran on
+this host under a pid that no longer exists (no need to wait out the timeout). Each lease records
+its own timeout, so every reader judges expiry the same way. Release deletes the holder's own epoch file
 (never a newer one, so a slow holder that was superseded cannot free its successor's lease).
 """
 
@@ -33,8 +34,43 @@ class LeaseInfo:
     heartbeat: float
     timeout: float
 
+    @property
+    def host(self) -> str:
+        return self.owner.split(":", 1)[0]
+
+    @property
+    def pid(self) -> int | None:
+        parts = self.owner.split(":")
+        return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
+
+    def age(self, now: float | None = None) -> float:
+        """Seconds since the holder's last heartbeat."""
+        return max(0.0, (now or time.time()) - self.heartbeat)
+
+    def owner_gone(self) -> bool:
+        """The owner ran on this host and its process no longer exists."""
+        if self.host != socket.gethostname() or self.pid is None or self.pid == os.getpid():
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
     def is_live(self, now: float | None = None) -> bool:
-        return ((now or time.time()) - self.heartbeat) < self.timeout
+        return self.age(now) < self.timeout and not self.owner_gone()
+
+    def describe(self, now: float | None = None) -> str:
+        """Whose lease it is, how old its heartbeat is, and when it may be taken over."""
+        age = self.age(now)
+        who = f"host {self.host}, pid {self.pid}" if self.pid is not None else f"owner {self.owner}"
+        if self.owner_gone():
+            return f"{who} (that process is gone; taking over now)"
+        left = self.timeout - age
+        when = f"takeover in {left:.0f}s unless it heartbeats" if left > 0 else "expired; taking over now"
+        return f"{who}, last heartbeat {age:.0f}s ago ({when})"
 
 
 def _lease_url(output_path: str, epoch: int) -> str:
@@ -78,7 +114,8 @@ class Lease:
 
 
 def try_acquire(output_path: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[Lease | None, LeaseInfo | None]:
-    """Take the lease unless another live launcher holds it; returns (lease, holder-if-any).
+    """Take the lease unless another live launcher holds it; returns (lease, holder): the live
+    holder when refused, the expired lease it superseded (or None) when taken.
 
     `timeout` is how long this lease stays valid without a heartbeat if this process dies.
     """
@@ -92,7 +129,7 @@ def try_acquire(output_path: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[L
     if not storage.create_exclusive(_lease_url(output_path, epoch), record):
         return None, current_lease(output_path)
     _HEARTBEATS.add(lease, timeout)
-    return lease, None
+    return lease, current
 
 
 class _Heartbeats:

@@ -11,9 +11,11 @@ import ast
 import dataclasses
 import difflib
 import enum
+import typing
 from typing import Any
 
-from keel.executor.step import External, OutputOf, Step, StepDeclarationError
+from keel.executor.graph import substitute
+from keel.executor.step import External, Step, StepDeclarationError
 
 
 class OverrideError(StepDeclarationError):
@@ -62,12 +64,31 @@ def _looks_literal(text: str) -> bool:
         return False
 
 
+def _parse_none(obj: Any, name: str, current: Any, key: str) -> Any:
+    """`--set ...=None` on a field that holds a value: None when the field's annotation admits it
+    (`int | None`, `Optional[int]`, `Any`), the text "None" for a plain `str` field, else an error."""
+    annotation = next(f.type for f in dataclasses.fields(obj) if f.name == name)
+    try:
+        hint = typing.get_type_hints(type(obj))[name]
+    except Exception:  # noqa: BLE001 - the annotation names something not importable here: take the user's word
+        return None
+    if hint in (Any, object, type(None)) or type(None) in typing.get_args(hint):
+        return None
+    if isinstance(current, str):
+        return "None"
+    written = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", repr(annotation))
+    raise OverrideError(f"--set {key}: field {name!r} is declared {written}, which does not admit None; "
+                        f"give a value of type {type(current).__name__}, or declare the field `{written} | None`")
+
+
 def _replace_path(obj: Any, parts: list[str], text: str, key: str) -> Any:
     current = getattr(obj, parts[0])
-    if len(parts) == 1:
-        new = _parse_value(text, current, key)
-    else:
+    if len(parts) > 1:
         new = _replace_path(current, parts[1:], text, key)
+    elif text == "None" and current is not None:
+        new = _parse_none(obj, parts[0], current, key)
+    else:
+        new = _parse_value(text, current, key)
     return dataclasses.replace(obj, **{parts[0]: new})
 
 
@@ -123,26 +144,6 @@ def _rebuild(targets, order, replaced: dict[int, Step]):
     for step in order:
         base = replaced.get(id(step), step)
         if isinstance(base, Step) and any(id(d) in new and new[id(d)] is not d for d in step.deps):
-            base = base.with_config(_swap(base.config, new))
+            base = base.with_config(substitute(base.config, new))
         new[id(step)] = base
     return [new.get(id(t), t) for t in targets]
-
-
-def _swap(value: Any, new: dict[int, Any]) -> Any:
-    if isinstance(value, (Step, External)):
-        return new.get(id(value), value)
-    if isinstance(value, OutputOf):
-        target = new.get(id(value.step), value.step)
-        return value if target is value.step else OutputOf(target, value.subpath)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {f.name: _swap(getattr(value, f.name), new) for f in dataclasses.fields(value)}
-        if all(changes[k] is getattr(value, k) for k in changes):
-            return value
-        return dataclasses.replace(value, **{k: v for k, v in changes.items() if v is not getattr(value, k)})
-    if isinstance(value, list):
-        return [_swap(v, new) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_swap(v, new) for v in value)
-    if isinstance(value, dict):
-        return {k: _swap(v, new) for k, v in value.items()}
-    return value

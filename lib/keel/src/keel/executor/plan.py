@@ -3,7 +3,8 @@
 States: `cached` (finished, manifest verified), `run` (never ran, or must rerun: the reason says
 why), `stale` (an earlier run of the same step name exists with another identity; the reason is a
 field-level diff), `failed` (the last attempt failed; the next run retries it),
-`running-elsewhere` (another launcher holds a live lease) and `external` (data keel does not make).
+`interrupted` (stopped on request, e.g. Ctrl-C; the next run resumes it), `running-elsewhere`
+(another launcher holds a live lease) and `external` (data keel does not make).
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from dataclasses import dataclass, field
 
 from keel.executor import lease as leases
 from keel.executor import storage
-from keel.executor.graph import topological_order
+from keel.executor.graph import substitute, topological_order
 from keel.executor.identity import Identities, output_path
-from keel.executor.status import FAILED, SUCCESS, Status, keel_path, read_status, verify_manifest
-from keel.executor.step import External, Step
+from keel.executor.status import FAILED, INTERRUPTED, SUCCESS, Status, keel_path, read_status, verify_manifest
+from keel.executor.step import External, Step, StepDeclarationError
 
 CACHED, RUN, STALE, FAILED_STATE, RUNNING_ELSEWHERE, EXTERNAL = "cached", "run", "stale", "failed", "running-elsewhere", "external"
+INTERRUPTED_STATE = "interrupted"
 
 
 @dataclass
@@ -46,14 +48,44 @@ class StepPlan:
 
 
 class Graph:
-    """The resolved graph of an experiment under one prefix: order, identities and output paths."""
+    """The resolved graph of an experiment under one prefix: order, identities and output paths.
+
+    Building it hashes every step, so a cycle or an unencodable value is refused before anything
+    runs, and gives each step name one step: equal declarations merge, different ones are an error.
+    """
 
     def __init__(self, targets: list[Step | External], prefix: str):
         self.targets = list(targets)
         self.prefix = prefix.rstrip("/") if "://" in prefix else os.path.abspath(prefix)
         self.order = topological_order(self.targets)
         self.identities = Identities()
+        for step in self.order:
+            self.identities.hash(step)
+        self._merge_same_names()
         self._paths: dict[int, str] = {}
+
+    def _merge_same_names(self) -> None:
+        """Steps declared twice with one identity (say, a shared default built in two places) become
+        one object, so the plan shows and the run executes it once; two different steps under one
+        name are refused: `--set NAME.field=...` and the outputs listing could not tell them apart."""
+        if len({s.name for s in self.order}) == len(self.order):
+            return
+        first: dict[str, Step | External] = {}
+        new: dict[int, Step | External] = {}
+        for step in self.order:
+            kept = first.setdefault(step.name, step)
+            if kept is not step:
+                diff = diff_payloads(self.identities.payload(kept), self.identities.payload(step))
+                if diff:
+                    raise StepDeclarationError(f"two different steps are named {step.name!r} ({'; '.join(diff)}); "
+                                               "rename one of them: step names must be unique in a graph")
+                new[id(step)] = new[id(kept)]
+            elif isinstance(step, Step) and any(new[id(d)] is not d for d in step.deps):
+                new[id(step)] = step.with_config(substitute(step.config, new))
+            else:
+                new[id(step)] = step
+        self.targets = [new[id(t)] for t in self.targets]
+        self.order = list({id(s): s for s in new.values()}.values())
 
     def path(self, step: Step | External) -> str:
         key = id(step)
@@ -110,9 +142,11 @@ def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = No
         return StepPlan(step, path, CACHED, "", deps, status)
     if status.state == FAILED:
         return StepPlan(step, path, FAILED_STATE, f"attempt {status.attempt} failed: {status.error}", deps, status)
+    if status.state == INTERRUPTED:
+        return StepPlan(step, path, INTERRUPTED_STATE, f"attempt {status.attempt}: {status.error}", deps, status)
     holder = leases.current_lease(path)
     if holder is not None and holder.is_live():
-        return StepPlan(step, path, RUNNING_ELSEWHERE, f"lease held by {holder.owner}", deps, status)
+        return StepPlan(step, path, RUNNING_ELSEWHERE, f"lease held by {holder.describe()}", deps, status)
     return StepPlan(step, path, RUN, f"attempt {status.attempt} died while {status.state} (lease expired)", deps, status)
 
 
@@ -176,4 +210,4 @@ def select(plans: list[StepPlan], only: re.Pattern | None) -> set[int]:
     return chosen
 
 
-__all__ = ["CACHED", "EXTERNAL", "FAILED_STATE", "Graph", "RUN", "RUNNING_ELSEWHERE", "STALE", "StepPlan", "plan_graph", "plan_step", "select"]
+__all__ = ["CACHED", "EXTERNAL", "FAILED_STATE", "INTERRUPTED_STATE", "Graph", "RUN", "RUNNING_ELSEWHERE", "STALE", "StepPlan", "plan_graph", "plan_step", "select"]

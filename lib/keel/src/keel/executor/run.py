@@ -1,24 +1,33 @@
 """Run a graph: the steps that are not cached, in dependency order, concurrently where they can be.
 
 Each step is claimed with a lease on its output path (so concurrent launchers run it once), marked
-RUNNING, recorded in `step.json`, dispatched as a fray job (in-process `LocalClient` by default;
-steps that declare `resources=` go to the cluster client when one is given, see `cluster.py`) and
-marked SUCCESS once its manifest is written. A failure marks the step FAILED, stops its
-dependents, lets independent branches finish and is reported with the step's name, output path,
-exception and log.
+RUNNING, recorded in `step.json`, dispatched (an `isolated` step in a child process of its own,
+see `child.py`; other steps as fray jobs of the in-process `LocalClient`; steps that declare
+`resources=` to the cluster client when one is given, see `cluster.py`) and marked SUCCESS once
+its manifest is written. A failure marks the step FAILED, stops its dependents, lets independent
+branches finish and is reported with the step's name, output path, exception and log.
+
+Ctrl-C (SIGINT) or SIGTERM, the first time: no new step starts, the running ones are asked to stop
+at their next safe point (training steps checkpoint), and each is marked INTERRUPTED, never
+SUCCESS; the report names them and the launcher exits 130. The second time: child processes are
+killed, running steps marked INTERRUPTED, leases released, and the launcher exits at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import signal
+import sys
+import threading
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Callable
 
+from keel.executor import interrupt, storage
 from keel.executor import lease as leases
-from keel.executor import storage
 from keel.executor.job import log_url, run_step_job
 from keel.executor.plan import CACHED, EXTERNAL, Graph, StepPlan, plan_graph, select
 from keel.executor.provenance import provenance, scrub
@@ -37,6 +46,14 @@ class StepFailed(RuntimeError):
         self.step, self.output_path, self.error, self.log = step, output_path, error, log
 
 
+class StepStopped(RuntimeError):
+    """A step stopped on request (Ctrl-C, SIGTERM) before it finished; it is INTERRUPTED, not cached."""
+
+    def __init__(self, step: str, output_path: str, why: str):
+        super().__init__(f"step {step} was interrupted: {why}\n  output: {output_path}")
+        self.step, self.output_path, self.why = step, output_path, why
+
+
 @dataclasses.dataclass
 class RunReport:
     plans: list[StepPlan]
@@ -44,10 +61,13 @@ class RunReport:
     reused: list[str] = dataclasses.field(default_factory=list)
     failures: list[StepFailed] = dataclasses.field(default_factory=list)
     blocked: list[str] = dataclasses.field(default_factory=list)
+    interrupted: list[StepStopped] = dataclasses.field(default_factory=list)
+    not_started: list[str] = dataclasses.field(default_factory=list)
+    """Steps left unstarted because the run was interrupted."""
 
     @property
     def ok(self) -> bool:
-        return not self.failures and not self.blocked
+        return not self.failures and not self.blocked and not self.interrupted and not self.not_started
 
 
 def default_client(max_concurrent: int):
@@ -99,6 +119,10 @@ class Runner:
         self.force = force
         self.lease_timeout = lease_timeout
         self.echo = echo
+        self._lock = threading.Lock()
+        self._children: set = set()  # live child processes of isolated steps
+        self._active: dict[str, tuple[Status, leases.Lease]] = {}  # output path -> (RUNNING status, lease)
+        self._stopping = False
 
     def run(self, only: re.Pattern | None = None) -> RunReport:
         plans = plan_graph(self.graph, self.force)
@@ -108,6 +132,14 @@ class Runner:
             return report
         if self.client is None:
             self.client = default_client(self.max_concurrent)
+        interrupt.clear()
+        restore = self._catch_signals()
+        try:
+            return self._schedule(plans, chosen, report)
+        finally:
+            restore()
+
+    def _schedule(self, plans: list[StepPlan], chosen: set[int], report: RunReport) -> RunReport:
         by_id = {id(p.step): p for p in plans}
         pending = [p for p in plans if id(p.step) in chosen]
         done = {id(p.step) for p in plans if p.state in (CACHED, EXTERNAL)}
@@ -116,6 +148,9 @@ class Runner:
         with ThreadPoolExecutor(max_workers=self.max_concurrent, thread_name_prefix="keel-step") as pool:
             while pending or running:
                 submitted = False
+                if self._stopping and pending:
+                    report.not_started.extend(p.name for p in pending)
+                    pending.clear()
                 for plan in list(pending):
                     deps = [id(d) for d in plan.step.deps]
                     if any(d in broken for d in deps):
@@ -141,6 +176,11 @@ class Runner:
                         report.failures.append(failure)
                         self.echo(f"[keel] FAIL  {plan.name}: {failure.error.splitlines()[-1] if failure.error else ''}")
                         continue
+                    except StepStopped as stopped:
+                        broken.add(id(plan.step))
+                        report.interrupted.append(stopped)
+                        self.echo(f"[keel] STOP  {plan.name}: {stopped.why}")
+                        continue
                     done.add(id(plan.step))
                     (report.ran if outcome == "ran" else report.reused).append(plan.name)
         return report
@@ -149,19 +189,24 @@ class Runner:
         """The lease on the step's output and its last status; no lease when another launcher
         finished the step meanwhile."""
         forced = bool(self.force and self.force.search(plan.name))
-        delay = 0.02
+        delay, told = 0.02, None
         while True:
-            lease, _holder = leases.try_acquire(plan.output_path, self.lease_timeout)
+            lease, holder = leases.try_acquire(plan.output_path, self.lease_timeout)
             status = read_status(plan.output_path)
             finished = status is not None and status.state == SUCCESS and verify_manifest(plan.output_path) is None
             if lease is not None:
                 if finished and not forced:
                     lease.release()
                     return None, status
+                if holder is not None:
+                    self.echo(f"[keel] take  {plan.name}: its lease was held by {holder.describe()}")
                 return lease, status
             if finished and not forced:
                 return None, status
             # Another launcher holds a live lease: wait for its outcome (or for its lease to expire).
+            if holder is not None and holder.epoch != told:
+                told = holder.epoch
+                self.echo(f"[keel] wait  {plan.name}: another launcher is running it ({holder.describe()})")
             time.sleep(delay)
             delay = min(delay * 2, _MAX_WAIT_POLL_S)
 
@@ -173,19 +218,27 @@ class Runner:
             return "reused"
         try:
             running = mark_running(plan.output_path, previous)
+            with self._lock:
+                self._active[plan.output_path] = (running, lease)
             resolved = resolve_config(step.config, plan.output_path, self.graph.path)
             storage.write_json(keel_path(plan.output_path, "step.json"), _step_record(self.graph, step, resolved, self._launch))
             self.echo(f"[keel] start {plan.name} -> {plan.output_path}" + (f" ({plan.reason})" if plan.reason else ""))
             try:
                 self._dispatch(step, resolved, plan.output_path)
+            except interrupt.StepInterrupted as exc:
+                why = f"{exc}; `keel run` again resumes it" + (f" from {exc.resume}" if exc.resume else "")
+                mark_finished(plan.output_path, running, error=why, interrupted=True)
+                raise StepStopped(step.name, plan.output_path, why) from None
             except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then reported
-                error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                error = str(exc) if isinstance(exc, ChildStepError) else "".join(traceback.format_exception_only(type(exc), exc)).strip()
                 mark_finished(plan.output_path, running, error=error)
                 raise StepFailed(step.name, plan.output_path, error, log_url(plan.output_path)) from exc
             status = mark_finished(plan.output_path, running)
             self.echo(f"[keel] done  {plan.name} in {status.duration:.2f}s")
             return "ran"
         finally:
+            with self._lock:
+                self._active.pop(plan.output_path, None)
             lease.release()
 
     def _dispatch(self, step: Step, resolved, output_path: str) -> None:
@@ -203,8 +256,75 @@ class Runner:
 
                 run_on_cluster(self.cluster, request, step.resources.describe())
                 return
+        if step.isolated and storage.is_shared_between_processes(output_path):
+            self._run_in_child(step, resolved, output_path)
+            return
         handle = self.client.submit(request)
         handle.wait(raise_on_failure=True)
+
+    def _run_in_child(self, step: Step, resolved, output_path: str) -> None:
+        from keel.executor.child import collect, start_child
+
+        env = resolved.process_env() if hasattr(resolved, "process_env") else {}
+        with self._lock:
+            if self._stopping:
+                raise interrupt.StepInterrupted("the run was interrupted before the step started")
+            process, workdir = start_child(step.fn, resolved, output_path, env)
+            self._children.add(process)
+        try:
+            outcome = collect(process, workdir)
+        finally:
+            with self._lock:
+                self._children.discard(process)
+        if outcome.state == "interrupted":
+            raise interrupt.StepInterrupted(outcome.message, outcome.resume)
+        if outcome.state != "succeeded":
+            raise ChildStepError(outcome.message)
+
+    # ------------------------------------------------------------------ interruption
+    def _catch_signals(self) -> Callable[[], None]:
+        """Handle SIGINT/SIGTERM while the run lasts (main thread only); returns the restorer."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return lambda: [signal.signal(sig, handler) for sig, handler in previous.items()]
+
+    def _on_signal(self, signum, _frame) -> None:
+        if self._stopping:
+            self._abort()
+        self._stopping = True
+        interrupt.request()  # in-process steps that poll it stop too
+        with self._lock:
+            children, active = list(self._children), list(self._active)
+        for process in children:
+            _signal_quietly(process, signal.SIGINT)
+        self.echo(f"[keel] {signal.Signals(signum).name}: stopping {len(active)} running step(s) at their next "
+                  "safe point (training steps checkpoint first); starting nothing new. Press Ctrl-C again to abort now.")
+
+    def _abort(self) -> None:
+        """The second signal: kill child processes, mark running steps INTERRUPTED, free their leases, exit."""
+        with self._lock:
+            children, active = list(self._children), dict(self._active)
+        for process in children:
+            _signal_quietly(process, signal.SIGKILL)
+        for output_path, (running, lease) in active.items():
+            mark_finished(output_path, running, error="aborted by a second Ctrl-C; `keel run` again resumes it from its "
+                          "last checkpoint", interrupted=True)
+            lease.release()
+        names = ", ".join(p.rsplit("/", 1)[-1] for p in active) or "nothing"
+        print(f"keel: aborted; interrupted: {names}. Run the same `keel run` again to resume.", file=sys.stderr, flush=True)
+        os._exit(interrupt.EXIT_INTERRUPTED)
+
+
+class ChildStepError(RuntimeError):
+    """The step's function raised in its child process; the message is the child's error line."""
+
+
+def _signal_quietly(process, signum) -> None:
+    try:
+        process.send_signal(signum)
+    except (ProcessLookupError, OSError):
+        pass
 
 
 def run_steps(steps, prefix: str, *, force: str | None = None, only: str | None = None, max_concurrent: int = 8,

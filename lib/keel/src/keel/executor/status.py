@@ -1,6 +1,6 @@
 """What a step leaves in its output's hidden `.keel/` folder: status, record and manifest.
 
-`status` says RUNNING / SUCCESS / FAILED with the attempt number and times; `step.json` records
+`status` says RUNNING / SUCCESS / FAILED / INTERRUPTED with the attempt number and times; `step.json` records
 what ran (identity, resolved config, dependencies, provenance); `manifest.json` lists the files the
 step produced. SUCCESS is written only after the manifest, so a cache hit can always be verified.
 """
@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from keel.executor import storage
 
 KEEL_DIR = ".keel"
-RUNNING, SUCCESS, FAILED = "RUNNING", "SUCCESS", "FAILED"
+RUNNING, SUCCESS, FAILED, INTERRUPTED = "RUNNING", "SUCCESS", "FAILED", "INTERRUPTED"
 _HASH_LIMIT = 1 << 20  # sha256 only files up to 1 MiB: cheap, and enough to catch a small rewrite
 
 
@@ -50,8 +50,10 @@ def mark_running(output_path: str, previous: Status | None) -> Status:
     return status
 
 
-def mark_finished(output_path: str, running: Status, error: str | None = None) -> Status:
-    status = Status(FAILED if error else SUCCESS, running.attempt, running.started, time.time(), error)
+def mark_finished(output_path: str, running: Status, error: str | None = None, *, interrupted: bool = False) -> Status:
+    """SUCCESS, FAILED (with `error`) or INTERRUPTED (stopped on request; `error` says how to resume)."""
+    state = INTERRUPTED if interrupted else FAILED if error else SUCCESS
+    status = Status(state, running.attempt, running.started, time.time(), error)
     write_status(output_path, status)
     return status
 

@@ -9,6 +9,7 @@ imports anything heavy: declaring a graph must stay instant.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -80,9 +81,13 @@ class Step:
     The config is a frozen dataclass; every field except `execution_only` ones is part of the
     step's identity, and every `output_of`/`Step` found inside it (at any depth) is a dependency.
     A `Step` used directly as a config value stands for its output path.
+
+    `isolated=True` runs the step in a child process of its own (steps that import jax, hold
+    devices or a wandb run); its environment is the launcher's plus `config.process_env()` when the
+    config defines it (e.g. the simulated device count its hardware declares).
     """
 
-    __slots__ = ("name", "fn", "config", "resources", "description", "_deps")
+    __slots__ = ("name", "fn", "config", "resources", "description", "isolated", "_deps")
 
     def __init__(
         self,
@@ -92,16 +97,19 @@ class Step:
         *,
         resources: Resources | None = None,
         description: str | None = None,
+        isolated: bool = False,
     ):
         self.name = validate_name(name)
         if not callable(fn):
             raise StepDeclarationError(f"step {name!r}: fn must be callable, got {type(fn).__name__}")
         if not dataclasses.is_dataclass(config) or isinstance(config, type):
             raise StepDeclarationError(f"step {name!r}: config must be a dataclass instance, got {type(config).__name__}")
+        check_finite(config, name)
         self.fn = fn
         self.config = config
         self.resources = resources
         self.description = description
+        self.isolated = isolated
         self._deps: tuple[Step | External, ...] | None = None
 
     @property
@@ -117,7 +125,8 @@ class Step:
         return self._deps
 
     def with_config(self, config: Any) -> "Step":
-        return Step(self.name, self.fn, config, resources=self.resources, description=self.description)
+        return Step(self.name, self.fn, config, resources=self.resources, description=self.description,
+                    isolated=self.isolated)
 
     def __repr__(self) -> str:
         return f"Step({self.name!r})"
@@ -143,6 +152,23 @@ class External:
 
     def __repr__(self) -> str:
         return f"External({self.name!r}, {self.path!r})"
+
+
+def check_finite(config: Any, step_name: str) -> None:
+    """Refuse NaN and infinite numbers anywhere in a config: they never mean what was intended."""
+    stack: list[tuple[str, Any]] = [("config", config)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise StepDeclarationError(f"step {step_name!r}: {where}={value!r} is not a finite number: give a finite value")
+        if isinstance(value, (Step, External, OutputOf, ThisOutput)):
+            continue
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            stack.extend((f"{where}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, dict):
+            stack.extend((f"{where}[{k!r}]", v) for k, v in value.items())
 
 
 def iter_values(obj: Any):

@@ -8,9 +8,11 @@ with conditional writes). Leases are built on the exclusive create.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import os
+import threading
 import uuid
 from typing import Any
 
@@ -34,6 +36,11 @@ def split(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
 
 def is_local(url: str) -> bool:
     return isinstance(split(url)[0], LocalFileSystem)
+
+
+def is_shared_between_processes(url: str) -> bool:
+    """False for `memory://`, which lives inside one process: a child process would not see it."""
+    return not url.startswith("memory://")
 
 
 def join(base: str, *parts: str) -> str:
@@ -140,3 +147,63 @@ def delete_tree(url: str) -> None:
     fs, path = split(url)
     fs.rm(path, recursive=True)
     _made_dirs.clear()
+
+
+PROBE_TIMEOUT_S = 10.0
+
+
+class PrefixError(ValueError):
+    """The `--prefix` cannot hold outputs: an unknown scheme, an unreachable store, or no access."""
+
+
+def check_prefix(url: str, write: bool) -> None:
+    """Fail in one line, before any step runs, when `url` cannot be read (or, with `write`, written).
+
+    The probe looks the prefix up (absent is fine, a file is not) and, for `write`, creates and
+    deletes a small file there. It runs in a daemon thread bounded by PROBE_TIMEOUT_S: an object
+    store without network or credentials would otherwise retry for about a minute before the first
+    step's error.
+    """
+    protocol = url.partition("://")[0] if "://" in url else "file"
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        known = fsspec.available_protocols()
+        close = difflib.get_close_matches(protocol, known, n=1)
+        raise PrefixError(f"--prefix {url}: unknown storage scheme {protocol + '://'!r}"
+                          + (f" (did you mean {close[0]}://?)" if close else "")
+                          + "; give a local folder or an fsspec URL such as memory://, gs://bucket/path, s3://bucket/path") from None
+    except ImportError as exc:
+        raise PrefixError(f"--prefix {url}: {protocol}:// needs a package that is not installed ({exc})") from None
+    outcome: list[tuple[str, BaseException | None]] = []  # (stage reached, its error)
+
+    def probe() -> None:
+        stage = "read"
+        try:
+            fs, path = split(url)
+            try:
+                if fs.info(path)["type"] == "file":
+                    raise NotADirectoryError(f"{url} is a file, not a folder")
+            except FileNotFoundError:
+                pass
+            if write:
+                stage = "write"
+                marker = join(url, f".keel-probe-{uuid.uuid4().hex[:8]}")
+                write_atomic(marker, "")
+                delete_file(marker)
+            outcome.append((stage, None))
+        except Exception as exc:  # noqa: BLE001 - any failure here means the prefix is unusable
+            outcome.append((stage, exc))
+
+    thread = threading.Thread(target=probe, name="keel-prefix-probe", daemon=True)
+    thread.start()
+    thread.join(PROBE_TIMEOUT_S)
+    if not outcome:
+        raise PrefixError(f"--prefix {url}: no answer within {PROBE_TIMEOUT_S:g}s (store unreachable, or no "
+                          "credentials?); check the network and credentials, or pass a --prefix that answers")
+    stage, exc = outcome[0]
+    if exc is not None:
+        detail = (str(exc).strip().splitlines() or [""])[0]
+        raise PrefixError(f"--prefix {url}: cannot {stage} there ({type(exc).__name__}: {detail}); "
+                          f"pass a --prefix this process can {'read and write' if write else 'read'}")
+

@@ -1,0 +1,130 @@
+"""Run one step in a child process of its own: `python -m keel.executor.child PAYLOAD`.
+
+Steps with heavy process-wide state (jax and its devices, wandb, XLA flags) cannot share a
+process: two training steps in threads of one launcher share one wandb service and one device set.
+An isolated step therefore runs here, in a fresh interpreter whose environment the step's config
+declares (`config.process_env()`, e.g. the simulated device count of its hardware).
+
+The launcher and the child speak through two files beside each other: the payload (the launcher's
+`sys.path`, then the cloudpickled `(fn, resolved config, output path)`) and the result (JSON:
+`succeeded`, `interrupted` or `failed` with the error line). Signals: the child runs in its own
+session, so a terminal's Ctrl-C reaches the launcher only, which forwards it; the first SIGINT or
+SIGTERM asks the step to stop at its next safe point (`keel.executor.interrupt`), a second one
+stops the child at once. A child whose launcher died (kill -9) is asked to stop the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+from keel.executor import interrupt
+
+_PARENT_POLL_S = 1.0
+
+
+@dataclass(frozen=True)
+class ChildOutcome:
+    state: str  # "succeeded" | "interrupted" | "failed"
+    message: str = ""
+    resume: str = ""  # for "interrupted": what the next run resumes from
+
+
+def start_child(fn, resolved_config, output_path: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """Start the child for one step; returns the process and the folder holding its payload/result."""
+    import cloudpickle
+
+    workdir = tempfile.mkdtemp(prefix="keel-step-")
+    with open(os.path.join(workdir, "payload"), "wb") as f:
+        pickle.dump(list(sys.path), f)
+        cloudpickle.dump((fn, resolved_config, output_path), f)
+    child_env = {**os.environ, **env}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "keel.executor.child", workdir],
+        env=child_env, stdin=subprocess.DEVNULL, start_new_session=True,
+    )
+    return process, workdir
+
+
+def collect(process: subprocess.Popen, workdir: str) -> ChildOutcome:
+    """Wait for the child and read what it reported (a child killed outright reports nothing)."""
+    code = process.wait()
+    result_path = os.path.join(workdir, "result.json")
+    try:
+        with open(result_path) as f:
+            result = json.load(f)
+        return ChildOutcome(result["state"], result.get("message", ""), result.get("resume", ""))
+    except (OSError, ValueError):
+        if code == interrupt.EXIT_INTERRUPTED or code in (-signal.SIGKILL, -signal.SIGINT, -signal.SIGTERM):
+            return ChildOutcome("interrupted", f"the step's process was stopped (exit {code})")
+        return ChildOutcome("failed", f"the step's process exited with code {code} without reporting a result")
+    finally:
+        for name in ("payload", "result.json"):
+            try:
+                os.remove(os.path.join(workdir, name))
+            except OSError:
+                pass
+        try:
+            os.rmdir(workdir)
+        except OSError:
+            pass
+
+
+def _install_signal_handlers() -> None:
+    def on_signal(signum, _frame):
+        if interrupt.requested():  # the second one: stop now
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        interrupt.request()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+
+def _watch_launcher() -> None:
+    """If the launcher dies, stop at the next safe point (its lease will expire; nobody else would)."""
+    launcher = os.getppid()
+
+    def watch():
+        while os.getppid() == launcher:
+            time.sleep(_PARENT_POLL_S)
+        interrupt.request()
+
+    threading.Thread(target=watch, name="keel-launcher-watch", daemon=True).start()
+
+
+def main(workdir: str) -> int:
+    from keel.executor.job import run_step_job
+
+    with open(os.path.join(workdir, "payload"), "rb") as f:
+        sys.path[:0] = [p for p in pickle.load(f) if p not in sys.path]
+        import cloudpickle  # noqa: F401 - unpickling by-value functions needs it importable
+
+        fn, resolved_config, output_path = pickle.load(f)
+    _install_signal_handlers()
+    _watch_launcher()
+    try:
+        run_step_job(fn, resolved_config, output_path)
+        outcome, code = {"state": "succeeded"}, 0
+    except interrupt.StepInterrupted as exc:
+        outcome, code = {"state": "interrupted", "message": str(exc), "resume": exc.resume}, interrupt.EXIT_INTERRUPTED
+    except BaseException as exc:  # noqa: BLE001 - reported to the launcher, which marks the step FAILED
+        outcome, code = {"state": "failed", "message": "".join(traceback.format_exception_only(type(exc), exc)).strip()}, 1
+    tmp = os.path.join(workdir, "result.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(outcome, f)
+    os.replace(tmp, os.path.join(workdir, "result.json"))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,135 @@
+"""Ctrl-C and SIGTERM: the first stops running steps at their next safe point (INTERRUPTED, never
+SUCCESS, leases released, exit 130, the rerun resumes); the second aborts at once. Leases held by
+a dead launcher name their owner and are taken over without waiting out the timeout."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from keel.cli import load_experiment
+from keel.executor import lease as leases
+from keel.executor.plan import Graph, plan_graph
+from keel.executor.status import read_status
+
+REPO = Path(__file__).resolve().parent.parent
+GRAPH = str(REPO / "tests/fixtures/interruptible_graph.py")
+
+
+def _launch(prefix, command="run", **env):
+    return subprocess.Popen([sys.executable, "-m", "keel.cli_entry", command, GRAPH, "--prefix", str(prefix)],
+                            env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _graph(prefix, **env):
+    """The fixture's graph as a launcher with `env` declares it."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return Graph(load_experiment(GRAPH), str(prefix))
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def _paths(prefix, **env):
+    graph = _graph(prefix, **env)
+    return {s.name: graph.path(s) for s in graph.steps()}
+
+
+def _wait_for_progress(path, at_least=3, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    progress = Path(path) / "progress"
+    while time.monotonic() < deadline:
+        if progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= at_least:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{progress} did not reach {at_least}")
+
+
+def test_first_ctrl_c_interrupts_then_the_rerun_resumes(tmp_path):
+    paths = _paths(tmp_path)
+    proc = _launch(tmp_path)
+    try:
+        _wait_for_progress(paths["count/steady"])
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    assert "count/steady was interrupted: stopped after tick" in out and "not started: count/after" in out, out
+    assert "run the same command again" in out and "Traceback" not in out, out
+    status = read_status(paths["count/steady"])
+    assert status.state == "INTERRUPTED" and "resumes it from tick" in status.error
+    assert leases.current_lease(paths["count/steady"]) is None, "the lease is released"
+    plans = {p.name: p for p in plan_graph(_graph(tmp_path))}
+    assert plans["count/steady"].state == "interrupted" and plans["count/after"].state == "run"
+    stopped_at = int((Path(paths["count/steady"]) / "progress").read_text())
+
+    rerun = _launch(tmp_path)
+    out = rerun.communicate(timeout=120)[0]
+    assert rerun.returncode == 0, out
+    assert f"starting at tick {stopped_at}" in out, out  # resumed, not restarted
+    assert read_status(paths["count/steady"]).state == "SUCCESS" and read_status(paths["count/after"]).state == "SUCCESS"
+
+
+def test_sigterm_interrupts_like_ctrl_c(tmp_path):
+    paths = _paths(tmp_path)
+    proc = _launch(tmp_path)
+    try:
+        _wait_for_progress(paths["count/steady"])
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    assert read_status(paths["count/steady"]).state == "INTERRUPTED"
+
+
+def test_second_ctrl_c_aborts_at_once(tmp_path):
+    paths = _paths(tmp_path, KEEL_TEST_TICKS="100000")
+    proc = _launch(tmp_path, KEEL_TEST_STUBBORN="1", KEEL_TEST_TICKS="100000")
+    try:
+        _wait_for_progress(paths["count/steady"])
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.poll() is None, "a step that ignores the request keeps the first Ctrl-C waiting"
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        out = proc.communicate(timeout=30)[0]
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    assert "aborted" in out, out
+    assert took < 10, f"the second Ctrl-C took {took:.1f}s to stop the launcher"
+    assert read_status(paths["count/steady"]).state == "INTERRUPTED"
+    assert leases.current_lease(paths["count/steady"]) is None
+    progress = Path(paths["count/steady"]) / "progress"
+    seen = progress.read_text()
+    time.sleep(0.3)
+    assert progress.read_text() == seen, "the step's child process was killed"
+
+
+def test_a_dead_launchers_lease_names_its_owner_and_is_taken_over_at_once(tmp_path):
+    paths = _paths(tmp_path, KEEL_TEST_TICKS="200")
+    proc = _launch(tmp_path, KEEL_TEST_TICKS="200", KEEL_LEASE_TIMEOUT="600")
+    try:
+        _wait_for_progress(paths["count/steady"])
+        holder = leases.current_lease(paths["count/steady"])
+        assert holder.pid == proc.pid and "last heartbeat" in holder.describe()
+        plans = {p.name: p for p in plan_graph(_graph(tmp_path, KEEL_TEST_TICKS="200"))}
+        assert plans["count/steady"].state == "running-elsewhere"
+        assert f"pid {proc.pid}" in plans["count/steady"].reason and "takeover in" in plans["count/steady"].reason
+        proc.kill()  # kill -9: its orphaned child notices and stops at its next tick
+        proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    t0 = time.monotonic()
+    rerun = _launch(tmp_path, KEEL_TEST_TICKS="200", KEEL_LEASE_TIMEOUT="600")
+    out = rerun.communicate(timeout=120)[0]
+    assert rerun.returncode == 0, out
+    assert f"its lease was held by host {holder.host}, pid {proc.pid} (that process is gone" in out, out
+    assert time.monotonic() - t0 < 60, "no waiting out the 600 s lease timeout"
