@@ -17,5 +17,7 @@ cpu_sim = Hardware(
     hbm_per_device_gb=2.0,  # a share of this machine's RAM; only for the planner's arithmetic
     peak_flops_per_device=None,
     supports_ragged_all_to_all=False,  # XLA:CPU has no ragged-all-to-all
+    platform="cpu",
 )
-"""8 simulated CPU devices (`--xla_force_host_platform_device_count=8`) as 2 racks x 4."""
+"""Racks of simulated CPU devices (4 a rack): a step declaring it runs in its own process with
+`--xla_force_host_platform_device_count` set to its topology's device count (2 racks x 4 = 8)."""

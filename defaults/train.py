@@ -55,4 +55,4 @@ def default_train(
                 f"{phase.start_step}, which {hardware.name} cannot run: pick another transport or hardware"
             )
     config = TrainStepConfig(model=model, data=data, train=train, topology=topology, hardware=hardware)
-    return Step(f"train/{name}", train_step, config, resources=resources, description=description)
+    return Step(f"train/{name}", train_step, config, resources=resources, description=description, isolated=True)

@@ -116,7 +116,7 @@ train = TrainConfig(
     z_loss=1e-4,
     weight_decay_change=WeightDecayChange(start_step=54_000, peak=0.02, groups=(r"\battn\.gate\b", r"\bmoe\.router\b")),
     eval_every=3000,
-    checkpoint_every=6000,
+    permanent_checkpoint_every=6000,
     rolling_checkpoint_minutes=60,
     transports=(
         TransportPhase(0, "fixed_pooled_all_to_all", num_waves=3),

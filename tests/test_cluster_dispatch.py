@@ -62,12 +62,17 @@ class NoteConfig:
 def note(config: NoteConfig) -> None:
     with open(config.ledger, "a") as f:
         f.write(f"{config.text}@{os.environ.get('IRIS_TASK_ID', 'driver')}\n")
+    print(f"execution {len(ledger_lines(config.ledger, config.text))} of {config.text}", flush=True)
     if config.fail_while and os.path.exists(config.fail_while):
         print("about to explode", flush=True)
         raise ValueError("the step exploded")
     prefix = open(config.source).read() if config.source else ""
     with open(f"{config.output_path}/data.txt", "w") as f:
         f.write(prefix + config.text)
+
+
+def ledger_lines(path: str, text: str) -> list[str]:
+    return [line for line in open(path).read().split() if line.split("@", 1)[0] == text]
 
 
 def chain(tmp_path: Path, fail: str = ""):
@@ -139,6 +144,16 @@ def test_failure_then_retry(tmp_path, cluster):
     assert len(runs["a"]) == 1 and len(runs["b"]) == 2 and len(runs["c"]) == 1
     status = read_status(failure.output_path)
     assert status.state == "SUCCESS" and status.attempt == 2
+
+
+def test_a_retried_jobs_log_tail_holds_only_that_attempts_lines(tmp_path, iris):
+    (tmp_path / "explode").touch()
+    a, _, _, _ = chain(tmp_path, fail="a")
+    prefix = str(tmp_path / "out")
+    first = run_steps([a], prefix, cluster=iris[1], echo=QUIET).failures[0].error
+    second = run_steps([a], prefix, cluster=iris[1], echo=QUIET).failures[0].error
+    assert "execution 1 of a" in first and "execution 2 of a" not in first
+    assert "execution 2 of a" in second and "execution 1 of a" not in second, second
 
 
 def test_concurrent_launchers_run_each_step_once(tmp_path, cluster, iris):

@@ -99,3 +99,43 @@ def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path, iris):
     assert sorted(got) == list(range(steps)) and got[steps - 1] < got[0]
     for step in range(steps):
         assert got[step] == pytest.approx(expected[step], abs=1e-5), step
+
+
+def _tiny_experiment_training(num_steps: int, **execution):
+    """The tutorial's own training step, shortened; `execution` sets execution-only fields."""
+    import dataclasses
+
+    from keel.cli import load_experiment
+    from keel.train import TransportPhase
+
+    step = next(s for s in load_experiment(str(Path(HERE).parent / "experiments/tutorials/tiny_moe.py"))
+                if s.name == "train/tiny_moe")
+    train = dataclasses.replace(step.config.train, num_steps=num_steps, eval_every=num_steps, eval_batches=1,
+                                weight_decay_change=None, permanent_checkpoint_every=None,
+                                rolling_checkpoint_minutes=None, compute_dtype="float32",
+                                transports=(TransportPhase(0, "fixed_all_to_all"),))
+    return dataclasses.replace(step.config, train=train, **execution), step
+
+
+@pytest.mark.timeout(900)
+def test_the_tiny_experiments_training_as_2_replicas_of_4_devices_matches_one_process(tmp_path, iris):
+    steps = 3
+    single_config, step = _tiny_experiment_training(steps)
+    single = step.with_config(single_config)  # an isolated child process with 8 simulated devices
+    multi_config, _ = _tiny_experiment_training(steps, coordinator=f"127.0.0.1:{free_port()}")
+    multi = Step(step.name, step.fn, multi_config, resources=Resources(cpu=1, replicas=2), isolated=True)
+
+    assert run_steps([single], str(tmp_path / "one"), echo=lambda _: None).ok
+    report = run_steps([multi], str(tmp_path / "two"), cluster=iris, echo=lambda _: None)
+    assert report.ok, report.failures
+    assert sorted(report.ran) == ["documents/stdlib", "tokenized/stdlib-bpe-1k-128", "tokenizers/stdlib-bpe-1k",
+                                  "train/tiny_moe"]
+
+    one_out, two_out = Graph([single], str(tmp_path / "one")).path(single), Graph([multi], str(tmp_path / "two")).path(multi)
+    for log in ("log.txt", "log.replica1.txt"):  # both replicas trained, neither failed
+        assert "Traceback" not in Path(keel_path(two_out, log)).read_text()
+    expected = latest_by_step(read_metrics(os.path.join(one_out, METRICS_FILE)), "train/loss")
+    got = latest_by_step(read_metrics(os.path.join(two_out, METRICS_FILE)), "train/loss")
+    assert sorted(got) == list(range(steps))
+    for s in range(steps):
+        assert got[s] == pytest.approx(expected[s], abs=1e-5), s

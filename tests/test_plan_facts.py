@@ -4,7 +4,6 @@ import dataclasses
 import math
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -69,7 +68,7 @@ def hero_config(racks: int = 11, batch: int = 11_264, **train_changes) -> TrainS
         z_loss=1e-4,
         weight_decay_change=WeightDecayChange(start_step=54_000, peak=0.02),
         eval_every=3000,
-        checkpoint_every=6000,
+        permanent_checkpoint_every=6000,
         rolling_checkpoint_minutes=60,
         transports=(TransportPhase(0, "fixed_pooled_all_to_all", num_waves=3), TransportPhase(81_716, "ragged_all_to_all")),
         host_offload=HostOffload(master_weights_until_step=81_716, optimizer_state=True),
@@ -223,21 +222,18 @@ def test_fact_sheets_only_for_training_steps():
     assert sheets[1]["text"].startswith("== fact sheet: hero/train")
 
 
-def test_planning_the_hero_imports_no_jax_and_is_instant():
+def test_planning_the_hero_imports_no_jax():
+    """How fast it is: benchmarks/plan_latency.py."""
     code = (
-        "import sys, time; t = time.perf_counter(); sys.path[:0] = ['.', 'tests']\n"
+        "import sys; sys.path[:0] = ['.', 'tests']\n"
         "from test_plan_facts import hero_config\n"
         "from keel.plan import fact_sheet, render_fact_sheet\n"
         "render_fact_sheet(fact_sheet(hero_config()))\n"
         "heavy = [m for m in sys.modules if m.split('.')[0] in ('jax', 'levanter', 'haliax', 'equinox', 'optax')]\n"
         "assert not heavy, heavy\n"
-        "print(time.perf_counter() - t)\n"
     )
-    started = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert float(out.stdout.strip()) < 1.0
-    assert time.perf_counter() - started < 10
 
 
 def test_without_remat_activations_are_not_guessed_and_json_stays_valid():

@@ -1,4 +1,5 @@
-"""Checkpoint policies under a step's output path: rolling by time (newest kept) and permanent every N."""
+"""Checkpoint retention under a step's output path follows the declaration: rolling checkpoints
+(by time or every N steps) keep the newest N, permanent ones every N steps stay."""
 
 import os
 
@@ -8,14 +9,29 @@ import numpy as np
 from keel.train.checkpoint import TrainCheckpoints, restore_like
 
 
-def test_rolling_checkpoints_keep_only_the_newest_and_permanent_ones_stay(tmp_path):
-    checkpoints = TrainCheckpoints(str(tmp_path), every_steps=3, rolling_minutes=1e-6)  # roll after every step
-    for step in range(1, 6):
+def _save_steps(checkpoints: TrainCheckpoints, steps) -> list[str]:
+    for step in steps:
         checkpoints.on_step({"w": jnp.full((4,), float(step))}, step)
         checkpoints.wait()
-    saved = sorted(os.listdir(tmp_path / "checkpoints"))
+    return sorted(os.listdir(checkpoints.root), key=lambda n: int(n.split("-")[1]))
+
+
+def test_rolling_by_time_keeps_only_the_newest_and_permanent_ones_stay(tmp_path):
+    checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=3, rolling_minutes=1e-6)  # roll after every step
+    saved = _save_steps(checkpoints, range(1, 6))
     assert saved == ["step-3", "step-5"], saved  # step 3 is permanent; 1, 2 and 4 were rolled away
     latest = checkpoints.latest()
     assert latest.endswith("step-5")
     restored = restore_like({"w": jnp.zeros((4,))}, latest)
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((4,), 5.0))
+
+
+def test_rolling_every_n_steps_keeps_the_declared_number(tmp_path):
+    checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=None, rolling_every=2, keep_rolling=2)
+    assert _save_steps(checkpoints, range(1, 12)) == ["step-8", "step-10"]  # 2, 4, 6 pruned; odd steps never saved
+
+
+def test_permanent_cadence_is_kept_and_supersedes_rolling_ones(tmp_path):
+    checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=10, rolling_every=3, keep_rolling=3)
+    # 3, 6, 9 rolling; 10 permanent (rolling ones before it are superseded); 12, 15, 18, 21 rolling (keep 3); 20 permanent
+    assert _save_steps(checkpoints, range(1, 23)) == ["step-10", "step-20", "step-21"]

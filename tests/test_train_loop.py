@@ -38,7 +38,7 @@ def _finish(proc, timeout=300):
 
 
 def test_resume_after_kill_9_gives_the_uninterrupted_losses(tmp_path):
-    fields = dict(num_steps=14, checkpoint_every=4, delay_per_item=0.02)
+    fields = dict(num_steps=14, permanent_checkpoint_every=4, delay_per_item=0.02)
     reference, crashed = tmp_path / "ref-0000000000", tmp_path / "crash-0000000000"
     _finish(_driver(reference, **fields))
 
@@ -56,8 +56,8 @@ def test_resume_after_kill_9_gives_the_uninterrupted_losses(tmp_path):
     assert sorted(got) == list(range(14))
     records = read_metrics(os.path.join(crashed, METRICS_FILE))
     steps_logged = [r["step"] for r in records if "train/loss" in r]
-    assert steps_logged.count(0) == 1, "the rerun must resume, not restart from step 0"
-    assert steps_logged.count(8) == 2, "the rerun resumes from the step-8 checkpoint"
+    assert steps_logged == list(range(14)), "one row per step: rows past the step-8 checkpoint were dropped on resume"
+    assert [r["step"] for r in records if "eval/loss" in r] == [0, 4, 8, 12, 14]
     assert got == expected, {s: (got[s], expected[s]) for s in got if got[s] != expected[s]}
 
 
@@ -80,7 +80,7 @@ def switch_run(tmp_path_factory):
 
     out = str(tmp_path_factory.mktemp("runs") / "tiny_switch-0123abcd89")
     transports = (TransportPhase(0, "fixed_all_to_all"), TransportPhase(4, "ring"))
-    config = TrainConfig(num_steps=8, checkpoint_every=1, optimizer=AdamWConfig(lr=1e-2), transports=transports,
+    config = TrainConfig(num_steps=8, permanent_checkpoint_every=1, optimizer=AdamWConfig(lr=1e-2), transports=transports,
                          compute_dtype="float32", **BASE)
     train(config, loop_inputs(), out)
     return out, config
@@ -169,3 +169,48 @@ def test_wandb_offline_run_is_named_by_the_step_identity(switch_run):
     assert run_id == "tiny_switch-0123abcd89"
     runs = os.listdir(os.path.join(out, "wandb_files", "wandb"))
     assert any(name.startswith("offline-run-") and name.endswith(f"-{run_id}") for name in runs), runs
+
+
+def test_an_interruption_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_exactly(tmp_path, fixed_run):
+    import threading
+
+    from train_standin import loop_inputs
+
+    from keel.executor import interrupt
+    from keel.train.loop import train
+
+    out = str(tmp_path / "tiny_stop-0123abcd89")
+    config = TrainConfig(num_steps=8, optimizer=AdamWConfig(lr=1e-2), compute_dtype="float32", **BASE)
+
+    def interrupt_after_step_2():
+        deadline = time.time() + 300
+        while time.time() < deadline and max(_safe_losses(out), default=-1) < 2:
+            time.sleep(0.02)
+        interrupt.request()
+
+    threading.Thread(target=interrupt_after_step_2, daemon=True).start()
+    try:
+        with pytest.raises(interrupt.StepInterrupted, match="training stopped after step") as stopped:
+            train(config, loop_inputs(use_wandb=False, delay_per_item=0.02), out)
+    finally:
+        interrupt.clear()
+    done = int(str(stopped.value).split("after step ")[1].split()[0])
+    assert 3 <= done < 8
+    assert os.path.exists(os.path.join(out, "checkpoints", f"step-{done}", "metadata.json"))
+
+    train(config, loop_inputs(use_wandb=False), out)
+    records = read_metrics(os.path.join(out, METRICS_FILE))
+    assert [r["step"] for r in records if "train/loss" in r] == list(range(8))
+    got, expected = _losses(out), _losses(fixed_run)
+    for step in range(8):
+        assert got[step] == pytest.approx(expected[step], abs=1e-6), step
+
+
+def test_a_non_finite_loss_fails_the_run_naming_the_step(tmp_path):
+    from train_standin import loop_inputs
+
+    from keel.train.loop import NonFiniteTraining, train
+
+    config = TrainConfig(num_steps=6, optimizer=AdamWConfig(lr=1e30), compute_dtype="float32", **BASE)
+    with pytest.raises(NonFiniteTraining, match=r"training diverged at step [1-5]: train/(loss|grad_norm) = (nan|inf)"):
+        train(config, loop_inputs(use_wandb=False), str(tmp_path / "tiny_nan-0123abcd89"))

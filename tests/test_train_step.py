@@ -33,7 +33,7 @@ def test_identity_ignores_execution_only_fields_and_tracks_the_rest():
         model=tiny_moe,
         train=_train(
             transports=(TransportPhase(0, "fixed_all_to_all"), TransportPhase(10, "ring")),
-            checkpoint_every=5,
+            permanent_checkpoint_every=5,
             rolling_checkpoint_minutes=1.0,
             log_every=3,
             eval_batches=9,
@@ -118,3 +118,27 @@ def test_mixture_phase_switches_at_the_declared_step_in_the_training_batches(tmp
     assert [set(v // 100) for v in first] == [{1}, {1}, {1}, {2}, {2}, {2}]
     resumed = batches_from(3, 3)
     assert all(np.array_equal(x, y) for x, y in zip(resumed, first[3:]))
+
+
+def test_non_finite_numbers_are_refused_at_declaration():
+    from keel.executor.step import StepDeclarationError
+
+    with pytest.raises(StepDeclarationError, match=r"config\.train\.optimizer\.lr=inf is not a finite number"):
+        default_train("t", data=CACHE, model=tiny_moe, train=_train(optimizer=AdamWConfig(lr=float("inf"))))
+    with pytest.raises(StepDeclarationError, match=r"config\.train\.z_loss=nan"):
+        default_train("t", data=CACHE, model=tiny_moe, train=_train(z_loss=float("nan")))
+
+
+def test_training_steps_run_isolated_with_the_devices_their_hardware_declares():
+    from defaults.hardware import cpu_sim, gb200_nvl72
+
+    racks = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
+    step = default_train("t", data=CACHE, model=tiny_moe, train=_train(), topology=racks, hardware=cpu_sim)
+    assert step.isolated
+    env = step.config.process_env()
+    assert env["JAX_PLATFORMS"] == "cpu"
+    assert env["XLA_FLAGS"].split()[-1] == "--xla_force_host_platform_device_count=8"
+    three = RackTopology(racks=3, gpus_per_rack=4, expert_parallel=4)
+    three_racks = default_train("t", data=CACHE, model=tiny_moe, train=_train(batch_size=48), topology=three, hardware=cpu_sim)
+    assert three_racks.config.process_env()["XLA_FLAGS"].endswith("=12")
+    assert gb200_nvl72.process_env(64) == {}  # real accelerators are found as they are

@@ -10,32 +10,16 @@ attention gates) trained with the hero's grouped MuonH/AdamH/Adam optimizer on 8
 devices laid out as 2 racks x 4, experts split 4 ways inside a rack. Half-way it switches expert
 transport from the fixed-capacity all-to-all to the dropless ring, as the hero run did (pooled ->
 ragged) at step 81,716. Results (metrics.jsonl, loss.png, checkpoints, an offline wandb run) land
-under the training step's output directory.
+under the training step's output directory. The training step runs in its own process, which
+sees the 8 devices that `cpu_sim` with this topology declares; nothing here sets XLA flags.
 """
 
-import os
-
-
-def _simulate_racks_without_accelerator(devices: int = 8) -> None:
-    """No GPU/TPU here: make XLA show `devices` CPU devices. Must run before jax is imported."""
-    has_accelerator = any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/accel0", "/dev/vfio/0"))
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    if has_accelerator and "cpu" not in platforms:
-        return
-    flag = f"--xla_force_host_platform_device_count={devices}"
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
-_simulate_racks_without_accelerator()
-
-from defaults import default_tokenize, default_tokenizer, default_train, stdlib_corpus  # noqa: E402
-from defaults.hardware import cpu_sim  # noqa: E402
-from defaults.models import tiny_moe  # noqa: E402
-from keel import main  # noqa: E402
-from keel.mesh import RackTopology  # noqa: E402
-from keel.train import (  # noqa: E402
+from defaults import default_tokenize, default_tokenizer, default_train, stdlib_corpus
+from defaults.hardware import cpu_sim
+from defaults.models import tiny_moe
+from keel import main
+from keel.mesh import RackTopology
+from keel.train import (
     GroupedOptimizerConfig,
     ScheduleConfig,
     TrainConfig,
@@ -59,7 +43,7 @@ train = TrainConfig(
     weight_decay_change=WeightDecayChange(start_step=200, peak=0.02),
     eval_every=50,
     eval_batches=4,
-    checkpoint_every=100,
+    permanent_checkpoint_every=100,
     rolling_checkpoint_minutes=2.0,
     transports=(TransportPhase(0, "fixed_all_to_all"), TransportPhase(STEPS // 2, "ring")),
 )

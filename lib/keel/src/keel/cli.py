@@ -138,6 +138,7 @@ def _act(args, step_lists: list[list]) -> int:
         return _gc(args, graphs)
     graph = graphs[0]
     if args.command == "run":
+        _fact_sheets(graph)  # the training steps' declaration checks, before any step runs
         return _run(args, graph)
     plans = plan_graph(graph, force)
     sheets = _fact_sheets(graph) if args.command == "plan" else []

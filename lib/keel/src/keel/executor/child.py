@@ -3,7 +3,7 @@
 Steps with heavy process-wide state (jax and its devices, wandb, XLA flags) cannot share a
 process: two training steps in threads of one launcher share one wandb service and one device set.
 An isolated step therefore runs here, in a fresh interpreter whose environment the step's config
-declares (`config.process_env()`, e.g. the simulated device count of its hardware).
+declares (`config.process_env(processes=1)`, e.g. the simulated device count of its hardware).
 
 The launcher and the child speak through two files beside each other: the payload (the launcher's
 `sys.path`, then the cloudpickled `(fn, resolved config, output path)`) and the result (JSON:

@@ -224,7 +224,7 @@ class Runner:
             storage.write_json(keel_path(plan.output_path, "step.json"), _step_record(self.graph, step, resolved, self._launch))
             self.echo(f"[keel] start {plan.name} -> {plan.output_path}" + (f" ({plan.reason})" if plan.reason else ""))
             try:
-                self._dispatch(step, resolved, plan.output_path)
+                self._dispatch(step, resolved, plan.output_path, running.attempt)
             except interrupt.StepInterrupted as exc:
                 why = f"{exc}; `keel run` again resumes it" + (f" from {exc.resume}" if exc.resume else "")
                 mark_finished(plan.output_path, running, error=why, interrupted=True)
@@ -241,10 +241,11 @@ class Runner:
                 self._active.pop(plan.output_path, None)
             lease.release()
 
-    def _dispatch(self, step: Step, resolved, output_path: str) -> None:
-        from fray.types import Entrypoint, JobRequest
+    def _dispatch(self, step: Step, resolved, output_path: str, attempt: int) -> None:
+        from fray.types import Entrypoint, JobRequest, create_environment
 
-        job_name = re.sub(r"[^a-zA-Z0-9_.-]", "-", f"{step.name}-{output_path.rsplit('-', 1)[-1]}")
+        # One job per attempt: a retry's log is its own, never the previous attempt's lines too.
+        job_name = re.sub(r"[^a-zA-Z0-9_.-]", "-", f"{step.name}-{output_path.rsplit('-', 1)[-1]}-attempt{attempt}")
         request = JobRequest(
             name=job_name,
             entrypoint=Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path)),
@@ -254,6 +255,8 @@ class Runner:
             if self.cluster is not None:
                 from keel.executor.cluster import run_on_cluster
 
+                env = _process_env(resolved, processes=step.resources.replicas)
+                request = dataclasses.replace(request, environment=create_environment(env_vars=env) if env else None)
                 run_on_cluster(self.cluster, request, step.resources.describe())
                 return
         if step.isolated and storage.is_shared_between_processes(output_path):
@@ -265,7 +268,7 @@ class Runner:
     def _run_in_child(self, step: Step, resolved, output_path: str) -> None:
         from keel.executor.child import collect, start_child
 
-        env = resolved.process_env() if hasattr(resolved, "process_env") else {}
+        env = _process_env(resolved, processes=1)
         with self._lock:
             if self._stopping:
                 raise interrupt.StepInterrupted("the run was interrupted before the step started")
@@ -314,6 +317,11 @@ class Runner:
         names = ", ".join(p.rsplit("/", 1)[-1] for p in active) or "nothing"
         print(f"keel: aborted; interrupted: {names}. Run the same `keel run` again to resume.", file=sys.stderr, flush=True)
         os._exit(interrupt.EXIT_INTERRUPTED)
+
+
+def _process_env(resolved, processes: int) -> dict[str, str]:
+    """What each of the step's `processes` needs in its environment, as its config declares."""
+    return resolved.process_env(processes=processes) if hasattr(resolved, "process_env") else {}
 
 
 class ChildStepError(RuntimeError):

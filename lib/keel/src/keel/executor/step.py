@@ -83,8 +83,9 @@ class Step:
     A `Step` used directly as a config value stands for its output path.
 
     `isolated=True` runs the step in a child process of its own (steps that import jax, hold
-    devices or a wandb run); its environment is the launcher's plus `config.process_env()` when the
-    config defines it (e.g. the simulated device count its hardware declares).
+    devices or a wandb run); its environment is the launcher's plus `config.process_env(processes=1)`
+    when the config defines it (e.g. the simulated device count its hardware declares). A cluster
+    job of the step gets `config.process_env(processes=resources.replicas)` in every replica.
     """
 
     __slots__ = ("name", "fn", "config", "resources", "description", "isolated", "_deps")

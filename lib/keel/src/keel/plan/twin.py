@@ -84,7 +84,7 @@ def scale_down(
         weight_decay_change=train.weight_decay_change and dataclasses.replace(
             train.weight_decay_change, start_step=step(train.weight_decay_change.start_step)),
         eval_every=max(1, round(train.eval_every * ratio)),
-        checkpoint_every=None,
+        permanent_checkpoint_every=None,
         transports=_distinct_starts(tuple(
             dataclasses.replace(t, start_step=step(t.start_step),
                                 transport=t.transport if hardware.supports_transport(t.transport)

@@ -1,7 +1,9 @@
 """Training-state checkpoints under a step's output path, with Levanter's tensorstore checkpointer.
 
-Two policies, as in Levanter: a rolling (temporary) checkpoint by wall-clock time, of which only
-the newest is kept, and permanent ones every N steps. A rerun of a step that died finds the newest
+Two kinds, as in Levanter: rolling (temporary) checkpoints, every N steps and/or by wall-clock
+time, of which the newest `keep_rolling` are kept, and permanent ones every N steps (and whenever
+forced: the final step, a transport switch), never deleted; a permanent checkpoint supersedes the
+rolling ones, which are then removed. A rerun of a step that died finds the newest
 complete checkpoint and resumes from it; Levanter only writes a checkpoint's `metadata.json` once
 every array is committed, so a checkpoint torn by `kill -9` is never picked.
 
@@ -29,13 +31,15 @@ def checkpoint_root(output_path: str) -> str:
 class TrainCheckpoints:
     """Saves the train state by Levanter's time/step policies and restores the newest one."""
 
-    def __init__(self, output_path: str, *, every_steps: int | None, rolling_minutes: float | None):
+    def __init__(self, output_path: str, *, permanent_every: int | None, rolling_every: int | None = None,
+                 rolling_minutes: float | None = None, keep_rolling: int = 1):
         from levanter.checkpoint import CheckpointInterval, Checkpointer
 
         self.root = checkpoint_root(output_path)
-        policies = [CheckpointInterval(every=every_steps)] if every_steps else []
+        self.rolling_every = rolling_every
+        policies = [CheckpointInterval(every=permanent_every)] if permanent_every else []
         interval = datetime.timedelta(minutes=rolling_minutes) if rolling_minutes else None
-        self._checkpointer = Checkpointer(self.root, interval, policies, keep_last_temporary_checkpoints=1)
+        self._checkpointer = Checkpointer(self.root, interval, policies, keep_last_temporary_checkpoints=keep_rolling)
 
     def latest(self) -> str | None:
         from levanter.checkpoint import discover_latest_checkpoint
@@ -46,8 +50,13 @@ class TrainCheckpoints:
         """The state saved at `path`, laid out like `exemplar` (same tree, shardings and dtypes)."""
         return restore_like(exemplar, path)
 
-    def on_step(self, state, step: int, *, force: bool = False) -> None:
-        """Save if a policy (or `force`) says so; `step` counts completed optimizer steps."""
+    def on_step(self, state, step: int, *, force: bool = False, rolling: bool = False) -> None:
+        """Save if a policy says so, a permanent one if `force`, at least a rolling one if `rolling`;
+        `step` counts completed optimizer steps."""
+        from levanter.checkpoint import CheckpointRetention
+
+        if rolling or (self.rolling_every and step % self.rolling_every == 0):
+            self._checkpointer.request_checkpoint(CheckpointRetention.TEMPORARY)
         self._checkpointer.on_step(tree=state, step=step, force=force)
 
     def wait(self) -> None:

@@ -192,9 +192,15 @@ class TrainConfig:
     eval_every: int = 100
 
     eval_batches: int = execution_only(default=4)
-    checkpoint_every: int | None = execution_only(default=None)
-    """Permanent checkpoints every N steps (None: none besides the rolling and final ones)."""
+    permanent_checkpoint_every: int | None = execution_only(default=None)
+    """Permanent checkpoints every N steps, never deleted (the final one and those at transport
+    switches are permanent too)."""
+    rolling_checkpoint_every: int | None = execution_only(default=None)
+    """Rolling checkpoints every N steps, of which the newest `keep_rolling_checkpoints` are kept."""
     rolling_checkpoint_minutes: float | None = execution_only(default=60.0)
+    """Rolling checkpoints by wall-clock time as well (None: off)."""
+    keep_rolling_checkpoints: int = execution_only(default=1)
+    """How many rolling checkpoints survive; a permanent one supersedes them all."""
     log_every: int = execution_only(default=1)
     transports: tuple[TransportPhase, ...] = execution_only(default=())
     """Transport timeline, by ascending start_step; empty = the loop's default for the mesh."""
@@ -209,6 +215,12 @@ class TrainConfig:
                   eval_every=self.eval_every, log_every=self.log_every)
         if self.z_loss < 0:
             raise ValueError(f"TrainConfig.z_loss={self.z_loss} must be >= 0")
+        for name in ("permanent_checkpoint_every", "rolling_checkpoint_every", "rolling_checkpoint_minutes"):
+            if getattr(self, name) is not None:
+                _positive("TrainConfig", **{name: getattr(self, name)})
+        if self.keep_rolling_checkpoints < 1:
+            raise ValueError(f"TrainConfig.keep_rolling_checkpoints={self.keep_rolling_checkpoints} must be >= 1: "
+                             "a resume needs the newest rolling checkpoint")
         starts = [t.start_step for t in self.transports]
         if starts != sorted(set(starts)) or (starts and starts[0] != 0):
             raise ValueError(
@@ -280,3 +292,17 @@ class TrainStepConfig:
     hardware: Hardware | None = execution_only(default=None)
     output_path: str = this_output()
     facts: RunFacts | None = execution_only(default=None)
+
+    coordinator: str | None = execution_only(default=None)
+    """Where the replicas of a multi-process run meet ("host:port"); None: found through Iris.
+    Pin it (e.g. "127.0.0.1:<port>") when every replica runs on one machine."""
+
+    def process_env(self, processes: int = 1) -> dict[str, str]:
+        """What each of the step's `processes` needs to see its share of the declared devices."""
+        if self.hardware is None:
+            return {}
+        devices = self.topology.num_devices if self.topology is not None else self.hardware.gpus_per_rack
+        if devices % processes:
+            raise ValueError(f"{devices} devices do not split over {processes} processes: declare replicas that "
+                             "divide topology.racks x topology.gpus_per_rack")
+        return self.hardware.process_env(devices // processes)

@@ -9,7 +9,11 @@ t+1 is computed from step t's forward pass: state the optimizer does not own. Th
 - switches expert transport where the config's timeline says, checkpointing at the switch step
   (the transport is execution-only: same output path, same identity);
 - evaluates on the validation data every `eval_every` steps (and before the first step);
-- writes metrics as JSON lines and to wandb, and a PNG of the loss curves at the end.
+- writes metrics as JSON lines and to wandb, and a PNG of the loss curves at the end; after a
+  resume the rows of steps past the checkpoint are dropped first, so each step has one row;
+- stops as a failure at the first non-finite loss or gradient norm, naming the step;
+- stops at the next step boundary when the executor asks (Ctrl-C, SIGTERM), after a rolling
+  checkpoint there, raising `StepInterrupted` so the step is INTERRUPTED and a rerun resumes.
 
 The train state's shardings are pinned (inputs and outputs of the step), so a restored state and
 a state fresh out of the previous step run the very same executable: resumption is bit-exact.
@@ -26,7 +30,9 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from keel.executor import interrupt
 from keel.train.batches import batch_loader
 from keel.train.checkpoint import TrainCheckpoints
 from keel.train.config import TrainConfig, TransportPhase
@@ -76,7 +82,8 @@ class _Run:
         self.state_arrays, self.state_static = eqx.partition(state, eqx.is_array)
         self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state_arrays)
         self.checkpoints = TrainCheckpoints(
-            output_path, every_steps=config.checkpoint_every, rolling_minutes=config.rolling_checkpoint_minutes
+            output_path, permanent_every=config.permanent_checkpoint_every, rolling_every=config.rolling_checkpoint_every,
+            rolling_minutes=config.rolling_checkpoint_minutes, keep_rolling=config.keep_rolling_checkpoints,
         )
         self._step_fns: dict[TransportPhase, Any] = {}
         self._eval_fns: dict[TransportPhase, Any] = {}
@@ -90,7 +97,7 @@ class _Run:
             logger.info("Resumed from %s", latest)
         start = int(self.state_arrays["step"])
         primary = jax.process_index() == 0
-        metrics_log = MetricsLog(os.path.join(self.output_path, METRICS_FILE), writer=primary)
+        metrics_log = MetricsLog(os.path.join(self.output_path, METRICS_FILE), writer=primary, resume_at=start)
         tracker = self._open_tracker()
         last: dict[str, float] = {}
         try:
@@ -128,6 +135,7 @@ class _Run:
             with jax.set_mesh(self.inputs.mesh):  # Levanter's loader leaves its own mesh context
                 self.state_arrays, metrics = self._step_fn(phase)(self.state_arrays, batch)
             completed = step + 1
+            check_finite(step, {k: metrics[k] for k in FINITE_METRICS})
             if completed % config.log_every == 0 or completed == config.num_steps:
                 values = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 values["throughput/tokens_per_s"] = tokens_per_step / (time.perf_counter() - t0)
@@ -140,7 +148,14 @@ class _Run:
                 self._evaluate(completed, phase, metrics_log, tracker)
             # Permanent checkpoints at the end and where the next step switches transport.
             switching = completed < config.num_steps and self.transport_at(completed) != phase
-            self.checkpoints.on_step(self.state_arrays, completed, force=completed == config.num_steps or switching)
+            stopping = interrupt.requested() and completed < config.num_steps
+            self.checkpoints.on_step(self.state_arrays, completed, force=completed == config.num_steps or switching,
+                                     rolling=stopping)
+            if stopping:
+                self.checkpoints.wait()
+                logger.info("Interrupted: stopped after step %d of %d, checkpoint saved", completed, config.num_steps)
+                raise interrupt.StepInterrupted(f"training stopped after step {completed} of {config.num_steps}",
+                                                resume=f"its checkpoint at step {completed}")
         return last
 
     # ------------------------------------------------------------------ pieces
@@ -218,6 +233,26 @@ class _Run:
         if not self.inputs.use_wandb:
             return None
         return open_wandb(self.output_path, project=self.inputs.wandb_project, entity=None)
+
+
+FINITE_METRICS = ("train/loss", "train/grad_norm")
+"""Metrics that must stay finite every step; the first NaN or infinity fails the step."""
+
+
+class NonFiniteTraining(FloatingPointError):
+    """The loss or gradient norm stopped being a finite number."""
+
+
+def check_finite(step: int, values: dict[str, Any]) -> None:
+    """Raise `NonFiniteTraining` naming the step and metric (reads the scalars: a sync per step)."""
+    fetched = jax.device_get(values)
+    bad = {k: float(v) for k, v in fetched.items() if not np.isfinite(v)}
+    if bad:
+        shown = ", ".join(f"{k} = {v}" for k, v in bad.items())
+        raise NonFiniteTraining(
+            f"training diverged at step {step}: {shown}; nothing from this attempt is cached. Lower the learning "
+            "rate (TrainConfig.optimizer), raise warmup (TrainConfig.schedule) or check the data, then run again"
+        )
 
 
 def _params(tree):

@@ -25,7 +25,7 @@ def train_step(config: TrainStepConfig) -> None:
     from keel.train.lm import KeelLM
     from keel.train.loop import LoopInputs, train
 
-    join_replicas()  # a multi-host step: its replicas become one jax.distributed world (no-op alone)
+    join_replicas(config.coordinator)  # a multi-host step: its replicas become one jax.distributed world (no-op alone)
     topology = config.topology or RackTopology(racks=1, gpus_per_rack=len(jax.devices()))
     check_step_config(config, topology, num_devices=len(jax.devices()), platform=jax.default_backend())
     mesh = build_mesh(topology)

@@ -42,17 +42,21 @@ def wandb_mode() -> str:
 class MetricsLog:
     """Append-only JSON lines, one record per step (train) or evaluation; flushed on every write.
 
-    A record is `{"step": int, <metric>: float, ...}`. After a resume the same step can appear
-    twice (once from the attempt that died); readers keep the last record per step and kind.
+    A record is `{"step": int, <metric>: float, ...}`; a train record's step is the index of the
+    update (0-based), an evaluation's the number of updates done before it. A run resumed from the
+    checkpoint after `resume_at` updates first drops what the attempt that died wrote past it (train
+    records of step >= resume_at, evaluations after it), so every step has exactly one record.
     """
 
-    def __init__(self, path: str, *, writer: bool = True):
+    def __init__(self, path: str, *, writer: bool = True, resume_at: int = 0):
         """`writer=False` (every process of a multi-process run but the first) writes nothing."""
         self.path = path
         self._file = None
         if writer:
             fs, plain = fsspec.core.url_to_fs(path)
             fs.makedirs(os.path.dirname(plain) or ".", exist_ok=True)
+            if fs.exists(plain):
+                _drop_records_after(path, resume_at)
             self._file = fsspec.open(path, "a").open()
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -65,6 +69,29 @@ class MetricsLog:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+
+
+def _is_eval(record: Mapping[str, Any]) -> bool:
+    return any(k.startswith("eval/") for k in record)
+
+
+def _drop_records_after(path: str, resume_at: int) -> None:
+    """Rewrite the file without the records a resume at `resume_at` will write again."""
+    records = read_metrics(path)
+    # The evaluation at the checkpoint's own step is not repeated on resume, except at step 0.
+    kept = [r for r in records if r["step"] < resume_at or (0 < r["step"] == resume_at and _is_eval(r))]
+    if len(kept) == len(records):
+        return
+    text = "".join(json.dumps(r) + "\n" for r in kept)
+    fs, plain = fsspec.core.url_to_fs(path)
+    if "://" in path:
+        fs.pipe_file(plain, text.encode())
+    else:
+        tmp = f"{plain}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, plain)
+    logger.info("Resuming at step %d: dropped %d metric records past the checkpoint", resume_at, len(records) - len(kept))
 
 
 def _plain(value: Any) -> Any:

@@ -1,0 +1,35 @@
+"""A user's two-point sweep: one data chain, the tiny MoE at 1.0x and 0.5x the scaling-law LR.
+
+Both training steps run at once under default options (each in its own process); nothing here sets
+XLA flags: the declared hardware decides each step's devices.
+"""
+
+import dataclasses
+import os
+
+from defaults import default_tokenize, default_tokenizer, default_train, stdlib_corpus
+from defaults.hardware import cpu_sim
+from defaults.models import tiny_moe
+from keel import main
+from keel.mesh import RackTopology
+from keel.train import GroupedOptimizerConfig, TrainConfig
+
+BATCH, SEQ = 16, 64
+STEPS = int(os.environ.get("SWEEP_STEPS", "6"))
+
+corpus = stdlib_corpus(max_bytes=400_000)
+tokenizer = default_tokenizer("stdlib-bpe-1k", corpus, vocab_size=tiny_moe.vocab_size)
+tokens = default_tokenize("stdlib-bpe-1k-64", corpus, tokenizer, seq_len=SEQ)
+law = GroupedOptimizerConfig.from_scaling_law(tiny_moe, batch_size=BATCH, seq_len=SEQ, num_steps=STEPS)
+
+
+def point(scale: float):
+    optimizer = dataclasses.replace(law, muon_lr=law.muon_lr * scale, adam_lr=law.adam_lr * scale)
+    train = TrainConfig(batch_size=BATCH, seq_len=SEQ, num_steps=STEPS, optimizer=optimizer, eval_every=STEPS,
+                        eval_batches=1, rolling_checkpoint_minutes=None)
+    return default_train(f"sweep/lr{scale}", data=tokens, model=tiny_moe, train=train,
+                         topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4), hardware=cpu_sim)
+
+
+if __name__ == "__main__":
+    main([point(1.0), point(0.5)])

@@ -1,0 +1,79 @@
+"""Steps cannot hurt each other: training steps run in processes of their own, with the devices
+their declared hardware asks for, from a user's environment with no XLA flags set.
+
+Both tests run keel as a user would: `keel run` as a subprocess whose environment has neither
+`XLA_FLAGS` nor `JAX_PLATFORMS` (tests/conftest.py sets them for in-process tests only).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from keel.cli import load_experiment
+from keel.executor.plan import Graph, plan_graph
+from keel.executor.status import keel_path, read_status, verify_manifest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+SWEEP = str(REPO / "tests/experiments/lr_sweep_2.py")
+
+
+def user_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return {**env, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **extra}
+
+
+def keel(*args, timeout=900, **env):
+    return subprocess.run([sys.executable, "-m", "keel.cli_entry", *args], env=user_env(**env), cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_two_point_sweep_runs_both_training_steps_at_once_in_their_own_processes(tmp_path):
+    done = keel("run", SWEEP, "--prefix", str(tmp_path))
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    graph = Graph(load_experiment(SWEEP), str(tmp_path))
+    trains = [s for s in graph.steps() if s.name.startswith("train/")]
+    assert len(trains) == 2
+    statuses = [read_status(graph.path(s)) for s in trains]
+    assert all(s.state == "SUCCESS" for s in statuses)
+    assert max(s.started for s in statuses) < min(s.finished for s in statuses), "the two steps ran at the same time"
+    for step in trains:
+        path = graph.path(step)
+        assert verify_manifest(path) is None
+        run_id = path.rsplit("/", 1)[-1].replace(".", "_")
+        runs = os.listdir(os.path.join(path, "wandb_files", "wandb"))
+        assert [r for r in runs if r.startswith("offline-run-")] and all(
+            r.endswith(run_id) for r in runs if r.startswith("offline-run-")), runs  # its own run, under its own output
+        log = Path(keel_path(path, "log.txt")).read_text()
+        assert "Traceback" not in log
+    child_pids = {json.loads(Path(keel_path(graph.path(s), "step.json")).read_text())["provenance"]["pid"] for s in trains}
+    assert len(child_pids) == 1, "one launcher started both"
+    assert all(p.state == "cached" for p in plan_graph(graph)), [(p.name, p.state, p.reason) for p in plan_graph(graph)]
+    status = keel("status", SWEEP, "--prefix", str(tmp_path), timeout=60)
+    assert status.returncode == 0 and "cache entry invalid" not in status.stdout, status.stdout
+    assert "-- 5 steps: 5 cached" in status.stdout, status.stdout
+
+
+def test_the_readme_twin_command_works_without_xla_flags(tmp_path):
+    done = keel("run", "experiments/hero_535b.py", "--scale", "tiny", "--prefix", str(tmp_path))
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-4000:]
+    graph = Graph(load_experiment(str(REPO / "experiments/hero_535b.py"), "tiny"), str(tmp_path))
+    twin = next(s for s in graph.steps() if s.name.startswith("train/"))
+    assert read_status(graph.path(twin)).state == "SUCCESS"
+    log = Path(keel_path(graph.path(twin), "log.txt")).read_text()
+    assert "RackTopology" not in log
+
+
+def test_plan_refuses_a_topology_the_declared_hardware_cannot_provide(tmp_path):
+    done = keel("plan", "experiments/tutorials/tiny_moe.py", "--prefix", str(tmp_path),
+                "--set", "train/tiny_moe.topology.gpus_per_rack=8", timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "topology.gpus_per_rack=8 differs from hardware.gpus_per_rack=4" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
