@@ -1,13 +1,17 @@
 """Optimizer groups, the learning-rate schedule and the scheduled weight-decay change."""
 
+import equinox as eqx
+import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from model_tiny import hero_like
 
 from defaults.models import tiny_moe
 from keel.train import GroupedOptimizerConfig, ScheduleConfig, TrainConfig, WeightDecayChange
+from keel.train.muonh import matrix_axes
 from keel.train.optimizer import build_optimizer, label_params, lr_schedule, param_paths
 
 HERO_GROUPS = {  # the model's leaf paths (Stacked layers under `layers.stacked`)
@@ -78,3 +82,104 @@ def test_weight_decay_change_hits_named_groups_from_its_step_and_the_router_bias
     grads = jax.tree.map(lambda x: jnp.full_like(x, 0.3), params)
     updates, _ = tx.update(grads, state, params)
     assert np.all(np.asarray(updates["layers"]["moe"]["router_bias"]) == 0)
+
+
+# MuonH on logical matrices. Rectangular matrices (q [32, 2*8], an expert [16, 8], ...), so that
+# Gaussian gradients are well conditioned and their Newton-Schulz image lands in its band.
+MUONH_MODEL = hero_like(num_heads=2, head_dim=8, num_kv_heads=1, expert_dim=8)
+LOGICAL = {  # parameter -> (its leaf, the axes its logical matrices are made of: stack, rows, cols)
+    "q": (lambda m: m.layers.stacked.attn.q, ("layers",), ("embed",), ("heads", "head_size")),
+    "k": (lambda m: m.layers.stacked.attn.k, ("layers",), ("embed",), ("kv_heads", "head_size")),
+    "o": (lambda m: m.layers.stacked.attn.o, ("layers",), ("heads", "head_size"), ("embed",)),
+    "experts.gate": (lambda m: m.layers.stacked.moe.experts.gate, ("layers", "experts"), ("latent",), ("expert_mlp",)),
+    "experts.down": (lambda m: m.layers.stacked.moe.experts.down, ("layers", "experts"), ("expert_mlp",), ("latent",)),
+    "shared.down": (lambda m: m.layers.stacked.shared.down, ("layers", "shared_experts"), ("shared_mlp",), ("embed",)),
+    "latent_down": (lambda m: m.layers.stacked.moe.latent_down, ("layers",), ("embed",), ("latent",)),
+    "attn_norm.gated.down": (lambda m: m.layers.stacked.attn_norm.gated.down, ("layers",), ("embed",), ("gate_rank",)),
+    "attn_norm.gated.up": (lambda m: m.layers.stacked.attn_norm.gated.up, ("layers",), ("gate_rank",), ("embed",)),
+    "final_norm.gated.up": (lambda m: m.final_norm.gated.up, (), ("gate_rank",), ("embed",)),
+}
+
+
+def _matrices(x, stack, rows, cols) -> np.ndarray:
+    """x as [matrices, rows, cols]: its stack axes flattened, each side's axes flattened."""
+    x = x.rearrange((*stack, *rows, *cols))
+    sizes = [x.resolve_axis(n).size for n in (*stack, *rows, *cols)]
+    rows_size, cols_size = int(np.prod(sizes[len(stack):len(stack) + len(rows)])), int(np.prod(sizes[len(stack) + len(rows):]))
+    return np.asarray(x.array, np.float64).reshape(-1, rows_size, cols_size)
+
+
+def _muonh_step(model, mesh=None):
+    """(params, one grouped-optimizer update) on fixed Gaussian gradients at a constant muon_lr of 1e-2."""
+    params = eqx.filter(model, eqx.is_inexact_array)
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+    grads = jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+    if mesh is not None:
+        grads = jax.tree.map(lambda g, p: jax.device_put(g, p.sharding), grads, params)
+    train = TrainConfig(batch_size=1, seq_len=1, num_steps=10, schedule=ScheduleConfig(0.0, 1.0),
+                        optimizer=GroupedOptimizerConfig(muon_lr=1e-2, adam_lr=1e-3))
+    tx, _ = build_optimizer(train, params)
+    updates, _ = jax.jit(tx.update)(grads, jax.jit(tx.init)(params), params)
+    return params, updates
+
+
+@pytest.fixture(scope="module")
+def muonh_step():
+    from keel.model.transformer import init_model
+
+    return _muonh_step(init_model(MUONH_MODEL, jax.random.PRNGKey(0)))
+
+
+def test_muonh_matrices_are_found_from_the_axis_names():
+    from keel.model.transformer import init_model
+
+    model = jax.eval_shape(lambda: init_model(MUONH_MODEL, jax.random.PRNGKey(0)))
+    for name, (leaf, stack, rows, cols) in LOGICAL.items():
+        found = tuple(tuple(ax.name for ax in side) for side in matrix_axes(leaf(model).axes))
+        assert found == (stack, rows, cols), name
+    with pytest.raises(ValueError, match="1 matrix sides"):
+        matrix_axes(model.layers.stacked.attn_norm.norm.weight.axes)  # a gain [layers, embed] is no matrix
+
+
+@pytest.mark.parametrize("name", list(LOGICAL))
+def test_muonh_orthogonalises_each_logical_matrix_and_keeps_its_norm(muonh_step, name):
+    params, updates = muonh_step
+    leaf, *axes = LOGICAL[name]
+    before, delta = _matrices(leaf(params), *axes), _matrices(leaf(updates), *axes)
+    after = _matrices(leaf(optax.apply_updates(params, updates)), *axes)
+    singular = np.linalg.svd(delta, compute_uv=False)  # the step is lr x the polar factor, up to O(lr^2)
+    ratio = singular.max(axis=1) / singular.min(axis=1)
+    print(name, "singular value max/min per matrix:", np.round(ratio, 3))
+    assert np.all(ratio < 2)
+    norms_before, norms_after = np.linalg.norm(before, axis=(1, 2)), np.linalg.norm(after, axis=(1, 2))
+    np.testing.assert_allclose(norms_after, norms_before, rtol=1e-5)
+
+
+def test_muonh_moves_the_norms_of_rows_and_heads(muonh_step):
+    """Orthogonalising per [heads, head_size] slice froze each input row of q and each head of o."""
+    params, updates = muonh_step
+    after = optax.apply_updates(params, updates)
+    attn, new = params.layers.stacked.attn, after.layers.stacked.attn
+
+    def norms(x, axis):
+        return np.sqrt(np.asarray(hax.sum(hax.square(x), axis=axis).array))
+
+    for old, moved, axis in ((attn.q, new.q, ("heads", "head_size")), (attn.o, new.o, ("head_size", "embed"))):
+        assert np.abs(norms(moved, axis) / norms(old, axis) - 1).max() > 1e-4  # per-slice: ~1e-7 (rounding)
+
+
+def test_muonh_step_is_the_same_on_the_rack_mesh(muonh_step):
+    """FSDP and expert splits gather each logical matrix whole: sharded and unsharded steps agree."""
+    from keel.mesh import RackTopology
+    from keel.mesh.mesh import build_mesh, shard_model, use_mesh
+    from keel.model.transformer import init_model
+
+    mesh = build_mesh(RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4))
+    with use_mesh(mesh):
+        model = shard_model(init_model(MUONH_MODEL, jax.random.PRNGKey(0)), mesh)
+        _, updates = _muonh_step(model, mesh)
+    for name, (leaf, *_) in LOGICAL.items():
+        sharded, plain = leaf(updates), leaf(muonh_step[1])
+        assert sharded.array.sharding.spec == leaf(model).array.sharding.spec, name
+        np.testing.assert_allclose(np.asarray(sharded.array), np.asarray(plain.array), rtol=1e-4, atol=1e-7, err_msg=name)

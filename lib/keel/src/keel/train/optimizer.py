@@ -2,12 +2,9 @@
 
 Parameters are put in groups by regular expressions over their dotted paths (Levanter's
 `leaf_key_paths`), so the grouping is declared in the config and never depends on module classes.
-Levanter's pieces are reused: the learning-rate schedule, `scale_by_adamh`, the Newton-Schulz
-orthogonalisation and the norm-preserving ("hyperball") update. Levanter's own MuonH only
-orthogonalises `haliax.nn.Linear` modules; keel's experts are stacked arrays, so the MuonH transform
-here orthogonalises every matrix of any stacked array (the last two dims; the polar factor of a
-transpose is the transpose of the polar factor, so the dim order does not matter) and flattens
-Linear modules first the way Levanter does.
+Levanter's pieces are reused: the learning-rate schedule, `scale_by_adamh`, and (in
+`keel.train.muonh`, which finds each parameter's logical matrices from its axis names) the
+Newton-Schulz coefficients and the norm-preserving ("hyperball") update.
 """
 
 from __future__ import annotations
@@ -18,6 +15,8 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import optax
+
+from keel.train.muonh import scale_by_muonh
 
 Schedule = Callable[[jax.Array], jax.Array]
 
@@ -102,96 +101,6 @@ def scheduled_weight_decay(mask, lr: Schedule, rate: Schedule) -> optax.Gradient
         return updates, ScheduleState(count=optax.safe_increment(state.count))
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-class MuonHState(NamedTuple):
-    count: jax.Array
-    momentum: optax.Updates
-
-
-def scale_by_muonh(
-    lr: Schedule, *, momentum: float, nesterov: bool, ns_steps: int, eps: float
-) -> optax.GradientTransformation:
-    """MuonH: Nesterov momentum, Newton-Schulz orthogonalisation per matrix, hyperball update.
-
-    The update keeps each matrix's Frobenius norm at its initial value (Levanter's
-    `norm_preserving_update`), so MuonH matrices need no weight decay.
-    """
-    from levanter.optim.util import flatten_linear_layers, unflatten_linear_layers
-
-    def init_fn(params):
-        return MuonHState(count=jnp.zeros([], jnp.int32), momentum=optax.tree_utils.tree_zeros_like(params))
-
-    def update_fn(updates, state, params):
-        buf = jax.tree.map(lambda m, g: momentum * m + g, state.momentum, updates)
-        direction = jax.tree.map(lambda m, g: momentum * m + g, buf, updates) if nesterov else buf
-        rate = lr(state.count)
-        flat_dir = flatten_linear_layers(direction)
-        flat_params = flatten_linear_layers(params)
-        flat_out = jax.tree.map(lambda p, u: _hyperball(p, _orthogonalise(u, ns_steps, eps), rate), flat_params, flat_dir)
-        out = unflatten_linear_layers(direction, flat_out)
-        return out, MuonHState(count=optax.safe_increment(state.count), momentum=buf)
-
-    return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _per_matrix(fn, *arrays):
-    """Apply a function of 2-D matrices to every matrix of stacked arrays (leading dims vmapped)."""
-    for _ in range(arrays[0].ndim - 2):
-        fn = jax.vmap(fn)
-    return fn(*arrays)
-
-
-def _orthogonalise(update: jax.Array, steps: int, eps: float) -> jax.Array:
-    if update.ndim < 2:
-        return update
-    whole, spec = _whole_matrices(update)
-    out = _per_matrix(lambda x: _newton_schulz(x.astype(jnp.float32), steps, eps), whole)
-    out = out.astype(update.dtype)
-    return out if spec is None else jax.sharding.reshard(out, spec)
-
-
-def _whole_matrices(x: jax.Array):
-    """x with its two matrix dims unsplit (stack dims keep their split), and x's own spec.
-
-    FSDP splits a matrix's rows over devices; Newton-Schulz multiplies whole matrices, so they are
-    gathered for it (and the result split back like the parameter).
-    """
-    from jax.sharding import PartitionSpec as P
-
-    sharding = jax.typeof(x).sharding
-    if sharding.mesh.empty:
-        return x, None
-    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-    return jax.sharding.reshard(x, P(*spec[:-2], None, None)), P(*spec)
-
-
-def _newton_schulz(x: jax.Array, steps: int, eps: float) -> jax.Array:
-    """Levanter's quintic Newton-Schulz iteration (its coefficients) toward the polar factor of x.
-
-    Levanter's own `zeropower_via_newtonschulz5` pins a (data, model) sharding constraint, which
-    an explicit-axis mesh rejects; this is the same iteration without it.
-    """
-    from levanter.optim.util import NEWTON_SCHULZ_COEFFICIENTS
-
-    coefficients = NEWTON_SCHULZ_COEFFICIENTS["quintic"]
-    x = x / (jnp.linalg.norm(x) + eps)
-    transpose = x.shape[0] > x.shape[1]
-    if transpose:
-        x = x.T
-    for i in range(steps):
-        a, b, c = coefficients[i % len(coefficients)]
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x.T if transpose else x
-
-
-def _hyperball(param: jax.Array, update: jax.Array, rate) -> jax.Array:
-    from levanter.optim.util import norm_preserving_update
-
-    if param.ndim < 2:
-        return -rate * update
-    return _per_matrix(lambda p, u: norm_preserving_update(p, u, rate), param, update)
 
 
 def scale_by_adamh(lr: Schedule, *, b1: float, b2: float, eps: float) -> optax.GradientTransformation:

@@ -1,0 +1,158 @@
+"""MuonH (Muon with a norm-preserving "hyperball" update) on each parameter's logical matrices.
+
+Keel stores matrices with articulated axes (q is [layers, embed, heads, head_size]), so "the last
+two dims" is not the matrix: Newton-Schulz would orthogonalise one [heads, head_size] slice per
+input row, and the hyperball would freeze each row's norm. The matrices are found from the Haliax
+axis names instead (`matrix_axes`, the one rule), the way Levanter's MuonH flattens a
+`haliax.nn.Linear`'s In axes and Out axes into one matrix (Linear modules are flattened first with
+Levanter's own helpers, so their `__IN__` / `__OUT__` axes are the two sides).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import optax
+
+Schedule = Callable[[jax.Array], jax.Array]
+
+STACK_AXES = frozenset({"layers", "experts", "shared_experts"})
+"""Axes that index independent matrices (scanned layers, routed experts, shared experts)."""
+FUSED_AXES = (("heads", "head_size"), ("kv_heads", "head_size"))
+"""Axes that together form one side of a matrix: an attention projection's heads x head_size."""
+
+
+def matrix_axes(axes) -> tuple[tuple, tuple, tuple]:
+    """(stack, rows, cols) of a parameter with these Haliax axes; each logical matrix is rows x cols.
+
+    Stack axes (`STACK_AXES`) are vmapped over. Every other axis is one side of the matrix on its
+    own, except the `FUSED_AXES` groups, which form one side together; exactly two sides must remain.
+    Sides keep their stored order (keel stores inputs before outputs, as Levanter's Linear does);
+    the order does not change the result anyway: the polar factor of a transpose is the transpose
+    of the polar factor, and the Frobenius norm is the same.
+    So q [layers, embed, heads, head_size] is one [embed, heads*head_size] matrix per layer, o is
+    [heads*head_size, embed], a routed expert's gate is [latent, expert_mlp] per layer and expert.
+    """
+    names = {ax.name for ax in axes}
+
+    def side_of(name: str) -> tuple[str, ...]:
+        return next((g for g in FUSED_AXES if name in g and names.issuperset(g)), (name,))
+
+    stack = tuple(ax for ax in axes if ax.name in STACK_AXES)
+    by_side: dict[tuple[str, ...], list] = {}  # in order of first appearance
+    for ax in axes:
+        if ax.name not in STACK_AXES:
+            by_side.setdefault(side_of(ax.name), []).append(ax)
+    sides = list(by_side.values())
+    if len(sides) != 2:
+        raise ValueError(
+            f"MuonH: axes {[ax.name for ax in axes]} give {len(sides)} matrix sides, not 2 (stack axes "
+            f"{sorted(STACK_AXES)}; fused {FUSED_AXES}): train this parameter with Adam, or name its axes"
+        )
+    return stack, tuple(sides[0]), tuple(sides[1])
+
+
+class MuonHState(NamedTuple):
+    count: jax.Array
+    momentum: optax.Updates
+
+
+def scale_by_muonh(
+    lr: Schedule, *, momentum: float, nesterov: bool, ns_steps: int, eps: float
+) -> optax.GradientTransformation:
+    """MuonH: Nesterov momentum, Newton-Schulz orthogonalisation per logical matrix, hyperball update.
+
+    The update keeps each logical matrix's Frobenius norm at its initial value (Levanter's
+    `norm_preserving_update` on the same matrix), so MuonH matrices need no weight decay.
+    """
+    from levanter.optim.util import flatten_linear_layers, unflatten_linear_layers
+
+    def init_fn(params):
+        for param in jax.tree.leaves(flatten_linear_layers(params), is_leaf=_is_named):  # refuse non-matrices early
+            _check_matrix(param)
+        return MuonHState(count=jnp.zeros([], jnp.int32), momentum=optax.tree_utils.tree_zeros_like(params))
+
+    def update_fn(updates, state, params):
+        buf = jax.tree.map(lambda m, g: momentum * m + g, state.momentum, updates)
+        direction = jax.tree.map(lambda m, g: momentum * m + g, buf, updates) if nesterov else buf
+        rate = lr(state.count)
+
+        def step(p, u):
+            return _muonh_step(p, u, rate, ns_steps, eps)
+
+        flat = jax.tree.map(step, flatten_linear_layers(params), flatten_linear_layers(direction), is_leaf=_is_named)
+        return unflatten_linear_layers(direction, flat), MuonHState(count=optax.safe_increment(state.count), momentum=buf)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _is_named(x) -> bool:
+    return isinstance(x, hax.NamedArray)
+
+
+def _check_matrix(param) -> None:
+    if _is_named(param):
+        matrix_axes(param.axes)
+    elif param.ndim != 2:
+        raise ValueError(f"MuonH: an unnamed array of shape {param.shape} is not a matrix: give it Haliax axes")
+
+
+def _muonh_step(param, update, rate, steps: int, eps: float):
+    """The hyperball update of one parameter: every logical matrix orthogonalised, its norm kept."""
+    from levanter.optim.util import norm_preserving_update
+
+    def one(p, u):
+        return norm_preserving_update(p, _newton_schulz(u.astype(jnp.float32), steps, eps), rate).astype(u.dtype)
+
+    if not _is_named(param):  # a plain 2-D array (init_fn refused any other)
+        return one(param, update)
+    stack, rows, cols = matrix_axes(param.axes)
+    order = (*stack, *rows, *cols)
+    shape = (*(ax.size for ax in stack), math.prod(ax.size for ax in rows), math.prod(ax.size for ax in cols))
+    p, spec = _whole_matrices(param.rearrange(order).array, len(stack))
+    u, _ = _whole_matrices(update.rearrange(order).array, len(stack))
+    fn = one
+    for _ in stack:
+        fn = jax.vmap(fn)
+    out = fn(p.reshape(shape), u.reshape(shape)).reshape(p.shape)
+    out = out if spec is None else jax.sharding.reshard(out, spec)
+    return hax.named(out, order).rearrange(param.axes)
+
+
+def _whole_matrices(x: jax.Array, num_stack: int):
+    """x with its matrix dims (all but the first `num_stack`) unsplit, and x's own spec.
+
+    FSDP splits a matrix's rows over devices; Newton-Schulz multiplies whole matrices, so they are
+    gathered for it (and the result split back like the parameter). Stack dims keep their split.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    sharding = jax.typeof(x).sharding
+    if sharding.mesh.empty:
+        return x, None
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    return jax.sharding.reshard(x, P(*spec[:num_stack], *(None,) * (x.ndim - num_stack))), P(*spec)
+
+
+def _newton_schulz(x: jax.Array, steps: int, eps: float) -> jax.Array:
+    """Levanter's quintic Newton-Schulz iteration (its coefficients) toward the polar factor of x.
+
+    Levanter's own `zeropower_via_newtonschulz5` pins a (data, model) sharding constraint, which
+    an explicit-axis mesh rejects; this is the same iteration without it.
+    """
+    from levanter.optim.util import NEWTON_SCHULZ_COEFFICIENTS
+
+    coefficients = NEWTON_SCHULZ_COEFFICIENTS["quintic"]
+    x = x / (jnp.linalg.norm(x) + eps)
+    transpose = x.shape[0] > x.shape[1]
+    if transpose:
+        x = x.T
+    for i in range(steps):
+        a, b, c = coefficients[i % len(coefficients)]
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if transpose else x
