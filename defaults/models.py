@@ -1,6 +1,6 @@
 """Model presets: the 535B-A23B hero architecture and its tiny CPU-sized twin."""
 
-from keel.model import Balancing, ConvSite, MoELMConfig, Routing
+from keel.model import AttentionBackend, Balancing, ConvSite, MoELMConfig, Routing
 
 ALL_CONV_SITES = (ConvSite.KEY, ConvSite.ATTENTION_OUTPUT, ConvSite.MOE_OUTPUT)
 
@@ -17,6 +17,7 @@ hero_535b = MoELMConfig(
     num_global_kv_heads=6,
     global_every=4,
     sliding_window=2048,
+    attention_backend=AttentionBackend.JAX_FLASH,  # GPUs' default, NVTE, cannot apply the window
     rope_theta=10_000.0,
     rope_fraction=0.5,
     qk_norm=True,

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from defaults.models import hero_535b, tiny_moe
-from keel.model import Balancing, ConvSite, MoELMConfig, Routing
+from keel.model import AttentionBackend, Balancing, ConvSite, MoELMConfig, Routing
+from keel.model.config import select_attention_backend
 
 
 def test_hero_counts_match_the_reference_exactly():
@@ -190,8 +191,37 @@ def test_enum_fields_accept_their_string_values():
         (dict(hidden_dim=0), "hidden_dim"),
         (dict(qb_histogram_bins=1), "qb_histogram_bins"),
         (dict(balancing="aux_loss"), "aux_loss_coef"),
+        (dict(attention_backend="nvte"), "attention_backend"),
+        (dict(attention_backend="default"), "attention_backend"),
     ],
 )
 def test_invalid_configs_name_the_field(change, field):
     with pytest.raises(ValueError, match=rf"MoELMConfig\.{field}\b"):
         dataclasses.replace(tiny_moe, **change)
+
+
+@pytest.mark.parametrize("backend", [b for b in AttentionBackend if b is not AttentionBackend.NVTE])
+def test_backends_that_apply_the_window_are_used_as_declared(backend):
+    assert select_attention_backend(backend, 64) is backend
+    assert select_attention_backend(backend, None) is backend
+
+
+def test_nvte_is_refused_for_windowed_layers_naming_the_field_the_layers_and_the_fix():
+    assert select_attention_backend(AttentionBackend.NVTE, None) is AttentionBackend.NVTE  # full causal: fine
+    with pytest.raises(ValueError) as refused:
+        select_attention_backend(AttentionBackend.NVTE, 64)
+    message = str(refused.value)
+    assert message.startswith("MoELMConfig.attention_backend='nvte' cannot apply sliding_window=64 of the local layers")
+    assert "attention_backend='jax_flash'" in message and "sliding_window=None" in message
+    with pytest.raises(ValueError, match=r"MoELMConfig\.attention_backend='nvte' cannot apply sliding_window=64"):
+        tiny_moe.replace(attention_backend="nvte")  # refused when declared, before any jax
+    # No windowed layer, no refusal: no window, or every layer global.
+    assert tiny_moe.replace(attention_backend="nvte", sliding_window=None).attention_backend is AttentionBackend.NVTE
+    assert tiny_moe.replace(attention_backend="nvte", global_every=1).global_layers == (0, 1, 2, 3)
+
+
+def test_the_attention_backend_is_execution_only():
+    from keel.executor.identity import encode
+
+    assert encode(tiny_moe, "model", None) == encode(tiny_moe.replace(attention_backend="jax_flash"), "model", None)
+    assert encode(tiny_moe, "model", None) != encode(tiny_moe.replace(sliding_window=32), "model", None)

@@ -1,5 +1,6 @@
 """Behaviour of the reference features: document isolation, windows, XSA, quantile balancing."""
 
+import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -9,19 +10,44 @@ from model_tiny import hero_like, packed_batch
 
 from keel.mesh.mesh import build_mesh, use_mesh
 from keel.mesh.topology import RackTopology
+from keel.model.attention import Attention
+from keel.model.loss import TokenBatch, loss_fn
 from keel.model.routing import Routes, next_router_bias, quantile_beta, route
 from keel.model.transformer import init_model
 from keel.model.transport_spec import TransportSpec
+from keel.train import GroupedOptimizerConfig, ScheduleConfig, TrainConfig
+from keel.train.lm import KeelLM
+from keel.train.optimizer import build_optimizer
+
+
+@jax.jit
+def _forward(model, ids, seg):
+    return model(ids, seg, transport=TransportSpec("local"))[0]
 
 
 def _logits(model, ids, seg):
-    return jax.jit(lambda m, i, s: m(i, s, transport=TransportSpec("local"))[0])(model, ids, seg).array
+    return _forward(model, ids, seg).array
+
+
+def _randomise(module, pick, key, scale=0.5):
+    """`module` with the leaves `pick` returns set to random normals: convs start as identity and
+    attention gates at zero, so leakage through them is invisible until they are perturbed."""
+    current = pick(module)
+    keys = jax.random.split(key, len(current))
+    return eqx.tree_at(pick, module, [hax.random.normal(k, x.axes) * scale for k, x in zip(keys, current)])
+
+
+def _convs_and_gates(model):
+    block = model.layers.stacked
+    return [block.attn.gate, block.attn.conv_key.kernel, block.conv_attention_output.kernel, block.conv_moe_output.kernel]
 
 
 def test_documents_in_one_row_do_not_see_each_other():
     config = hero_like()
-    model = init_model(config, jax.random.PRNGKey(0))
+    fresh = init_model(config, jax.random.PRNGKey(0))
+    model = _randomise(fresh, _convs_and_gates, jax.random.PRNGKey(5))
     ids, seg = packed_batch(config, batch=2)
+    assert np.abs(_logits(model, ids, seg) - _logits(fresh, ids, seg)).max() > 1e-2  # the new leaves are in play
     first_doc = np.asarray(seg.array) == 0
     changed = hax.named(jnp.where(first_doc, (ids.array + 7) % config.vocab_size, ids.array), ids.axes)
     before, after = _logits(model, ids, seg), _logits(model, changed, seg)
@@ -39,6 +65,26 @@ def test_local_layers_see_only_the_window_global_layers_everything(global_every,
     delta = np.abs(_logits(model, changed, seg) - _logits(model, ids, seg)).max(axis=-1)[0]
     assert delta[5] > 1e-4  # position 5 attends to 2..5
     assert (delta[6:].max() > 1e-4) == reaches
+
+
+@pytest.mark.parametrize("backend", ["vanilla", "jax_flash"])
+def test_the_declared_backend_applies_the_window(backend):
+    """A local layer's output at a position does not move when an input more than `window` back
+    changes, and does move within the window. 2,048 positions: jax_flash runs its blockwise kernel
+    only from its 1,024-token block up (shorter sequences take the vanilla path)."""
+    window, seq, at = 64, 2048, 1000
+    config = hero_like(num_layers=1, global_every=None, sliding_window=window, max_seq_len=seq, conv_sites=(),
+                       attention_backend=backend)
+    attn = _randomise(Attention.init(config, key=jax.random.PRNGKey(0)), lambda a: [a.gate], jax.random.PRNGKey(1))
+    B, P, Embed = hax.Axis("batch", 1), hax.Axis("position", seq), attn.q.axes[0]
+    x = hax.random.normal(jax.random.PRNGKey(2), (B, P, Embed))
+    moved = hax.named(x.array.at[:, at].add(10.0), x.axes)
+    seg = hax.zeros((B, P), dtype=jnp.int32)
+    run = jax.jit(lambda a, x: a(x, seg, False, P).rearrange((B, P, Embed)).array)
+    delta = np.abs(np.asarray(run(attn, moved) - run(attn, x)))[0].max(axis=-1)
+    assert delta[:at].max() == 0  # causal
+    assert delta[at + window :].max() == 0  # beyond the window: masked keys contribute exactly nothing
+    assert delta[at : at + window].min() > 1e-3  # while every position whose window holds `at` moves
 
 
 def test_xsa_output_is_orthogonal_to_the_own_value():
@@ -93,7 +139,7 @@ def test_forward_reports_per_layer_balance_stats():
     assert np.all(np.asarray(aux["dropped_fraction"].array) == 0)
 
 
-def test_router_bias_steers_selection_but_not_the_combine_weights_and_gets_no_gradient():
+def test_router_bias_steers_selection_but_not_the_combine_weights():
     config = hero_like()
     moe = init_model(config, jax.random.PRNGKey(0)).layers.get_layer(0).moe
     Token = hax.Axis("token", 32)
@@ -104,10 +150,51 @@ def test_router_bias_steers_selection_but_not_the_combine_weights_and_gets_no_gr
     np.testing.assert_allclose(np.asarray(steered.weights.array).sum(1), config.routing_renorm_sum, rtol=1e-5)
     assert not np.array_equal(plain.selected.array, steered.selected.array)
 
-    def routed_weight_sum(bias):
-        return hax.sum(route(u, moe.router, bias, config).weights).array
+    # The threshold is a biased logit, the one value of `route` the bias moves continuously: the
+    # stop-gradient keeps it from carrying a gradient back to the bias.
+    def threshold_sum(bias):
+        return hax.sum(route(u, moe.router, bias, config).threshold).array
 
-    assert np.all(np.asarray(jax.grad(lambda b: routed_weight_sum(b))(bias).array) == 0)
+    assert np.all(np.asarray(jax.grad(threshold_sum)(bias).array) == 0)
+
+
+def test_router_bias_moves_only_by_quantile_balancing_under_the_grouped_optimizer():
+    """Two real steps in the loop's order (optimizer update, then `apply_router_update`): the
+    optimizer's update for the bias is exactly zero and the bias ends as -beta (centred).
+
+    The loss has no gradient path to the bias (it only steers selection), so with its true zero
+    gradient even an optimizer that trained it would leave it still; the bias's gradient is set to
+    ones (a leak) so that training it would show."""
+    config = hero_like()
+    model = init_model(config, jax.random.PRNGKey(0))
+    ids, seg = packed_batch(config)
+    batch = TokenBatch(input_ids=ids, segment_ids=seg)
+    train = TrainConfig(batch_size=8, seq_len=16, num_steps=4, schedule=ScheduleConfig(0.0, 1.0),
+                        optimizer=GroupedOptimizerConfig(muon_lr=1e-2, adam_lr=1e-2))
+    tx, _ = build_optimizer(train, eqx.filter(model, eqx.is_inexact_array))
+    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+    update = eqx.filter_jit(tx.update)
+    lm = KeelLM(config, mesh=None)
+
+    def bias_of(tree):
+        return tree.layers.stacked.moe.router_bias
+
+    def loss(model):
+        return loss_fn(model, batch, transport=TransportSpec("local"))
+
+    grads_and_aux = eqx.filter_jit(eqx.filter_grad(loss, has_aux=True))
+
+    for _ in range(2):
+        grads, aux = grads_and_aux(model)
+        leaked = eqx.tree_at(bias_of, grads, hax.ones_like(bias_of(grads)))
+        updates, opt_state = update(leaked, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        assert np.all(np.asarray(bias_of(updates).array) == 0)
+        assert np.abs(np.asarray(updates.layers.stacked.moe.router.array)).max() > 0  # a real step
+        before = np.asarray(bias_of(model).array)
+        model = lm.apply_router_update(eqx.apply_updates(model, updates), aux)
+        expected = np.asarray(next_router_bias(aux["qb_beta"]).array)
+        np.testing.assert_array_equal(np.asarray(bias_of(model).array), expected)
+        assert np.abs(expected - before).max() > 0  # quantile balancing did move it
 
 
 def test_softmax_routing_with_auxiliary_loss():

@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -45,25 +44,21 @@ def test_hero_file_derives_the_reference(sheet):
     assert round(claims["activations_per_layer"] / 1e9) == 567
 
 
-def test_keel_plan_prints_the_fact_sheet_fast_and_without_jax():
-    started = time.perf_counter()
+def test_keel_plan_prints_the_fact_sheet_without_jax():
+    """How fast it is: benchmarks/plan_latency.py."""
     out = _keel("plan", HERO, "--json", "--prefix", "/tmp/keel-hero-plan")
-    elapsed = time.perf_counter() - started
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     (sheet,) = plan["fact_sheets"]
     assert "2026-11-18" in sheet["text"]
-    assert elapsed < 10  # the whole process, interpreter and CLI start included
     probe = (
-        "import sys, time\nfrom keel.cli import load_experiment\nt = time.perf_counter()\n"
-        "from keel.plan import fact_sheets_for\n"
+        "import sys\nfrom keel.cli import load_experiment\nfrom keel.plan import fact_sheets_for\n"
         f"fact_sheets_for(load_experiment({HERO!r}))\n"
-        "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'levanter', 'haliax', 'equinox')]\n"
-        "print(time.perf_counter() - t)\n"
+        "heavy = [m for m in sys.modules if m.split('.')[0] in ('jax', 'levanter', 'haliax', 'equinox')]\n"
+        "assert not heavy, heavy\n"
     )
-    timed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert timed.returncode == 0, timed.stderr
-    assert float(timed.stdout) < 1.0
+    probed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert probed.returncode == 0, probed.stderr
 
 
 def test_a_broken_hero_variant_fails_in_plan_naming_the_field():

@@ -5,6 +5,9 @@ One module serves both kinds of layer because every layer stores the same parame
 kind arrives as a traced flag and picks a branch with `jax.lax.cond`, so the stacked layers keep a
 single scanned body while each branch keeps its window and head grouping static (a static window
 is what block-sparse attention kernels can exploit), and only the chosen branch runs.
+
+The kernel is the config's declared `attention_backend`, never Levanter's platform default: that
+default is NVTE on GPUs, which drops the sliding window (`select_attention_backend` refuses it).
 """
 
 import equinox as eqx
@@ -13,10 +16,11 @@ import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
 from haliax import Axis, NamedArray
-from levanter.layers.attention import AttentionBackend, AttentionMask, dot_product_attention
+from levanter.layers import attention as levanter_attention
+from levanter.layers.attention import AttentionMask, dot_product_attention
 
 from keel.model.axes import KEY_POS, ModelAxes, init_matrix
-from keel.model.config import ConvSite, MoELMConfig
+from keel.model.config import ConvSite, MoELMConfig, select_attention_backend
 from keel.model.conv import CausalDepthwiseConv
 from keel.model.norms import rms_normalize
 
@@ -92,7 +96,7 @@ class Attention(eqx.Module):
         v = v[a.KVHeads, :num_kv]
         KPos = Pos.alias(KEY_POS)
         mask = AttentionMask.causal(sliding_window=window, segment_ids=(segment_ids, segment_ids))
-        backend = AttentionBackend.VANILLA if jax.default_backend() == "cpu" else AttentionBackend.DEFAULT
+        backend = select_attention_backend(cfg.attention_backend, window)
         y = dot_product_attention(
             Pos,
             KPos,
@@ -101,7 +105,7 @@ class Attention(eqx.Module):
             k.rename({Pos: KPos}),
             v.rename({Pos: KPos}),
             mask=mask,
-            attn_backend=backend,
+            attn_backend=levanter_attention.AttentionBackend(backend.value),
         )
         if cfg.xsa:
             # Exclusive self-attention: drop the component of each head's output along its own token's value.

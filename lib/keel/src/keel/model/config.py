@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from keel.executor.step import execution_only
+
 
 class Routing(str, Enum):
     """How a token picks its experts and weighs their outputs."""
@@ -44,6 +46,46 @@ class ConvSite(str, Enum):
     """On the attention branch output before the residual add (channels = hidden_dim)."""
     MOE_OUTPUT = "moe_output"
     """On the MoE branch output (routed + shared) before the residual add (channels = hidden_dim)."""
+
+
+class AttentionBackend(str, Enum):
+    """Which kernel computes attention; the values are Levanter's `AttentionBackend` names.
+
+    Levanter's "default" is left out on purpose: it picks the kernel from the platform at trace
+    time, and on GPUs that is NVTE, which would drop the local layers' window without a word.
+    """
+
+    VANILLA = "vanilla"
+    """The full score matrix with every mask term (causal, window, segments): the reference, and
+    the fastest on XLA:CPU; memory grows with seq_len^2."""
+    JAX_FLASH = "jax_flash"
+    """Levanter's blockwise pure-JAX flash attention on any platform; applies every mask term
+    (sequences shorter than its 1024-token block run the vanilla path)."""
+    SPLASH = "splash"
+    """The Pallas splash kernel (TPU only); applies the window and segments."""
+    NVTE = "nvte"
+    """Transformer Engine / cuDNN fused attention (NVIDIA GPUs): causal and segments only; Levanter
+    ignores a sliding window there, so keel refuses it for windowed layers."""
+
+
+def select_attention_backend(declared: AttentionBackend, window: int | None) -> AttentionBackend:
+    """The backend a layer with this `window` (None = full causal) runs: the declared one, or a
+    ValueError when that backend cannot apply the window (a mask must never be dropped silently)."""
+    problem = _window_problem(declared, window)
+    if problem:
+        raise ValueError(f"MoELMConfig.{problem}")
+    return declared
+
+
+def _window_problem(declared: AttentionBackend, window: int | None) -> str | None:
+    if window is None or declared is not AttentionBackend.NVTE:
+        return None
+    return (
+        f"attention_backend='{declared.value}' cannot apply sliding_window={window} of the local layers: "
+        "Levanter's Transformer Engine path ignores the window, so they would attend to every earlier token. "
+        f"Use attention_backend='{AttentionBackend.JAX_FLASH.value}' (or '{AttentionBackend.VANILLA.value}'), "
+        "or set sliding_window=None"
+    )
 
 
 def _coerce(enum_type, value, field_name):
@@ -83,6 +125,9 @@ class MoELMConfig:
     rope_theta: float = 10_000.0
     rope_fraction: float = 1.0
     """Fraction of head_dim rotated by RoPE on local layers (0 = no RoPE). Global layers use none."""
+    attention_backend: AttentionBackend = execution_only(default=AttentionBackend.VANILLA)
+    """The attention kernel of every layer (execution-only: it changes how attention runs, not what
+    it computes). Checked against the local layers' window when the config is declared."""
     qk_norm: bool = False
     """RMS-normalise q and k per head, without a learned gain (eps `qk_norm_eps`), before RoPE."""
     qk_mult: float = 1.0
@@ -130,6 +175,8 @@ class MoELMConfig:
     def __post_init__(self):
         object.__setattr__(self, "routing", _coerce(Routing, self.routing, "routing"))
         object.__setattr__(self, "balancing", _coerce(Balancing, self.balancing, "balancing"))
+        backend = _coerce(AttentionBackend, self.attention_backend, "attention_backend")
+        object.__setattr__(self, "attention_backend", backend)
         sites = tuple(_coerce(ConvSite, s, "conv_sites") for s in self.conv_sites)
         object.__setattr__(self, "conv_sites", sites)
         for problem in self._problems():
@@ -157,6 +204,10 @@ class MoELMConfig:
                 f"sliding_window={self.sliding_window} must be between 1 and max_seq_len={self.max_seq_len}: "
                 "shrink it, or use None for full attention"
             )
+        elif self.has_local_layers:
+            problem = _window_problem(self.attention_backend, self.sliding_window)
+            if problem:
+                yield problem
         if not 0.0 <= self.rope_fraction <= 1.0:
             yield f"rope_fraction={self.rope_fraction} must lie in [0, 1] (0 = no RoPE)"
         elif self.rotary_dim % 2 or not math.isclose(self.rotary_dim, self.rope_fraction * self.head_dim):
@@ -238,6 +289,10 @@ class MoELMConfig:
     def has_router_bias(self) -> bool:
         """Quantile balancing keeps a non-learned router_bias per layer and expert."""
         return self.num_experts > 0 and self.balancing is Balancing.QUANTILE
+
+    @property
+    def has_local_layers(self) -> bool:
+        return len(self.global_layers) < self.num_layers
 
     def is_global_layer(self, i: int) -> bool:
         """Global layers: full causal attention, no RoPE, the first `num_global_kv_heads` KV heads."""

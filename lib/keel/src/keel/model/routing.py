@@ -137,11 +137,6 @@ def token_sum(fn, *token_arrays, replicated=()):
     return shard_map(local, mesh=get_abstract_mesh(), in_specs=in_specs, out_specs=P(), check_vma=False)(*args)
 
 
-def initial_router_bias(config: MoELMConfig) -> NamedArray:
-    """The router bias before the first step: zeros [Layers, Experts]."""
-    return hax.zeros((Axis("layers", config.num_layers), Axis("experts", config.num_experts)))
-
-
 def next_router_bias(betas: NamedArray) -> NamedArray:
     """Next step's router bias from this step's betas [Layers, Experts]: -beta, centred to zero mean per layer."""
     Experts = betas.resolve_axis("experts")
