@@ -7,8 +7,11 @@ Both tests run keel as a user would: `keel run` as a subprocess whose environmen
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ import pytest
 from keel.cli import load_experiment
 from keel.executor.plan import Graph, plan_graph
 from keel.executor.status import keel_path, read_status, verify_manifest
+from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +33,73 @@ def user_env(**extra) -> dict:
 
 
 def keel(*args, timeout=900, **env):
-    return subprocess.run([sys.executable, "-m", "keel.cli_entry", *args], env=user_env(**env), cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    """`uv run --locked keel ARGS` (the README's spelling) from the repository, as a user runs it."""
+    uv = shutil.which("uv")
+    command = [uv, "run", "--locked", "keel"] if uv else [sys.executable, "-m", "keel.cli_entry"]
+    return subprocess.run([*command, *args], env=user_env(**env), cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_the_readme_main_job_trains_then_everything_is_cached(tmp_path):
+    done = keel("run", "experiments/tutorials/tiny_moe.py", "--prefix", str(tmp_path))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    graph = Graph(load_experiment(str(REPO / "experiments/tutorials/tiny_moe.py")), str(tmp_path))
+    train = next(s for s in graph.steps() if s.name == "train/tiny_moe")
+    evals = latest_by_step(read_metrics(os.path.join(graph.path(train), METRICS_FILE)), "eval/loss")
+    assert evals[0] > 6.0 and evals[max(evals)] < 0.6 * evals[0], evals  # it learned
+    again = keel("run", "experiments/tutorials/tiny_moe.py", "--prefix", str(tmp_path), timeout=120)
+    assert again.returncode == 0 and "0 ran, 0 reused, 4 cached" in again.stdout, again.stdout + again.stderr
+
+
+def test_ctrl_c_stops_training_steps_at_a_step_boundary_and_the_rerun_resumes(tmp_path):
+    steps = "100"
+    args = ("run", SWEEP, "--prefix", str(tmp_path))
+    env = user_env(SWEEP_STEPS=steps)
+    uv = shutil.which("uv")
+    command = [uv, "run", "--locked", "keel"] if uv else [sys.executable, "-m", "keel.cli_entry"]
+    os.environ["SWEEP_STEPS"] = steps
+    try:
+        graph = Graph(load_experiment(SWEEP), str(tmp_path))
+    finally:
+        del os.environ["SWEEP_STEPS"]
+    trains = [graph.path(s) for s in graph.steps() if s.name.startswith("train/")]
+    log = tmp_path / "console.txt"
+    with open(log, "w") as console:  # a file, not a pipe: nobody reads the console while training runs
+        proc = subprocess.Popen([*command, *args], env=env, cwd=REPO, stdout=console, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own process group, as in a terminal
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not all(_train_rows(p) >= 3 for p in trains):
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole group (uv, if any, and keel) gets it
+        proc.wait(timeout=300)
+    finally:
+        proc.kill()
+    out = log.read_text()
+    assert proc.returncode == 130, out[-4000:]
+    assert "interrupted; run the same command again" in out and "Traceback" not in out, out[-4000:]
+    stopped = {}
+    for path in trains:
+        status = read_status(path)
+        assert status.state == "INTERRUPTED" and "training stopped after step" in status.error, status
+        stopped[path] = int(status.error.split("after step ")[1].split()[0])
+        assert 3 <= stopped[path] < int(steps)
+        assert os.path.exists(os.path.join(path, "checkpoints", f"step-{stopped[path]}", "metadata.json"))
+
+    rerun = subprocess.run([*command, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-4000:]
+    for path in trains:
+        assert read_status(path).state == "SUCCESS"
+        assert f"Resumed from {path}/checkpoints/step-{stopped[path]}" in Path(keel_path(path, "log.txt")).read_text()
+        rows = [r["step"] for r in read_metrics(os.path.join(path, METRICS_FILE)) if "train/loss" in r]
+        assert rows == list(range(int(steps))), rows
+
+
+def _train_rows(path) -> int:
+    try:
+        return sum("train/loss" in r for r in read_metrics(os.path.join(path, METRICS_FILE)))
+    except FileNotFoundError:
+        return 0
 
 
 def test_a_two_point_sweep_runs_both_training_steps_at_once_in_their_own_processes(tmp_path):

@@ -60,6 +60,8 @@ def _install() -> None:
         handler = _ThreadLogHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.getLogger().addHandler(handler)
+        if logging.getLogger("keel").level == logging.NOTSET:  # keel's own events (resume, switches) at INFO
+            logging.getLogger("keel").setLevel(logging.INFO)
         _installed = True
 
 

@@ -36,6 +36,8 @@ from keel.executor.status import SUCCESS, Status, keel_path, mark_finished, mark
 from keel.executor.step import Step
 
 _MAX_WAIT_POLL_S = 1.0
+_SIGNAL_POLL_S = 0.2
+_SAME_CTRL_C_S = 1.0
 
 
 class StepFailed(RuntimeError):
@@ -122,7 +124,7 @@ class Runner:
         self._lock = threading.Lock()
         self._children: set = set()  # live child processes of isolated steps
         self._active: dict[str, tuple[Status, leases.Lease]] = {}  # output path -> (RUNNING status, lease)
-        self._stopping = False
+        self._stopping, self._stopping_since = False, 0.0
 
     def run(self, only: re.Pattern | None = None) -> RunReport:
         plans = plan_graph(self.graph, self.force)
@@ -166,7 +168,9 @@ class Runner:
                     if pending and not submitted:
                         raise RuntimeError(f"keel: cannot schedule {[p.name for p in pending]}: dependencies unresolved")
                     continue
-                finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                # A bounded wait: a signal delivered to another thread runs its Python handler only
+                # when the main thread wakes, so the main thread must wake up now and then.
+                finished, _ = wait(list(running), timeout=_SIGNAL_POLL_S, return_when=FIRST_COMPLETED)
                 for future in finished:
                     plan = running.pop(future)
                     try:
@@ -294,8 +298,10 @@ class Runner:
 
     def _on_signal(self, signum, _frame) -> None:
         if self._stopping:
+            if time.monotonic() - self._stopping_since < _SAME_CTRL_C_S:
+                return  # one Ctrl-C seen twice: from the terminal and forwarded by a wrapper (`uv run`)
             self._abort()
-        self._stopping = True
+        self._stopping, self._stopping_since = True, time.monotonic()
         interrupt.request()  # in-process steps that poll it stop too
         with self._lock:
             children, active = list(self._children), list(self._active)
