@@ -6,7 +6,9 @@
 The step is named `train/<name>`; its identity is the model, the data (and through it every
 upstream step), the optimizer, schedule, seed, batch size, sequence length and step count.
 Topology, hardware, transports, checkpoint/log cadence, eval batch counts, precision and remat are
-execution-only: changing them resumes the same run under the same output path.
+execution-only: changing them resumes the same run under the same output path. The declaration is
+checked once, by `keel.plan.resolved.resolve`, when `keel plan` or `keel run` starts (and again by
+the step itself): a mistake is a `keel: error:` naming the field before any step runs.
 """
 
 from __future__ import annotations
@@ -34,25 +36,10 @@ def default_train(
     description: str | None = None,
 ) -> Step:
     """A `Step` that trains `model` on `data` (a Mixture, or a tokenize step / External cache)."""
-    if isinstance(data, Mixture):
-        data.check_batch_size(train.batch_size)
-    elif not isinstance(data, (Step, External, OutputOf)):
+    if not isinstance(data, (Mixture, Step, External, OutputOf)):
         raise TypeError(
             f"default_train({name!r}): data is a {type(data).__name__}; give a keel.data.Mixture, a tokenize Step "
             "or an External token cache"
         )
-    if train.seq_len > model.max_seq_len:
-        raise ValueError(
-            f"default_train({name!r}): TrainConfig.seq_len={train.seq_len} exceeds MoELMConfig.max_seq_len="
-            f"{model.max_seq_len}: shorten the sequences or raise max_seq_len"
-        )
-    if topology is not None:
-        topology.validate(model, train.batch_size)
-    for phase in train.transports:
-        if hardware is not None and not hardware.supports_transport(phase.transport):
-            raise ValueError(
-                f"default_train({name!r}): TrainConfig.transports uses {phase.transport!r} from step "
-                f"{phase.start_step}, which {hardware.name} cannot run: pick another transport or hardware"
-            )
     config = TrainStepConfig(model=model, data=data, train=train, topology=topology, hardware=hardware)
     return Step(f"train/{name}", train_step, config, resources=resources, description=description, isolated=True)

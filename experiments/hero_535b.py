@@ -24,6 +24,7 @@ from keel.data import Mixture, MixturePhase
 from keel.mesh import RackTopology
 from keel.plan import scale_down
 from keel.train import (
+    Claim,
     GroupedOptimizerConfig,
     HostOffload,
     RunFacts,
@@ -128,13 +129,21 @@ train = TrainConfig(
     host_offload=HostOffload(master_weights_until_step=RAGGED_FROM, optimizer_state=True),
 )
 
-# Declared facts about the real run, for the time section of the fact sheet.
+# Declared facts about the real run: measured speeds, the rate the end date is projected at, and
+# figures quoted about the run, which `keel plan` recomputes from this declaration.
 facts = RunFacts(
     run_id="hero-12d8b6f0-dee637",
     start_date="2026-08-19",
     observed=(
-        SpeedObservation(step=0, date="2026-08-19", steps_per_day=86_400 / 19.8),  # pooled: 19.8 s/step
-        SpeedObservation(step=RAGGED_FROM, date="2026-09-09", steps_per_day=4400),
+        SpeedObservation(step=0, date="2026-08-19", step_seconds=19.8),  # pooled all-to-all
+        SpeedObservation(step=RAGGED_FROM, date="2026-09-09", step_seconds=16.8),  # ragged all-to-all
+    ),
+    projected_steps_per_day=4400,
+    claims=(
+        Claim("trains in 60 days", figure="run_days", quoted=60),
+        Claim("the 46M-token batch is 92 MB", figure="batch_bytes", quoted=92e6),
+        Claim("activations are 567 GB per layer", figure="activation_bytes_per_layer", quoted=567e9),
+        Claim("top-8 x 3072 equals a dense 4x MLP in FLOPs", figure="moe_to_dense_flops", quoted=1.0),
     ),
 )
 

@@ -47,13 +47,15 @@ def _size(config, *names):
 @pytest.mark.parametrize(
     "off, removed",
     [
-        (dict(attention_gate=False), ["layers.attn.gate"]),
-        (dict(conv_sites=()), ["layers.conv_key.kernel", "layers.conv_attention_output.kernel", "layers.conv_moe_output.kernel"]),
-        (dict(gated_norm_rank=0), [f"{p}.{m}" for p in ("embed_gated_norm", "final_gated_norm", "layers.attn_gated_norm",
-                                                        "layers.mlp_gated_norm") for m in ("down", "up")]),
-        (dict(latent_dim=None, expert_dim=32), ["layers.moe.latent_down", "layers.moe.latent_up", "layers.moe.latent_norm.gain"]),
-        (dict(num_shared_experts=0), ["layers.shared.gate", "layers.shared.up", "layers.shared.down"]),
-        (dict(balancing=Balancing.NONE), ["layers.moe.router_bias"]),
+        (dict(attention_gate=False), ["layers.stacked.attn.gate"]),
+        (dict(conv_sites=()), ["layers.stacked.attn.conv_key.kernel", "layers.stacked.conv_attention_output.kernel",
+                               "layers.stacked.conv_moe_output.kernel"]),
+        (dict(gated_norm_rank=0), [f"{p}.gated.{m}" for p in ("embed_norm", "final_norm", "layers.stacked.attn_norm",
+                                                              "layers.stacked.mlp_norm") for m in ("down", "up")]),
+        (dict(latent_dim=None, expert_dim=32), ["layers.stacked.moe.latent_down", "layers.stacked.moe.latent_up",
+                                                 "layers.stacked.moe.latent_norm.weight"]),
+        (dict(num_shared_experts=0), ["layers.stacked.shared.gate", "layers.stacked.shared.up", "layers.stacked.shared.down"]),
+        (dict(balancing=Balancing.NONE), ["layers.stacked.moe.router_bias"]),
         (dict(tie_embeddings=True), ["lm_head"]),
     ],
 )
@@ -66,8 +68,8 @@ def test_switching_a_feature_off_removes_exactly_its_parameters(off, removed):
     lost = _size(tiny_moe, *removed)
     assert lost > 0
     if "latent_dim" in off:
-        expert_growth = _size(plain, "layers.moe.experts.gate", "layers.moe.experts.up", "layers.moe.experts.down") - _size(
-            tiny_moe, "layers.moe.experts.gate", "layers.moe.experts.up", "layers.moe.experts.down"
+        expert_growth = _size(plain, "layers.stacked.moe.experts.gate", "layers.stacked.moe.experts.up", "layers.stacked.moe.experts.down") - _size(
+            tiny_moe, "layers.stacked.moe.experts.gate", "layers.stacked.moe.experts.up", "layers.stacked.moe.experts.down"
         )
         assert after == before - lost + expert_growth
     else:
@@ -82,7 +84,7 @@ def test_a_plain_moe_with_every_feature_off_is_valid():
     assert not plain.qk_norm and not plain.xsa and not plain.conv_sites and plain.latent_dim is None
     assert plain.balancing is Balancing.NONE and plain.global_layers == ()
     shapes = plain.parameter_shapes()
-    assert shapes["layers.moe.experts.gate"] == (2, 4, 32, 16)
+    assert shapes["layers.stacked.moe.experts.gate"] == (2, 4, 32, 16)
     assert plain.param_counts()["total"] == sum(math.prod(s) for s in shapes.values())
 
 
@@ -131,11 +133,11 @@ def test_random_small_configs_count_every_shape(seed):
     assert sum(counts["components"].values()) == counts["total"]
     assert 0 < counts["active"] < counts["total"]
     d, L = config.hidden_dim, config.num_layers
-    assert shapes["layers.attn.k"] == (L, d, config.num_kv_heads, config.head_dim)
+    assert shapes["layers.stacked.attn.k"] == (L, d, config.num_kv_heads, config.head_dim)
     if config.num_experts:
         experts = counts["components"]["routed_experts"]
         assert counts["active_components"]["routed_experts"] * config.num_experts == experts * config.experts_per_token
-    assert ("layers.moe.router_bias" in shapes) == (config.balancing is Balancing.QUANTILE)
+    assert ("layers.stacked.moe.router_bias" in shapes) == (config.balancing is Balancing.QUANTILE)
 
 
 def _attended_keys_brute_force(config: MoELMConfig, seq: int) -> float:

@@ -49,7 +49,7 @@ def test_cpu_transports_match_dense_outputs_and_gradients_when_nothing_drops():
         valid, cotangent = shard_batch(valid, mesh), shard_batch(cotangent, mesh)
         (_, (ref_out, _)), ref_grads = _value_and_grads(moe, u, valid, cotangent, TransportSpec("dense"))
         for name in CPU_TRANSPORTS:
-            spec = TransportSpec(name, pooled_capacity_factor=8.0)
+            spec = TransportSpec(name, capacity_factor=8.0)
             (_, (out, dropped)), grads = _value_and_grads(moe, u, valid, cotangent, spec)
             assert float(dropped) == 0.0, name
             np.testing.assert_allclose(out, ref_out, rtol=2e-5, atol=2e-5, err_msg=name)

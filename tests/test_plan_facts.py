@@ -14,6 +14,7 @@ from keel.data import Mixture, MixturePhase
 from keel.mesh import RackTopology
 from keel.plan import PlanError, fact_sheet, fact_sheets_for, render_fact_sheet
 from keel.train import (
+    Claim,
     GroupedOptimizerConfig,
     HostOffload,
     RunFacts,
@@ -76,8 +77,12 @@ def hero_config(racks: int = 11, batch: int = 11_264, **train_changes) -> TrainS
     train = dataclasses.replace(train, **train_changes)
     facts = RunFacts(
         start_date="2026-08-19",
-        observed=(SpeedObservation(0, "2026-08-19", 4364), SpeedObservation(81_716, "2026-09-09", 4400)),
+        observed=(SpeedObservation(0, "2026-08-19", 19.8), SpeedObservation(81_716, "2026-09-09", 16.8)),
+        projected_steps_per_day=4400,
         run_id="hero-12d8b6f0-dee637",
+        claims=(Claim("trains in 60 days", "run_days", 60), Claim("the batch is 92 MB", "batch_bytes", 92e6),
+                Claim("activations are 567 GB per layer", "activation_bytes_per_layer", 567e9),
+                Claim("top-8 x 3072 equals a dense 4x MLP in FLOPs", "moe_to_dense_flops", 1.0)),
     )
     return TrainStepConfig(model=hero_535b, data=data, train=train, hardware=gb200_nvl72,
                            topology=RackTopology(racks, gb200_nvl72.gpus_per_rack, expert_parallel=64), facts=facts)
@@ -152,22 +157,35 @@ def test_hero_cross_rack_traffic(hero):
     assert c["router_histogram_gb"] == pytest.approx(ring * 48 * 384 * 10_000 * 4 / 1e9)
 
 
-def test_hero_time_and_completion_date(hero):
+def test_hero_time_mfu_per_measured_phase_goodput_and_completion_date(hero):
     t = hero["time"]
     assert t["projected_end_date"] == "2026-11-18"
-    assert t["speeds"][1]["step_seconds"] == pytest.approx(86_400 / 4400)
-    assert 0 < t["speeds"][1]["mfu"] < 1
+    pooled, ragged = t["speeds"]
+    assert (pooled["step_seconds"], ragged["step_seconds"]) == (19.8, 16.8)
+    assert ragged["mfu"] == pytest.approx(pooled["mfu"] * 19.8 / 16.8)  # same FLOPs per step, faster step
+    assert 0 < pooled["mfu"] < ragged["mfu"] < 1
+    p = t["projection"]
+    assert p["steps_per_day"] == 4400 and p["step_seconds"] == pytest.approx(86_400 / 4400)
+    assert p["goodput"] == pytest.approx(4400 / (86_400 / 16.8))
 
 
-def test_hero_claims_checked(hero):
-    claims = {c["id"]: c for c in hero["claims"]}
+def test_hero_claims_are_declared_and_recomputed(hero):
+    claims = {c["figure"]: c for c in hero["claims"]}
     assert [c["claim"] for c in hero["claims"]] == [
         "trains in 60 days", "the batch is 92 MB", "activations are 567 GB per layer",
         "top-8 x 3072 equals a dense 4x MLP in FLOPs"]
-    assert round(claims["duration"]["value"]) == 89
-    assert round(claims["batch_bytes"]["value"] / 1e6) == 185
-    assert round(claims["activations_per_layer"]["value"] / 1e9) == 567
-    assert claims["moe_vs_dense"]["value"] == pytest.approx(0.5)
+    assert round(claims["run_days"]["value"]) == 89 and not claims["run_days"]["holds"]
+    assert round(claims["batch_bytes"]["value"] / 1e6) == 185 and not claims["batch_bytes"]["holds"]
+    assert round(claims["activation_bytes_per_layer"]["value"] / 1e9) == 567
+    assert claims["moe_to_dense_flops"]["value"] == pytest.approx(0.5) and not claims["moe_to_dense_flops"]["holds"]
+
+
+def test_a_run_that_declares_no_claims_prints_none(hero):
+    config = hero_config()
+    config = dataclasses.replace(config, facts=dataclasses.replace(config.facts, claims=()))
+    sheet = fact_sheet(config)
+    assert sheet["claims"] == [] and "claims checked" not in render_fact_sheet(sheet)
+    assert "60 days" not in render_fact_sheet(sheet)
 
 
 def test_hero_text_names_the_figures(hero):

@@ -39,9 +39,10 @@ def test_hero_file_derives_the_reference(sheet):
         ("fixed_pooled_all_to_all", 0), ("ragged_all_to_all", 81_716)]
     assert sheet["time"]["projected_end_date"] == "2026-11-18"
     assert round(sheet["optimizer"]["adam_lr"], 6) == 0.000759
-    claims = {c["id"]: c["value"] for c in sheet["claims"]}
-    assert round(claims["duration"]) == 89 and round(claims["batch_bytes"] / 1e6) == 185
-    assert round(claims["activations_per_layer"] / 1e9) == 567
+    claims = {c["figure"]: c["value"] for c in sheet["claims"]}
+    assert round(claims["run_days"]) == 89 and round(claims["batch_bytes"] / 1e6) == 185
+    assert round(claims["activation_bytes_per_layer"] / 1e9) == 567
+    assert [s["step_seconds"] for s in sheet["time"]["speeds"]] == [19.8, 16.8]
 
 
 def test_keel_plan_prints_the_fact_sheet_without_jax():

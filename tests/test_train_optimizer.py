@@ -12,7 +12,7 @@ from model_tiny import hero_like
 from defaults.models import tiny_moe
 from keel.train import GroupedOptimizerConfig, ScheduleConfig, TrainConfig, WeightDecayChange
 from keel.train.muonh import matrix_axes
-from keel.train.optimizer import build_optimizer, label_params, lr_schedule, param_paths
+from keel.train.optimizer import build_optimizer, lr_schedule, optimizer_labels, param_paths
 
 HERO_GROUPS = {  # the model's leaf paths (Stacked layers under `layers.stacked`)
     "layers.stacked.attn.q": "muonh", "layers.stacked.attn.o": "muonh", "layers.stacked.moe.experts.gate": "muonh",
@@ -29,14 +29,11 @@ HERO_GROUPS = {  # the model's leaf paths (Stacked layers under `layers.stacked`
 
 def test_hero_groups_put_every_model_parameter_where_the_hero_trains_it():
     from keel.model.transformer import init_model
-    from keel.train.optimizer import FROZEN_PARAMS
 
     config = GroupedOptimizerConfig(muon_lr=1e-2, adam_lr=1e-3)
     params = jax.eval_shape(lambda: init_model(tiny_moe, jax.random.PRNGKey(0)))
-    rules = ([(p, "frozen") for p in FROZEN_PARAMS] + [(p, "muonh") for p in config.muonh_params]
-             + [(p, "adamh") for p in config.adamh_params])
-    labels = dict(zip(jax.tree.leaves(param_paths(params)), jax.tree.leaves(label_params(params, rules, "adam"))))
-    assert len(labels) == len(tiny_moe.parameter_shapes())
+    labels = dict(zip(jax.tree.leaves(param_paths(params)), jax.tree.leaves(optimizer_labels(config, params))))
+    assert len(labels) == len(tiny_moe.parameter_axes())
     for path, group in HERO_GROUPS.items():
         assert labels[path] == group, path
     muonh = {p for p, g in labels.items() if g == "muonh"}

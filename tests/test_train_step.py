@@ -50,25 +50,39 @@ def test_identity_ignores_execution_only_fields_and_tracks_the_rest():
     assert _hash(other_model) != _hash(base)
 
 
-def test_bad_declarations_fail_before_any_compute():
-    with pytest.raises(ValueError, match="seq_len=256 exceeds MoELMConfig.max_seq_len=128"):
-        default_train("t", data=CACHE, model=tiny_moe, train=_train(seq_len=256))
-    with pytest.raises(TopologyError, match="batch_size=12 is not divisible by the 8 batch shards"):
-        default_train("t", data=CACHE, model=tiny_moe, train=_train(batch_size=12),
-                      topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4))
+def _resolve(step):
+    from keel.plan.resolved import resolve
+
+    return resolve(step.config, step.name)
+
+
+def test_bad_declarations_are_refused_by_the_one_validator_before_any_compute():
+    from keel.plan import PlanError
+
+    with pytest.raises(PlanError, match="train.seq_len=256 exceeds model.max_seq_len=128"):
+        _resolve(default_train("t", data=CACHE, model=tiny_moe, train=_train(seq_len=256)))
+    with pytest.raises(PlanError, match="batch_size=12 is not divisible by the 8 batch shards"):
+        _resolve(default_train("t", data=CACHE, model=tiny_moe, train=_train(batch_size=12),
+                               topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)))
     with pytest.raises(TypeError, match="give a keel.data.Mixture"):
         default_train("t", data="/some/path", model=tiny_moe, train=_train())
     phased = Mixture({"a": CACHE}, (MixturePhase(0, {"a": 1.0}), MixturePhase(3, {"a": 1.0})), block_size=64)
-    with pytest.raises(ValueError, match="not a multiple of block_size=64"):
-        default_train("t", data=phased, model=tiny_moe, train=_train())
+    with pytest.raises(PlanError, match="not a multiple of block_size=64"):
+        _resolve(default_train("t", data=phased, model=tiny_moe, train=_train()))
+    with pytest.raises(PlanError, match=r"transports\[0\].transport='ring' moves tokens over the expert axis, but "
+                                        "topology.expert_parallel=1"):
+        _resolve(default_train("t", data=CACHE, model=tiny_moe, train=_train(transports=(TransportPhase(0, "ring"),)),
+                               topology=RackTopology(racks=2, gpus_per_rack=4)))
 
 
 def test_transports_the_platform_or_mesh_cannot_run_are_refused():
     from defaults.hardware import cpu_sim
+    from keel.plan import PlanError
 
-    with pytest.raises(ValueError, match="'ragged_all_to_all' from step 5, which simulated CPU racks cannot run"):
-        default_train("t", data=CACHE, model=tiny_moe, hardware=cpu_sim, train=_train(
-            transports=(TransportPhase(0, "fixed_all_to_all"), TransportPhase(5, "ragged_all_to_all"))))
+    with pytest.raises(PlanError, match="'ragged_all_to_all' is not supported by hardware 'simulated CPU racks'"):
+        _resolve(default_train("t", data=CACHE, model=tiny_moe, hardware=cpu_sim, train=_train(
+            transports=(TransportPhase(0, "fixed_all_to_all"), TransportPhase(5, "ragged_all_to_all"))),
+            topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)))
     from keel.train.config import TrainStepConfig
     from keel.train.step import check_step_config
 
@@ -78,11 +92,9 @@ def test_transports_the_platform_or_mesh_cannot_run_are_refused():
     with pytest.raises(ValueError, match="ragged_all_to_all.*needs a GPU or TPU"):
         check_step_config(ragged, racks, num_devices=8, platform="cpu")
     check_step_config(ragged, racks, num_devices=8, platform="gpu")
-    no_ep = TrainStepConfig(model=tiny_moe, data=CACHE, train=_train(transports=(TransportPhase(0, "ring"),)))
-    with pytest.raises(ValueError, match="expert_parallel=1: set expert_parallel > 1 or use 'local'"):
-        check_step_config(no_ep, RackTopology(racks=2, gpus_per_rack=4), num_devices=8, platform="cpu")
     with pytest.raises(TopologyError, match="8 devices are present but racks=1 x gpus_per_rack=4"):
-        check_step_config(no_ep, RackTopology(racks=1, gpus_per_rack=4), num_devices=8, platform="cpu")
+        check_step_config(ragged, RackTopology(racks=1, gpus_per_rack=4, expert_parallel=4), num_devices=8,
+                          platform="gpu")
 
 
 def _cache(root, values, seq_len):

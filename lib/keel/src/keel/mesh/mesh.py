@@ -1,15 +1,10 @@
-"""From a `RackTopology` to a JAX mesh, and where every named array of the model lives on it.
+"""From a `RackTopology` to a JAX mesh, and the partition spec of every named array on it.
 
-Axes (all Explicit): `replica_dcn` (racks) x `data` x `expert` x `model` (inside a rack).
-Placement rules, by the array's named axes:
-
-- routed expert weights (`experts` and `expert_mlp` axes): `experts` split over `expert`, and their
-  `latent` axis FSDP-split over `data` when it divides; replicated across racks.
-- the token embedding: replicated (a lookup would gather it anyway).
-- every other array with an `embed` axis: FSDP-split over (`data`, `expert`) inside a rack when the
-  width divides, replicated across racks; anything else replicated.
-- activations: `batch` over (`replica_dcn`, `data`, `expert`); `vocab` named to `model` in the compute
-  mapping so Levanter's fused cross-entropy shard_map sees the lm_head's layout.
+Axes (all Explicit): `replica_dcn` (racks) x `data` x `expert` x `model` (inside a rack). Where
+each parameter lives is `keel.mesh.placement`'s rule table (the planner counts bytes from the very
+same table); activations put `batch` over (`replica_dcn`, `data`, `expert`) and name `vocab` to
+`model` in the compute mapping so Levanter's fused cross-entropy shard_map sees the lm_head's
+layout.
 
 On hardware with slices (TPU multislice) racks are the slices; with several processes they are
 contiguous blocks of processes; on one process (CPU with simulated devices) they are contiguous
@@ -19,7 +14,6 @@ CPU process (CPU devices have no slice index), which the simulated racks need.
 
 import contextlib
 
-import equinox as eqx
 import haliax as hax
 import jax
 import numpy as np
@@ -27,9 +21,8 @@ from haliax import NamedArray
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from keel.mesh.placement import place
 from keel.mesh.topology import BATCH_AXES, MESH_AXES, RackTopology, TopologyError
-
-FSDP_AXES = ("data", "expert")
 
 
 def build_mesh(topology: RackTopology, devices=None) -> Mesh:
@@ -59,23 +52,16 @@ def compute_axis_mapping() -> dict[str, tuple[str, ...] | str]:
     return {"batch": BATCH_AXES, "vocab": "model"}
 
 
-def partition_spec(array: NamedArray, mesh: Mesh) -> P:
-    """Where a parameter (or optimizer-state) array with these named axes lives; see the module doc."""
-    names = [ax.name for ax in array.axes]
-    sizes = {ax.name: ax.size for ax in array.axes}
-    spec: dict[str, object] = {}
-    if "experts" in names and "expert_mlp" in names:
-        spec["experts"] = "expert"
-        if "latent" in names and sizes["latent"] % mesh.shape["data"] == 0:
-            spec["latent"] = "data"
-    elif "embed" in names and sizes["embed"] % (mesh.shape["data"] * mesh.shape["expert"]) == 0:
-        spec["embed"] = FSDP_AXES
-    return P(*(spec.get(name) for name in names))
+def partition_spec(array: NamedArray, mesh: Mesh, path: str = "") -> P:
+    """Where a parameter (or optimizer-state) array with these named axes lives (`placement.RULES`)."""
+    _, placement = place(path, tuple((ax.name, ax.size) for ax in array.axes), dict(mesh.shape))
+    return P(*placement)
 
 
 def tree_shardings(tree, mesh: Mesh):
     """A NamedSharding in place of every NamedArray (and plain array) of a pytree such as a model or an
-    optimizer state shaped like it: a prefix tree for `jax.device_put` and jit's in/out_shardings."""
+    optimizer state shaped like it: a prefix tree for `jax.device_put` and jit's in/out_shardings.
+    Leaves are placed by their axes alone (paths relative to the tree are not the model's)."""
 
     def sharding(leaf):
         spec = partition_spec(leaf, mesh) if isinstance(leaf, NamedArray) else P()
@@ -85,8 +71,15 @@ def tree_shardings(tree, mesh: Mesh):
 
 
 def model_shardings(model, mesh: Mesh):
-    """`tree_shardings` of the model, with the token embedding replicated."""
-    return eqx.tree_at(lambda m: m.embedding, tree_shardings(model, mesh), NamedSharding(mesh, P()))
+    """The NamedSharding of every leaf of a whole model, placed by its path and axes."""
+    from levanter.utils.jax_utils import leaf_key_paths
+
+    def is_named(x):
+        return isinstance(x, NamedArray)
+
+    paths = leaf_key_paths(model, is_leaf=is_named)
+    return jax.tree.map(lambda leaf, path: NamedSharding(mesh, partition_spec(leaf, mesh, path) if is_named(leaf) else P()),
+                        model, paths, is_leaf=is_named)
 
 
 def shard_model(model, mesh: Mesh):

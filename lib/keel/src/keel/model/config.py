@@ -307,83 +307,93 @@ class MoELMConfig:
         return tuple(i for i in range(self.num_layers) if self.is_global_layer(i))
 
     # ------------------------------------------------------------------ accounting
-    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every array leaf of the initialised model and its shape; the contract for the Haliax model.
+    def parameter_axes(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """Every array leaf of the initialised model: its path (as Levanter's `leaf_key_paths` spells
+        it) and its named axes; the contract the Haliax model is tested against, and what the
+        planner, the mesh placement and the optimizer groups read.
 
-        Per-layer arrays are stacked over a leading `num_layers` axis (L). D = hidden_dim,
-        H = num_heads, Hkv = num_kv_heads (all stored: global layers read the first
-        num_global_kv_heads of them), d = head_dim, E = num_experts, I = expert_input_dim
-        (latent_dim, or D without a latent), F = expert_dim, S = num_shared_experts,
-        Fs = shared_expert_dim, r = gated_norm_rank, K = conv_kernel, V = vocab_size.
+        Per-layer arrays sit under `layers.stacked.` with a leading `layers` axis. Axis names:
+        embed (hidden_dim), heads / kv_heads x head_size, latent (what routed experts read:
+        latent_dim, or hidden_dim without a latent), experts, expert_mlp, shared_experts,
+        shared_mlp, gate_rank, conv_kernel, vocab. No biases anywhere; QK norm has no gain.
 
-        - embedding [V, D]; lm_head [D, V] unless tie_embeddings. No biases anywhere.
-        - embed_norm.gain [D] and, with r > 0, embed_gated_norm.down [D, r] / .up [r, D], if embed_norm.
-        - final_norm.gain [D]; with r > 0 final_gated_norm.down [D, r] / .up [r, D].
-        - layers.attn_norm.gain / layers.mlp_norm.gain [L, D]; with r > 0 a GatedNorm after each:
-          layers.attn_gated_norm.down [L, D, r], .up [L, r, D] (same for mlp_gated_norm).
-        - layers.attn.q [L, D, H, d], .k [L, D, Hkv, d], .v [L, D, Hkv, d], .o [L, H, d, D].
-          QK norm has no gain (no parameter).
-        - layers.attn.gate [L, D, H] if attention_gate.
-        - layers.conv_<site>.kernel [L, K, C] per site in conv_sites: C = Hkv*d for 'key', D otherwise.
-        - layers.moe.router [L, D, E] (fp32 in use, no bias) if E > 0.
-        - layers.moe.router_bias [L, E] if quantile balancing: NOT trained by the optimizer
-          (stop-gradient; set from the previous step's quantiles) but an array leaf of the model
-          and counted in `total` (the hero's 535,477,106,688 includes its 48 x 384 entries).
-        - layers.moe.latent_down [L, D, I], layers.moe.latent_norm.gain [L, I],
-          layers.moe.latent_up [L, I, D] if latent_dim is set.
-        - layers.moe.experts.gate / .up [L, E, I, F], layers.moe.experts.down [L, E, F, I].
-        - layers.shared.gate / .up [L, S, D, Fs], layers.shared.down [L, S, Fs, D] if S > 0.
+        - embedding [vocab, embed]; lm_head [embed, vocab] unless tie_embeddings.
+        - a norm site `<site>`: `<site>.norm.weight` [embed] and, with gated_norm_rank > 0, a
+          GatedNorm `<site>.gated.down` [embed, gate_rank] / `.up` [gate_rank, embed]. Sites:
+          embed_norm (if embed_norm), final_norm, and per layer attn_norm, mlp_norm.
+        - layers.stacked.attn.q [embed, heads, head_size], .k / .v [embed, kv_heads, head_size]
+          (every layer stores num_kv_heads; global layers read the first num_global_kv_heads),
+          .o [heads, head_size, embed]; .gate [embed, heads] if attention_gate;
+          .conv_key.kernel [conv_kernel, kv_heads, head_size] if 'key' is a conv site.
+        - layers.stacked.conv_attention_output.kernel / conv_moe_output.kernel [conv_kernel, embed].
+        - layers.stacked.moe.router [embed, experts]; .router_bias [experts] with quantile
+          balancing: NOT trained by the optimizer (set from the previous step's quantiles) but an
+          array leaf, counted in `total` (the hero's 535,477,106,688 includes its 48 x 384 entries).
+        - layers.stacked.moe.latent_down [embed, latent], .latent_norm.weight [latent],
+          .latent_up [latent, embed] if latent_dim is set.
+        - layers.stacked.moe.experts.gate / .up [experts, latent, expert_mlp], .down [experts, expert_mlp, latent].
+        - layers.stacked.shared.gate / .up [shared_experts, embed, shared_mlp], .down [.., shared_mlp, embed].
         """
-        D, L, V = self.hidden_dim, self.num_layers, self.vocab_size
-        H, Hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        E, I, F, r = self.num_experts, self.expert_input_dim, self.expert_dim, self.gated_norm_rank
-        S, Fs = self.num_shared_experts, self.shared_expert_dim
-        shapes: dict[str, tuple[int, ...]] = {"embedding": (V, D)}
-        if not self.tie_embeddings:
-            shapes["lm_head"] = (D, V)
+        embed, vocab = ("embed", self.hidden_dim), ("vocab", self.vocab_size)
+        heads, kv_heads, head = ("heads", self.num_heads), ("kv_heads", self.num_kv_heads), ("head_size", self.head_dim)
+        latent, experts = ("latent", self.expert_input_dim), ("experts", self.num_experts)
+        mlp, rank, kernel = ("expert_mlp", self.expert_dim), ("gate_rank", self.gated_norm_rank), ("conv_kernel", self.conv_kernel)
+        shared, shared_mlp = ("shared_experts", self.num_shared_experts), ("shared_mlp", self.shared_expert_dim)
+        out: dict[str, tuple[tuple[str, int], ...]] = {"embedding": (vocab, embed)}
 
-        def norm(prefix: str, gated: str, *lead: int) -> None:
-            shapes[f"{prefix}.gain"] = (*lead, D)
-            if r:
-                shapes[f"{gated}.down"] = (*lead, D, r)
-                shapes[f"{gated}.up"] = (*lead, r, D)
+        def norm(site: str, *lead) -> None:
+            out[f"{site}.norm.weight"] = (*lead, embed)
+            if self.gated_norm_rank:
+                out[f"{site}.gated.down"] = (*lead, embed, rank)
+                out[f"{site}.gated.up"] = (*lead, rank, embed)
 
         if self.embed_norm:
-            norm("embed_norm", "embed_gated_norm")
-        norm("final_norm", "final_gated_norm")
-        norm("layers.attn_norm", "layers.attn_gated_norm", L)
-        norm("layers.mlp_norm", "layers.mlp_gated_norm", L)
-        shapes["layers.attn.q"] = (L, D, H, d)
-        shapes["layers.attn.k"] = (L, D, Hkv, d)
-        shapes["layers.attn.v"] = (L, D, Hkv, d)
-        shapes["layers.attn.o"] = (L, H, d, D)
+            norm("embed_norm")
+        layer = (("layers", self.num_layers),)
+        stacked = "layers.stacked"
+        norm(f"{stacked}.attn_norm", *layer)
+        out[f"{stacked}.attn.q"] = (*layer, embed, heads, head)
+        out[f"{stacked}.attn.k"] = (*layer, embed, kv_heads, head)
+        out[f"{stacked}.attn.v"] = (*layer, embed, kv_heads, head)
+        out[f"{stacked}.attn.o"] = (*layer, heads, head, embed)
         if self.attention_gate:
-            shapes["layers.attn.gate"] = (L, D, H)
-        for site in self.conv_sites:
-            channels = Hkv * d if site is ConvSite.KEY else D
-            shapes[f"layers.conv_{site.value}.kernel"] = (L, self.conv_kernel, channels)
-        if E:
-            shapes["layers.moe.router"] = (L, D, E)
+            out[f"{stacked}.attn.gate"] = (*layer, embed, heads)
+        if ConvSite.KEY in self.conv_sites:
+            out[f"{stacked}.attn.conv_key.kernel"] = (*layer, kernel, kv_heads, head)
+        if ConvSite.ATTENTION_OUTPUT in self.conv_sites:
+            out[f"{stacked}.conv_attention_output.kernel"] = (*layer, kernel, embed)
+        norm(f"{stacked}.mlp_norm", *layer)
+        if self.num_experts:
+            out[f"{stacked}.moe.router"] = (*layer, embed, experts)
             if self.has_router_bias:
-                shapes["layers.moe.router_bias"] = (L, E)
+                out[f"{stacked}.moe.router_bias"] = (*layer, experts)
             if self.latent_dim is not None:
-                shapes["layers.moe.latent_down"] = (L, D, I)
-                shapes["layers.moe.latent_norm.gain"] = (L, I)
-                shapes["layers.moe.latent_up"] = (L, I, D)
-            shapes["layers.moe.experts.gate"] = (L, E, I, F)
-            shapes["layers.moe.experts.up"] = (L, E, I, F)
-            shapes["layers.moe.experts.down"] = (L, E, F, I)
-        if S:
-            shapes["layers.shared.gate"] = (L, S, D, Fs)
-            shapes["layers.shared.up"] = (L, S, D, Fs)
-            shapes["layers.shared.down"] = (L, S, Fs, D)
-        return shapes
+                out[f"{stacked}.moe.latent_down"] = (*layer, embed, latent)
+                out[f"{stacked}.moe.latent_norm.weight"] = (*layer, latent)
+                out[f"{stacked}.moe.latent_up"] = (*layer, latent, embed)
+            out[f"{stacked}.moe.experts.gate"] = (*layer, experts, latent, mlp)
+            out[f"{stacked}.moe.experts.up"] = (*layer, experts, latent, mlp)
+            out[f"{stacked}.moe.experts.down"] = (*layer, experts, mlp, latent)
+        if self.num_shared_experts:
+            out[f"{stacked}.shared.gate"] = (*layer, shared, embed, shared_mlp)
+            out[f"{stacked}.shared.up"] = (*layer, shared, embed, shared_mlp)
+            out[f"{stacked}.shared.down"] = (*layer, shared, shared_mlp, embed)
+        if ConvSite.MOE_OUTPUT in self.conv_sites:
+            out[f"{stacked}.conv_moe_output.kernel"] = (*layer, kernel, embed)
+        norm("final_norm")
+        if not self.tie_embeddings:
+            out["lm_head"] = (embed, vocab)
+        return out
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """`parameter_axes` without the names: each leaf's shape."""
+        return {path: tuple(size for _, size in axes) for path, axes in self.parameter_axes().items()}
 
     def param_counts(self) -> dict:
         """Parameter counts: {"total", "active", "components", "active_components"}.
 
-        `total` is the number of entries of every array leaf listed by `parameter_shapes` (which
-        documents each shape), i.e. exactly the leaf-size count of the initialised model, the
+        `total` is the number of entries of every array leaf listed by `parameter_axes` (which
+        documents each one), i.e. exactly the leaf-size count of the initialised model, the
         quantile-balancing router_bias included. `components` groups them:
         embedding, lm_head, attention (q/k/v/o), attention_gate, conv (all conv kernels),
         norms (RMSNorm gains, latent norm gain included), gated_norms (GatedNorm down/up),
@@ -396,11 +406,11 @@ class MoELMConfig:
         groups = {
             "embedding": "embedding",
             "lm_head": "lm_head",
-            "layers.attn.gate": "attention_gate",
-            "layers.moe.router": "router",
-            "layers.moe.router_bias": "router_bias",
-            "layers.moe.latent_down": "latent_projections",
-            "layers.moe.latent_up": "latent_projections",
+            "layers.stacked.attn.gate": "attention_gate",
+            "layers.stacked.moe.router": "router",
+            "layers.stacked.moe.router_bias": "router_bias",
+            "layers.stacked.moe.latent_down": "latent_projections",
+            "layers.stacked.moe.latent_up": "latent_projections",
         }
         components = dict.fromkeys(
             ["embedding", "lm_head", "attention", "attention_gate", "conv", "norms", "gated_norms", "router",
@@ -409,17 +419,17 @@ class MoELMConfig:
         for name, shape in self.parameter_shapes().items():
             if name in groups:
                 group = groups[name]
-            elif name.startswith("layers.attn."):
-                group = "attention"
-            elif name.startswith("layers.conv_"):
+            elif name.endswith(".kernel"):
                 group = "conv"
-            elif name.endswith(".gain"):
+            elif name.startswith("layers.stacked.attn."):
+                group = "attention"
+            elif name.endswith(".norm.weight") or name.endswith("latent_norm.weight"):
                 group = "norms"
-            elif "gated_norm." in name:
+            elif ".gated." in name:
                 group = "gated_norms"
-            elif name.startswith("layers.moe.experts."):
+            elif name.startswith("layers.stacked.moe.experts."):
                 group = "routed_experts"
-            elif name.startswith("layers.shared."):
+            elif name.startswith("layers.stacked.shared."):
                 group = "shared_experts"
             else:  # a new parameter must be placed in a group explicitly
                 raise AssertionError(f"parameter {name} has no accounting group")

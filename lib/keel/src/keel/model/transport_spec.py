@@ -24,16 +24,18 @@ class TransportSpec:
     """A transport and the knobs only some transports read."""
 
     name: str = "local"
-    pooled_capacity_factor: float = 1.25
-    """Sender capacity per destination pool (fixed_pooled_all_to_all only)."""
+    capacity_factor: float | None = None
+    """Capacity of the fixed-capacity transports (per (sender, expert) cell, or per destination
+    pool for fixed_pooled_all_to_all) as a multiple of the even share; None: the model's
+    `capacity_factor`. `ring` ignores it (dropless)."""
     num_waves: int = 1
     """Static waves of the pooled transport (fixed_pooled_all_to_all only; the hero used 3)."""
 
     def __post_init__(self):
         if self.name not in TRANSPORTS:
             raise ValueError(f"TransportSpec.name={self.name!r} is not a transport: use one of {sorted(TRANSPORTS)}")
-        if self.pooled_capacity_factor <= 0:
-            raise ValueError(f"TransportSpec.pooled_capacity_factor={self.pooled_capacity_factor} must be positive")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"TransportSpec.capacity_factor={self.capacity_factor} must be positive")
         if self.num_waves < 1:
             raise ValueError(f"TransportSpec.num_waves={self.num_waves} must be >= 1")
 

@@ -74,7 +74,8 @@ def dispatch(
         mesh = get_abstract_mesh()
         expert_size = 1 if mesh.empty else int(mesh.shape.get("expert", 1))
         # `ring` is dropless here: a capacity of ep_size x the even share fits every assignment.
-        factor = float(max(expert_size, 1)) if transport.name == "ring" else capacity_factor
+        declared = capacity_factor if transport.capacity_factor is None else transport.capacity_factor
+        factor = float(max(expert_size, 1)) if transport.name == "ring" else declared
         out, counts = moe_mlp(
             raw["x"],
             raw["selected"],
@@ -85,7 +86,7 @@ def dispatch(
             implementation=_GRUG_NAMES[transport.name],
             mesh=mesh,
             capacity_factor=factor,
-            pooled_transport_capacity_factor=transport.pooled_capacity_factor,
+            pooled_transport_capacity_factor=factor,
             num_expert_waves=transport.num_waves,
             report_capacity_overflow=True,
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from keel.executor.step import StepDeclarationError
 from keel.mesh.topology import TopologyError
+from keel.plan.data_steps import data_step_problem
 from keel.train.config import TrainStepConfig
 
 
@@ -53,6 +54,10 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
             fail(f"topology.hbm_per_gpu_gb={topo.hbm_per_gpu_gb} differs from hardware.hbm_per_device_gb="
                  f"{hw.hbm_per_device_gb}: drop it from the topology or make them agree")
     for i, phase in enumerate(train.transports):
+        if phase.transport not in ("dense", "local") and (topo is None or topo.expert_parallel < 2):
+            fail(f"train.transports[{i}].transport={phase.transport!r} moves tokens over the expert axis, but "
+                 + ("no topology is declared" if topo is None else f"topology.expert_parallel={topo.expert_parallel}")
+                 + ": declare a topology with expert_parallel > 1, or use 'local'")
         local_experts = model.num_experts // topo.expert_parallel if topo is not None else model.num_experts
         if phase.num_waves > 1 and local_experts % phase.num_waves:
             fail(f"train.transports[{i}].num_waves={phase.num_waves} must divide the {local_experts} experts per GPU "
@@ -60,6 +65,9 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
         if hw is not None and not hw.supports_transport(phase.transport):
             fail(f"train.transports[{i}].transport={phase.transport!r} is not supported by hardware {hw.name!r}: "
                  "choose a CPU-capable transport (e.g. 'fixed_all_to_all' or 'ring')")
+    problem = data_step_problem(config)
+    if problem:
+        fail(problem)
     starts = [start for start, _ in mixture_phases(config.data)]
     for i, start in enumerate(starts):
         if start >= train.num_steps:
@@ -81,6 +89,16 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
     facts = config.facts
     if facts is not None:
         for i, seen in enumerate(facts.observed):
-            if not 0 <= seen.step <= train.num_steps or seen.steps_per_day <= 0:
+            if not 0 <= seen.step <= train.num_steps or seen.step_seconds <= 0:
                 fail(f"facts.observed[{i}]: step {seen.step} must lie in [0, train.num_steps={train.num_steps}] and "
-                     f"steps_per_day={seen.steps_per_day} must be positive")
+                     f"step_seconds={seen.step_seconds} must be positive")
+        if facts.projected_steps_per_day is not None and facts.projected_steps_per_day <= 0:
+            fail(f"facts.projected_steps_per_day={facts.projected_steps_per_day} must be positive")
+        if facts.projected_steps_per_day is not None and not facts.observed:
+            fail("facts.projected_steps_per_day needs an observed speed to project from: declare facts.observed")
+        from keel.plan.facts import FIGURES
+
+        for i, claim in enumerate(facts.claims):
+            if claim.figure not in FIGURES:
+                fail(f"facts.claims[{i}].figure={claim.figure!r} is not a figure the planner derives: use one of "
+                     f"{', '.join(sorted(FIGURES))}")

@@ -5,23 +5,24 @@ parameters, mesh, tokens and FLOPs, memory per GPU, all-to-all traffic, time, mi
 transport timeline and the "claims checked" section. Pure arithmetic on plain configs: no jax, so
 `keel plan` on the 535B run is instant.
 
-Memory model (bytes per GPU): routed experts are split over the `expert` axis; the token
-embedding's weights are replicated; every other parameter, and all optimizer state, is
-FSDP-sharded over the whole rack (data x expert x model) and replicated across racks. Weights and
-gradients are held in the compute dtype (bf16), master weights in fp32, optimizer moments in fp32
-(MuonH: one, Adam/AdamH/AdamW: two, the router bias none: it is set, not trained). With per-layer
-rematerialisation one residual tensor per layer is kept for the backward pass.
+Memory model (bytes per GPU): every leaf of the resolved run's parameter table (`resolved.py`),
+split as its placement says (`keel.mesh.placement`: routed experts over `expert`, the token
+embedding replicated, `embed`-wide arrays FSDP over the rack, the rest replicated), with its
+optimizer state placed like it. Weights and gradients are held in the compute dtype (bf16), master
+weights in fp32, optimizer moments in fp32 (MuonH: one, Adam/AdamH/AdamW: two, the router bias
+none: it is set, not trained). With per-layer rematerialisation one residual tensor per layer is
+kept for the backward pass.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import math
-import re
 
 from keel.model.config import MoELMConfig
-from keel.plan.checks import PlanError, check_train_step, mixture_phases
-from keel.train.config import GroupedOptimizerConfig, TrainStepConfig
+from keel.plan.checks import PlanError, mixture_phases
+from keel.plan.resolved import ResolvedRun, resolve
+from keel.train.config import TrainStepConfig
 
 GB = 1e9
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -81,53 +82,24 @@ def optimizer(config: TrainStepConfig) -> dict:
     return out
 
 
-def _optimizer_moments(model: MoELMConfig, opt) -> dict[str, int]:
-    """fp32 moments kept per parameter array: MuonH one (momentum), Adam/AdamH/AdamW two, none for
-    the router bias (quantile balancing sets it; the optimizer leaves it alone)."""
-    muon = [re.compile(p) for p in opt.muonh_params] if isinstance(opt, GroupedOptimizerConfig) else []
-
-    def moments(name: str) -> int:
-        if name == "layers.moe.router_bias":
-            return 0
-        return 1 if any(p.search(name) for p in muon) else 2
-
-    return {name: moments(name) for name in model.parameter_shapes()}
-
-
-def _elements_per_gpu(config: TrainStepConfig, replicate_embedding: bool) -> dict[str, float]:
-    """Entries of each parameter array held by one GPU: routed experts split over `expert`, the
-    embedding replicated (weights) or rack-sharded (optimizer state), the rest rack-sharded."""
-    topo = config.topology
-    out = {}
-    for name, shape in config.model.parameter_shapes().items():
-        n = math.prod(shape)
-        if name.startswith("layers.moe.experts."):
-            n /= topo.expert_parallel
-        elif name != "embedding" or not replicate_embedding:
-            n /= topo.gpus_per_rack
-        out[name] = n
-    return out
-
-
-def memory(config: TrainStepConfig) -> dict | None:
-    """Bytes per GPU on device and on host, for each phase of the host-offload choice."""
+def memory(run: ResolvedRun) -> dict | None:
+    """Bytes per GPU on device and on host, for each phase of the host-offload choice, summed over
+    the parameter table (each leaf as placed on the mesh; optimizer state placed like its leaf)."""
+    config = run.config
     topo, train, hw, model = config.topology, config.train, config.hardware, config.model
     if topo is None:
         return None
     hbm = topo.hbm_per_gpu_gb or (hw.hbm_per_device_gb if hw else None)
     compute = _bytes_of(train.compute_dtype, "train.compute_dtype")
     master = _bytes_of(train.master_dtype, "train.master_dtype")
-    elements = _elements_per_gpu(config, replicate_embedding=True)
-    sharded = _elements_per_gpu(config, replicate_embedding=False)
-    moments = _optimizer_moments(model, train.optimizer)
-    params = sum(elements.values())
+    params = sum(run.per_device(p) for p in run.parameters)
     tokens_per_gpu = train.batch_size // topo.batch_shards * train.seq_len
     residual = tokens_per_gpu * model.hidden_dim * compute
     parts = {
         "weights": params * compute / GB,
         "master_weights": params * master / GB,
         "gradients": params * compute / GB,
-        "optimizer_state": sum(sharded[n] * moments[n] * 4 for n in sharded) / GB,
+        "optimizer_state": sum(run.per_device(p) * p.moments * 4 for p in run.parameters) / GB,
         "residual_per_layer": residual / GB,
         "saved_residuals": model.num_layers * residual / GB if train.remat else None,  # no estimate without remat
     }
@@ -164,7 +136,7 @@ def memory(config: TrainStepConfig) -> dict | None:
     }
 
 
-def all_to_all(config: TrainStepConfig) -> list[dict]:
+def all_to_all(run: ResolvedRun) -> list[dict]:
     """Expert-parallel bytes each GPU sends per step, for each transport phase.
 
     Fixed-capacity transports send padded buffers of capacity_factor x the assignments; the ragged
@@ -172,6 +144,7 @@ def all_to_all(config: TrainStepConfig) -> list[dict]:
     reduce-scatters the outputs instead. A layer sends one dispatch and one combine forward, two
     more backward and, with remat, the forward pair again. `dense` and `local` move no tokens.
     """
+    config = run.config
     topo, train, model = config.topology, config.train, config.model
     if topo is None or not model.num_experts:
         return []
@@ -180,14 +153,14 @@ def all_to_all(config: TrainStepConfig) -> list[dict]:
     row_bytes = model.expert_input_dim * compute
     buffers_per_layer = 2 * (2 + (1 if train.remat else 0))
     out = []
-    for phase in train.transports:
+    for phase in run.transports:
         if phase.transport in ("dense", "local"):
             continue
         if phase.transport == "ring":
             kind, factor, rows = "all_gather", 1.0, tokens * (topo.expert_parallel - 1)
         else:
-            padded = phase.transport in ("fixed_all_to_all", "fixed_pooled_all_to_all")
-            factor = (phase.capacity_factor or model.capacity_factor) if padded else 1.0
+            padded = phase.capacity_factor is not None
+            factor = phase.capacity_factor if padded else 1.0
             kind, rows = ("padded" if padded else "ragged"), tokens * model.experts_per_token * factor
         buffer = rows * row_bytes
         out.append({
@@ -201,6 +174,20 @@ def all_to_all(config: TrainStepConfig) -> list[dict]:
             "off_gpu_fraction": 1 - 1 / topo.expert_parallel,
         })
     return out
+
+
+def parameter_table(run: ResolvedRun) -> list[dict]:
+    """Every leaf as the run holds it: path, named axes, dtype, placement, optimizer group."""
+    return [{
+        "path": p.path,
+        "axes": dict(p.axes),
+        "dtype": p.dtype,
+        "placement": None if p.placement is None else [list(e) if isinstance(e, tuple) else e for e in p.placement],
+        "rule": p.rule,
+        "group": p.group,
+        "trained": p.trained,
+        "per_device": run.per_device(p) if run.mesh_axes else None,
+    } for p in run.parameters]
 
 
 def cross_rack(config: TrainStepConfig, memory_facts: dict | None) -> dict | None:
@@ -226,34 +213,44 @@ def _date(text: str, field: str) -> dt.date:
 
 
 def time(config: TrainStepConfig, train_facts: dict) -> dict | None:
-    """Step time and MFU for each declared speed, and the completion date from the latest one."""
+    """Each measured speed with its MFU, the projection rate and the goodput it implies (projected
+    over measured rate), and the completion date projected from the last observation."""
     facts, train, hw, topo = config.facts, config.train, config.hardware, config.topology
     if facts is None or not facts.observed:
         return None
     start = _date(facts.start_date, "facts.start_date")
     flops_per_step = train_facts["flops_per_token"] * train.tokens_per_step
+    flops_6nt = 6 * config.model.param_counts()["active"] * train.tokens_per_step
     peak = hw.peak_flops_per_device * topo.num_devices if hw and topo and hw.peak_flops_per_device else None
-    speeds = []
-    for i, seen in enumerate(sorted(facts.observed, key=lambda s: s.step)):
-        seconds = 86_400 / seen.steps_per_day
-        speeds.append({
-            "step": seen.step,
-            "date": _date(seen.date, f"facts.observed[{i}].date").isoformat(),
-            "steps_per_day": seen.steps_per_day,
-            "step_seconds": seconds,
-            "mfu": flops_per_step / (peak * seconds) if peak else None,
-            "mfu_6nt": 6 * config.model.param_counts()["active"] * train.tokens_per_step / (peak * seconds) if peak else None,
-        })
+
+    def mfu(seconds: float, flops: float) -> float | None:
+        return flops / (peak * seconds) if peak else None
+
+    speeds = [{
+        "step": seen.step,
+        "date": _date(seen.date, f"facts.observed[{i}].date").isoformat(),
+        "step_seconds": seen.step_seconds,
+        "steps_per_day": 86_400 / seen.step_seconds,
+        "mfu": mfu(seen.step_seconds, flops_per_step),
+        "mfu_6nt": mfu(seen.step_seconds, flops_6nt),
+    } for i, seen in enumerate(sorted(facts.observed, key=lambda s: s.step))]
     last = speeds[-1]
-    remaining_days = (train.num_steps - last["step"]) / last["steps_per_day"]
-    end = dt.date.fromisoformat(last["date"]) + dt.timedelta(days=remaining_days)
+    rate = facts.projected_steps_per_day or last["steps_per_day"]
+    end = dt.date.fromisoformat(last["date"]) + dt.timedelta(days=(train.num_steps - last["step"]) / rate)
     return {
         "run_id": facts.run_id,
         "start_date": start.isoformat(),
         "speeds": speeds,
+        "projection": {
+            "from_step": last["step"],
+            "steps_per_day": rate,
+            "step_seconds": 86_400 / rate,
+            "goodput": rate / last["steps_per_day"],
+            "mfu": mfu(86_400 / rate, flops_per_step),
+        },
         "projected_end_date": end.isoformat(),
         "projected_days": (end - start).days,
-        "whole_run_days_at_latest_speed": train.num_steps / last["steps_per_day"],
+        "whole_run_days_at_projection": train.num_steps / rate,
     }
 
 
@@ -274,16 +271,15 @@ def mixture(config: TrainStepConfig) -> list[dict]:
     return out
 
 
-def transports(config: TrainStepConfig) -> list[dict]:
-    train, facts = config.train, config.facts
+def transports(run: ResolvedRun) -> list[dict]:
+    train, facts = run.config.train, run.config.facts
     out = []
-    for i, phase in enumerate(train.transports):
-        end = train.transports[i + 1].start_step if i + 1 < len(train.transports) else train.num_steps
+    for phase in run.transports:
         entry = {
             "transport": phase.transport,
             "start_step": phase.start_step,
-            "end_step": end - 1,
-            "capacity_factor": phase.capacity_factor or config.model.capacity_factor,
+            "end_step": phase.end_step,
+            "capacity_factor": phase.capacity_factor,
             "num_waves": phase.num_waves,
             "tokens_before": phase.start_step * train.tokens_per_step,
         }
@@ -302,54 +298,68 @@ def _si(x: float) -> str:
     return f"{x:.3g}"
 
 
-def _quoted(x: float) -> str:
-    """A figure the way people quote it: whole units when large, three digits when small."""
-    return f"{x:.0f}" if x >= 10 else f"{x:.3g}"
+def _run_days(config: TrainStepConfig, sheet: dict) -> tuple[float, str] | None:
+    t = sheet.get("time")
+    if not t:
+        return None
+    days, rate = t["whole_run_days_at_projection"], t["projection"]["steps_per_day"]
+    return days, f"{config.train.num_steps:,} steps at {rate:,.0f} steps/day take about {days:.0f} days"
+
+
+def _batch_bytes(config: TrainStepConfig, sheet: dict) -> tuple[float, str]:
+    model, train = config.model, config.train
+    value = train.tokens_per_step * TOKEN_ID_BYTES
+    two_byte_ok = model.vocab_size <= 2**16
+    return value, (f"{train.tokens_per_step:,} token ids x {TOKEN_ID_BYTES} bytes = {value / 1e6:.4g} MB; "
+                   + ("2-byte ids would also do" if two_byte_ok else
+                      f"2-byte ids cannot hold a {model.vocab_size:,}-token vocabulary"))
+
+
+def _activation_bytes(config: TrainStepConfig, sheet: dict) -> tuple[float, str]:
+    model, train = config.model, config.train
+    value = train.tokens_per_step * model.hidden_dim * 2
+    per_gpu = f"; per GPU it is {sheet['memory']['parts_gb']['residual_per_layer']:.3g} GB" if sheet.get("memory") else ""
+    return value, (f"{value / GB:.4g} GB is one bf16 {model.hidden_dim}-wide tensor over the whole global batch "
+                   f"({train.tokens_per_step:,} tokens){per_gpu}")
+
+
+def _moe_to_dense(config: TrainStepConfig, sheet: dict) -> tuple[float, str] | None:
+    model = config.model
+    if not model.num_experts:
+        return None
+    k, inp, f, d = model.experts_per_token, model.expert_input_dim, model.expert_dim, model.hidden_dim
+    routed, dense_width = 3 * k * inp * f, k * f
+    dense = 3 * d * dense_width
+    latent = 2 * d * inp if model.latent_dim is not None else 0
+    on_hidden = model.num_layers * model.num_experts * 3 * d * f
+    return routed / dense, (
+        f"the routed experts read {inp}-wide inputs, not {d}: {_si(routed * 2)} FLOP/token/layer forward vs "
+        f"{_si(dense * 2)} for a dense SwiGLU {d}->{dense_width}->{d}: ratio {routed / dense:.3f} "
+        f"({(routed + latent) / dense:.3f} with the latent projections); experts on the {d}-wide token would "
+        f"hold {_si(on_hidden)} parameters")
+
+
+FIGURES = {
+    "run_days": _run_days,
+    "batch_bytes": _batch_bytes,
+    "activation_bytes_per_layer": _activation_bytes,
+    "moe_to_dense_flops": _moe_to_dense,
+}
+"""Figures a declared `Claim` can name: each derives (value, finding) from the declaration and the
+sheet so far, or None when the declaration does not determine it (e.g. no speed declared)."""
 
 
 def claims(config: TrainStepConfig, sheet: dict) -> list[dict]:
-    """Figures quoted about a run, recomputed from its declaration."""
-    model, train = config.model, config.train
+    """The run's declared claims (`RunFacts.claims`), each recomputed; a run that declares none gets none."""
     out = []
-    time_facts = sheet.get("time")
-    if time_facts:
-        days = time_facts["whole_run_days_at_latest_speed"]
-        speed = time_facts["speeds"][-1]["steps_per_day"]
-        out.append({"id": "duration", "claim": "trains in 60 days", "value": days,
-                    "finding": f"{train.num_steps:,} steps at {speed:,.0f} steps/day take about {days:.0f} days"})
-    batch_bytes = train.tokens_per_step * TOKEN_ID_BYTES
-    two_byte_ok = model.vocab_size <= 2**16
-    out.append({
-        "id": "batch_bytes",
-        "claim": f"the batch is {_quoted(train.tokens_per_step * 2 / 1e6)} MB", "value": batch_bytes,
-        "finding": (f"{train.tokens_per_step:,} token ids x {TOKEN_ID_BYTES} bytes = {batch_bytes / 1e6:.4g} MB; "
-                    + ("2-byte ids would also do" if two_byte_ok else
-                       f"2-byte ids cannot hold a {model.vocab_size:,}-token vocabulary")),
-    })
-    residual = train.tokens_per_step * model.hidden_dim * 2
-    out.append({
-        "id": "activations_per_layer",
-        "claim": f"activations are {_quoted(residual / GB)} GB per layer", "value": residual,
-        "finding": (f"{residual / GB:.4g} GB is one bf16 {model.hidden_dim}-wide tensor over the whole global batch "
-                    f"({train.tokens_per_step:,} tokens); per GPU it is "
-                    f"{sheet['memory']['parts_gb']['residual_per_layer']:.3g} GB" if sheet.get("memory") else ""),
-    })
-    if model.num_experts:
-        k, inp, f, d = model.experts_per_token, model.expert_input_dim, model.expert_dim, model.hidden_dim
-        routed = 3 * k * inp * f
-        dense_width = k * f
-        dense = 3 * d * dense_width
-        latent = 2 * d * inp if model.latent_dim is not None else 0
-        on_hidden = model.num_layers * model.num_experts * 3 * d * f
-        out.append({
-            "id": "moe_vs_dense",
-            "claim": f"top-{k} x {f} equals a dense {dense_width / d:g}x MLP in FLOPs",
-            "value": routed / dense,
-            "finding": (f"the routed experts read {inp}-wide inputs, not {d}: {_si(routed * 2)} FLOP/token/layer "
-                        f"forward vs {_si(dense * 2)} for a dense SwiGLU {d}->{dense_width}->{d}: "
-                        f"ratio {routed / dense:.3f} ({(routed + latent) / dense:.3f} with the latent projections); "
-                        f"experts on the {d}-wide token would hold {_si(on_hidden)} parameters"),
-        })
+    for claim in config.facts.claims if config.facts else ():
+        derived = FIGURES[claim.figure](config, sheet)
+        if derived is None:
+            raise PlanError(f"facts.claims: {claim.text!r} needs {claim.figure}, which this declaration does not "
+                            "determine (declare facts.observed speeds, or drop the claim)")
+        value, finding = derived
+        out.append({"claim": claim.text, "figure": claim.figure, "quoted": claim.quoted, "value": value,
+                    "holds": math.isclose(value, claim.quoted, rel_tol=0.05), "finding": finding})
     return out
 
 
@@ -357,16 +367,17 @@ def fact_sheet(config: TrainStepConfig, name: str = "") -> dict:
     """Every derived figure of a training step, after checking the declaration (PlanError names the field)."""
     if not isinstance(config, TrainStepConfig):
         raise PlanError(f"fact_sheet needs a TrainStepConfig, got {type(config).__name__}")
-    check_train_step(config, name)
+    run = resolve(config, name)
     sheet: dict = {"step": name, "parameters": config.model.param_counts()}
+    sheet["parameter_table"] = parameter_table(run)
     sheet["mesh"] = mesh(config)
     sheet["training"] = training(config)
     sheet["optimizer"] = optimizer(config)
-    sheet["memory"] = memory(config)
-    sheet["all_to_all"] = all_to_all(config)
+    sheet["memory"] = memory(run)
+    sheet["all_to_all"] = all_to_all(run)
     sheet["cross_rack"] = cross_rack(config, sheet["memory"])
     sheet["time"] = time(config, sheet["training"])
     sheet["mixture"] = mixture(config)
-    sheet["transports"] = transports(config)
+    sheet["transports"] = transports(run)
     sheet["claims"] = claims(config, sheet)
     return sheet

@@ -124,8 +124,12 @@ def _time(t: dict | None) -> list[str]:
     lines = [f"time         started {t['start_date']}" + (f" as {t['run_id']}" if t["run_id"] else "")]
     for s in t["speeds"]:
         mfu = f", MFU {s['mfu']:.1%} ({s['mfu_6nt']:.1%} by 6NT)" if s["mfu"] is not None else ""
-        lines.append(f"  from step {_n(s['step'])} ({s['date']}): {_n(s['steps_per_day'])} steps/day = "
-                     f"{s['step_seconds']:.2f} s/step{mfu}")
+        lines.append(f"  measured from step {_n(s['step'])} ({s['date']}): {s['step_seconds']:.2f} s/step = "
+                     f"{_n(s['steps_per_day'])} steps/day{mfu}")
+    p = t["projection"]
+    mfu = f", MFU {p['mfu']:.1%}" if p["mfu"] is not None else ""
+    lines.append(f"  projected from step {_n(p['from_step'])}: {_n(p['steps_per_day'])} steps/day = "
+                 f"{p['step_seconds']:.2f} s/step{mfu}, a goodput of {p['goodput']:.1%} of the measured rate")
     lines.append(f"  projected end {t['projected_end_date']} ({t['projected_days']} days after the start)")
     return lines
 
@@ -141,19 +145,40 @@ def _mixture(phases: list[dict]) -> list[str]:
 
 
 def _transports(rows: list[dict]) -> list[str]:
+    def knobs(r: dict) -> str:
+        parts = ([f"capacity {r['capacity_factor']:g}"] if r["capacity_factor"] is not None else ["dropless"]
+                 if r["transport"] in ("ring", "ragged_all_to_all") else [])
+        parts += [f"{r['num_waves']} waves"] if r["num_waves"] > 1 else []
+        return f" ({', '.join(parts)})" if parts else ""
+
     return [
-        f"transport    steps {_n(r['start_step'])}-{_n(r['end_step'])}: {r['transport']} (capacity {r['capacity_factor']:g}"
-        + (f", {r['num_waves']} waves)" if r["num_waves"] > 1 else ")")
+        f"transport    steps {_n(r['start_step'])}-{_n(r['end_step'])}: {r['transport']}{knobs(r)}"
         + (f", from {r['date']}" if r.get("date") else "")
         + (f", after {_n(r['tokens_before'])} tokens{_tera(r['tokens_before'])}" if r["start_step"] else "")
         for r in rows
     ]
 
 
+def _groups(table: list[dict]) -> list[str]:
+    """How many leaves (and entries) each optimizer group trains; the full table is in --json."""
+    counts: dict[str, list[int]] = {}
+    for row in table:
+        entries = 1
+        for size in row["axes"].values():
+            entries *= size
+        seen = counts.setdefault(row["group"], [0, 0])
+        seen[0], seen[1] = seen[0] + 1, seen[1] + entries
+    frozen = [r["path"] for r in table if not r["trained"]]
+    return [f"groups       {len(table)} leaves: " + ", ".join(f"{g} {n} ({_n(e)} entries)" for g, (n, e) in counts.items())
+            + (f"; not trained by the optimizer: {', '.join(frozen)}" if frozen else "")
+            + " (every leaf's path, axes, placement and group: keel plan --json)"]
+
+
 def render_fact_sheet(sheet: dict, color: bool = False) -> str:
     """Plain-text fact sheet; `color` paints the does-not-fit lines red for terminals."""
     lines = [f"== fact sheet: {sheet['step']}" if sheet["step"] else "== fact sheet"]
     lines += _parameters(sheet["parameters"])
+    lines += _groups(sheet["parameter_table"])
     lines += _mesh(sheet["mesh"])
     lines += _training(sheet["training"], sheet["optimizer"])
     lines += _memory(sheet["memory"], color)
@@ -162,6 +187,8 @@ def render_fact_sheet(sheet: dict, color: bool = False) -> str:
     lines += _time(sheet["time"])
     lines += _mixture(sheet["mixture"])
     lines += _transports(sheet["transports"])
-    lines.append("claims checked")
-    lines += [f"  \"{c['claim']}\": {c['finding']}" for c in sheet["claims"]]
+    if sheet["claims"]:
+        lines.append("claims checked")
+        lines += [f"  \"{c['claim']}\" ({'holds' if c['holds'] else 'does not hold'}): {c['finding']}"
+                  for c in sheet["claims"]]
     return "\n".join(lines)

@@ -6,6 +6,7 @@ loop and optimizers live in their own modules and import jax when they run.
 
 from keel.train.config import (
     AdamWConfig,
+    Claim,
     GroupedOptimizerConfig,
     HostOffload,
     RunFacts,
@@ -20,6 +21,7 @@ from keel.train.config import (
 
 __all__ = [
     "AdamWConfig",
+    "Claim",
     "GroupedOptimizerConfig",
     "HostOffload",
     "RunFacts",

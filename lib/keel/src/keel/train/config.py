@@ -4,13 +4,16 @@ No jax here: `keel plan` reads these to derive the run's fact sheet instantly; t
 (`keel.train`'s step function) turns them into optax transforms and a Levanter loop.
 
 Parameter groups (optimizer groups, weight-decay groups) are regular expressions `re.search`ed
-against the model's dotted parameter paths, e.g. `layers.attn.q`, `layers.moe.router`
-(see `MoELMConfig.parameter_shapes` for the names).
+against the model's dotted parameter paths, e.g. `layers.stacked.attn.q`,
+`layers.stacked.moe.router` (every path and its axes: `MoELMConfig.parameter_axes`; `keel plan`
+prints each one's group). `optimizer_group` is the one rule; the optimizer and the planner both
+call it.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +107,26 @@ class GroupedOptimizerConfig:
         return cls(muon_lr=adam_lr * HERO_MUON_TO_ADAM, adam_lr=adam_lr, **overrides)
 
 
+FROZEN_PARAMS = (r"\brouter_bias\b",)
+"""Parameters the optimizer never updates: the router bias is set from quantile statistics."""
+MOMENTS = {"muonh": 1, "adamh": 2, "adam": 2, "adamw": 2, "frozen": 0}
+"""fp32 optimizer-state arrays each group keeps per parameter (momentum; Adam's two moments)."""
+
+
+def optimizer_group(optimizer: "AdamWConfig | GroupedOptimizerConfig", path: str) -> str:
+    """The group that trains the parameter at `path`: 'frozen' (no update at all), else for the
+    grouped optimizer the first of 'muonh' / 'adamh' whose patterns match, else 'adam'; for AdamW
+    'adamw'."""
+    if any(re.search(p, path) for p in FROZEN_PARAMS):
+        return "frozen"
+    if isinstance(optimizer, AdamWConfig):
+        return "adamw"
+    for group, patterns in (("muonh", optimizer.muonh_params), ("adamh", optimizer.adamh_params)):
+        if any(re.search(p, path) for p in patterns):
+            return group
+    return "adam"
+
+
 @dataclass(frozen=True)
 class ScheduleConfig:
     """Linear warmup over `warmup_fraction` of the steps, then linear decay to `decay_to_fraction` x peak."""
@@ -135,6 +158,10 @@ class WeightDecayChange:
             raise ValueError("WeightDecayChange.groups is empty: name the parameter groups to decay")
 
 
+CAPACITY_TRANSPORTS = frozenset({"fixed_all_to_all", "fixed_pooled_all_to_all"})
+"""Transports with fixed-capacity buffers (they drop assignments past the capacity)."""
+
+
 @dataclass(frozen=True)
 class TransportPhase:
     """From `start_step` on, dispatch tokens to experts with `transport` (execution-only).
@@ -149,6 +176,14 @@ class TransportPhase:
     transport: str
     capacity_factor: float | None = None
     num_waves: int = 1
+
+    def capacity(self, model: MoELMConfig) -> float | None:
+        """The capacity factor this phase runs with: its own, else the model's; None for transports
+        without a capacity (`ring` is dropless, `local` and `dense` move no tokens). The planner's
+        buffer sizes and the transport the trainer builds both read it."""
+        if self.transport not in CAPACITY_TRANSPORTS:
+            return None
+        return self.capacity_factor if self.capacity_factor is not None else model.capacity_factor
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
@@ -262,20 +297,42 @@ def steps_for_tokens_per_param(model: MoELMConfig, batch_size: int, seq_len: int
 
 @dataclass(frozen=True)
 class SpeedObservation:
-    """A declared fact: at `step`, on `date` (ISO yyyy-mm-dd), the run was doing `steps_per_day`."""
+    """A declared fact: from `step` (reached on `date`, ISO yyyy-mm-dd) the run took `step_seconds` a step."""
 
     step: int
     date: str
-    steps_per_day: float
+    step_seconds: float
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A figure quoted about a run, declared next to it so that `keel plan` recomputes it.
+
+    `figure` names what the planner derives (see `keel.plan.facts.FIGURES`): `run_days` (the whole
+    run at the projected rate), `batch_bytes` (a global batch of token ids), `activation_bytes_per_layer`
+    (one bf16 hidden-wide tensor over the global batch), `moe_to_dense_flops` (routed experts' FLOPs
+    over a dense MLP of the same width). `quoted` is the figure as claimed, in the same unit.
+    """
+
+    text: str
+    figure: str
+    quoted: float
 
 
 @dataclass(frozen=True)
 class RunFacts:
-    """Facts about a real run declared next to it: when it started and how fast it went."""
+    """Facts about a real run declared next to it: when it started, how fast it went, what is said of it.
+
+    `projected_steps_per_day` is the rate the end date is projected at from the last observation
+    on (None: that observation's measured rate); over the measured rate it is the goodput the
+    projection assumes (restarts, evaluation, checkpoints).
+    """
 
     start_date: str
     observed: tuple[SpeedObservation, ...] = ()
+    projected_steps_per_day: float | None = None
     run_id: str | None = None
+    claims: tuple[Claim, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -299,10 +356,16 @@ class TrainStepConfig:
 
     def process_env(self, processes: int = 1) -> dict[str, str]:
         """What each of the step's `processes` needs to see its share of the declared devices."""
-        if self.hardware is None:
-            return {}
-        devices = self.topology.num_devices if self.topology is not None else self.hardware.gpus_per_rack
-        if devices % processes:
-            raise ValueError(f"{devices} devices do not split over {processes} processes: declare replicas that "
-                             "divide topology.racks x topology.gpus_per_rack")
-        return self.hardware.process_env(devices // processes)
+        return declared_process_env(self.hardware, self.topology, processes)
+
+
+def declared_process_env(hardware: Hardware | None, topology: RackTopology | None, processes: int = 1) -> dict[str, str]:
+    """What each of a step's `processes` needs to see its share of the devices `hardware` and
+    `topology` declare (a training step's, or an eval/sample step's running on the same layout)."""
+    if hardware is None:
+        return {}
+    devices = topology.num_devices if topology is not None else hardware.gpus_per_rack
+    if devices % processes:
+        raise ValueError(f"{devices} devices do not split over {processes} processes: declare replicas that "
+                         "divide topology.racks x topology.gpus_per_rack")
+    return hardware.process_env(devices // processes)

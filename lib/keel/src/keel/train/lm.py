@@ -65,7 +65,7 @@ class KeelLM:
                 self._for_phase(model, transport),
                 tokens,
                 z_loss=z_loss,
-                transport=_transport_spec(transport),
+                transport=_transport_spec(transport, self.config),
                 compute_dtype=compute_dtype,
             )
         out = {}
@@ -86,21 +86,14 @@ class KeelLM:
         return with_router_bias(model, next_router_bias(aux["qb_beta"]).astype(current.dtype))
 
     def _for_phase(self, model, phase):
-        """The model with the run's remat choice and this phase's capacity factor (static fields)."""
+        """The model with the run's remat choice (a static field)."""
         import dataclasses
 
-        layers = dataclasses.replace(model.layers, gradient_checkpointing=self.remat)
-        if phase.capacity_factor is not None and phase.transport == "fixed_all_to_all":
-            block = layers.stacked
-            moe = dataclasses.replace(block.moe, config=block.moe.config.replace(capacity_factor=phase.capacity_factor))
-            layers = dataclasses.replace(layers, stacked=dataclasses.replace(block, moe=moe))
-        return dataclasses.replace(model, layers=layers)
+        return dataclasses.replace(model, layers=dataclasses.replace(model.layers, gradient_checkpointing=self.remat))
 
 
-def _transport_spec(phase):
-    """keel.model's TransportSpec for a TransportPhase (its capacity is the pooled transport's)."""
+def _transport_spec(phase, model_config):
+    """keel.model's TransportSpec for a TransportPhase, with the capacity the planner reports."""
     from keel.model.transport_spec import TransportSpec
 
-    if phase.transport == "fixed_pooled_all_to_all" and phase.capacity_factor is not None:
-        return TransportSpec(phase.transport, pooled_capacity_factor=phase.capacity_factor, num_waves=phase.num_waves)
-    return TransportSpec(phase.transport, num_waves=phase.num_waves)
+    return TransportSpec(phase.transport, capacity_factor=phase.capacity(model_config), num_waves=phase.num_waves)

@@ -52,19 +52,6 @@ def _is_named(x) -> bool:
     return isinstance(x, hax.NamedArray)
 
 
-def label_params(params, rules: Sequence[tuple[str, str]], default: str):
-    """Label each parameter with the group of the first rule whose regex `search`es its path."""
-    compiled = [(re.compile(pattern), label) for pattern, label in rules]
-
-    def label_of(path: str) -> str:
-        for pattern, label in compiled:
-            if pattern.search(path):
-                return label
-        return default
-
-    return jax.tree.map(label_of, param_paths(params))
-
-
 def mask_params(params, patterns: Sequence[str]):
     """True for parameters whose path matches one of `patterns`."""
     compiled = [re.compile(p) for p in patterns]
@@ -125,21 +112,22 @@ def grouped(
     return optax.multi_transform(dict(transforms), lambda _: labels)
 
 
-FROZEN_PARAMS = (r"\brouter_bias\b",)
-"""Parameters the optimizer never updates: the router bias is set from quantile statistics."""
-
-
 class _Groups(NamedTuple):
     transforms: dict[str, optax.GradientTransformation]
-    rules: list[tuple[str, str]]  # (path regex, group), first match wins
-    default: str  # the group of a parameter no rule matches
     lr: dict[str, Schedule]  # each group's learning rate
+
+
+def optimizer_labels(optimizer, params):
+    """A tree shaped like `params` holding each parameter's group (`config.optimizer_group`)."""
+    from keel.train.config import optimizer_group
+
+    return jax.tree.map(lambda path: optimizer_group(optimizer, path), param_paths(params))
 
 
 def build_optimizer(train, params) -> tuple[optax.GradientTransformation, dict[str, Schedule]]:
     """The optax transform a `TrainConfig` declares, plus its learning-rate schedules by metric name.
 
-    The router bias (`FROZEN_PARAMS`) receives no update at all. A `WeightDecayChange` adds
+    The router bias (`config.FROZEN_PARAMS`) receives no update at all. A `WeightDecayChange` adds
     decoupled weight decay on its groups, scaled by each parameter's own learning rate.
     """
     from keel.train.config import AdamWConfig, GroupedOptimizerConfig
@@ -158,7 +146,7 @@ def build_optimizer(train, params) -> tuple[optax.GradientTransformation, dict[s
     else:
         raise TypeError(f"TrainConfig.optimizer: unsupported {type(opt).__name__}; use AdamWConfig or GroupedOptimizerConfig")
 
-    labels = label_params(params, [(p, "frozen") for p in FROZEN_PARAMS] + groups.rules, groups.default)
+    labels = optimizer_labels(opt, params)
     transform = grouped({**groups.transforms, "frozen": optax.set_to_zero()}, labels)
     change = train.weight_decay_change
     if change is not None:
@@ -177,7 +165,7 @@ def _adamw_groups(opt, lr: Schedule) -> _Groups:
         return jax.tree.map(lambda x: x.ndim >= 2, group_params)
 
     adamw = optax.adamw(lr, opt.beta1, opt.beta2, opt.eps, weight_decay=opt.weight_decay, mask=matrices)
-    return _Groups({"adamw": adamw}, [], "adamw", {"adamw": lr})
+    return _Groups({"adamw": adamw}, {"adamw": lr})
 
 
 def _hero_groups(opt, muon_lr: Schedule, adam_lr: Schedule) -> _Groups:
@@ -188,5 +176,4 @@ def _hero_groups(opt, muon_lr: Schedule, adam_lr: Schedule) -> _Groups:
         "adamh": scale_by_adamh(adam_lr, b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
         "adam": adam(adam_lr, b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
     }
-    rules = [(p, "muonh") for p in opt.muonh_params] + [(p, "adamh") for p in opt.adamh_params]
-    return _Groups(transforms, rules, "adam", {"muonh": muon_lr, "adamh": adam_lr, "adam": adam_lr})
+    return _Groups(transforms, {"muonh": muon_lr, "adamh": adam_lr, "adam": adam_lr})

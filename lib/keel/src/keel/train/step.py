@@ -1,8 +1,8 @@
 """The training step function: `train_step(TrainStepConfig)` trains keel's MoE LM under the output path.
 
-Everything that can be wrong with the declaration (topology vs devices, experts vs expert
-parallelism, batch vs shards, a transport the platform cannot run, sequences longer than the
-model's) is checked here before any data is read or anything compiled.
+It first resolves the run exactly as `keel plan` does (`keel.plan.resolved`: the same checks, the
+same parameter table and transport timeline), then checks what only the running process can see
+(its devices and platform), all before any data is read or anything compiled.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from keel.mesh.topology import BATCH_AXES, RackTopology
+from keel.plan.resolved import resolve
 from keel.train.config import TrainStepConfig, TransportPhase
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,7 @@ def train_step(config: TrainStepConfig) -> None:
     from keel.train.loop import LoopInputs, train
 
     join_replicas(config.coordinator)  # a multi-host step: its replicas become one jax.distributed world (no-op alone)
+    resolve(config)
     topology = config.topology or RackTopology(racks=1, gpus_per_rack=len(jax.devices()))
     check_step_config(config, topology, num_devices=len(jax.devices()), platform=jax.default_backend())
     mesh = build_mesh(topology)
@@ -49,20 +51,13 @@ def default_transport(topology: RackTopology) -> TransportPhase:
 
 
 def check_step_config(config: TrainStepConfig, topology: RackTopology, *, num_devices: int, platform: str) -> None:
-    """Raise a ValueError naming the field and the fix for anything that would fail mid-run."""
+    """What only the running process can check (the declaration itself is `resolve`'s): its device
+    count against the topology, each transport against its platform, and the token caches it
+    reads against the model and the run (`data_checks.check_token_caches`)."""
     from keel.model.transport_spec import check_transport_supported
+    from keel.train.data_checks import check_token_caches
 
-    model, train = config.model, config.train
-    topology.validate(model, train.batch_size, num_devices=num_devices)
-    if train.seq_len > model.max_seq_len:
-        raise ValueError(
-            f"TrainConfig.seq_len={train.seq_len} exceeds MoELMConfig.max_seq_len={model.max_seq_len}: "
-            "shorten the sequences or raise max_seq_len"
-        )
-    for phase in train.transports or (default_transport(topology),):
+    topology.validate(config.model, config.train.batch_size, num_devices=num_devices)
+    for phase in config.train.transports or (default_transport(topology),):
         check_transport_supported(phase.transport, platform)
-        if phase.transport not in ("dense", "local") and topology.expert_parallel < 2:
-            raise ValueError(
-                f"TrainConfig.transports: {phase.transport!r} (from step {phase.start_step}) moves tokens over the "
-                "expert axis, but RackTopology.expert_parallel=1: set expert_parallel > 1 or use 'local'"
-            )
+    check_token_caches(config)

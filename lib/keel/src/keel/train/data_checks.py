@@ -1,0 +1,71 @@
+"""Before a training step compiles: do its token caches fit the model and the run declared?
+
+A token cache keel made says, in its `tokenize.json`, the sequence length it was packed at, the
+vocabulary of the tokenizer that made its ids, and how many sequences each split holds. Each is
+checked against the training step here, in the step's process, before any compute:
+
+- ids from a tokenizer larger than `MoELMConfig.vocab_size` would be clamped by the embedding
+  gather, training a silently wrong model;
+- sequences packed at another length than `TrainConfig.seq_len` cannot be batched;
+- a declared evaluation (`TrainConfig.eval_batches > 0`) with no validation sequences in any
+  cache would silently never run.
+
+Where the producing steps' configs already say it, `keel plan` refuses the same mistakes first
+(`keel.plan.checks`). Caches keel did not make (no `tokenize.json`) are left to Levanter's checks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keel.executor import storage
+from keel.train.config import TrainStepConfig
+
+STATS_FILE = "tokenize.json"  # keel.data.tokenize.STATS_FILE, without importing the data side here
+
+
+def cache_components(data: Any) -> dict[str, str]:
+    """{component name: cache root} of a resolved `data` (a Mixture or one cache path); only paths."""
+    components = getattr(data, "components", None)
+    items = components.items() if components is not None else [("data", data)]
+    return {name: root for name, root in items if isinstance(root, str)}
+
+
+def check_token_caches(config: TrainStepConfig) -> None:
+    """Raise a ValueError naming both fields and the fix for a cache that does not fit the run."""
+    model, train = config.model, config.train
+    stats = {}
+    for name, root in cache_components(config.data).items():
+        found = storage.read_json(storage.join(root, STATS_FILE))
+        if found is not None:
+            stats[name] = (root, found)
+    for name, (root, found) in stats.items():
+        where = f"token cache {name!r} ({root})"
+        if found["seq_len"] != train.seq_len:
+            raise ValueError(
+                f"TrainConfig.seq_len={train.seq_len} differs from TokenizeConfig.seq_len={found['seq_len']} of {where}: "
+                f"set TrainConfig.seq_len={found['seq_len']}, or tokenize again with TokenizeConfig.seq_len={train.seq_len}"
+            )
+        if found["vocab_size"] > model.vocab_size:
+            raise ValueError(
+                f"the tokenizer of {where} has {found['vocab_size']:,} tokens but MoELMConfig.vocab_size="
+                f"{model.vocab_size:,}: ids >= {model.vocab_size:,} would be clamped into wrong embeddings; set "
+                f"MoELMConfig.vocab_size >= {found['vocab_size']:,}, or train the tokenizer with "
+                f"TrainTokenizerConfig.vocab_size <= {model.vocab_size:,}"
+            )
+    if train.eval_batches > 0 and stats and not any(_validation_sequences(found) for _, found in stats.values()):
+        detail = ", ".join(f"{name!r} has {_describe_validation(found)}" for name, (_, found) in stats.items())
+        raise ValueError(
+            f"TrainConfig.eval_batches={train.eval_batches} declares an evaluation, but no token cache has validation "
+            f"sequences ({detail}): raise the documents step's validation_fraction (or give it more documents), "
+            "or set TrainConfig.eval_batches=0 to train without evaluation"
+        )
+
+
+def _validation_sequences(stats: dict) -> int:
+    return stats["splits"].get("validation", {}).get("sequences", 0)
+
+
+def _describe_validation(stats: dict) -> str:
+    split = stats["splits"].get("validation", {})
+    return f"{split.get('sequences', 0)} validation sequences from {split.get('documents', 0)} documents"

@@ -1,0 +1,141 @@
+"""The resolved run is the run: the planner's parameter table, placements, optimizer groups and
+transport capacities are what the trainer instantiates, places, optimizes and dispatches with.
+
+Each check compares the jax-free `keel.plan.resolved.resolve` against live objects on the 2 x 4
+rack mesh: the model's real leaves, the arrays' shardings, the optimizer's own state, and the
+capacity the MoE kernel is called with.
+"""
+
+import dataclasses
+import random
+
+import haliax as hax
+import jax
+import optax
+import pytest
+from model_tiny import hero_like
+
+from defaults.models import tiny_moe
+from keel import External
+from keel.mesh import RackTopology
+from keel.mesh.mesh import build_mesh
+from keel.model import ConvSite
+from keel.plan.resolved import resolve
+from keel.train import AdamWConfig, GroupedOptimizerConfig, TrainConfig, TransportPhase
+from keel.train.config import TrainStepConfig
+from keel.train.lm import KeelLM
+from keel.train.optimizer import build_optimizer, param_paths
+
+RACKS = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
+CACHE = External("test/cache", "/nowhere")
+
+
+def _random_configs(n: int, seed: int = 7):
+    rng = random.Random(seed)
+    for _ in range(n):
+        yield hero_like(
+            num_layers=rng.choice([1, 2, 3]),
+            tie_embeddings=rng.random() < 0.3,
+            embed_norm=rng.random() < 0.5,
+            gated_norm_rank=rng.choice([0, 4]),
+            attention_gate=rng.random() < 0.5,
+            conv_sites=tuple(s for s in ConvSite if rng.random() < 0.5),
+            latent_dim=rng.choice([None, 16]),
+            num_shared_experts=rng.choice([0, 1, 2]),
+            hidden_dim=rng.choice([32, 48]),
+            **rng.choice([{}, dict(balancing="aux_loss", aux_loss_coef=0.01, routing="softmax_topk")]),
+        )
+
+
+def _twin_model():
+    from keel.cli import load_experiment
+
+    steps = load_experiment("experiments/hero_535b.py", "tiny")
+    return next(s for s in steps if s.name.startswith("train/")).config.model
+
+
+def _step_config(model, optimizer=None):
+    train = TrainConfig(batch_size=16, seq_len=16, num_steps=10,
+                        optimizer=optimizer or GroupedOptimizerConfig(muon_lr=1e-2, adam_lr=1e-3))
+    return TrainStepConfig(model=model, data=CACHE, train=train, topology=RACKS)
+
+
+def _live(model_config):
+    mesh = build_mesh(RACKS)
+    with jax.set_mesh(mesh):
+        model = KeelLM(model_config, mesh).init(jax.random.PRNGKey(0))
+    is_named = lambda x: isinstance(x, hax.NamedArray)  # noqa: E731
+    paths = jax.tree.leaves(param_paths(model))
+    leaves = jax.tree.leaves(model, is_leaf=is_named)
+    return mesh, model, dict(zip(paths, leaves))
+
+
+MODELS = {"tiny_moe": lambda: tiny_moe, "twin": _twin_model,
+          **{f"random{i}": (lambda c=c: c) for i, c in enumerate(_random_configs(4))}}
+
+
+@pytest.mark.parametrize("which", list(MODELS))
+def test_the_parameter_table_is_the_models_leaves_with_their_live_shardings(which):
+    model_config = MODELS[which]()
+    run = resolve(_step_config(model_config))
+    mesh, _, live = _live(model_config)
+    assert [p.path for p in run.parameters] == list(live), "the same leaves, by their real paths"
+    for p in run.parameters:
+        leaf = live[p.path]
+        assert tuple((ax.name, ax.size) for ax in leaf.axes) == p.axes, p.path
+        assert leaf.array.sharding == jax.sharding.NamedSharding(mesh, jax.P(*p.placement)), (p.path, p.rule)
+
+
+def test_the_planners_optimizer_groups_are_the_optimizers_own():
+    config = _step_config(tiny_moe)
+    run = resolve(config)
+    _, model, _ = _live(tiny_moe)
+    params = jax.tree.map(lambda x: x, model)
+    tx, _ = build_optimizer(config.train, params)
+    state = jax.eval_shape(tx.init, params)
+    paths = jax.tree.leaves(param_paths(params))
+
+    def holders(tree) -> set[str]:  # the parameters a group keeps state for (others are MaskedNode)
+        leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, (optax.MaskedNode, hax.NamedArray)))
+        return {path for path, leaf in zip(paths, leaves) if not isinstance(leaf, optax.MaskedNode)}
+
+    inner = state.inner_states
+    assert holders(inner["muonh"].inner_state.momentum) == {p.path for p in run.parameters if p.group == "muonh"}
+    assert holders(inner["adam"].inner_state[0].mu) == {p.path for p in run.parameters if p.group == "adam"}
+    assert {p.path for p in run.parameters if not p.trained} == {"layers.stacked.moe.router_bias"}
+    assert {p.path for p in run.parameters if p.group == "adamh"} == {"lm_head"}
+
+
+def test_adamw_puts_everything_but_the_router_bias_in_one_group():
+    run = resolve(_step_config(tiny_moe, AdamWConfig(lr=1e-3)))
+    assert {p.group for p in run.parameters} == {"adamw", "frozen"}
+
+
+@pytest.mark.parametrize("declared", [None, 1.4])
+def test_the_pooled_capacity_that_reaches_the_transport_is_the_declared_one(monkeypatch, declared):
+    import jax.numpy as jnp
+    import numpy as np
+
+    import keel.model.transports as transports
+
+    model_config = hero_like(capacity_factor=1.15, max_seq_len=16)
+    phase = TransportPhase(0, "fixed_pooled_all_to_all", capacity_factor=declared, num_waves=2)
+    config = dataclasses.replace(_step_config(model_config), train=dataclasses.replace(
+        _step_config(model_config).train, transports=(phase,)))
+    planned = resolve(config).transports[0]
+    assert planned.capacity_factor == (declared or 1.15)
+
+    seen = []
+    real = transports.moe_mlp
+    monkeypatch.setattr(transports, "moe_mlp", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    mesh = build_mesh(RACKS)
+    lm = KeelLM(model_config, mesh)
+    rng = np.random.default_rng(0)
+    batch = {"input_ids": jnp.asarray(rng.integers(0, model_config.vocab_size, (16, 16)), jnp.int32),
+             "segment_ids": jnp.zeros((16, 16), jnp.int32)}
+    with jax.set_mesh(mesh):
+        model = lm.init(jax.random.PRNGKey(0))
+        batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.P(("replica_dcn", "data", "expert"), None)))
+        jax.eval_shape(lambda m, b: lm.loss(m, b, transport=phase, z_loss=0.0, compute_dtype=jnp.float32), model, batch)
+    assert seen and {kw["pooled_transport_capacity_factor"] for kw in seen} == {planned.capacity_factor}
+    assert {kw["num_expert_waves"] for kw in seen} == {2}
