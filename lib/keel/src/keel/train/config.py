@@ -56,7 +56,7 @@ MUONH_PARAMS = (
     r"\bexperts\.",
     r"\bshared\.",
     r"\blatent_(down|up)\b",
-    r"gated(_norm)?\.(down|up)\b",  # the model's leaves are `<site>_norm.gated.down/up`
+    r"\bgated\.(down|up)\b",  # GatedNorm matrices: `<site>.gated.down` / `.up`
 )
 """Matrices trained by MuonH: attention q/k/v/o, routed and shared experts, latent projections,
 GatedNorm matrices."""
