@@ -58,7 +58,7 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
             fail(f"train.transports[{i}].transport={phase.transport!r} moves tokens over the expert axis, but "
                  + ("no topology is declared" if topo is None else f"topology.expert_parallel={topo.expert_parallel}")
                  + ": declare a topology with expert_parallel > 1, or use 'local'")
-        local_experts = model.num_experts // topo.expert_parallel if topo is not None else model.num_experts
+        local_experts = topo.experts_per_device(model) if topo is not None else model.num_experts
         if phase.num_waves > 1 and local_experts % phase.num_waves:
             fail(f"train.transports[{i}].num_waves={phase.num_waves} must divide the {local_experts} experts per GPU "
                  "(num_experts / expert_parallel): each wave sends to an equal share of them")

@@ -89,7 +89,7 @@ def scale_down(
             dataclasses.replace(t, start_step=step(t.start_step),
                                 transport=t.transport if hardware.supports_transport(t.transport)
                                 else CPU_STAND_INS.get(t.transport, "fixed_all_to_all"),
-                                num_waves=_waves(t.num_waves, model.num_experts // topology.expert_parallel))
+                                num_waves=_waves(t.num_waves, topology.experts_per_device(model)))
             for t in train.transports
         )),
         host_offload=dataclasses.replace(train.host_offload, master_weights_until_step=None),
