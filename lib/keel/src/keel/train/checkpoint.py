@@ -8,7 +8,8 @@ complete checkpoint and resumes from it; Levanter only writes a checkpoint's `me
 every array is committed, so a checkpoint torn by `kill -9` is never picked.
 
 States are restored into the shardings of a freshly initialised state (the exemplar), so a
-restored run keeps its expert sharding whatever the model's named-axis mapping is.
+restored run keeps its expert sharding whatever the model's named-axis mapping is, and each
+array's memory kind (device or pinned host, `keel.train.offload`): the format has no layout in it.
 """
 
 from __future__ import annotations
@@ -47,8 +48,18 @@ class TrainCheckpoints:
         return discover_latest_checkpoint(self.root)
 
     def restore(self, exemplar, path: str):
-        """The state saved at `path`, laid out like `exemplar` (same tree, shardings and dtypes)."""
+        """The state saved at `path`, laid out like `exemplar` (same tree, shardings, memory kinds and dtypes)."""
         return restore_like(exemplar, path)
+
+    @staticmethod
+    def step_of(path: str) -> int:
+        """The completed steps of the checkpoint at `path` (from its metadata)."""
+        import json
+
+        import fsspec
+
+        with fsspec.open(os.path.join(path, "metadata.json")) as f:
+            return int(json.load(f)["step"])
 
     def on_step(self, state, step: int, *, force: bool = False, rolling: bool = False) -> None:
         """Save if a policy says so, a permanent one if `force`, at least a rolling one if `rolling`;

@@ -17,6 +17,10 @@ t+1 is computed from step t's forward pass: state the optimizer does not own. Th
 
 The train state's shardings are pinned (inputs and outputs of the step), so a restored state and
 a state fresh out of the previous step run the very same executable: resumption is bit-exact.
+They carry the memory kinds `TrainConfig.host_offload` declares for the step (`keel.train.offload`):
+host-resident master weights / optimizer state are copied to the device inside the step and
+written back to the host by its out shardings; at a layout change the state moves once and the
+step is compiled for the new layout.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from keel.executor import interrupt
+from keel.train import offload
 from keel.train.batches import batch_loader
 from keel.train.checkpoint import TrainCheckpoints
 from keel.train.config import TrainConfig, TransportPhase
@@ -80,19 +85,23 @@ class _Run:
         self.tx, self.lr_schedules = build_optimizer(config, params)
         state = {"step": jnp.zeros((), jnp.int32), "model": model, "opt_state": eqx.filter_jit(self.tx.init)(params)}
         self.state_arrays, self.state_static = eqx.partition(state, eqx.is_array)
-        self.state_shardings = jax.tree.map(lambda x: x.sharding, self.state_arrays)
+        # Where each part of the state lives (keel.train.offload): pinned as the step's in/out shardings.
+        self.layout = offload.Layout()
+        self.state_shardings = offload.shardings(self.state_arrays, self.layout)
+        self._place(0)
         self.checkpoints = TrainCheckpoints(
             output_path, permanent_every=config.permanent_checkpoint_every, rolling_every=config.rolling_checkpoint_every,
             rolling_minutes=config.rolling_checkpoint_minutes, keep_rolling=config.keep_rolling_checkpoints,
         )
-        self._step_fns: dict[TransportPhase, Any] = {}
-        self._eval_fns: dict[TransportPhase, Any] = {}
+        self._step_fns: dict[tuple[TransportPhase, offload.Layout], Any] = {}
+        self._eval_fns: dict[tuple[TransportPhase, offload.Layout], Any] = {}
 
     # ------------------------------------------------------------------ main
     def run(self) -> dict[str, float]:
         config = self.config
         latest = self.checkpoints.latest()
         if latest is not None:
+            self._place(self.checkpoints.step_of(latest))  # the exemplar in the resume step's layout
             self.state_arrays = self.checkpoints.restore(self.state_arrays, latest)
             logger.info("Resumed from %s", latest)
         start = int(self.state_arrays["step"])
@@ -131,6 +140,7 @@ class _Run:
                 logger.info("Step %d: switching transport %s -> %s", step, previous.transport, phase.transport)
                 previous = phase
             t0 = time.perf_counter()
+            self._place(step)
             batch = next(batches)
             with jax.set_mesh(self.inputs.mesh):  # Levanter's loader leaves its own mesh context
                 self.state_arrays, metrics = self._step_fn(phase)(self.state_arrays, batch)
@@ -162,17 +172,31 @@ class _Run:
     def transport_at(self, step: int) -> TransportPhase:
         return self.config.transport_at(step) or self.inputs.default_transport
 
+    def _place(self, step: int) -> None:
+        """Move the state to the layout `config.host_offload` declares for `step` (once per change)."""
+        layout = offload.layout_at(self.config.host_offload, step)
+        if layout == self.layout:
+            return
+        offload.check_supported(layout, jax.devices()[0])
+        logger.info("Step %d: train state %s -> %s", step, self.layout, layout)
+        self.layout = layout
+        self.state_shardings = offload.shardings(self.state_arrays, layout)
+        self.state_arrays = jax.device_put(self.state_arrays, self.state_shardings)
+
     def _step_fn(self, phase: TransportPhase):
-        if phase not in self._step_fns:
-            self._step_fns[phase] = self._build_step(phase)
-        return self._step_fns[phase]
+        key = (phase, self.layout)
+        if key not in self._step_fns:
+            self._step_fns[key] = self._build_step(phase)
+        return self._step_fns[key]
 
     def _build_step(self, phase: TransportPhase):
-        lm, tx, static = self.inputs.lm, self.tx, self.state_static
+        """The jitted step for `phase` and the current layout: host arrays are copied in for compute, and
+        the new state goes back to where it came from (the pinned out shardings)."""
+        lm, tx, static, shardings = self.inputs.lm, self.tx, self.state_static, self.state_shardings
         z_loss, compute_dtype, lrs = self.config.z_loss, self.compute_dtype, self.lr_schedules
 
         def step(arrays, batch):
-            state = eqx.combine(arrays, static)
+            state = eqx.combine(offload.to_device(arrays, shardings), static)
             model = state["model"]
 
             def loss_of(m):
@@ -192,20 +216,20 @@ class _Run:
             metrics.update({name: fn(state["step"]) for name, fn in lrs.items()})
             return eqx.filter(new_state, eqx.is_array), metrics
 
-        return jax.jit(step, in_shardings=(self.state_shardings, None), out_shardings=(self.state_shardings, None),
-                       donate_argnums=0)
+        return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
 
     def _eval_fn(self, phase: TransportPhase):
-        if phase not in self._eval_fns:
-            lm, static, dtype = self.inputs.lm, self.state_static, self.compute_dtype
+        key = (phase, self.layout)
+        if key not in self._eval_fns:
+            lm, static, dtype, shardings = self.inputs.lm, self.state_static, self.compute_dtype, self.state_shardings
 
             def evaluate(arrays, batch):  # the validation loss: cross-entropy without the z-loss term
-                model = eqx.combine(arrays, static)["model"]
+                model = eqx.combine(offload.to_device(arrays["model"], shardings["model"]), static["model"])
                 loss, _ = lm.loss(model, batch, transport=phase, z_loss=0.0, compute_dtype=dtype)
                 return loss
 
-            self._eval_fns[phase] = jax.jit(evaluate, in_shardings=(self.state_shardings, None))
-        return self._eval_fns[phase]
+            self._eval_fns[key] = jax.jit(evaluate, in_shardings=(shardings, None))
+        return self._eval_fns[key]
 
     def _evaluate(self, step: int, phase: TransportPhase, metrics_log: MetricsLog, tracker) -> None:
         """Mean loss over the first `eval_batches` batches of each validation set (same batches every time)."""
