@@ -154,3 +154,14 @@ def test_training_steps_run_isolated_with_the_devices_their_hardware_declares():
     three_racks = default_train("t", data=CACHE, model=tiny_moe, train=_train(batch_size=48), topology=three, hardware=cpu_sim)
     assert three_racks.config.process_env()["XLA_FLAGS"].endswith("=12")
     assert gb200_nvl72.process_env(64) == {}  # real accelerators are found as they are
+
+
+def test_set_decodes_nested_configs_by_their_declared_types():
+    from keel.executor.overrides import apply_overrides
+
+    step = default_train("t", data=CACHE, model=tiny_moe, train=_train())
+    (changed,) = apply_overrides([step], [step], [
+        "train/t.train.transports=[{start_step: 0, transport: fixed_all_to_all}, {start_step: 5, transport: ring}]",
+        "train/t.model.routing=sigmoid_topk_threshold", "train/t.train.permanent_checkpoint_every=None"])
+    assert changed.config.train.transports == (TransportPhase(0, "fixed_all_to_all"), TransportPhase(5, "ring"))
+    assert changed.config.train.permanent_checkpoint_every is None

@@ -1,16 +1,14 @@
 """`--set STEP_NAME.field.sub=value`: change a config field from the command line.
 
-The override rebuilds the step (and every step that depends on it, since their configs refer to
-it) with `dataclasses.replace`, so identities follow naturally. A key that matches no field is an
-error naming the closest ones.
+The value is decoded as the field's declared type by draccus; the override rebuilds the step (and
+every step that depends on it, since their configs refer to it) with `dataclasses.replace`, so
+identities follow naturally. A key that matches no field is an error naming the closest ones.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
-import enum
 import typing
 from typing import Any
 
@@ -31,37 +29,34 @@ def _field_paths(obj: Any, prefix: str) -> list[str]:
     return out
 
 
-def _parse_value(text: str, current: Any, key: str) -> Any:
-    if isinstance(current, enum.Enum):
-        try:
-            return type(current)[text] if text in type(current).__members__ else type(current)(text)
-        except ValueError:
-            raise OverrideError(f"--set {key}: {text!r} is not one of {[m.name for m in type(current)]}") from None
-    if isinstance(current, str) or (current is None and not _looks_literal(text)):
+def _declared_type(obj: Any, name: str, current: Any) -> Any:
+    """The field's annotation as a type (`int | None`, `tuple[str, ...]`, a dataclass, an Enum);
+    the current value's type when the annotation names something not importable here."""
+    try:
+        return typing.get_type_hints(type(obj))[name]
+    except Exception:  # noqa: BLE001 - e.g. a forward reference to a class this module cannot see
+        return type(current) if current is not None else Any
+
+
+def _parse_value(obj: Any, name: str, text: str, key: str) -> Any:
+    """`text` as the field's declared type, decoded by draccus (Levanter's config parser) from YAML
+    syntax: `3`, `1e-3`, `true`, `ring`, `[a, b]`, `{start_step: 0, transport: ring}`."""
+    import yaml
+    from draccus.parsers.decoding import decode
+
+    current = getattr(obj, name)
+    declared = _declared_type(obj, name, current)
+    if declared is str:
         return text
     try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        if current is None:
-            return text
-        raise OverrideError(f"--set {key}: cannot read {text!r} as a {type(current).__name__}") from None
-    if isinstance(current, bool) and not isinstance(value, bool):
-        raise OverrideError(f"--set {key}: expected True or False, got {text!r}")
-    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if current is not None and not isinstance(value, type(current)) and not (isinstance(current, (list, tuple)) and isinstance(value, (list, tuple))):
-        raise OverrideError(f"--set {key}: expected a {type(current).__name__}, got {text!r}")
-    if isinstance(current, tuple) and isinstance(value, list):
-        value = tuple(value)
-    return value
-
-
-def _looks_literal(text: str) -> bool:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raw = text
     try:
-        ast.literal_eval(text)
-        return True
-    except (ValueError, SyntaxError):
-        return False
+        return decode(declared, raw)
+    except Exception as exc:  # noqa: BLE001 - draccus raises its own DecodingError, or the config's ValueError
+        shown = getattr(declared, "__name__", None) or str(declared).replace("typing.", "")
+        raise OverrideError(f"--set {key}: cannot read {text!r} as a {shown} ({str(exc).splitlines()[0]})") from None
 
 
 def _parse_none(obj: Any, name: str, current: Any, key: str) -> Any:
@@ -88,7 +83,7 @@ def _replace_path(obj: Any, parts: list[str], text: str, key: str) -> Any:
     elif text == "None" and current is not None:
         new = _parse_none(obj, parts[0], current, key)
     else:
-        new = _parse_value(text, current, key)
+        new = _parse_value(obj, parts[0], text, key)
     return dataclasses.replace(obj, **{parts[0]: new})
 
 
