@@ -80,7 +80,7 @@ def _replace_path(obj: Any, parts: list[str], text: str, key: str) -> Any:
     current = getattr(obj, parts[0])
     if len(parts) > 1:
         new = _replace_path(current, parts[1:], text, key)
-    elif text == "None" and current is not None:
+    elif text == "None":
         new = _parse_none(obj, parts[0], current, key)
     else:
         new = _parse_value(obj, parts[0], text, key)
