@@ -34,7 +34,9 @@ def stdlib_corpus(*, max_bytes: int | None = None, max_files: int | None = None,
 
 
 def ingest(name: str, inputs: tuple[str, ...] = (), *, hf_dataset: HfDatasetSpec | None = None, **kwargs) -> Step:
-    """A document set from local files/globs (or a HF dataset); `kwargs` are IngestConfig fields."""
+    """A document set from files/globs (or a HF dataset); `kwargs` are IngestConfig fields: text_field,
+    validation_fraction, on_bad_record, max_bad_fraction, on_decode_error, input_version, ...
+    (README "Your own data"; help(keel.data.IngestConfig))."""
     config = IngestConfig(inputs=tuple(inputs), hf_dataset=hf_dataset, **kwargs)
     return Step(f"documents/{name}", ingest_documents, config)
 

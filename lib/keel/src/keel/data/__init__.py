@@ -10,13 +10,16 @@ Steps (function, config):
     tokenize_documents    TokenizeConfig        document set + tokenizer -> packed Levanter caches
 Declarations: Mixture / MixturePhase (phased weights over caches), External (a cache keel does not make).
 Training side: build_train_dataset / build_validation_datasets over a resolved Mixture.
+Each data step writes `.keel/summary.json` (read_summary): counts, and what was skipped or repaired.
 """
 
 from keel.data.datasets import build_train_dataset, build_validation_datasets, load_token_cache
-from keel.data.documents import BadRecordError, Document, iter_documents, read_index, split_of
+from keel.data.documents import Document, EmptyDataError, iter_documents, read_index, split_of
 from keel.data.ingest import HfDatasetSpec, IngestConfig, ingest_documents
 from keel.data.mixture import Mixture, MixtureError, MixturePhase
+from keel.data.quality import BadRecordError
 from keel.data.stdlib_corpus import StdlibCorpusConfig, build_stdlib_corpus
+from keel.data.summary import read_summary
 from keel.data.tokenize import TokenizeConfig, tokenize_documents
 from keel.data.tokenizer import LoadedTokenizer, TrainTokenizerConfig, load_tokenizer, train_tokenizer
 from keel.executor.step import External
@@ -24,6 +27,7 @@ from keel.executor.step import External
 __all__ = [
     "BadRecordError",
     "Document",
+    "EmptyDataError",
     "External",
     "HfDatasetSpec",
     "IngestConfig",
@@ -42,6 +46,7 @@ __all__ = [
     "load_token_cache",
     "load_tokenizer",
     "read_index",
+    "read_summary",
     "split_of",
     "tokenize_documents",
     "train_tokenizer",

@@ -3,6 +3,7 @@
 Layout under a step's output path:
 
     documents.json                      counts, shard lists, bad-record report (written last)
+    .keel/summary.json                  documents, bytes, records skipped and repaired by kind
     train/docs-00000.jsonl.zst          one JSON object per line: {"id": ..., "text": ...}
     validation/docs-00000.jsonl.zst
 
@@ -18,37 +19,28 @@ import hashlib
 import io
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zstandard
 
+from keel.data.quality import RecordLog
+from keel.data.summary import write_summary
 from keel.executor import storage
 
 SPLITS = ("train", "validation")
 INDEX_FILE = "documents.json"
 FORMAT = "keel.documents/v1"
 ZSTD_LEVEL = 3
-MAX_REPORTED_BAD_RECORDS = 100
 
 
-class BadRecordError(ValueError):
-    """An input record that cannot be turned into a document (and the config says to fail)."""
+class EmptyDataError(ValueError):
+    """A data step would write nothing usable (no documents, no tokens): it fails instead."""
 
 
 @dataclass(frozen=True)
 class Document:
     id: str
     text: str
-
-
-@dataclass(frozen=True)
-class BadRecord:
-    file: str
-    line: int
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.reason}"
 
 
 def split_of(doc_id: str, validation_fraction: float) -> str:
@@ -101,22 +93,6 @@ class _ShardedSplitWriter:
         self._buffer_text_bytes = 0
 
 
-@dataclass
-class BadRecordLog:
-    """Counts bad records and keeps the first few for the report; raises at once in fail mode."""
-
-    fail: bool
-    count: int = 0
-    examples: list[BadRecord] = field(default_factory=list)
-
-    def report(self, record: BadRecord) -> None:
-        if self.fail:
-            raise BadRecordError(f"bad record at {record} (set on_bad_record='skip' to skip and count such records)")
-        self.count += 1
-        if len(self.examples) < MAX_REPORTED_BAD_RECORDS:
-            self.examples.append(record)
-
-
 def clear_documents(output_path: str) -> None:
     """Remove what an earlier, interrupted attempt left, so a rerun starts from nothing."""
     for name in (INDEX_FILE, *SPLITS):
@@ -131,10 +107,15 @@ def write_documents(
     *,
     validation_fraction: float,
     shard_bytes: int,
-    bad_records: BadRecordLog,
+    log: RecordLog,
     source: dict,
+    what: str,
 ) -> dict:
-    """Split, shard and write `documents`; the index file goes last, once every shard is complete."""
+    """Split, shard and write `documents`; the index file goes last, once every shard is complete.
+
+    Fails (no index written) when `log` counted too many skipped records or when no document is
+    left; `what` names the input in those messages. Writes summary.json and prints its line.
+    """
     clear_documents(output_path)
     writers = {split: _ShardedSplitWriter(output_path, split, shard_bytes) for split in SPLITS}
     seen: set[str] = set()
@@ -149,6 +130,17 @@ def write_documents(
         writers[split_of(doc.id, validation_fraction)].add(doc)
     for writer in writers.values():
         writer.close()
+    log.check()
+    total = sum(w.documents for w in writers.values())
+    if not total:
+        lost = "; ".join(x for x in (log.describe(), f"{empty} with empty text" if empty else "") if x)
+        raise EmptyDataError(f"{what} gave no documents ({log.records} records{': ' + lost if lost else ''}): "
+                             "check that the files hold records with text")
+    warnings = []
+    if validation_fraction > 0 and not writers["validation"].documents:
+        warnings.append(f"the validation split is empty: none of the {total} documents fell in validation_fraction="
+                        f"{validation_fraction:g} (about {total * validation_fraction:.2g} expected); raise it to "
+                        "evaluate on this data")
     index = {
         "format": FORMAT,
         "source": source,
@@ -157,8 +149,14 @@ def write_documents(
             split: {"shards": w.shards, "documents": w.documents, "bytes": w.bytes} for split, w in writers.items()
         },
         "empty_documents": empty,
-        "bad_records": {"count": bad_records.count, "examples": [str(r) for r in bad_records.examples]},
+        "bad_records": {"count": log.skipped_count, "examples": [str(r) for r in log.examples]},
     }
+    summary = {"documents": total, "splits": {s: {"documents": w.documents, "bytes": w.bytes} for s, w in writers.items()},
+               "empty_documents": empty, **log.summary(), "warnings": warnings}
+    line = (f"documents: {total:,} ({writers['train'].documents:,} train, {writers['validation'].documents:,} validation; "
+            f"{sum(w.bytes for w in writers.values()):,} bytes) from {log.records:,} records")
+    extra = [x for x in (log.describe(), f"dropped {empty} with empty text" if empty else "", *warnings) if x]
+    write_summary(output_path, summary, line + "".join(f"\n  {x}" for x in extra))
     storage.write_json(storage.join(output_path, INDEX_FILE), index)
     return index
 

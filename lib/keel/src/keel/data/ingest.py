@@ -2,8 +2,19 @@
 
 A document's id is where it came from, relative to the input (`dir/file.jsonl:17`, `notes.txt:1`,
 `hf:json/train:42`), so it does not depend on the machine the files sit on, and neither does the
-train/validation split derived from it. The step's identity holds the input paths or globs, not
-the bytes behind them: bump `input_version` when files change in place.
+train/validation split derived from it.
+
+What counts toward the step's identity: every identity field of the config, and the contents of
+every file it reads (`input_files()`: each input, each glob match, each local `data_files` of an
+HF dataset), fingerprinted by the executor (`keel.executor.inputs`). Editing, adding or removing
+a file makes the step and everything downstream stale. `input_version`, when set, stands for the
+files instead (nothing is listed or hashed; bump it when they change): for inputs too large to
+list on every plan or not reachable from where `keel plan` runs.
+
+Losses are loud: a record that cannot be read is skipped and counted by kind with its file:line,
+and more than `max_bad_fraction` of them fail the step (`on_bad_record='fail'`: the first one
+does); undecodable bytes are replaced or their line skipped (`on_decode_error`), line by line;
+no documents at all is an error.
 """
 
 from __future__ import annotations
@@ -12,33 +23,29 @@ import dataclasses
 import gzip
 import io
 import json
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from keel.data.documents import (
-    BadRecord,
-    BadRecordLog,
-    Document,
-    check_validation_fraction,
-    write_documents,
-)
+from keel.data.documents import Document, check_validation_fraction, write_documents
+from keel.data.quality import BadRecord, RecordLog
 from keel.executor import storage
-from keel.executor.step import this_output
-
-logger = logging.getLogger(__name__)
+from keel.executor.step import execution_only, this_output
 
 FORMATS = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 BAD_RECORD_POLICIES = ("skip", "fail")
+DECODE_ERROR_POLICIES = ("replace", "skip")
 DEFAULT_SHARD_BYTES = 32 * 2**20
+HF_FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
+"""`datasets` builders that read `data_files` (fingerprinted); any other path is a hub dataset."""
 
 
 @dataclass(frozen=True)
 class HfDatasetSpec:
     """A Hugging Face `datasets` source, read in streaming mode (no local Arrow cache).
 
-    `path` is a hub id (needs a reachable hub) or a builder such as "json"/"parquet" together
-    with `data_files`.
+    `path` is a hub id (needs a reachable hub; pin `revision`, which stands for its contents) or a
+    builder such as "json"/"parquet" together with `data_files` (whose contents count toward
+    identity, as `inputs` do).
     """
 
     path: str
@@ -50,16 +57,29 @@ class HfDatasetSpec:
 
 @dataclass(frozen=True)
 class IngestConfig:
-    """Ingest `inputs` (files or globs, read in the given order, each glob sorted) or `hf_dataset`."""
+    """Ingest `inputs` (files or globs, read in the given order, each glob sorted) or `hf_dataset`.
+
+    - `text_field`: the field (JSON lines) or column (Parquet) holding a document's text; a .txt
+      file is one document.
+    - `validation_fraction`: the share of documents (by a hash of their id) in the validation split.
+    - `on_bad_record`: 'skip' a record that cannot be read (not JSON, no `text_field`, text not a
+      string) and count it, or 'fail' at the first one. `max_bad_fraction` (execution-only): the
+      share of skipped records above which the step fails anyway.
+    - `on_decode_error`: a line with bytes that are not UTF-8 gets them 'replace'd with U+FFFD
+      (counted as repaired) or is skipped (counted as a bad record).
+    - `input_version`: stands for the input files' contents in the identity (see the module doc).
+    """
 
     inputs: tuple[str, ...] = ()
     hf_dataset: HfDatasetSpec | None = None
     text_field: str = "text"
     validation_fraction: float = 0.01
     on_bad_record: str = "skip"
+    on_decode_error: str = "replace"
     shard_bytes: int = DEFAULT_SHARD_BYTES
     input_version: str | None = None
     output_path: str = this_output()
+    max_bad_fraction: float = execution_only(default=0.01)
 
     def __post_init__(self):
         if bool(self.inputs) == (self.hf_dataset is not None):
@@ -68,9 +88,35 @@ class IngestConfig:
             raise ValueError("IngestConfig.inputs must be a tuple of paths or globs, not one string: use (path,)")
         if self.on_bad_record not in BAD_RECORD_POLICIES:
             raise ValueError(f"IngestConfig.on_bad_record must be one of {BAD_RECORD_POLICIES}, got {self.on_bad_record!r}")
+        if self.on_decode_error not in DECODE_ERROR_POLICIES:
+            raise ValueError(f"IngestConfig.on_decode_error must be one of {DECODE_ERROR_POLICIES}, got {self.on_decode_error!r}")
+        if not 0 <= self.max_bad_fraction <= 1:
+            raise ValueError(f"IngestConfig.max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
         if self.shard_bytes <= 0:
             raise ValueError(f"IngestConfig.shard_bytes must be positive, got {self.shard_bytes}")
         check_validation_fraction(self.validation_fraction)
+
+    def input_files(self) -> dict[str, str]:
+        """{name in the identity: url} of every file this step reads, for the executor to
+        fingerprint; nothing when `input_version` stands for them. Names are spelled as declared
+        (a relative input stays relative), so the identity does not depend on the machine."""
+        if self.input_version is not None:
+            return {}
+        if self.hf_dataset is not None:  # a hub dataset's `revision` pins it; a builder's data_files are files
+            if self.hf_dataset.path not in HF_FILE_BUILDERS:
+                return {}
+            patterns = [p for p in self.hf_dataset.data_files if isinstance(p, str)]
+            return {f.name: f.url for pattern in patterns for f in _matches(pattern, "IngestConfig.hf_dataset.data_files")}
+        return {f.name: f.url for f in expand_inputs(tuple(p for p in self.inputs if isinstance(p, str)))}
+
+
+@dataclass(frozen=True)
+class InputFile:
+    url: str
+    id_prefix: str
+    """The file relative to its glob's base (its documents' id prefix)."""
+    name: str
+    """The file as the declaration spells it: the glob's base as written, then the match."""
 
 
 def _format_of(path: str) -> str:
@@ -92,21 +138,29 @@ def _glob_base(pattern: str) -> str:
     return head.rsplit("/", 1)[0] if "/" in head else ""
 
 
-def expand_inputs(inputs: tuple[str, ...]) -> list[tuple[str, str]]:
-    """(url, id prefix) for every input file, in declaration order; each glob sorted. Checks formats first."""
-    files: list[tuple[str, str]] = []
-    for pattern in inputs:
-        fs, path = storage.split(pattern)
-        matches = sorted(fs.glob(path)) if any(ch in path for ch in "*?[") else ([path] if fs.exists(path) else [])
-        matches = [m for m in matches if not fs.isdir(m)]
-        if not matches:
-            raise FileNotFoundError(f"IngestConfig.inputs: {pattern!r} matches no file")
-        base = _glob_base(path).rstrip("/")
-        protocol = pattern.partition("://")[0] + "://" if "://" in pattern else ""
-        for match in matches:
-            _format_of(match)
-            relative = match[len(base) + 1 :] if base and match.startswith(base + "/") else match.rsplit("/", 1)[-1]
-            files.append((protocol + match, relative))
+def _matches(pattern: str, field: str) -> list[InputFile]:
+    fs, path = storage.split(pattern)
+    wildcard = any(ch in path for ch in "*?[")
+    matches = sorted(fs.glob(path)) if wildcard else ([path] if fs.exists(path) else [])
+    matches = [m for m in matches if not fs.isdir(m)]
+    if not matches:
+        raise FileNotFoundError(f"{field}: {pattern!r} matches no file")
+    base = _glob_base(path).rstrip("/")
+    declared_base = _glob_base(pattern).rstrip("/")
+    protocol = pattern.partition("://")[0] + "://" if "://" in pattern else ""
+    files = []
+    for match in matches:
+        relative = match[len(base) + 1 :] if base and match.startswith(base + "/") else match.rsplit("/", 1)[-1]
+        name = (f"{declared_base}/{relative}" if declared_base else relative) if wildcard else pattern
+        files.append(InputFile(protocol + match, relative, name))
+    return files
+
+
+def expand_inputs(inputs: tuple[str, ...]) -> list[InputFile]:
+    """Every input file, in declaration order; each glob sorted. Checks formats first."""
+    files = [f for pattern in inputs for f in _matches(pattern, "IngestConfig.inputs")]
+    for f in files:
+        _format_of(f.url)
     return files
 
 
@@ -122,74 +176,99 @@ def _open_lines(url: str, fmt: str) -> io.BufferedIOBase:
     return raw
 
 
-def _text_of(record, text_field: str) -> tuple[str | None, str]:
+def _decode(raw: bytes, url: str, line: int, config: IngestConfig, log: RecordLog) -> str | None:
+    """One line as text: undecodable bytes replaced (and counted) or the line skipped, as declared."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        detail = f"{e.reason} at byte {e.start}"
+        if config.on_decode_error == "skip":
+            log.skip(BadRecord(url, line, "not valid UTF-8", detail + "; skipped, as on_decode_error='skip' says"))
+            return None
+        log.repair(BadRecord(url, line, "not valid UTF-8, bytes replaced with U+FFFD", detail))
+        return raw.decode("utf-8", errors="replace")
+
+
+def _text_of(record, text_field: str) -> tuple[str | None, str, str]:
+    """(text, '', '') or (None, kind, detail) of a bad record."""
     if not isinstance(record, dict):
-        return None, f"expected a JSON object, got {type(record).__name__}"
+        return None, "not a JSON object", type(record).__name__
     if text_field not in record:
-        return None, f"missing text field {text_field!r} (fields: {', '.join(sorted(record)) or 'none'})"
+        fields = ", ".join(sorted(record)) or "none"
+        return None, f"missing text field {text_field!r}", f"fields: {fields}; IngestConfig.text_field names the one to read"
     text = record[text_field]
     if not isinstance(text, str):
-        return None, f"text field {text_field!r} is {type(text).__name__}, not a string"
-    return text, ""
+        return None, f"text field {text_field!r} not a string", type(text).__name__
+    return text, "", ""
 
 
-def _read_jsonl(url: str, fmt: str, prefix: str, text_field: str, bad: BadRecordLog) -> Iterator[Document]:
-    with _open_lines(url, fmt) as stream:
+def _read_jsonl(file: InputFile, fmt: str, config: IngestConfig, log: RecordLog) -> Iterator[Document]:
+    with _open_lines(file.url, fmt) as stream:
         for line_number, raw in enumerate(stream, start=1):
             if not raw.strip():
                 continue
+            log.look()
+            line = _decode(raw, file.url, line_number, config, log)
+            if line is None:
+                continue
             try:
-                record = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                bad.report(BadRecord(url, line_number, f"not valid UTF-8 JSON: {e}"))
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                log.skip(BadRecord(file.url, line_number, "not valid JSON", str(e)))
                 continue
-            text, reason = _text_of(record, text_field)
+            text, kind, detail = _text_of(record, config.text_field)
             if text is None:
-                bad.report(BadRecord(url, line_number, reason))
+                log.skip(BadRecord(file.url, line_number, kind, detail))
                 continue
-            yield Document(f"{prefix}:{line_number}", text)
+            yield Document(f"{file.id_prefix}:{line_number}", text)
 
 
-def _read_txt(url: str, prefix: str, bad: BadRecordLog) -> Iterator[Document]:
-    fs, path = storage.split(url)
+def _read_txt(file: InputFile, config: IngestConfig, log: RecordLog) -> Iterator[Document]:
+    """The whole file as one document, decoded line by line when it is not all UTF-8."""
+    fs, path = storage.split(file.url)
     data = fs.cat_file(path)
+    lines = data.splitlines(keepends=True)
+    log.look(len(lines))
     try:
-        yield Document(f"{prefix}:1", data.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        bad.report(BadRecord(url, data.count(b"\n", 0, e.start) + 1, f"not valid UTF-8: {e.reason}"))
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        decoded = (_decode(raw, file.url, n, config, log) for n, raw in enumerate(lines, start=1))
+        text = "".join(t for t in decoded if t is not None)
+    yield Document(f"{file.id_prefix}:1", text)
 
 
-def _read_parquet(url: str, prefix: str, text_field: str, bad: BadRecordLog) -> Iterator[Document]:
+def _read_parquet(file: InputFile, config: IngestConfig, log: RecordLog) -> Iterator[Document]:
     import pyarrow.parquet as pq
 
-    fs, path = storage.split(url)
+    fs, path = storage.split(file.url)
     with fs.open(path, "rb") as f:
         parquet = pq.ParquetFile(f)
-        if text_field not in parquet.schema_arrow.names:
-            bad.report(BadRecord(url, 0, f"no column {text_field!r} (columns: {', '.join(parquet.schema_arrow.names)})"))
-            return
+        if config.text_field not in parquet.schema_arrow.names:
+            raise ValueError(f"IngestConfig.text_field={config.text_field!r}: {file.url} has no such column (columns: "
+                             f"{', '.join(parquet.schema_arrow.names)}); set text_field to the column holding the text")
         row = 0
-        for batch in parquet.iter_batches(columns=[text_field]):
+        for batch in parquet.iter_batches(columns=[config.text_field]):
             for text in batch.column(0).to_pylist():
                 row += 1
+                log.look()
                 if not isinstance(text, str):
-                    bad.report(BadRecord(url, row, f"text field {text_field!r} is {type(text).__name__}, not a string"))
+                    log.skip(BadRecord(file.url, row, f"text field {config.text_field!r} not a string", type(text).__name__))
                     continue
-                yield Document(f"{prefix}:{row}", text)
+                yield Document(f"{file.id_prefix}:{row}", text)
 
 
-def _read_files(config: IngestConfig, bad: BadRecordLog) -> Iterator[Document]:
-    for url, prefix in expand_inputs(config.inputs):
-        fmt = _format_of(url)
+def _read_files(config: IngestConfig, files: list[InputFile], log: RecordLog) -> Iterator[Document]:
+    for file in files:
+        fmt = _format_of(file.url)
         if fmt == ".txt":
-            yield from _read_txt(url, prefix, bad)
+            yield from _read_txt(file, config, log)
         elif fmt == ".parquet":
-            yield from _read_parquet(url, prefix, config.text_field, bad)
+            yield from _read_parquet(file, config, log)
         else:
-            yield from _read_jsonl(url, fmt, prefix, config.text_field, bad)
+            yield from _read_jsonl(file, fmt, config, log)
 
 
-def _read_hf(spec: HfDatasetSpec, text_field: str, bad: BadRecordLog) -> Iterator[Document]:
+def _read_hf(spec: HfDatasetSpec, text_field: str, log: RecordLog) -> Iterator[Document]:
     import datasets
 
     rows = datasets.load_dataset(
@@ -202,37 +281,33 @@ def _read_hf(spec: HfDatasetSpec, text_field: str, bad: BadRecordLog) -> Iterato
     )
     source = f"hf:{spec.path}" + (f"/{spec.name}" if spec.name else "") + f"/{spec.split}"
     for row_number, record in enumerate(rows, start=1):
-        text, reason = _text_of(record, text_field)
+        log.look()
+        text, kind, detail = _text_of(record, text_field)
         if text is None:
-            bad.report(BadRecord(source, row_number, reason))
+            log.skip(BadRecord(source, row_number, kind, detail))
             continue
         yield Document(f"{source}:{row_number}", text)
 
 
 def ingest_documents(config: IngestConfig) -> None:
     """Step function: read every input record, write the split, sharded document set."""
-    bad = BadRecordLog(fail=config.on_bad_record == "fail")
+    log = RecordLog(fail_fast=config.on_bad_record == "fail", max_fraction=config.max_bad_fraction,
+                    limit="IngestConfig.max_bad_fraction")
     if config.hf_dataset is not None:
-        documents = _read_hf(config.hf_dataset, config.text_field, bad)
+        documents = _read_hf(config.hf_dataset, config.text_field, log)
         source = {"hf_dataset": dataclasses.asdict(config.hf_dataset)}
+        what = f"IngestConfig.hf_dataset {config.hf_dataset.path!r}"
     else:
-        expand_inputs(config.inputs)  # fail on a missing file or unknown format before reading anything
-        documents = _read_files(config, bad)
+        files = expand_inputs(config.inputs)  # fail on a missing file or unknown format before reading anything
+        documents = _read_files(config, files, log)
         source = {"inputs": list(config.inputs), "input_version": config.input_version}
-    index = write_documents(
+        what = f"IngestConfig.inputs {list(config.inputs)}"
+    write_documents(
         config.output_path,
         documents,
         validation_fraction=config.validation_fraction,
         shard_bytes=config.shard_bytes,
-        bad_records=bad,
+        log=log,
         source=source,
-    )
-    if bad.count:
-        logger.warning("skipped %d bad records; first: %s", bad.count, bad.examples[0])
-    splits = index["splits"]
-    logger.info(
-        "ingested %d train / %d validation documents (%d bad records skipped)",
-        splits["train"]["documents"],
-        splits["validation"]["documents"],
-        bad.count,
+        what=what,
     )

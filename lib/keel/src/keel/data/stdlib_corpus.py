@@ -3,9 +3,11 @@
 About 30 MB of code and docstrings for CPython 3.12 (half of it under `test/`). The content differs
 between Python releases, so the full version (and the implementation) are fields of the config and
 therefore of the step's identity: a default taken from the interpreter that declares the step, and
-checked against the interpreter that runs it. Files are read in sorted relative-path order, which
-makes the `max_files` / `max_bytes` caps (for fast tests and tutorials) deterministic too: the
-corpus ends before the first file that would exceed a cap.
+checked against the interpreter that runs it. The version stands for the files' contents in the
+identity: the step does not fingerprint its ~2,000 source files (`keel.executor.inputs`), since a
+Python release fixes them and a plan need not stat them all. Files are read in sorted
+relative-path order, which makes the `max_files` / `max_bytes` caps (for fast tests and
+tutorials) deterministic too: the corpus ends before the first file that would exceed a cap.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from keel.data.documents import BadRecord, BadRecordLog, Document, check_validation_fraction, write_documents
+from keel.data.documents import Document, check_validation_fraction, write_documents
+from keel.data.quality import BadRecord, RecordLog
 from keel.executor.step import this_output
 
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
@@ -55,7 +58,7 @@ def stdlib_files(include_tests: bool) -> list[str]:
     return sorted(found)
 
 
-def _documents(config: StdlibCorpusConfig, bad: BadRecordLog) -> Iterator[Document]:
+def _documents(config: StdlibCorpusConfig, log: RecordLog) -> Iterator[Document]:
     root = sysconfig.get_paths()["stdlib"]
     total_bytes = 0
     for count, relative in enumerate(stdlib_files(config.include_tests)):
@@ -66,10 +69,11 @@ def _documents(config: StdlibCorpusConfig, bad: BadRecordLog) -> Iterator[Docume
         if config.max_bytes is not None and total_bytes + len(data) > config.max_bytes:
             return
         total_bytes += len(data)
+        log.look()
         try:
             yield Document(f"stdlib/{relative}", data.decode("utf-8"))
-        except UnicodeDecodeError as e:  # a few test files are deliberately in other encodings
-            bad.report(BadRecord(relative, data.count(b"\n", 0, e.start) + 1, f"not valid UTF-8: {e.reason}"))
+        except UnicodeDecodeError as e:  # a few test files are deliberately in other encodings: skipped, counted
+            log.skip(BadRecord(relative, data.count(b"\n", 0, e.start) + 1, "file not valid UTF-8", e.reason))
 
 
 def build_stdlib_corpus(config: StdlibCorpusConfig) -> None:
@@ -81,12 +85,13 @@ def build_stdlib_corpus(config: StdlibCorpusConfig) -> None:
             f"library but this step runs on {running[1]} {running[0]}: run it with that Python, or declare "
             f"python_version={running[0]!r} (a different corpus, so a different output)"
         )
-    bad = BadRecordLog(fail=False)
+    log = RecordLog()  # no limit on skipped files: the few that are not UTF-8 are known, and counted
     write_documents(
         config.output_path,
-        _documents(config, bad),
+        _documents(config, log),
         validation_fraction=config.validation_fraction,
         shard_bytes=config.shard_bytes,
-        bad_records=bad,
+        log=log,
         source={"stdlib": sysconfig.get_paths()["stdlib"], "python": " ".join(running)},
+        what=f"the standard library (max_files={config.max_files}, max_bytes={config.max_bytes})",
     )

@@ -4,7 +4,11 @@ Layout under the step's output path:
 
     train/        a Levanter TreeCache (levanter.store), one record per sequence:
     validation/       {"input_ids": int32[seq_len], "segment_ids": int32[seq_len]}
+    train.bytes.npy, validation.bytes.npy
+                  int64[sequences]: UTF-8 bytes of the text each sequence decodes to (special
+                  tokens count none), what bits per byte divide by so tokenizers compare
     tokenize.json counts per split and the tokenizer's special ids (written last)
+    .keel/summary.json  the same counts; a train split that fills no sequence fails the step
 
 The caches are written with Levanter's own `SerialCacheWriter`, so `TreeCache.load` and Levanter's
 dataset classes read them. The work runs as a three-stage pipeline: a thread reads and decompresses
@@ -29,13 +33,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from keel.data.documents import SPLITS, read_index, read_shard, shard_urls
+from keel.data.documents import SPLITS, EmptyDataError, read_index, read_shard, shard_urls
+from keel.data.summary import write_summary
 from keel.executor import storage
 from keel.executor.step import execution_only, this_output
 
 logger = logging.getLogger(__name__)
 
 STATS_FILE = "tokenize.json"
+BYTES_FILE = "{split}.bytes.npy"
 FORMAT = "keel.token_cache/v1"
 WRITE_ROWS = 1024
 _QUEUE_DEPTH = 4
@@ -190,6 +196,7 @@ def _tokenize_split(config: TokenizeConfig, loaded, split: str, total_documents:
     packer = SequencePacker(config.seq_len)
     urls = shard_urls(config.documents, split)
     documents = tokens = sequences = 0
+    sequence_bytes = []
     bar = tqdm(total=total_documents, desc=f"tokenize {split}", unit="doc", unit_scale=True, mininterval=1.0)
     with bar, _CacheWriterThread(storage.join(config.output_path, split)) as writer:
         start = time.perf_counter()
@@ -199,22 +206,58 @@ def _tokenize_split(config: TokenizeConfig, loaded, split: str, total_documents:
             input_ids, segment_ids = packer.add(arrays)
             if len(input_ids):
                 writer.add(input_ids, segment_ids)
+                sequence_bytes.append(_text_bytes(loaded.tokenizer, input_ids))
             documents += len(texts)
             tokens += sum(len(a) for a in arrays)
             sequences += len(input_ids)
             bar.update(len(texts))
             bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tok/s", refresh=False)
+    sequence_bytes = np.concatenate(sequence_bytes) if sequence_bytes else np.zeros((0,), np.int64)
+    _write_array(storage.join(config.output_path, BYTES_FILE.format(split=split)), sequence_bytes)
     return {
         "documents": documents,
         "tokens": tokens,
         "sequences": sequences,
         "dropped_tokens": packer.leftover_tokens,
+        "bytes": int(sequence_bytes.sum()),
     }
+
+
+def _text_bytes(tokenizer, input_ids):
+    """UTF-8 bytes of each sequence's text; special tokens (bos/eos) decode to nothing."""
+    import numpy as np
+
+    texts = tokenizer.decode_batch(input_ids.tolist(), skip_special_tokens=True)
+    return np.array([len(t.encode("utf-8")) for t in texts], dtype=np.int64)
+
+
+def _write_array(url: str, array) -> None:
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    fs, path = storage.split(url)
+    fs.pipe_file(path, buffer.getvalue())
+
+
+def read_sequence_bytes(cache_root: str, split: str):
+    """The per-sequence UTF-8 byte counts of a split (None for a cache written without them)."""
+    import io
+
+    import numpy as np
+
+    url = storage.join(cache_root, BYTES_FILE.format(split=split))
+    if not storage.exists(url):
+        return None
+    fs, path = storage.split(url)
+    return np.load(io.BytesIO(fs.cat_file(path)))
 
 
 def clear_token_cache(output_path: str) -> None:
     """Remove what an interrupted attempt left (never the executor's own `.keel/` folder)."""
-    for name in (STATS_FILE, *SPLITS):
+    for name in (STATS_FILE, *SPLITS, *(BYTES_FILE.format(split=s) for s in SPLITS)):
         url = storage.join(output_path, name)
         if storage.exists(url):
             storage.delete_tree(url)
@@ -244,6 +287,7 @@ def tokenize_documents(config: TokenizeConfig) -> None:
             split, splits[split]["documents"], splits[split]["tokens"], splits[split]["sequences"],
             elapsed, splits[split]["documents"] / elapsed, splits[split]["tokens"] / elapsed,
         )
+    _check_not_empty(config, splits)
     stats = {
         "format": FORMAT,
         "seq_len": config.seq_len,
@@ -254,4 +298,23 @@ def tokenize_documents(config: TokenizeConfig) -> None:
         "pad_id": loaded.pad_id,
         "splits": splits,
     }
+    warnings = []
+    if index["splits"]["validation"]["documents"] and not splits["validation"]["sequences"]:
+        warnings.append(f"the validation split's {splits['validation']['tokens']:,} tokens do not fill one "
+                        f"{config.seq_len}-token sequence: there is nothing to evaluate on")
+    line = ("tokenized: " + ", ".join(f"{split} {s['sequences']:,} sequences ({s['tokens']:,} tokens from "
+                                       f"{s['documents']:,} documents)" for split, s in splits.items()))
+    write_summary(config.output_path, {**{k: stats[k] for k in ("seq_len", "vocab_size", "splits")}, "warnings": warnings},
+                  line + "".join(f"\n  {w}" for w in warnings))
     storage.write_json(storage.join(config.output_path, STATS_FILE), stats)
+
+
+def _check_not_empty(config: TokenizeConfig, splits: dict) -> None:
+    """No tokens, or too few to fill one training sequence, is an error: nothing could train on it."""
+    train = splits["train"]
+    if not train["sequences"]:
+        raise EmptyDataError(
+            f"the train split of {config.documents} gave {train['tokens']:,} tokens ({train['documents']:,} documents), "
+            f"not enough for one sequence of TokenizeConfig.seq_len={config.seq_len}: give it more documents or a "
+            "shorter seq_len"
+        )

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from keel.data.documents import iter_documents
+from keel.data.documents import EmptyDataError, iter_documents, read_index
+from keel.data.summary import write_summary
 from keel.executor import storage
 from keel.executor.step import this_output
 
@@ -63,19 +64,32 @@ class LoadedTokenizer:
         return self.tokenizer.get_vocab_size()
 
 
-def _training_texts(config: TrainTokenizerConfig) -> Iterator[str]:
-    used = 0
-    for doc in iter_documents(config.documents, "train"):
-        if config.max_training_bytes is not None and used >= config.max_training_bytes:
-            return
-        used += len(doc.text.encode("utf-8"))
-        yield doc.text
+class _TrainingTexts:
+    """The train split's texts (up to `max_training_bytes`), counted as the trainer reads them."""
+
+    def __init__(self, config: TrainTokenizerConfig):
+        self.config = config
+        self.documents = self.bytes = 0
+
+    def __iter__(self) -> Iterator[str]:
+        for doc in iter_documents(self.config.documents, "train"):
+            if self.config.max_training_bytes is not None and self.bytes >= self.config.max_training_bytes:
+                return
+            self.documents += 1
+            self.bytes += len(doc.text.encode("utf-8"))
+            yield doc.text
 
 
 def train_tokenizer(config: TrainTokenizerConfig) -> None:
-    """Step function: train the BPE and write tokenizer.json and tokenizer_config.json."""
+    """Step function: train the BPE and write tokenizer.json and tokenizer_config.json.
+
+    An empty train split is an error; a vocabulary smaller than asked (too little text for that
+    many merges) is said on the console and in summary.json."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    if not read_index(config.documents)["splits"]["train"]["documents"]:
+        raise EmptyDataError(f"TrainTokenizerConfig.documents: the train split of {config.documents} has no documents "
+                             "to train on: give the documents step more data or a smaller validation_fraction")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -86,10 +100,21 @@ def train_tokenizer(config: TrainTokenizerConfig) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_training_texts(config), trainer)
+    texts = _TrainingTexts(config)
+    tokenizer.train_from_iterator(texts, trainer)
     storage.write_atomic(storage.join(config.output_path, TOKENIZER_FILE), tokenizer.to_str(pretty=True))
     special = {"bos_token": config.bos_token, "eos_token": config.eos_token, "pad_token": config.pad_token}
     storage.write_json(storage.join(config.output_path, TOKENIZER_CONFIG_FILE), special)
+    trained = tokenizer.get_vocab_size()
+    line = f"tokenizer: {trained:,} tokens from {texts.documents:,} documents ({texts.bytes:,} bytes)"
+    warnings = []
+    if trained < config.vocab_size:
+        warnings.append(f"trained {trained:,} tokens, fewer than the {config.vocab_size:,} asked "
+                        f"(TrainTokenizerConfig.vocab_size): {texts.bytes:,} bytes of text hold no more pairs seen "
+                        f"{config.min_frequency}+ times; give it more text, or lower vocab_size or min_frequency")
+    summary = {"vocab_size": trained, "asked": config.vocab_size, "documents": texts.documents, "bytes": texts.bytes,
+               "warnings": warnings}
+    write_summary(config.output_path, summary, line + "".join(f"\n  {w}" for w in warnings))
 
 
 def load_tokenizer(

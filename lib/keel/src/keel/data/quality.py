@@ -1,0 +1,108 @@
+"""What a data step skipped or repaired, record by record, and when that is too much to go on.
+
+Readers count every record they look at (`look`), report the ones they drop (`skip`, with a kind
+such as "not valid JSON" and the file:line it came from) and the ones they keep after a repair
+(`repair`: undecodable bytes replaced). Skipped records above `max_fraction` of those looked at
+fail the step (`check`), and `fail_fast` fails it at the first one; below the limit, the counts
+per kind, each with its first example, go to the console and to the step's summary.json. Losing
+data is never silent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_EXAMPLES = 100
+
+
+class BadRecordError(ValueError):
+    """Input records that cannot be turned into documents, more of them than the config accepts."""
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    file: str
+    line: int
+    kind: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.kind}" + (f" ({self.detail})" if self.detail else "")
+
+
+@dataclass
+class _Kind:
+    count: int
+    first: BadRecord
+
+
+@dataclass
+class RecordLog:
+    """Counts of records looked at, skipped and repaired; `limit` names the setting in messages."""
+
+    fail_fast: bool = False
+    max_fraction: float | None = None
+    limit: str = "max_bad_fraction"
+    records: int = 0
+    skipped: dict[str, _Kind] = field(default_factory=dict)
+    repaired: dict[str, _Kind] = field(default_factory=dict)
+    examples: list[BadRecord] = field(default_factory=list)
+
+    def look(self, n: int = 1) -> None:
+        self.records += n
+
+    def skip(self, record: BadRecord) -> None:
+        if self.fail_fast:
+            raise BadRecordError(f"bad record at {record} (on_bad_record='fail'; 'skip' skips and counts such records)")
+        _add(self.skipped, record)
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(record)
+
+    def repair(self, record: BadRecord) -> None:
+        _add(self.repaired, record)
+
+    @property
+    def skipped_count(self) -> int:
+        return sum(k.count for k in self.skipped.values())
+
+    def check(self) -> None:
+        """Raise BadRecordError when more than `max_fraction` of the records looked at were skipped."""
+        skipped = self.skipped_count
+        if self.max_fraction is None or skipped <= self.max_fraction * self.records:
+            return
+        raise BadRecordError(
+            f"{skipped} of {self.records} records ({skipped / self.records:.1%}) were skipped, more than "
+            f"{self.limit}={self.max_fraction:g} allows: {_kinds(self.skipped)}; fix the data, or raise "
+            f"{self.limit} to accept the loss"
+        )
+
+    def summary(self) -> dict:
+        def plain(kinds: dict[str, _Kind]) -> dict:
+            return {kind: {"count": k.count, "first": str(k.first)} for kind, k in kinds.items()}
+
+        return {"records": self.records, "skipped": plain(self.skipped), "repaired": plain(self.repaired)}
+
+    def describe(self) -> str:
+        """'' when nothing was skipped or repaired, else e.g. 'skipped 1 of 300 records (0.3%): ...'."""
+        parts = []
+        if self.skipped:
+            skipped = self.skipped_count
+            parts.append(f"skipped {skipped} of {self.records} records ({skipped / max(self.records, 1):.1%}): "
+                         f"{_kinds(self.skipped)}")
+        if self.repaired:
+            parts.append(f"repaired {sum(k.count for k in self.repaired.values())}: {_kinds(self.repaired)}")
+        return "; ".join(parts)
+
+
+def _add(kinds: dict[str, _Kind], record: BadRecord) -> None:
+    if record.kind in kinds:
+        kinds[record.kind].count += 1
+    else:
+        kinds[record.kind] = _Kind(1, record)
+
+
+def _kinds(kinds: dict[str, _Kind]) -> str:
+    def first(record: BadRecord) -> str:
+        return f"{record.file}:{record.line}" + (f", {record.detail}" if record.detail else "")
+
+    return ", ".join(f"{k.count} {kind} (first: {first(k.first)})" for kind, k in kinds.items())
