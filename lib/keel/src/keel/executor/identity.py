@@ -1,8 +1,9 @@
 """Content addressing: a step's identity payload, its hash and its output path.
 
 Identity = name + every config field that is not execution-only + the identities of the
-dependencies. Everything counts unless declared otherwise, so a changed config can never silently
-reuse a stale output. The encoding is canonical JSON: stable across processes, hash seeds and
+dependencies + the fingerprints of the files it reads from outside keel (those its config's
+`input_files()` names, an External's files; see `inputs.py`). Everything counts unless declared
+otherwise, so a changed config or an edited input file can never silently reuse a stale output. The encoding is canonical JSON: stable across processes, hash seeds and
 machines. Changing it re-keys every output, so `tests/test_executor_identity.py` pins golden hashes.
 """
 
@@ -18,6 +19,7 @@ from collections import ChainMap
 from typing import Any
 
 from keel.executor.graph import CycleError, topological_order
+from keel.executor.inputs import InputError, fingerprint_files, fingerprint_tree
 from keel.executor.step import External, OutputOf, Step, StepDeclarationError, ThisOutput, is_execution_only
 
 HASH_CHARS = 10
@@ -65,6 +67,18 @@ def encode(value: Any, where: str, dep_hash) -> Any:
     )
 
 
+def _fingerprinted(name: str, read) -> dict:
+    """The fingerprints of a step's (or External's) input files; a file that cannot be found or read
+    is a declaration error naming the step, raised before anything runs."""
+    try:
+        return read()
+    except StepDeclarationError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any store's error (missing file, no credentials) is the same mistake
+        raise InputError(f"step {name!r}: cannot fingerprint its input files ({exc}); fix the path, or declare a "
+                         "version (IngestConfig.input_version, External(version=...)) to stand for them") from exc
+
+
 def canonical_json(payload: Any) -> str:
     return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
@@ -88,6 +102,8 @@ class Identities:
         if key not in self._payloads:
             if isinstance(step, External):
                 payload = {"external": step.name, "path": step.path, "version": step.version}
+                if step.version is None:  # its files stand for it (keel.executor.inputs)
+                    payload["inputs"] = _fingerprinted(step.name, lambda: fingerprint_tree(step.path))
             else:
                 encoding = self._encoding()
                 if key in encoding:
@@ -98,6 +114,10 @@ class Identities:
                     payload = {"name": step.name, "config": encode(step.config, f"{step.name}.config", self.hash)}
                 finally:
                     del encoding[key]
+                if callable(getattr(type(step.config), "input_files", None)):  # a config that reads outside files
+                    files = _fingerprinted(step.name, lambda: fingerprint_files(step.config.input_files()))
+                    if files:
+                        payload["inputs"] = files
             self._payloads[key] = payload
             self._keep.append(step)
         return self._payloads[key]

@@ -1,10 +1,10 @@
 """What a run would do, step by step, without doing it: the heart of `keel plan` and `keel status`.
 
 States: `cached` (finished, manifest verified), `run` (never ran, or must rerun: the reason says
-why), `stale` (an earlier run of the same step name exists with another identity; the reason is a
-field-level diff), `failed` (the last attempt failed; the next run retries it),
-`interrupted` (stopped on request, e.g. Ctrl-C; the next run resumes it), `running-elsewhere`
-(another launcher holds a live lease) and `external` (data keel does not make).
+why), `stale` (an earlier run of the same step name exists with another identity; the reason names
+the input files that changed, then gives a field-level diff), `failed` (the last attempt failed;
+the next run retries it), `interrupted` (stopped on request, e.g. Ctrl-C; the next run resumes it),
+`running-elsewhere` (another launcher holds a live lease) and `external` (data keel does not make).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from keel.executor import lease as leases
 from keel.executor import storage
 from keel.executor.graph import substitute, topological_order
 from keel.executor.identity import Identities, output_path
+from keel.executor.inputs import describe_change
 from keel.executor.status import FAILED, INTERRUPTED, SUCCESS, Status, keel_path, read_status, verify_manifest
 from keel.executor.step import External, Step, StepDeclarationError
 
@@ -124,13 +125,17 @@ def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = No
     path = graph.path(step)
     deps = [graph.path(d) for d in step.deps]
     if isinstance(step, External):
-        return StepPlan(step, path, EXTERNAL, f"version {step.version}" if step.version else "", deps)
+        if step.version:
+            return StepPlan(step, path, EXTERNAL, f"version {step.version}", deps)
+        files = graph.identities.payload(step)["inputs"]
+        described = f"{len(files)} files fingerprinted" if files else "no files at this path yet"
+        return StepPlan(step, path, EXTERNAL, described, deps)
     status = read_status(path) if listings.exists(path) else None
     forced = bool(force and force.search(step.name))
     if status is None:
         earlier = _most_recent_record(listings.earlier_runs(path))
         if earlier is not None:
-            diff = diff_payloads(earlier["identity"], graph.identities.payload(step))
+            diff = diff_identities(earlier["identity"], graph.identities.payload(step))
             return StepPlan(step, path, STALE, "; ".join(diff) or "identity changed", deps)
         return StepPlan(step, path, RUN, "forced" if forced else "never ran", deps)
     if status.state == SUCCESS:
@@ -172,6 +177,16 @@ def _display(value) -> str:
     if isinstance(value, dict) and "__enum__" in value:
         return value["__enum__"]
     return json.dumps(value, sort_keys=True)
+
+
+def diff_identities(old: dict, new: dict) -> list[str]:
+    """What changed between two identity payloads: input files by name (added, removed, edited),
+    then config fields (`diff_payloads`)."""
+    old_inputs, new_inputs = old.get("inputs") or {}, new.get("inputs") or {}
+    changed = [describe_change(name, old_inputs.get(name), new_inputs.get(name))
+               for name in sorted(old_inputs.keys() | new_inputs.keys()) if old_inputs.get(name) != new_inputs.get(name)]
+    rest = diff_payloads({k: v for k, v in old.items() if k != "inputs"}, {k: v for k, v in new.items() if k != "inputs"})
+    return changed + rest
 
 
 def diff_payloads(old, new, where: str = "") -> list[str]:

@@ -136,7 +136,11 @@ class Step:
 class External:
     """Data that exists outside keel (a bucket path, a shared cache) named as a graph input.
 
-    Its identity is its name, path and optional version string; keel never produces or checks it.
+    Its identity is its name, its path and either its `version` or, without one, the fingerprints
+    of the files under its path (`keel.executor.inputs`: size and content hash of local files, the
+    store's object version of remote ones), so data edited in place makes its dependents stale.
+    Declare a version for data too large to list on every plan or not reachable from the machine
+    that plans; keel never produces it.
     """
 
     __slots__ = ("name", "path", "version", "description")
