@@ -19,7 +19,8 @@ def test_the_twin_trains_through_its_phases_and_transport_switch(tmp_path):
     config = step.config
     assert [p.start_step for p in config.data.phases] == [0, 3, 10]
     assert [(t.transport, t.start_step) for t in config.train.transports] == [("fixed_pooled_all_to_all", 0), ("ring", 3)]
-    step = step.with_config(dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=12, eval_batches=1)))
+    # 600 KB of stdlib holds no validation document: no evaluation to declare
+    step = step.with_config(dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=12, eval_batches=0)))
 
     report = run_steps([step], str(tmp_path), echo=lambda line: None)
     assert not report.failures, report.failures

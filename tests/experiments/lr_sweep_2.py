@@ -26,7 +26,7 @@ law = GroupedOptimizerConfig.from_scaling_law(tiny_moe, batch_size=BATCH, seq_le
 def point(scale: float):
     optimizer = dataclasses.replace(law, muon_lr=law.muon_lr * scale, adam_lr=law.adam_lr * scale)
     train = TrainConfig(batch_size=BATCH, seq_len=SEQ, num_steps=STEPS, optimizer=optimizer, eval_every=STEPS,
-                        eval_batches=1, rolling_checkpoint_minutes=None)
+                        eval_batches=0, rolling_checkpoint_minutes=None)  # 400 KB of stdlib: no validation split
     return default_train(f"sweep/lr{scale}", data=tokens, model=tiny_moe, train=train,
                          topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4), hardware=cpu_sim)
 

@@ -1,0 +1,116 @@
+"""Cross-step checks before compute: a tokenizer larger than the model's vocabulary, a cache packed
+at another sequence length, or a declared evaluation with no validation data is refused by
+`keel plan` where the data steps' configs say it, and by the training step before it compiles."""
+
+import json
+import textwrap
+
+import pytest
+
+from defaults.models import tiny_moe
+from keel.cli import console_main
+from keel.data import IngestConfig, TokenizeConfig, TrainTokenizerConfig, ingest_documents, tokenize_documents, train_tokenizer
+from keel.train import AdamWConfig, TrainConfig
+from keel.train.config import TrainStepConfig
+
+_EXPERIMENT = """
+    from defaults import default_tokenize, default_tokenizer, default_train, ingest
+    from defaults.models import tiny_moe
+    from keel import main
+    from keel.train import AdamWConfig, TrainConfig
+
+    docs = ingest("mine", ({corpus!r},), validation_fraction={validation_fraction})
+    tokenizer = default_tokenizer("mine-bpe", docs, vocab_size={tokenizer_vocab})
+    tokens = default_tokenize("mine", docs, tokenizer, seq_len=64)
+    train = TrainConfig(batch_size=16, seq_len={train_seq}, num_steps=5, optimizer=AdamWConfig(lr=1e-3))
+    model = default_train("mine", data=tokens, model=tiny_moe.replace(vocab_size={model_vocab}), train=train)
+    if __name__ == "__main__":
+        main([model])
+"""
+
+
+def _experiment(tmp_path, *, tokenizer_vocab=512, model_vocab=512, train_seq=64, validation_fraction=0.1):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(10)))
+    path = tmp_path / "exp.py"
+    path.write_text(textwrap.dedent(_EXPERIMENT).format(
+        corpus=str(corpus), tokenizer_vocab=tokenizer_vocab, model_vocab=model_vocab, train_seq=train_seq,
+        validation_fraction=validation_fraction))
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["plan", "run"])
+@pytest.mark.parametrize("case, expected", [
+    (dict(model_vocab=300), "model.vocab_size=300 is smaller than TrainTokenizerConfig.vocab_size=512 of tokenizer step "
+                            "'tokenizers/mine-bpe' (data step 'tokenized/mine' tokenizes with it): ids >= 300 would be "
+                            "clamped into wrong embeddings; set model.vocab_size >= 512"),
+    (dict(train_seq=32), "train.seq_len=32 differs from TokenizeConfig.seq_len=64 of data step 'tokenized/mine': set "
+                         "train.seq_len=64, or tokenize with seq_len=32"),
+    (dict(validation_fraction=0.0), "train.eval_batches=4 declares an evaluation, but the documents behind "
+                                    "'tokenized/mine' have validation_fraction=0"),
+])
+def test_keel_plan_refuses_what_the_data_steps_configs_already_say(tmp_path, capsys, command, case, expected):
+    prefix = tmp_path / "outputs"
+    assert console_main([command, _experiment(tmp_path, **case), "--prefix", str(prefix)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("keel: error: train/mine: ") and expected in err, err
+    assert not prefix.exists() or not any(prefix.iterdir())  # nothing ran
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory):
+    """Token caches from a 512-token tokenizer, packed at 64: one with a validation split, one without."""
+    root = tmp_path_factory.mktemp("caches")
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} talks about topic {i % 11} at length " * 4}) + "\n"
+                              for i in range(300)))
+    ingest_documents(IngestConfig(inputs=(str(corpus),), validation_fraction=0.1, output_path=str(root / "docs")))
+    train_tokenizer(TrainTokenizerConfig(documents=str(root / "docs"), vocab_size=512, min_frequency=1,
+                                         output_path=str(root / "tok")))
+    out = {}
+    for name, docs in (("with_validation", root / "docs"), ("no_validation", root / "docs0")):
+        if name == "no_validation":
+            ingest_documents(IngestConfig(inputs=(str(corpus),), validation_fraction=0.0, output_path=str(docs)))
+        tokenize_documents(TokenizeConfig(documents=str(docs), tokenizer=str(root / "tok"), seq_len=64,
+                                          output_path=str(root / name)))
+        out[name] = str(root / name)
+    return out
+
+
+def _config(data, *, vocab=512, seq_len=64, eval_batches=4):
+    train = TrainConfig(batch_size=16, seq_len=seq_len, num_steps=5, optimizer=AdamWConfig(lr=1e-3),
+                        eval_batches=eval_batches)
+    return TrainStepConfig(model=tiny_moe.replace(vocab_size=vocab), data=data, train=train, output_path="/unused")
+
+
+def test_the_training_step_refuses_caches_that_do_not_fit_before_it_compiles(caches, monkeypatch):
+    import keel.mesh.mesh
+    from keel.train.step import train_step
+
+    monkeypatch.setattr(keel.mesh.mesh, "build_mesh", lambda *_: pytest.fail("the step got as far as building a mesh"))
+    cache = caches["with_validation"]
+    with pytest.raises(ValueError, match=rf"the tokenizer of token cache 'data' \({cache}\) has 512 tokens but "
+                                         r"MoELMConfig.vocab_size=300: ids >= 300 would be clamped into wrong embeddings; "
+                                         r"set MoELMConfig.vocab_size >= 512, or train the tokenizer with "
+                                         r"TrainTokenizerConfig.vocab_size <= 300"):
+        train_step(_config(cache, vocab=300))
+    with pytest.raises(ValueError, match=r"TrainConfig.seq_len=32 differs from TokenizeConfig.seq_len=64 of token cache "
+                                         r"'data' .*: set TrainConfig.seq_len=64, or tokenize again with "
+                                         r"TokenizeConfig.seq_len=32"):
+        train_step(_config(cache, seq_len=32))
+
+
+def test_a_declared_evaluation_with_no_validation_sequences_is_refused(caches):
+    from keel.data import Mixture
+    from keel.train.step import check_step_config
+    from keel.mesh import RackTopology
+
+    racks = RackTopology(racks=1, gpus_per_rack=8)
+    bare = caches["no_validation"]
+    with pytest.raises(ValueError, match=r"TrainConfig.eval_batches=4 declares an evaluation, but no token cache has "
+                                         r"validation sequences \('data' has 0 validation sequences from 0 documents\).*"
+                                         r"or set TrainConfig.eval_batches=0"):
+        check_step_config(_config(bare), racks, num_devices=8, platform="cpu")
+    check_step_config(_config(bare, eval_batches=0), racks, num_devices=8, platform="cpu")
+    mixed = Mixture.constant({"a": bare, "b": caches["with_validation"]}, {"a": 0.5, "b": 0.5}, block_size=16)
+    check_step_config(_config(mixed), racks, num_devices=8, platform="cpu")  # one component to evaluate on is enough
