@@ -245,3 +245,29 @@ def test_scale_selects_a_declared_version_of_the_graph(tmp_path, capsys, monkeyp
     assert names == ["count/root", "count/left"]
     assert console_main(["plan", counting, "--prefix", str(tmp_path), "--scale", "huge"]) == 2
     assert "declares no such scale (declared: left-only)" in capsys.readouterr().err
+
+
+def chatty(config: WriteConfig) -> None:
+    import logging
+
+    # a log record, not print: pytest swaps sys.stdout per test, the root logger's handler stays
+    logging.getLogger("keel.test").warning("writing %s", config.text)
+    with open(f"{config.output_path}/data.txt", "w") as f:
+        f.write(config.text)
+
+
+def test_log_is_created_on_first_output(tmp_path):
+    """An in-process step that prints nothing leaves no log file; one that prints has its lines
+    there; a failure's message names the log when it exists and says "(no output)" otherwise."""
+    from keel.executor.run import _log_or_none
+    from keel.executor.status import keel_path
+
+    quiet, loud = Step("t/quiet", write, WriteConfig("q")), Step("t/loud", chatty, WriteConfig("l"))
+    report = run_steps([quiet, loud], str(tmp_path), echo=lambda _: None)
+    assert report.ok
+    graph = Graph([quiet, loud], str(tmp_path))
+    assert not Path(keel_path(graph.path(quiet), "log.txt")).exists()
+    assert "writing l" in Path(keel_path(graph.path(loud), "log.txt")).read_text()
+    assert _log_or_none(graph.path(loud)) == keel_path(graph.path(loud), "log.txt")
+    assert _log_or_none(graph.path(quiet)) == keel_path(graph.path(quiet), "log.txt") + " (no output)"
+    assert [p.state for p in plan_graph(graph)] == ["cached", "cached"]

@@ -2,9 +2,9 @@
 
 Each step is claimed with a lease on its output path (so concurrent launchers run it once), marked
 RUNNING, recorded in `step.json`, dispatched (an `isolated` step in a child process of its own,
-see `child.py`; other steps as fray jobs of the in-process `LocalClient`; steps that declare
-`resources=` to the cluster client when one is given, see `cluster.py`) and marked SUCCESS once
-its manifest is written. A failure marks the step FAILED, stops its dependents, lets independent
+see `child.py`; steps that declare `resources=` to the cluster client when one is given, see
+`cluster.py`; other steps right in the scheduler's worker thread, or as fray jobs of `client=`
+when one is given) and marked SUCCESS once its manifest is written. A failure marks the step FAILED, stops its dependents, lets independent
 branches finish and is reported with the step's name, output path, exception and log.
 
 Ctrl-C (SIGINT) or SIGTERM, the first time: no new step starts, the running ones are asked to stop
@@ -30,7 +30,7 @@ from keel.executor import interrupt, storage
 from keel.executor import lease as leases
 from keel.executor.job import log_url, run_step_job
 from keel.executor.plan import CACHED, EXTERNAL, Graph, StepPlan, plan_graph, select
-from keel.executor.provenance import provenance, scrub
+from keel.executor.provenance import _secret_values, provenance, scrub
 from keel.executor.resolve import resolve_config
 from keel.executor.status import SUCCESS, Status, keel_path, mark_finished, mark_running, read_status, verify_manifest
 from keel.executor.step import Step
@@ -78,9 +78,10 @@ def default_client(max_concurrent: int):
     return LocalClient(max_threads=max_concurrent)
 
 
-def _step_record(graph: Graph, step: Step, resolved, launch: dict) -> dict:
-    """What `step.json` holds; `launch` is this launch's provenance (the same for all its steps)."""
-    return scrub(
+def _step_record(graph: Graph, step: Step, resolved, launch: dict, secrets: list[str] | None = None) -> dict:
+    """What `step.json` holds; `launch` is this launch's provenance (the same for all its steps),
+    already scrubbed with `secrets` (the secret values `scrub` cuts out; looked up when None)."""
+    record = scrub(
         {
             "name": step.name,
             "identity": graph.identities.payload(step),
@@ -89,9 +90,11 @@ def _step_record(graph: Graph, step: Step, resolved, launch: dict) -> dict:
             "dependencies": {d.name: graph.path(d) for d in step.deps},
             "description": step.description,
             "resources": step.resources.describe() if step.resources else None,
-            "provenance": launch,
-        }
+        },
+        secrets,
     )
+    record["provenance"] = launch if secrets is not None else scrub(launch)
+    return record
 
 
 def _plain(value):
@@ -114,7 +117,8 @@ class Runner:
     def __init__(self, graph: Graph, *, client=None, cluster=None, max_concurrent: int = 8, force: re.Pattern | None = None,
                  lease_timeout: float = leases.DEFAULT_TIMEOUT_S, echo: Callable[[str], None] = print):
         self.graph = graph
-        self._launch = provenance()
+        self._secrets = _secret_values()  # once per launch: scrubbing each step.json reuses them
+        self._launch = scrub(provenance(), self._secrets)
         self.cluster = cluster
         self.max_concurrent = max(1, max_concurrent)
         self.client = client
@@ -132,8 +136,6 @@ class Runner:
         chosen = select(plans, only)
         if not chosen:
             return report
-        if self.client is None:
-            self.client = default_client(self.max_concurrent)
         interrupt.clear()
         restore = self._catch_signals()
         try:
@@ -225,7 +227,7 @@ class Runner:
             with self._lock:
                 self._active[plan.output_path] = (running, lease)
             resolved = resolve_config(step.config, plan.output_path, self.graph.path)
-            storage.write_json(keel_path(plan.output_path, "step.json"), _step_record(self.graph, step, resolved, self._launch))
+            storage.write_json(keel_path(plan.output_path, "step.json"), _step_record(self.graph, step, resolved, self._launch, self._secrets))
             self.echo(f"[keel] start {plan.name} -> {plan.output_path}" + (f" ({plan.reason})" if plan.reason else ""))
             try:
                 self._dispatch(step, resolved, plan.output_path, running.attempt)
@@ -236,7 +238,7 @@ class Runner:
             except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then reported
                 error = str(exc) if isinstance(exc, ChildStepError) else "".join(traceback.format_exception_only(type(exc), exc)).strip()
                 mark_finished(plan.output_path, running, error=error)
-                raise StepFailed(step.name, plan.output_path, error, log_url(plan.output_path)) from exc
+                raise StepFailed(step.name, plan.output_path, error, _log_or_none(plan.output_path)) from exc
             status = mark_finished(plan.output_path, running)
             self.echo(f"[keel] done  {plan.name} in {status.duration:.2f}s")
             return "ran"
@@ -246,6 +248,12 @@ class Runner:
             lease.release()
 
     def _dispatch(self, step: Step, resolved, output_path: str, attempt: int) -> None:
+        in_process = step.resources is None or self.cluster is None
+        if in_process and not (step.isolated and storage.is_shared_between_processes(output_path)) and self.client is None:
+            # An in-process step runs right here, in this scheduler thread: a fray job of a
+            # LocalClient would only hand it to another thread and wait for it.
+            run_step_job(step.fn, resolved, output_path, lazy_log=True)
+            return
         from fray.types import Entrypoint, JobRequest, create_environment
 
         # One job per attempt: a retry's log is its own, never the previous attempt's lines too.
@@ -266,6 +274,9 @@ class Runner:
         if step.isolated and storage.is_shared_between_processes(output_path):
             self._run_in_child(step, resolved, output_path)
             return
+        with self._lock:
+            if self.client is None:
+                self.client = default_client(self.max_concurrent)
         handle = self.client.submit(request)
         handle.wait(raise_on_failure=True)
 
@@ -323,6 +334,12 @@ class Runner:
         names = ", ".join(p.rsplit("/", 1)[-1] for p in active) or "nothing"
         print(f"keel: aborted; interrupted: {names}. Run the same `keel run` again to resume.", file=sys.stderr, flush=True)
         os._exit(interrupt.EXIT_INTERRUPTED)
+
+
+def _log_or_none(output_path: str) -> str:
+    """The step's log, or that it has none: a step that printed nothing leaves no log file."""
+    url = log_url(output_path)
+    return url if storage.exists(url) else f"{url} (no output)"
 
 
 def _process_env(resolved, processes: int) -> dict[str, str]:
