@@ -143,13 +143,20 @@ def _act(args, step_lists: list[list]) -> int:
     plans = plan_graph(graph, force)
     sheets = _fact_sheets(graph) if args.command == "plan" else []
     if args.json:
-        print(json.dumps({"steps": [p.to_json() for p in plans], "fact_sheets": sheets}, indent=1, default=str))
+        print(_plan_json(plans, sheets))
     else:
         print(render_table(plans, timings=args.command == "status"))
         for sheet in sheets:
             print()
             print(sheet["text"])
     return 0
+
+
+def _plan_json(plans: list[StepPlan], sheets: list[dict]) -> str:
+    """The `--json` document: one line per step (compact: the indenting encoder is pure Python and
+    would be a fifth of a 10,000-step plan's time), the fact sheets indented."""
+    steps = ",\n ".join(json.dumps(p.to_json(), default=str) for p in plans)
+    return f'{{"steps": [\n {steps}\n],\n"fact_sheets": {json.dumps(sheets, indent=1, default=str)}}}'
 
 
 def _fact_sheets(graph: Graph) -> list[dict]:
