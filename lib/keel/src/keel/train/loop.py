@@ -221,32 +221,18 @@ class _Run:
     def _eval_fn(self, phase: TransportPhase):
         key = (phase, self.layout)
         if key not in self._eval_fns:
-            lm, static, dtype, shardings = self.inputs.lm, self.state_static, self.compute_dtype, self.state_shardings
-
-            def evaluate(arrays, batch):  # the validation loss: cross-entropy without the z-loss term
-                model = eqx.combine(offload.to_device(arrays["model"], shardings["model"]), static["model"])
-                loss, _ = lm.loss(model, batch, transport=phase, z_loss=0.0, compute_dtype=dtype)
-                return loss
-
-            self._eval_fns[key] = jax.jit(evaluate, in_shardings=(shardings, None))
+            self._eval_fns[key] = eval_loss_fn(self.inputs.lm, self.state_static["model"],
+                                               self.state_shardings["model"], phase, self.compute_dtype)
         return self._eval_fns[key]
 
     def _evaluate(self, step: int, phase: TransportPhase, metrics_log: MetricsLog, tracker) -> None:
         """Mean loss over the first `eval_batches` batches of each validation set (same batches every time)."""
         if not self.inputs.val_data or self.config.eval_batches <= 0:
             return
-        evaluate = self._eval_fn(phase)
-        values = {}
-        for name, dataset in sorted(self.inputs.val_data.items()):
-            loader = batch_loader(dataset, batch_size=self.config.batch_size, mesh=self.inputs.mesh,
-                                  batch_axes=self.inputs.batch_axes, prefetch=0)
-            batches = loader.iter_from_step(0)
-            losses = []
-            for _, batch in zip(range(self.config.eval_batches), batches):
-                with jax.set_mesh(self.inputs.mesh):
-                    losses.append(float(evaluate(self.state_arrays, batch)))
-            batches.close()
-            values[f"eval/{name}/loss"] = sum(losses) / len(losses)
+        losses = validation_losses(self._eval_fn(phase), self.state_arrays["model"], self.inputs.val_data,
+                                   batch_size=self.config.batch_size, num_batches=self.config.eval_batches,
+                                   mesh=self.inputs.mesh, batch_axes=self.inputs.batch_axes)
+        values = {f"eval/{name}/loss": loss for name, loss in losses.items()}
         values["eval/loss"] = sum(values.values()) / len(values)
         metrics_log.write(step, values)
         if tracker is not None:
@@ -257,6 +243,36 @@ class _Run:
         if not self.inputs.use_wandb:
             return None
         return open_wandb(self.output_path, project=self.inputs.wandb_project, entity=None)
+
+
+def eval_loss_fn(lm: TrainableLM, static, shardings, phase: TransportPhase, compute_dtype):
+    """The jitted validation loss `evaluate(arrays, batch)` of a model split into its `arrays` (laid
+    out as `shardings`, host arrays copied in) and `static` part: cross-entropy without the z-loss
+    term. The loop's evaluations and the eval step (keel.trained) both call it."""
+
+    def evaluate(arrays, batch):
+        model = eqx.combine(offload.to_device(arrays, shardings), static)
+        loss, _ = lm.loss(model, batch, transport=phase, z_loss=0.0, compute_dtype=compute_dtype)
+        return loss
+
+    return jax.jit(evaluate, in_shardings=(shardings, None))
+
+
+def validation_losses(evaluate, arrays, datasets: dict[str, Any], *, batch_size: int, num_batches: int, mesh,
+                      batch_axes: tuple[str, ...]) -> dict[str, float]:
+    """{name: mean of `evaluate(arrays, batch)` over the first `num_batches` batches of that dataset}:
+    the same batches every time, read in order."""
+    out = {}
+    for name, dataset in sorted(datasets.items()):
+        loader = batch_loader(dataset, batch_size=batch_size, mesh=mesh, batch_axes=batch_axes, prefetch=0)
+        batches = loader.iter_from_step(0)
+        losses = []
+        for _, batch in zip(range(num_batches), batches):
+            with jax.set_mesh(mesh):
+                losses.append(float(evaluate(arrays, batch)))
+        batches.close()
+        out[name] = sum(losses) / len(losses)
+    return out
 
 
 FINITE_METRICS = ("train/loss", "train/grad_norm")
