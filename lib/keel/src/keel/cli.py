@@ -1,4 +1,4 @@
-"""`keel run|plan|status|gc EXPERIMENT.py [options]`, and `python EXPERIMENT.py run|plan|...`.
+"""`keel run|plan|status|gc|compare EXPERIMENT.py [options]`, and `python EXPERIMENT.py run|plan|...`.
 
 An experiment file ends with `keel.main([steps])`, optionally with named scalings of its graph
 (`keel.main([hero], scales={"tiny": twin})`, selected with `--scale tiny`). Run as a script, `main`
@@ -23,7 +23,7 @@ from keel.executor.plan import Graph, StepPlan, plan_graph
 from keel.executor.status import KEEL_DIR
 from keel.executor.step import StepDeclarationError
 
-COMMANDS = ("run", "plan", "status", "gc")
+COMMANDS = ("run", "plan", "status", "gc", "compare")
 _collecting: list[tuple[list, dict]] | None = None
 
 
@@ -137,6 +137,10 @@ def _act(args, step_lists: list[list]) -> int:
     if args.command == "gc":
         return _gc(args, graphs)
     graph = graphs[0]
+    if args.command == "compare":
+        from keel.trained.compare import compare_finished
+
+        return compare_finished(graph, _regex("--only", args.only))
     if args.command == "run":
         _fact_sheets(graph)  # the training steps' declaration checks, before any step runs
         return _run(args, graph)

@@ -1,0 +1,80 @@
+"""The eval step: a checkpoint's loss, perplexity and bits per byte on token caches -> eval.json.
+
+The loss is the training loop's own validation loss (`keel.train.loop.eval_loss_fn` over
+`validation_losses`: the same batches, model, transport and dtypes), so on the run's validation
+cache it equals the loop's last `eval/loss`. Bits per byte put runs with different tokenizers on
+one scale: loss / ln 2 x tokens / bytes over the evaluated sequences, with each sequence's bytes
+the UTF-8 length of its text as the tokenize step recorded it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from keel.executor import storage
+from keel.trained.config import EvalConfig
+
+logger = logging.getLogger(__name__)
+
+EVAL_FILE = "eval.json"
+
+
+def eval_step(config: EvalConfig) -> None:
+    """Step function: evaluate `config.model` on every cache of `config.data`, write eval.json."""
+    import jax
+
+    from keel.data import load_token_cache
+    from keel.mesh.topology import BATCH_AXES
+    from keel.train.loop import eval_loss_fn, validation_losses
+    from keel.trained.load import checkpoint_path, load_model
+
+    seq_len = config.model.train.seq_len
+    datasets = {}
+    for label, root in sorted(config.data.items()):
+        datasets[label] = load_token_cache(root, config.split, seq_len=seq_len)
+        if len(datasets[label]) == 0:
+            raise ValueError(f"EvalConfig.data[{label!r}]: the {config.split} split of {root} is empty")
+    loaded = load_model(config.model)
+    with jax.set_mesh(loaded.mesh):
+        evaluate = eval_loss_fn(loaded.lm, loaded.static, loaded.shardings, loaded.phase, loaded.compute_dtype)
+        losses = validation_losses(evaluate, loaded.arrays, datasets, batch_size=config.batch_size,
+                                   num_batches=config.num_batches, mesh=loaded.mesh, batch_axes=BATCH_AXES)
+    results = {}
+    for label, loss in losses.items():
+        sequences = min(len(datasets[label]), config.batch_size * config.num_batches)
+        results[label] = dataset_result(loss, config.data[label], config.split, sequences, seq_len)
+        shown = results[label]["bits_per_byte"]
+        logger.info("%s: loss %.4f, perplexity %.2f, bits per byte %s", label, loss, results[label]["perplexity"],
+                    "n/a" if shown is None else f"{shown:.4f}")
+    report = {
+        "run": config.model.run,
+        "checkpoint": checkpoint_path(config.model),
+        "step": config.model.step,
+        "transport": loaded.phase.transport,
+        "split": config.split,
+        "loss": sum(losses.values()) / len(losses),
+        "datasets": results,
+    }
+    storage.write_json(storage.join(config.output_path, EVAL_FILE), report)
+    for label, r in results.items():
+        print(f"eval {label}: loss {r['loss']:.4f}  perplexity {r['perplexity']:.2f}  bits/byte "
+              f"{'n/a' if r['bits_per_byte'] is None else format(r['bits_per_byte'], '.4f')}")
+
+
+def dataset_result(loss: float, cache_root: str, split: str, sequences: int, seq_len: int) -> dict:
+    """Loss, perplexity and bits per byte over the first `sequences` sequences of a cache split
+    (bits per byte is None for a cache written without per-sequence byte counts)."""
+    from keel.data.tokenize import read_sequence_bytes
+
+    counts = read_sequence_bytes(cache_root, split)
+    num_bytes = int(counts[:sequences].sum()) if counts is not None else None
+    tokens = sequences * seq_len
+    return {
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "bits_per_byte": loss / math.log(2) * tokens / num_bytes if num_bytes else None,
+        "sequences": sequences,
+        "tokens": tokens,
+        "bytes": num_bytes,
+    }

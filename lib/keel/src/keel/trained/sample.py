@@ -1,0 +1,127 @@
+"""The sample step: completions of prompts by a checkpoint -> samples.jsonl, printed as well.
+
+Prompts are encoded with the tokenizer (and bos/eos convention) the run's data was tokenized
+with. Each new token is one forward pass of keel.model over a fixed [rows, seq_len] window (one
+compilation; no KV cache: these are small models), taking the logits at each prompt's last
+position. The experts run on the run's dropless transport (`ring` across an expert axis, else
+`local`), so a prompt's completion never depends on the other prompts or the padding rows that
+fill the batch to the mesh, and each prompt draws from its own generator, seeded by
+(seed, prompt index): the same seed gives the same samples, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from keel.executor import storage
+from keel.trained.config import SampleConfig
+
+SAMPLES_FILE = "samples.jsonl"
+
+
+def sample_step(config: SampleConfig) -> None:
+    """Step function: write one JSON line per prompt ({prompt, completion, token ids, ...}) and print them."""
+    from keel.data.tokenizer import load_tokenizer
+    from keel.trained.load import load_model
+
+    loaded_tokenizer = load_tokenizer(config.tokenizer, bos_token=config.bos_token, eos_token=config.eos_token)
+    tokenizer = loaded_tokenizer.tokenizer
+    tokenizer.encode_special_tokens = True  # as the tokenize step encoded documents: special strings are text
+    if loaded_tokenizer.vocab_size > config.model.model.vocab_size:
+        raise ValueError(f"tokenizer {config.tokenizer!r} has {loaded_tokenizer.vocab_size} tokens, more than the model's "
+                         f"vocab_size={config.model.model.vocab_size}: sample with the tokenizer the run trained with")
+    bos = [loaded_tokenizer.bos_id] if config.add_bos else []
+    prompts = [bos + tokenizer.encode(p, add_special_tokens=False).ids for p in config.prompts]
+    if not all(prompts):
+        raise ValueError("SampleConfig.prompts: an empty prompt without a bos token gives the model nothing to continue")
+    loaded = load_model(config.model)
+    completions = generate(loaded, prompts, context=config.model.train.seq_len, max_tokens=config.max_tokens,
+                           temperature=config.temperature, seed=config.seed, stop_id=loaded_tokenizer.eos_id)
+    lines = []
+    for prompt, ids in zip(config.prompts, completions):
+        text = tokenizer.decode(ids)
+        lines.append({"prompt": prompt, "completion": text, "completion_ids": ids, "step": config.model.step,
+                      "temperature": config.temperature, "seed": config.seed})
+        print(f"--- sample (step {config.model.step}, seed {config.seed}, temperature {config.temperature})\n{prompt}{text}")
+    storage.write_atomic(storage.join(config.output_path, SAMPLES_FILE), "".join(json.dumps(r) + "\n" for r in lines))
+
+
+def generate(loaded, prompts: list[list[int]], *, context: int, max_tokens: int, temperature: float, seed: int,
+             stop_id: int | None) -> list[list[int]]:
+    """Up to `max_tokens` new token ids per prompt, stopping at `stop_id` (not included)."""
+    import jax
+
+    from keel.mesh.topology import BATCH_AXES
+
+    shards = loaded.topology.batch_shards
+    rows = -(-len(prompts) // shards) * shards
+    sharding = jax.sharding.NamedSharding(loaded.mesh, jax.sharding.PartitionSpec(BATCH_AXES, None))
+    logits_at = _next_token_logits(loaded)
+    generators = [np.random.default_rng([seed, i]) for i in range(len(prompts))]
+    sequences = [list(p) for p in prompts]
+    completions: list[list[int]] = [[] for _ in prompts]
+    running = set(range(len(prompts)))
+    for _ in range(max_tokens):
+        if not running:
+            break
+        ids, segments, last = _window(sequences, rows, context)
+        with jax.set_mesh(loaded.mesh):
+            logits = logits_at(loaded.arrays, jax.device_put(ids, sharding), jax.device_put(segments, sharding))
+        logits = np.asarray(jax.device_get(logits), dtype=np.float64)[np.arange(rows), last]
+        for i in sorted(running):
+            token = _draw(logits[i], temperature, generators[i])
+            if token == stop_id:
+                running.discard(i)
+                continue
+            sequences[i].append(token)
+            completions[i].append(token)
+    return completions
+
+
+def _window(sequences: list[list[int]], rows: int, context: int):
+    """(input_ids, segment_ids, last position) [rows, context]: each sequence's last `context`
+    tokens as one document, the rest padding (segment -1); rows past the prompts repeat the first."""
+    ids = np.zeros((rows, context), np.int32)
+    segments = np.full((rows, context), -1, np.int32)
+    last = np.zeros((rows,), np.int64)
+    for row in range(rows):
+        window = sequences[row if row < len(sequences) else 0][-context:]
+        ids[row, :len(window)] = window
+        segments[row, :len(window)] = 0
+        last[row] = len(window) - 1
+    return ids, segments, last
+
+
+def _draw(logits: np.ndarray, temperature: float, generator: np.random.Generator) -> int:
+    if temperature == 0:
+        return int(np.argmax(logits))
+    scaled = (logits - logits.max()) / temperature
+    p = np.exp(scaled)
+    return int(generator.choice(len(p), p=p / p.sum()))
+
+
+def _next_token_logits(loaded):
+    """Jitted (model arrays, input_ids, segment_ids) -> float32 logits [rows, context, vocab]."""
+    import equinox as eqx
+    import haliax as hax
+    import jax
+    import jax.numpy as jnp
+
+    from keel.mesh.mesh import compute_axis_mapping
+    from keel.model.axes import BATCH, POS
+    from keel.model.transport_spec import TransportSpec
+    from keel.train.step import default_transport
+
+    static, dtype = loaded.static, loaded.compute_dtype
+    transport = TransportSpec(default_transport(loaded.topology).transport)
+
+    def logits(arrays, input_ids, segment_ids):
+        model = eqx.combine(arrays, static)
+        with hax.axis_mapping(compute_axis_mapping()):
+            out, _ = model(hax.named(input_ids, (BATCH, POS)), hax.named(segment_ids, (BATCH, POS)),
+                           transport=transport, compute_dtype=dtype)
+        return out.array.astype(jnp.float32)
+
+    return jax.jit(logits)

@@ -1,0 +1,172 @@
+"""Declaring compare / eval / sample steps (no jax), the comparison table of recorded runs, and the
+per-sequence byte counts bits per byte divide by."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from defaults import default_compare, default_eval, default_sample, default_tokenize, default_tokenizer, default_train
+from defaults import stdlib_corpus
+from defaults.hardware import cpu_sim
+from defaults.models import tiny_moe
+from keel import External
+from keel.cli import console_main
+from keel.data import Mixture
+from keel.executor.plan import Graph
+from keel.mesh import RackTopology
+from keel.train import TrainConfig
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _chain():
+    corpus = stdlib_corpus(max_bytes=100_000)
+    tokenizer = default_tokenizer("bpe", corpus, vocab_size=tiny_moe.vocab_size)
+    return tokenizer, default_tokenize("bpe-128", corpus, tokenizer, seq_len=128)
+
+
+def _run(name="a", data=None, lr=1e-3, steps=20):
+    from keel.train import AdamWConfig
+
+    train = TrainConfig(batch_size=8, seq_len=128, num_steps=steps, optimizer=AdamWConfig(lr=lr), eval_batches=3)
+    return default_train(name, data=data if data is not None else _chain()[1], model=tiny_moe, train=train,
+                         topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4), hardware=cpu_sim)
+
+
+def test_an_eval_is_keyed_by_its_run_data_and_checkpoint():
+    run, other = _run("a"), _run("b", lr=2e-3)
+    tokens = _chain()[1]
+    graph = Graph([
+        final := default_eval("e", model=run, data={"stdlib": tokens}),
+        by_number := default_eval("e", model=run, data={"stdlib": tokens}, checkpoint=20),
+    ], "/tmp/keel-test")
+    assert graph.path(final) == graph.path(by_number)  # "final" is the run's last step
+    paths = {Graph([s], "/tmp/keel-test").path(s) for s in (
+        final,
+        default_eval("e", model=run, data={"stdlib": tokens}, checkpoint=10),
+        default_eval("e", model=other, data={"stdlib": tokens}),
+        default_eval("e", model=run, data={"other": tokens}),
+    )}
+    assert len(paths) == 4
+    assert final.isolated and final.deps == (run, tokens)
+    assert (final.config.batch_size, final.config.num_batches) == (8, 3)  # the run's own validation reads
+    assert final.config.process_env() == run.config.process_env() != {}  # the run's 8 simulated devices
+
+
+def test_a_sample_uses_the_tokenizer_the_runs_data_was_tokenized_with():
+    tokenizer, tokens = _chain()
+    sample = default_sample("s", model=_run(data=tokens), prompts=["def "], seed=3)
+    assert sample.config.tokenizer is tokenizer and sample.config.add_bos is False and sample.isolated
+    mixture = Mixture.constant({"x": tokens, "y": tokens}, {"x": 0.5, "y": 0.5})
+    assert default_sample("s", model=_run(data=mixture), prompts=["a"]).config.tokenizer is tokenizer
+    cache = External("cache", "/data/cache")
+    with pytest.raises(ValueError, match=r"not a keel tokenize step.*pass tokenizer="):
+        default_sample("s", model=_run(data=cache), prompts=["a"])
+    assert default_sample("s", model=_run(data=cache), prompts=["a"], tokenizer="/tok").config.tokenizer == "/tok"
+
+
+def test_declaration_mistakes_name_the_fix():
+    run, tokens = _run(), _chain()[1]
+    with pytest.raises(TypeError, match="not a training step"):
+        default_eval("e", model=tokens, data={"x": tokens})
+    with pytest.raises(ValueError, match="give 'final' or a step number"):
+        default_eval("e", model=run, data={"x": tokens}, checkpoint="last")
+    with pytest.raises(ValueError, match=r"checkpoint step in 1\.\.20"):
+        default_eval("e", model=run, data={"x": tokens}, checkpoint=21)
+    with pytest.raises(ValueError, match="data is empty"):
+        default_eval("e", model=run, data={})
+    with pytest.raises(ValueError, match="name one step twice"):
+        default_compare("c", runs=[run, run])
+    with pytest.raises(ValueError, match="temperature"):
+        default_sample("s", model=run, prompts=["a"], temperature=-1.0)
+
+
+_RECORDED_RUNS = textwrap.dedent(
+    """
+    import json, os
+    from defaults import default_compare, default_train
+    from defaults.models import tiny_moe
+    from keel import External, main
+    from keel.train import AdamWConfig, TrainConfig
+
+    def pretend_to_train(config):  # writes what a training step records, in a second
+        rows = [{"step": 0, "eval/loss": 7.0}]
+        for s in range(4):
+            rows.append({"step": s, "train/loss": 7.0 - s * config.train.optimizer.lr, "throughput/tokens_per_s": 100.0 * (s + 1)})
+        rows += [{"step": 2, "eval/loss": 6.0 - config.train.optimizer.lr}, {"step": 4, "eval/loss": 6.5}]
+        with open(os.path.join(config.output_path, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\\n" for r in rows)
+
+    def run(lr):
+        train = TrainConfig(batch_size=8, seq_len=128, num_steps=4, optimizer=AdamWConfig(lr=lr))
+        step = default_train(f"fake/lr{lr}", data=External("cache", "/nowhere"), model=tiny_moe, train=train)
+        return step.__class__(step.name, pretend_to_train, step.config)
+
+    runs = [run(0.5), run(0.25)]
+    if __name__ == "__main__":
+        main([default_compare("fake", runs=runs)])
+    """
+)
+
+
+def test_the_comparison_table_shows_what_each_run_recorded(tmp_path, capsys):
+    experiment = tmp_path / "exp.py"
+    experiment.write_text(_RECORDED_RUNS)
+    prefix = str(tmp_path / "out")
+    assert console_main(["compare", str(experiment), "--prefix", prefix]) == 1  # nothing finished yet
+    assert "no finished training steps" in capsys.readouterr().err
+    assert console_main(["run", str(experiment), "--prefix", prefix]) == 0
+    compare_dir = next((tmp_path / "out" / "compare").glob("fake-*"))
+    rows = json.loads((compare_dir / "comparison.json").read_text())["runs"]
+    assert [(r["run"], r["steps"], r["final_step"], r["final_loss"], r["best_loss"], r["best_step"], r["tokens_per_s"])
+            for r in rows] == [("train/fake/lr0.5", 4, 4, 6.5, 5.5, 2, 300.0), ("train/fake/lr0.25", 4, 4, 6.5, 5.75, 2, 300.0)]
+    assert [r["fields"] for r in rows] == [{"train.optimizer.lr": 0.5}, {"train.optimizer.lr": 0.25}]
+    assert all(r["wall_s"] > 0 for r in rows)
+    table = (compare_dir / "comparison.md").read_text().splitlines()
+    assert table[0] == ("| run | steps | final val loss | best val loss (step) | tokens/s | wall time | "
+                        "train.optimizer.lr |")
+    assert table[2].startswith("| train/fake/lr0.5 | 4 | 6.5000 | 5.5000 (2) | 300 | ") and table[2].endswith(" | 0.5 |")
+    assert (compare_dir / "comparison.png").stat().st_size > 1000
+
+    # `keel compare` prints the same table from the cached runs, and imports no jax doing so.
+    script = ("import sys; from keel.cli import console_main; code = console_main(sys.argv[1:]); "
+              "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'levanter', 'haliax')]; sys.exit(code)")
+    printed = subprocess.run([sys.executable, "-c", script, "compare", str(experiment), "--prefix", prefix],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout.splitlines() == table
+    capsys.readouterr()
+    assert console_main(["compare", str(experiment), "--prefix", prefix, "--only", r"lr0\.25"]) == 0
+    assert [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["| train/fake/lr0.25"]
+
+
+def test_the_tokenize_step_records_each_sequences_utf8_bytes(tmp_path):
+    from keel.data import IngestConfig, TokenizeConfig, TrainTokenizerConfig, ingest_documents, load_token_cache
+    from keel.data import load_tokenizer, tokenize_documents, train_tokenizer
+    from keel.data.tokenize import read_sequence_bytes
+
+    texts = [f"déjà vu {i}: naïve café, {'x' * (i % 7)} Größe\n" * (1 + i % 3) for i in range(60)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    ingest_documents(IngestConfig(inputs=(str(tmp_path / "d.jsonl"),), validation_fraction=0.0,
+                                  output_path=str(tmp_path / "docs")))
+    train_tokenizer(TrainTokenizerConfig(documents=str(tmp_path / "docs"), vocab_size=400, output_path=str(tmp_path / "tok")))
+    tokenize_documents(TokenizeConfig(documents=str(tmp_path / "docs"), tokenizer=str(tmp_path / "tok"), seq_len=16,
+                                      output_path=str(tmp_path / "cache")))
+    counts = read_sequence_bytes(str(tmp_path / "cache"), "train")
+    rows = [r["input_ids"] for r in load_token_cache(str(tmp_path / "cache"), "train", seq_len=16)]
+    assert counts.dtype == np.int64 and len(counts) == len(rows) > 10
+
+    # The documents' bytes, less those of the tail the packer dropped: every byte lands in one sequence.
+    loaded = load_tokenizer(str(tmp_path / "tok"))
+    loaded.tokenizer.encode_special_tokens = True
+    stats = json.loads((tmp_path / "cache" / "tokenize.json").read_text())["splits"]["train"]
+    stream = np.concatenate([loaded.tokenizer.encode(t).ids + [loaded.eos_id] for t in texts])
+    tail = loaded.tokenizer.decode(stream[len(stream) - stats["dropped_tokens"]:].tolist(), skip_special_tokens=True)
+    assert counts.sum() == stats["bytes"] == sum(len(t.encode()) for t in texts) - len(tail.encode())
+    assert read_sequence_bytes(str(tmp_path / "cache"), "validation").shape == (0,)
+    assert read_sequence_bytes(str(tmp_path), "train") is None  # a cache written without them
