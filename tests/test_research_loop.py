@@ -1,0 +1,120 @@
+"""The research loop on the lr_sweep tutorial, run as a user runs it (`keel run` without XLA flags):
+a sweep of three tiny-MoE runs, a comparison whose rows are what the runs recorded, an eval that
+reproduces a run's last validation loss, samples that a seed fixes, and `keel compare` printing
+the same table without jax."""
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from keel.cli import load_experiment
+from keel.data.tokenize import read_sequence_bytes
+from keel.executor.plan import Graph
+from keel.executor.resolve import resolve_config
+from keel.executor.status import read_status
+from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics
+from test_step_isolation import keel, user_env
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+TUTORIAL = str(REPO / "experiments/tutorials/lr_sweep.py")
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    prefix = str(tmp_path_factory.mktemp("sweep"))
+    done = keel("run", TUTORIAL, "--prefix", prefix)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    graph = Graph(load_experiment(TUTORIAL), prefix)
+    return graph, {s.name: s for s in graph.steps()}
+
+
+def _metrics(path):
+    return read_metrics(os.path.join(path, METRICS_FILE))
+
+
+def test_the_comparison_has_one_row_per_run_with_the_values_the_runs_recorded(sweep):
+    graph, steps = sweep
+    out = Path(graph.path(steps["compare/lr_sweep"]))
+    rows = json.loads((out / "comparison.json").read_text())["runs"]
+    runs = [s for s in steps.values() if s.name.startswith("train/lr_sweep/")]
+    assert [r["run"] for r in rows] == [s.name for s in runs] and len(rows) == 3
+    for row, run in zip(rows, runs):
+        path = graph.path(run)
+        evals = latest_by_step(_metrics(path), "eval/loss")
+        throughput = latest_by_step(_metrics(path), "throughput/tokens_per_s")
+        assert row["steps"] == run.config.train.num_steps == 30
+        assert (row["final_step"], row["final_loss"]) == (30, evals[30])
+        assert row["best_loss"] == min(evals.values()) and evals[row["best_step"]] == row["best_loss"]
+        assert row["tokens_per_s"] == statistics.median(v for s, v in throughput.items() if s > 0)
+        assert row["wall_s"] == pytest.approx(read_status(path).duration)
+        optimizer = run.config.train.optimizer
+        assert row["fields"] == {"train.optimizer.adam_lr": optimizer.adam_lr, "train.optimizer.muon_lr": optimizer.muon_lr}
+    table = (out / "comparison.md").read_text().splitlines()
+    assert len(table) == 2 + 3 and "train.optimizer.adam_lr" in table[0]
+    assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # `keel compare` prints that table from the cached runs, without running anything or importing jax.
+    script = ("import sys; from keel.cli import console_main; code = console_main(sys.argv[1:]); "
+              "assert not [m for m in sys.modules if m.split('.')[0] in ('jax', 'levanter', 'haliax')]; sys.exit(code)")
+    printed = subprocess.run([sys.executable, "-c", script, "compare", TUTORIAL, "--prefix", graph.prefix],
+                             env=user_env(), cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout.splitlines() == table
+    only = keel("compare", TUTORIAL, "--prefix", graph.prefix, "--only", r"lr2\.0", timeout=120)
+    assert only.returncode == 0, only.stdout + only.stderr
+    lines = only.stdout.splitlines()  # one run: no field differs, the rest of its row is the same
+    assert len(lines) == 3 and lines[2].startswith(" | ".join(table[4].split(" | ")[:6])), lines
+
+
+def test_the_eval_step_reproduces_the_runs_last_validation_loss(sweep):
+    graph, steps = sweep
+    report = json.loads((Path(graph.path(steps["eval/lr_sweep/lr1.0"])) / "eval.json").read_text())
+    run = graph.path(steps["train/lr_sweep/lr1.0"])
+    evals = latest_by_step(_metrics(run), "eval/loss")
+    result = report["datasets"]["stdlib"]
+    assert report["step"] == 30 and report["checkpoint"] == f"{run}/checkpoints/step-30"
+    assert abs(result["loss"] - evals[30]) < 1e-4, (result["loss"], evals[30])
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
+    sequences = 16 * 4  # the run's batch size x eval_batches
+    tokens_path = graph.path(steps["tokenized/stdlib-bpe-1k-128"])
+    num_bytes = int(read_sequence_bytes(tokens_path, "validation")[:sequences].sum())
+    assert (result["sequences"], result["tokens"], result["bytes"]) == (sequences, sequences * 128, num_bytes)
+    assert result["bits_per_byte"] == pytest.approx(result["loss"] / math.log(2) * sequences * 128 / num_bytes)
+
+
+def test_samples_are_fixed_by_their_seed(sweep, tmp_path):
+    from keel.trained.sample import SAMPLES_FILE, sample_step
+
+    graph, steps = sweep
+    step = steps["sample/lr_sweep/lr1.0"]
+    written = [json.loads(line) for line in (Path(graph.path(step)) / SAMPLES_FILE).read_text().splitlines()]
+    assert [s["prompt"] for s in written] == list(step.config.prompts)
+    assert all(s["completion_ids"] for s in written)
+
+    def sample(seed):  # the same step again, in this process
+        out = tmp_path / f"seed{seed}"
+        config = dataclasses.replace(resolve_config(step.config, str(out), graph.path), seed=seed)
+        sample_step(config)
+        return [json.loads(line)["completion_ids"] for line in (out / SAMPLES_FILE).read_text().splitlines()]
+
+    assert sample(0) == [s["completion_ids"] for s in written]  # same seed, another process: identical
+    other = sample(1)
+    assert other != [s["completion_ids"] for s in written] and all(other)
+
+
+def test_the_tutorial_shares_the_tiny_moe_data_chain_and_reruns_cached(sweep):
+    graph, steps = sweep
+    tiny = Graph(load_experiment(str(REPO / "experiments/tutorials/tiny_moe.py")), graph.prefix)
+    shared = {s.name: tiny.path(s) for s in tiny.steps() if not s.name.startswith("train/")}
+    assert shared == {name: graph.path(steps[name]) for name in shared} and len(shared) == 3
+    again = keel("run", TUTORIAL, "--prefix", graph.prefix, timeout=300)
+    assert again.returncode == 0 and "0 ran, 0 reused, 9 cached" in again.stdout, again.stdout + again.stderr
