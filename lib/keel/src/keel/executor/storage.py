@@ -81,6 +81,8 @@ def _ensure_folder(fs: fsspec.AbstractFileSystem, folder: str) -> None:
             except FileExistsError:
                 if not os.path.isdir(folder):
                     raise
+            except FileNotFoundError:  # the folder above was removed behind this process's back
+                fs.makedirs(folder, exist_ok=True)
         else:
             fs.makedirs(folder, exist_ok=True)
         while key not in _made_dirs:
