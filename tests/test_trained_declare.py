@@ -143,6 +143,8 @@ def test_the_comparison_table_shows_what_each_run_recorded(tmp_path, capsys):
     capsys.readouterr()
     assert console_main(["compare", str(experiment), "--prefix", prefix, "--only", r"lr0\.25"]) == 0
     assert [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["| train/fake/lr0.25"]
+    assert console_main(["compare", str(experiment), "--prefix", prefix, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"] == rows
 
 
 def test_the_tokenize_step_records_each_sequences_utf8_bytes(tmp_path):

@@ -140,7 +140,7 @@ def _act(args, step_lists: list[list]) -> int:
     if args.command == "compare":
         from keel.trained.compare import compare_finished
 
-        return compare_finished(graph, _regex("--only", args.only))
+        return compare_finished(graph, _regex("--only", args.only), as_json=args.json)
     if args.command == "run":
         _fact_sheets(graph)  # the training steps' declaration checks, before any step runs
         return _run(args, graph)

@@ -9,6 +9,7 @@ comparison.md, comparison.json and comparison.png.
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 import sys
@@ -53,7 +54,7 @@ def summarize(runs: dict[str, str]) -> list[RunSummary]:
         evals = latest_by_step(records, "eval/loss")
         throughput = latest_by_step(records, "throughput/tokens_per_s")
         train_steps = latest_by_step(records, "train/loss")
-        steady = [v for s, v in throughput.items() if s > min(throughput)] or list(throughput.values())
+        steady = [v for s, v in throughput.items() if s > min(throughput)] if len(throughput) > 1 else list(throughput.values())
         best_step = min(evals, key=evals.get) if evals else None
         status = read_status(path)
         rows.append(RunSummary(
@@ -164,9 +165,10 @@ def compare_step(config: CompareConfig) -> None:
     plot_losses(config.runs, storage.join(config.output_path, PLOT_FILE))
 
 
-def compare_finished(graph, only: re.Pattern | None = None) -> int:
-    """`keel compare EXP.py [--only REGEX]`: print the table of the graph's cached training steps
-    (whose names match `only`); runs nothing. Exit code 1 when no such step has finished."""
+def compare_finished(graph, only: re.Pattern | None = None, as_json: bool = False) -> int:
+    """`keel compare EXP.py [--only REGEX] [--json]`: print the table (or its rows as JSON) of the
+    graph's cached training steps whose names match `only`; runs nothing. Exit code 1 when no such
+    step has finished."""
     from keel.executor.plan import CACHED, plan_graph
     from keel.train.config import TrainStepConfig
 
@@ -178,7 +180,11 @@ def compare_finished(graph, only: re.Pattern | None = None) -> int:
         print(f"keel: no finished training steps to compare{' matching ' + only.pattern if only else ''}"
               + (f"; not finished: {', '.join(waiting)}" if waiting else ""), file=sys.stderr)
         return 1
-    print(render_table(summarize(finished)))
+    rows = summarize(finished)
+    if as_json:
+        print(json.dumps({"runs": [asdict(r) for r in rows], "not_finished": waiting}, indent=1))
+        return 0
+    print(render_table(rows))
     if waiting:
         print(f"-- not finished: {', '.join(waiting)}")
     return 0

@@ -9,13 +9,10 @@ the UTF-8 length of its text as the tokenize step recorded it.
 
 from __future__ import annotations
 
-import logging
 import math
 
 from keel.executor import storage
 from keel.trained.config import EvalConfig
-
-logger = logging.getLogger(__name__)
 
 EVAL_FILE = "eval.json"
 
@@ -44,9 +41,6 @@ def eval_step(config: EvalConfig) -> None:
     for label, loss in losses.items():
         sequences = min(len(datasets[label]), config.batch_size * config.num_batches)
         results[label] = dataset_result(loss, config.data[label], config.split, sequences, seq_len)
-        shown = results[label]["bits_per_byte"]
-        logger.info("%s: loss %.4f, perplexity %.2f, bits per byte %s", label, loss, results[label]["perplexity"],
-                    "n/a" if shown is None else f"{shown:.4f}")
     report = {
         "run": config.model.run,
         "checkpoint": checkpoint_path(config.model),
