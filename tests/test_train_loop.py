@@ -214,3 +214,54 @@ def test_a_non_finite_loss_fails_the_run_naming_the_step(tmp_path):
     config = TrainConfig(num_steps=6, optimizer=AdamWConfig(lr=1e30), compute_dtype="float32", **BASE)
     with pytest.raises(NonFiniteTraining, match=r"training diverged at step [1-5]: train/(loss|grad_norm) = (nan|inf)"):
         train(config, loop_inputs(use_wandb=False), str(tmp_path / "tiny_nan-0123abcd89"))
+
+
+def test_progress_lines_name_compiles_validation_checkpoints_and_the_switch(tmp_path, capsys):
+    """Not a terminal (as in CI and log.txt): plain lines, no carriage returns."""
+    from train_standin import loop_inputs
+
+    from keel.train.loop import train
+
+    out = str(tmp_path / "tiny_talk-0123abcd89")
+    transports = (TransportPhase(0, "fixed_all_to_all"), TransportPhase(3, "ring"))
+    train(TrainConfig(num_steps=6, optimizer=AdamWConfig(lr=1e-2), transports=transports, **BASE),
+          loop_inputs(use_wandb=False), out)
+    printed = capsys.readouterr().out
+    assert "\r" not in printed
+    lines = [line for line in printed.splitlines() if line.startswith("[train] tiny_talk: ")]
+    text = "\n".join(lines)
+    for expected in ("compiled the fixed_all_to_all training step in", "compiled the ring training step in",
+                     "step 0: validation loss", "step 4: validation loss", "step 3: switching transport fixed_all_to_all -> ring",
+                     "step 3: checkpoint saved", "step 6/6, loss", "done: steps 0->6 in"):
+        assert expected in text, (expected, text)
+    assert "final validation loss" in lines[-1] and out in lines[-1]
+
+
+def test_the_loss_plot_says_what_it_shows(switch_run):
+    from keel.train.tracking import plot_loss_curves
+
+    out, config = switch_run
+    drawn = plot_loss_curves(os.path.join(out, METRICS_FILE), os.path.join(out, "again.png"),
+                             title="tiny_switch: lr 0.01", marks={4: "-> ring"})
+    assert drawn["title"] == "tiny_switch: lr 0.01" and drawn["marks"] == {4: "-> ring"}
+    loss_panel, health_panel, speed_panel = drawn["panels"]
+    assert loss_panel == ["train", "validation"]
+    assert health_panel == ["dropped_fraction", "router_balance"] and speed_panel == ["tokens/s"]
+
+
+def test_status_reads_a_running_steps_progress_from_its_metrics(tmp_path):
+    from keel import External
+    from keel.train.config import TrainStepConfig
+    from keel.train.tracking import MetricsLog
+    from train_standin import MICRO
+
+    config = TrainStepConfig(model=MICRO, data=External("x/cache", "/nowhere"),
+                             train=TrainConfig(num_steps=100, optimizer=AdamWConfig(lr=1e-2), **BASE))
+    assert config.progress(str(tmp_path)) is None  # nothing written yet
+    log = MetricsLog(str(tmp_path / METRICS_FILE))
+    for step in range(10):
+        log.write(step, {"train/loss": 5.0 - step / 10, "throughput/tokens_per_s": 1024.0})
+    log.close()
+    line = config.progress(str(tmp_path))
+    assert line.startswith("training: step 10/100, loss 4.1000, 1,024 tokens/s")
+    assert "about 1.5 min to go" in line  # 90 steps x 1,024 tokens at 1,024 tokens/s

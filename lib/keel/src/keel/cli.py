@@ -181,6 +181,11 @@ def render_table(plans: list[StepPlan], timings: bool = False) -> str:
         res = f" ({p.step.resources.describe()})" if getattr(p.step, "resources", None) else ""
         reason = f"  <- {p.reason}" if p.reason else ""
         rows.append(f"{p.state:<17} {p.name}{res}\n{'':<17}   {p.output_path}{extra}{reason}")
+        if timings and p.state in ("running-elsewhere", "interrupted", "failed"):
+            progress = getattr(getattr(p.step, "config", None), "progress", None)
+            shown = progress(p.output_path) if callable(progress) else None
+            if shown:
+                rows.append(f"{'':<17}   {shown}")
     counts: dict[str, int] = {}
     for p in plans:
         counts[p.state] = counts.get(p.state, 0) + 1

@@ -129,6 +129,7 @@ class Runner:
         self._children: set = set()  # live child processes of isolated steps
         self._active: dict[str, tuple[Status, leases.Lease]] = {}  # output path -> (RUNNING status, lease)
         self._stopping, self._stopping_since = False, 0.0
+        self._isolated_in_run = 0
 
     def run(self, only: re.Pattern | None = None) -> RunReport:
         plans = plan_graph(self.graph, self.force)
@@ -136,6 +137,7 @@ class Runner:
         chosen = select(plans, only)
         if not chosen:
             return report
+        self._isolated_in_run = sum(1 for p in plans if id(p.step) in chosen and getattr(p.step, "isolated", False))
         interrupt.clear()
         restore = self._catch_signals()
         try:
@@ -284,6 +286,8 @@ class Runner:
         from keel.executor.child import collect, start_child
 
         env = _process_env(resolved, processes=1)
+        if self._isolated_in_run > 1:  # several steps share this console: plain progress lines, no bars
+            env = {**env, "KEEL_PROGRESS": "lines"}
         with self._lock:
             if self._stopping:
                 raise interrupt.StepInterrupted("the run was interrupted before the step started")

@@ -61,14 +61,16 @@ class TrainCheckpoints:
         with fsspec.open(os.path.join(path, "metadata.json")) as f:
             return int(json.load(f)["step"])
 
-    def on_step(self, state, step: int, *, force: bool = False, rolling: bool = False) -> None:
+    def on_step(self, state, step: int, *, force: bool = False, rolling: bool = False) -> bool:
         """Save if a policy says so, a permanent one if `force`, at least a rolling one if `rolling`;
-        `step` counts completed optimizer steps."""
+        `step` counts completed optimizer steps. True when a save of this step started."""
         from levanter.checkpoint import CheckpointRetention
 
         if rolling or (self.rolling_every and step % self.rolling_every == 0):
             self._checkpointer.request_checkpoint(CheckpointRetention.TEMPORARY)
+        before = self._checkpointer._last_save_step  # Levanter records the step of every save it starts
         self._checkpointer.on_step(tree=state, step=step, force=force)
+        return self._checkpointer._last_save_step == step != before
 
     def wait(self) -> None:
         self._checkpointer.wait_until_finished()

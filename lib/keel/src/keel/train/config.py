@@ -354,6 +354,26 @@ class TrainStepConfig:
     """Where the replicas of a multi-process run meet ("host:port"); None: found through Iris.
     Pin it (e.g. "127.0.0.1:<port>") when every replica runs on one machine."""
 
+    def progress(self, output_path: str) -> str | None:
+        """How far a running (or stopped) training step got, from its metrics: for `keel status`
+        in a second terminal, wherever the step runs (the prefix is shared storage)."""
+        from keel.train.tracking import METRICS_FILE, read_metrics
+
+        try:
+            records = [r for r in read_metrics(f"{output_path.rstrip('/')}/{METRICS_FILE}") if "train/loss" in r]
+        except (FileNotFoundError, OSError):
+            return None
+        if not records:
+            return "training: compiling or before its first step"
+        last, recent = records[-1], records[-20:]
+        done = last["step"] + 1
+        speeds = [r["throughput/tokens_per_s"] for r in recent if r.get("throughput/tokens_per_s")]
+        line = f"training: step {done}/{self.train.num_steps}, loss {last['train/loss']:.4f}"
+        if speeds:
+            seconds = (self.train.num_steps - done) * self.train.tokens_per_step / (sum(speeds) / len(speeds))
+            line += f", {sum(speeds) / len(speeds):,.0f} tokens/s, about {seconds / 60:.1f} min to go"
+        return line
+
     def process_env(self, processes: int = 1) -> dict[str, str]:
         """What each of the step's `processes` needs to see its share of the declared devices."""
         return declared_process_env(self.hardware, self.topology, processes)

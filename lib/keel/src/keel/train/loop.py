@@ -42,7 +42,18 @@ from keel.train.batches import batch_loader
 from keel.train.checkpoint import TrainCheckpoints
 from keel.train.config import TrainConfig, TransportPhase
 from keel.train.lm import TrainableLM
-from keel.train.tracking import LOSS_PLOT_FILE, METRICS_FILE, MetricsLog, close_wandb, open_wandb, plot_loss_curves
+from keel.train.progress import Progress
+from keel.train.tracking import (
+    LOSS_PLOT_FILE,
+    METRICS_FILE,
+    MetricsLog,
+    close_wandb,
+    latest_by_step,
+    open_wandb,
+    plot_loss_curves,
+    read_metrics,
+    run_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +76,8 @@ class LoopInputs:
     """Training batches read from storage per request (Levanter's fetch_batch_size)."""
     wandb_project: str = "keel"
     use_wandb: bool = True
+    phase_starts: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Mixture phases by start step ({0: "phase 0", 108000: "phase 1"}), shown in progress and plots."""
 
 
 def train(config: TrainConfig, inputs: LoopInputs, output_path: str) -> dict[str, float]:
@@ -93,6 +106,7 @@ class _Run:
             output_path, permanent_every=config.permanent_checkpoint_every, rolling_every=config.rolling_checkpoint_every,
             rolling_minutes=config.rolling_checkpoint_minutes, keep_rolling=config.keep_rolling_checkpoints,
         )
+        self.compile_seconds = 0.0  # first calls of each step/eval function: tracing, compiling, one run
         self._step_fns: dict[tuple[TransportPhase, offload.Layout], Any] = {}
         self._eval_fns: dict[tuple[TransportPhase, offload.Layout], Any] = {}
 
@@ -106,6 +120,9 @@ class _Run:
             logger.info("Resumed from %s", latest)
         start = int(self.state_arrays["step"])
         primary = jax.process_index() == 0
+        self.progress = Progress(run_name(self.output_path), start, config.num_steps, enabled=primary)
+        if latest is not None:
+            self.progress.event(f"resumed from {latest} (step {start})")
         metrics_log = MetricsLog(os.path.join(self.output_path, METRICS_FILE), writer=primary, resume_at=start)
         tracker = self._open_tracker()
         last: dict[str, float] = {}
@@ -122,12 +139,37 @@ class _Run:
                 batches.close()
                 self.checkpoints.wait()
         finally:
+            self.progress.close()
             metrics_log.close()
             if tracker is not None:
                 close_wandb(tracker)
         if primary:
-            plot_loss_curves(os.path.join(self.output_path, METRICS_FILE), os.path.join(self.output_path, LOSS_PLOT_FILE))
+            plot_loss_curves(os.path.join(self.output_path, METRICS_FILE), os.path.join(self.output_path, LOSS_PLOT_FILE),
+                             title=self._title(), marks=self._marks())
+            self._summary(start)
         return last
+
+    def _summary(self, start: int) -> None:
+        records = read_metrics(os.path.join(self.output_path, METRICS_FILE))
+        evals = latest_by_step(records, "eval/loss")
+        val = f", final validation loss {evals[max(evals)]:.4f}" if evals else ""
+        self.progress.event(f"done: steps {start}->{self.config.num_steps} in {self.progress.wall_seconds:.1f}s "
+                            f"(compiling {self.compile_seconds:.1f}s){val}; outputs in {self.output_path}")
+
+    def _title(self) -> str:
+        """The run's name and the figures that tell it from its neighbours in a sweep."""
+        c, opt = self.config, self.config.optimizer
+        lrs = (f"lr muon {opt.muon_lr:.3g} / adam {opt.adam_lr:.3g}" if hasattr(opt, "muon_lr") else f"lr {opt.lr:.3g}")
+        return f"{run_name(self.output_path)}: {lrs}, batch {c.batch_size} x {c.seq_len}, {c.num_steps} steps, seed {c.seed}"
+
+    def _marks(self) -> dict[int, str]:
+        marks = {p.start_step: f"-> {p.transport}" for p in self.config.transports if p.start_step}
+        marks.update({s: name for s, name in self.inputs.phase_starts.items() if s})
+        return marks
+
+    def _mixture_phase(self, step: int) -> str | None:
+        names = [name for s, name in sorted(self.inputs.phase_starts.items()) if s <= step]
+        return names[-1] if names else None
 
     def _train_steps(self, start: int, batches, metrics_log: MetricsLog, tracker) -> dict[str, float]:
         config = self.config
@@ -137,15 +179,23 @@ class _Run:
         for step in range(start, config.num_steps):
             phase = self.transport_at(step)
             if phase != previous:
-                logger.info("Step %d: switching transport %s -> %s", step, previous.transport, phase.transport)
+                self.progress.event(f"step {step}: switching transport {previous.transport} -> {phase.transport}")
                 previous = phase
+            if step in self.inputs.phase_starts and step:
+                self.progress.event(f"step {step}: mixture {self.inputs.phase_starts[step]} starts")
             t0 = time.perf_counter()
             self._place(step)
             batch = next(batches)
+            compiling = (phase, self.layout) not in self._step_fns
             with jax.set_mesh(self.inputs.mesh):  # Levanter's loader leaves its own mesh context
                 self.state_arrays, metrics = self._step_fn(phase)(self.state_arrays, batch)
             completed = step + 1
             check_finite(step, {k: metrics[k] for k in FINITE_METRICS})
+            if compiling:
+                self._compiled(f"the {phase.transport} training step", time.perf_counter() - t0)
+            self.progress.step(completed, loss=float(metrics["train/loss"]),
+                               tokens_per_s=tokens_per_step / (time.perf_counter() - t0), transport=phase.transport,
+                               phase=self._mixture_phase(step))
             if completed % config.log_every == 0 or completed == config.num_steps:
                 values = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 values["throughput/tokens_per_s"] = tokens_per_step / (time.perf_counter() - t0)
@@ -159,11 +209,12 @@ class _Run:
             # Permanent checkpoints at the end and where the next step switches transport.
             switching = completed < config.num_steps and self.transport_at(completed) != phase
             stopping = interrupt.requested() and completed < config.num_steps
-            self.checkpoints.on_step(self.state_arrays, completed, force=completed == config.num_steps or switching,
-                                     rolling=stopping)
+            if self.checkpoints.on_step(self.state_arrays, completed, force=completed == config.num_steps or switching,
+                                        rolling=stopping):
+                self.progress.event(f"step {completed}: checkpoint saved")
             if stopping:
                 self.checkpoints.wait()
-                logger.info("Interrupted: stopped after step %d of %d, checkpoint saved", completed, config.num_steps)
+                self.progress.event(f"interrupted: stopped after step {completed} of {config.num_steps}, checkpoint saved")
                 raise interrupt.StepInterrupted(f"training stopped after step {completed} of {config.num_steps}",
                                                 resume=f"its checkpoint at step {completed}")
         return last
@@ -229,15 +280,23 @@ class _Run:
         """Mean loss over the first `eval_batches` batches of each validation set (same batches every time)."""
         if not self.inputs.val_data or self.config.eval_batches <= 0:
             return
+        compiling, t0 = (phase, self.layout) not in self._eval_fns, time.perf_counter()
         losses = validation_losses(self._eval_fn(phase), self.state_arrays["model"], self.inputs.val_data,
                                    batch_size=self.config.batch_size, num_batches=self.config.eval_batches,
                                    mesh=self.inputs.mesh, batch_axes=self.inputs.batch_axes)
+        if compiling:
+            self._compiled(f"the {phase.transport} evaluation (with its first pass)", time.perf_counter() - t0)
         values = {f"eval/{name}/loss": loss for name, loss in losses.items()}
         values["eval/loss"] = sum(values.values()) / len(values)
         metrics_log.write(step, values)
         if tracker is not None:
             tracker.log(values, step=step)
-        logger.info("step %d: validation loss %.4f", step, values["eval/loss"])
+        shown = ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in values.items() if k != "eval/loss")
+        self.progress.event(f"step {step}: validation loss {values['eval/loss']:.4f}" + (f" ({shown})" if len(losses) > 1 else ""))
+
+    def _compiled(self, what: str, seconds: float) -> None:
+        self.compile_seconds += seconds
+        self.progress.compiled(what, seconds)
 
     def _open_tracker(self):
         if not self.inputs.use_wandb:

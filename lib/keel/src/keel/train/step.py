@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from keel.mesh.topology import BATCH_AXES, RackTopology
+from keel.plan.checks import mixture_phases
 from keel.plan.resolved import resolve
 from keel.train.config import TrainStepConfig, TransportPhase
 
@@ -41,6 +42,7 @@ def train_step(config: TrainStepConfig) -> None:
         train_data=train_data,
         val_data=val_data,
         default_transport=default_transport(topology),
+        phase_starts={start: f"phase {i}" for i, (start, _) in enumerate(mixture_phases(config.data))},
     )
     train(config.train, inputs, config.output_path)
 

@@ -121,8 +121,19 @@ def latest_by_step(records: list[dict[str, Any]], key: str) -> dict[int, float]:
     return dict(sorted(out.items()))
 
 
-def plot_loss_curves(metrics_path: str, png_path: str) -> None:
-    """Train and validation loss against step, written as a PNG (matplotlib's Agg backend)."""
+def run_name(output_path: str) -> str:
+    """A run's short name: its output directory without the identity hash (`tiny_moe-06e3eec1ee` -> `tiny_moe`)."""
+    base = output_path.rstrip("/").rsplit("/", 1)[-1]
+    stem, _, tail = base.rpartition("-")
+    return stem if stem and re.fullmatch(r"[0-9a-f]{6,}", tail) else base
+
+
+def plot_loss_curves(metrics_path: str, png_path: str, *, title: str | None = None,
+                     marks: Mapping[int, str] | None = None) -> dict[str, Any]:
+    """Train and validation loss against step, and below them MoE health (dropped fraction, router
+    balance) and throughput; `marks` draws a labelled line at each step (transport switches,
+    mixture phases). Written as a PNG with matplotlib's Agg backend; returns what it drew (title,
+    marks, the series of each panel)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -131,18 +142,41 @@ def plot_loss_curves(metrics_path: str, png_path: str) -> None:
     records = read_metrics(metrics_path)
     train = latest_by_step(records, "train/loss")
     val = latest_by_step(records, "eval/loss")
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, health) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True, height_ratios=(3, 2))
     ax.plot(list(train), list(train.values()), label="train", linewidth=1)
     if val:
         ax.plot(list(val), list(val.values()), "o-", label="validation")
-    ax.set_xlabel("step")
     ax.set_ylabel("loss")
+    ax.set_title(title or run_name(metrics_path.rsplit("/", 1)[0]), fontsize=9)
+    for name, colour in (("moe/dropped_fraction", "tab:red"), ("moe/router_balance", "tab:purple")):
+        series = latest_by_step(records, name)
+        if series:
+            health.plot(list(series), list(series.values()), color=colour, linewidth=1, label=name.split("/")[1])
+    health.set_ylabel("MoE health")
+    health.set_xlabel("step")
+    speed = latest_by_step(records, "throughput/tokens_per_s")
+    if speed:
+        twin = health.twinx()
+        twin.plot(list(speed), list(speed.values()), color="tab:gray", linewidth=0.8, alpha=0.7, label="tokens/s")
+        twin.set_ylabel("tokens/s")
+        twin.legend(loc="upper right", fontsize=7)
+    for step, label in sorted((marks or {}).items()):
+        for axis in (ax, health):
+            axis.axvline(step, color="black", linestyle=":", linewidth=0.8)
+        ax.annotate(label, (step, 1), xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7)
     ax.legend()
-    ax.grid(alpha=0.3)
+    if health.lines:
+        health.legend(loc="upper left", fontsize=7)
+    for axis in (ax, health):
+        axis.grid(alpha=0.3)
     fig.tight_layout()
     with fsspec.open(png_path, "wb") as f:
         fig.savefig(f, format="png", dpi=100)
+    drawn = {"title": ax.get_title(), "marks": dict(sorted((marks or {}).items())),
+             "panels": [[line.get_label() for line in axis.lines if not line.get_label().startswith("_")]
+                        for axis in fig.axes]}
     plt.close(fig)
+    return drawn
 
 
 def open_wandb(output_path: str, *, project: str, entity: str | None, tags: tuple[str, ...] = ()):

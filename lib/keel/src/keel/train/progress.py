@@ -1,0 +1,87 @@
+"""What a training run tells the person watching it: one updating bar on a terminal, plain lines
+everywhere else, and the events that matter (compiling, validation, checkpoints, transport and
+mixture-phase changes, a final summary).
+
+On a terminal the bar is drawn on the process's own stdout (not through keel's log tee), so
+`log.txt` gets the events as plain lines and never the bar's carriage returns. Without a terminal
+(CI, a pipe, a file), or with `KEEL_PROGRESS=lines` (set by the executor when several training
+steps share one console), progress is a plain line every `LINE_EVERY_S` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+LINE_EVERY_S = 15.0
+
+
+def _eta(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class Progress:
+    """Progress of one run from `start` to `total` steps; `name` labels every line."""
+
+    def __init__(self, name: str, start: int, total: int, *, enabled: bool = True):
+        self.name, self.start, self.total, self.enabled = name, start, total, enabled
+        terminal = sys.__stdout__
+        self._bar = None
+        if enabled and terminal is not None and terminal.isatty() and os.environ.get("KEEL_PROGRESS") != "lines":
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=start, file=terminal, desc=name, unit="step", dynamic_ncols=True,
+                             leave=False)
+        self._t0 = time.perf_counter()
+        self._timed_from: tuple[int, float] | None = None  # (step, time) after the first compiled step
+        self._last_line = 0.0
+
+    def event(self, text: str) -> None:
+        """A line worth keeping: printed (and so in log.txt), above the bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.clear()
+        print(f"[train] {self.name}: {text}", flush=True)
+        if self._bar is not None:
+            self._bar.refresh()
+
+    def compiled(self, what: str, seconds: float) -> None:
+        self.event(f"compiled {what} in {seconds:.1f}s")
+
+    def step(self, completed: int, *, loss: float, tokens_per_s: float, transport: str, phase: str | None) -> None:
+        """After each optimizer step: the bar's postfix, or a plain line now and then."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        if self._timed_from is None:
+            self._timed_from = (completed, now)  # the first step includes compilation: time from here
+        eta = self.eta(completed, now)
+        fields = {"loss": f"{loss:.4f}", "tok/s": f"{tokens_per_s:,.0f}", "eta": eta, "transport": transport}
+        if phase:
+            fields["phase"] = phase
+        if self._bar is not None:
+            self._bar.n = completed
+            self._bar.set_postfix(fields, refresh=True)
+        elif now - self._last_line >= LINE_EVERY_S or completed == self.total:
+            self._last_line = now
+            shown = ", ".join(f"{k} {v}" for k, v in fields.items())
+            print(f"[train] {self.name}: step {completed}/{self.total}, {shown}", flush=True)
+
+    def eta(self, completed: int, now: float | None = None) -> str:
+        if self._timed_from is None or completed <= self._timed_from[0]:
+            return "?"
+        step0, t0 = self._timed_from
+        per_step = ((now or time.perf_counter()) - t0) / (completed - step0)
+        return _eta(per_step * (self.total - completed))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    @property
+    def wall_seconds(self) -> float:
+        return time.perf_counter() - self._t0
