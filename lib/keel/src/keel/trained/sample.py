@@ -7,13 +7,12 @@ position. The experts run on the run's dropless transport (`ring` across an expe
 `local`), so a prompt's completion never depends on the other prompts or the padding rows that
 fill the batch to the mesh, and each prompt draws from its own generator, seeded by
 (seed, prompt index): the same seed gives the same samples, token for token.
+Numpy and jax are imported inside the functions: declaring a sample step stays light.
 """
 
 from __future__ import annotations
 
 import json
-
-import numpy as np
 
 from keel.executor import storage
 from keel.trained.config import SampleConfig
@@ -52,6 +51,7 @@ def generate(loaded, prompts: list[list[int]], *, context: int, max_tokens: int,
              stop_id: int | None) -> list[list[int]]:
     """Up to `max_tokens` new token ids per prompt, stopping at `stop_id` (not included)."""
     import jax
+    import numpy as np
 
     from keel.mesh.topology import BATCH_AXES
 
@@ -83,6 +83,8 @@ def generate(loaded, prompts: list[list[int]], *, context: int, max_tokens: int,
 def _window(sequences: list[list[int]], rows: int, context: int):
     """(input_ids, segment_ids, last position) [rows, context]: each sequence's last `context`
     tokens as one document, the rest padding (segment -1); rows past the prompts repeat the first."""
+    import numpy as np
+
     ids = np.zeros((rows, context), np.int32)
     segments = np.full((rows, context), -1, np.int32)
     last = np.zeros((rows,), np.int64)
@@ -94,7 +96,9 @@ def _window(sequences: list[list[int]], rows: int, context: int):
     return ids, segments, last
 
 
-def _draw(logits: np.ndarray, temperature: float, generator: np.random.Generator) -> int:
+def _draw(logits: "np.ndarray", temperature: float, generator: "np.random.Generator") -> int:
+    import numpy as np
+
     if temperature == 0:
         return int(np.argmax(logits))
     scaled = (logits - logits.max()) / temperature
