@@ -250,37 +250,31 @@ class Runner:
             lease.release()
 
     def _dispatch(self, step: Step, resolved, output_path: str, attempt: int) -> None:
-        in_process = step.resources is None or self.cluster is None
-        if in_process and not (step.isolated and storage.is_shared_between_processes(output_path)) and self.client is None:
-            # An in-process step runs right here, in this scheduler thread: a fray job of a
-            # LocalClient would only hand it to another thread and wait for it.
-            run_step_job(step.fn, resolved, output_path, lazy_log=True)
-            return
         from fray.types import Entrypoint, JobRequest, create_environment
 
         # One job per attempt: a retry's log is its own, never the previous attempt's lines too.
         job_name = re.sub(r"[^a-zA-Z0-9_.-]", "-", f"{step.name}-{output_path.rsplit('-', 1)[-1]}-attempt{attempt}")
-        request = JobRequest(
-            name=job_name,
-            entrypoint=Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path)),
-        )
-        if step.resources is not None:
-            request = dataclasses.replace(request, resources=step.resources.to_fray(), replicas=None)
-            if self.cluster is not None:
-                from keel.executor.cluster import run_on_cluster
+        if step.resources is not None and self.cluster is not None:
+            from keel.executor.cluster import run_on_cluster
 
-                env = _process_env(resolved, processes=step.resources.replicas)
-                request = dataclasses.replace(request, environment=create_environment(env_vars=env) if env else None)
-                run_on_cluster(self.cluster, request, step.resources.describe())
-                return
+            env = _process_env(resolved, processes=step.resources.replicas)
+            request = JobRequest(
+                name=job_name,
+                entrypoint=Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path)),
+                resources=step.resources.to_fray(),
+                environment=create_environment(env_vars=env) if env else None,
+            )
+            run_on_cluster(self.cluster, request, step.resources.describe())
+            return
         if step.isolated and storage.is_shared_between_processes(output_path):
             self._run_in_child(step, resolved, output_path)
             return
         with self._lock:
             if self.client is None:
                 self.client = default_client(self.max_concurrent)
-        handle = self.client.submit(request)
-        handle.wait(raise_on_failure=True)
+        # In the driver a step that prints nothing leaves no log file (one file fewer per step).
+        entry = Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path), kwargs={"lazy_log": True})
+        self.client.submit(JobRequest(name=job_name, entrypoint=entry)).wait(raise_on_failure=True)
 
     def _run_in_child(self, step: Step, resolved, output_path: str) -> None:
         from keel.executor.child import collect, start_child
