@@ -18,6 +18,7 @@ import math
 from defaults.data import default_tokenize, default_tokenizer, stdlib_corpus
 from defaults.hardware import cpu_sim, gb200_nvl72
 from defaults.models import hero_535b, tiny_moe
+from defaults.optimizers import hero_lr_law
 from defaults.train import default_train
 from keel import External, Resources, main
 from keel.data import Mixture, MixturePhase
@@ -25,7 +26,6 @@ from keel.mesh import RackTopology
 from keel.plan import scale_down
 from keel.train import (
     Claim,
-    GroupedOptimizerConfig,
     HostOffload,
     RunFacts,
     ScheduleConfig,
@@ -110,7 +110,7 @@ train = TrainConfig(
     seq_len=SEQ_LEN,
     num_steps=NUM_STEPS,
     seed=0,
-    optimizer=GroupedOptimizerConfig.from_scaling_law(
+    optimizer=hero_lr_law.optimizer(
         hero_535b, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, num_steps=NUM_STEPS, beta1=0.9, beta2=0.95, eps=6.04e-15
     ),
     schedule=ScheduleConfig(warmup_fraction=0.01, decay_to_fraction=0.05),
@@ -174,6 +174,7 @@ def twin(num_steps: int = 120, corpus_bytes: int = 4_000_000, mixture_block: int
         num_steps=num_steps,
         topology=RackTopology(racks=2, gpus_per_rack=cpu_sim.gpus_per_rack, expert_parallel=4),
         hardware=cpu_sim,
+        lr_law=hero_lr_law,
         mixture_block=mixture_block,
         eval_every=max(1, num_steps // 6),
         eval_batches=2,

@@ -9,13 +9,13 @@ import pytest
 
 from defaults.hardware import cpu_sim, gb200_nvl72
 from defaults.models import hero_535b, tiny_moe
+from defaults.optimizers import hero_lr_law
 from keel import External, Step
 from keel.data import Mixture, MixturePhase
 from keel.mesh import RackTopology
 from keel.plan import PlanError, fact_sheet, fact_sheets_for, render_fact_sheet
 from keel.train import (
     Claim,
-    GroupedOptimizerConfig,
     HostOffload,
     RunFacts,
     ScheduleConfig,
@@ -64,7 +64,7 @@ def hero_config(racks: int = 11, batch: int = 11_264, **train_changes) -> TrainS
         batch_size=batch,
         seq_len=seq,
         num_steps=steps,
-        optimizer=GroupedOptimizerConfig.from_scaling_law(hero_535b, batch_size=batch, seq_len=seq, num_steps=steps),
+        optimizer=hero_lr_law.optimizer(hero_535b, batch_size=batch, seq_len=seq, num_steps=steps),
         schedule=ScheduleConfig(warmup_fraction=0.01, decay_to_fraction=0.05),
         z_loss=1e-4,
         weight_decay_change=WeightDecayChange(start_step=54_000, peak=0.02),

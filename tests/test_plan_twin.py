@@ -4,11 +4,13 @@ import pytest
 
 from defaults.hardware import cpu_sim
 from defaults.models import tiny_moe
+from defaults.optimizers import hero_lr_law
 from keel.mesh import RackTopology
 from keel.plan import PlanError, architecture_features, fact_sheet, scale_down
 from test_plan_facts import hero_config
 
-CPU = dict(batch_size=16, seq_len=128, num_steps=60, topology=RackTopology(2, 4, expert_parallel=4), hardware=cpu_sim)
+CPU = dict(batch_size=16, seq_len=128, num_steps=60, topology=RackTopology(2, 4, expert_parallel=4), hardware=cpu_sim,
+           lr_law=hero_lr_law)
 
 
 def test_twin_keeps_the_run_shape_at_scaled_steps():
@@ -29,6 +31,7 @@ def test_twin_keeps_the_run_shape_at_scaled_steps():
     assert twin.train.schedule == hero.train.schedule and twin.train.z_loss == hero.train.z_loss
     assert twin.train.optimizer.muonh_params == hero.train.optimizer.muonh_params
     assert twin.train.optimizer.muon_lr / twin.train.optimizer.adam_lr == pytest.approx(13 / 3)
+    assert twin.train.optimizer.adam_lr == pytest.approx(hero_lr_law.adam_lr(tiny_moe.hidden_dim, 16 * 128 * 60, 16 * 128))
     assert twin.facts is None
 
 

@@ -28,9 +28,10 @@ from defaults import (
 )
 from defaults.hardware import cpu_sim
 from defaults.models import tiny_moe
+from defaults.optimizers import hero_lr_law
 from keel import main
 from keel.mesh import RackTopology
-from keel.train import GroupedOptimizerConfig, ScheduleConfig, TrainConfig, TransportPhase
+from keel.train import ScheduleConfig, TrainConfig, TransportPhase
 
 BATCH, SEQ, STEPS = 16, 128, 30
 SCALES = (0.5, 1.0, 2.0)
@@ -39,7 +40,7 @@ corpus = stdlib_corpus(max_bytes=4_000_000)
 tokenizer = default_tokenizer("stdlib-bpe-1k", corpus, vocab_size=tiny_moe.vocab_size)
 tokens = default_tokenize("stdlib-bpe-1k-128", corpus, tokenizer, seq_len=SEQ)
 
-law = GroupedOptimizerConfig.from_scaling_law(tiny_moe, batch_size=BATCH, seq_len=SEQ, num_steps=STEPS)
+law = hero_lr_law.optimizer(tiny_moe, batch_size=BATCH, seq_len=SEQ, num_steps=STEPS)
 
 
 def point(scale: float):

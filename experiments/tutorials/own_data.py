@@ -21,8 +21,9 @@ run: `keel plan` refuses a mismatch before anything runs.
 
 from defaults import default_tokenize, default_tokenizer, default_train, ingest
 from defaults.models import tiny_moe
+from defaults.optimizers import hero_lr_law
 from keel import main
-from keel.train import GroupedOptimizerConfig, TrainConfig
+from keel.train import TrainConfig
 
 CORPUS = "experiments/tutorials/data/own_corpus.jsonl"
 VOCAB, SEQ, BATCH, STEPS = 384, 64, 16, 60
@@ -36,7 +37,7 @@ train = TrainConfig(
     batch_size=BATCH,
     seq_len=SEQ,  # the cache's seq_len
     num_steps=STEPS,
-    optimizer=GroupedOptimizerConfig.from_scaling_law(model_config, batch_size=BATCH, seq_len=SEQ, num_steps=STEPS),
+    optimizer=hero_lr_law.optimizer(model_config, batch_size=BATCH, seq_len=SEQ, num_steps=STEPS),
     eval_every=20,
     eval_batches=2,
     rolling_checkpoint_minutes=None,

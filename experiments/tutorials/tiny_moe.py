@@ -17,10 +17,10 @@ sees the 8 devices that `cpu_sim` with this topology declares; nothing here sets
 from defaults import default_tokenize, default_tokenizer, default_train, stdlib_corpus
 from defaults.hardware import cpu_sim
 from defaults.models import tiny_moe
+from defaults.optimizers import hero_lr_law
 from keel import main
 from keel.mesh import RackTopology
 from keel.train import (
-    GroupedOptimizerConfig,
     ScheduleConfig,
     TrainConfig,
     TransportPhase,
@@ -37,7 +37,7 @@ train = TrainConfig(
     batch_size=BATCH,
     seq_len=SEQ,
     num_steps=STEPS,
-    optimizer=GroupedOptimizerConfig.from_scaling_law(tiny_moe, batch_size=BATCH, seq_len=SEQ, num_steps=STEPS),
+    optimizer=hero_lr_law.optimizer(tiny_moe, batch_size=BATCH, seq_len=SEQ, num_steps=STEPS),
     schedule=ScheduleConfig(warmup_fraction=0.01, decay_to_fraction=0.05),
     z_loss=1e-4,
     weight_decay_change=WeightDecayChange(start_step=200, peak=0.02),

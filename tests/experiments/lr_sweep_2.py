@@ -10,9 +10,10 @@ import os
 from defaults import default_tokenize, default_tokenizer, default_train, stdlib_corpus
 from defaults.hardware import cpu_sim
 from defaults.models import tiny_moe
+from defaults.optimizers import hero_lr_law
 from keel import main
 from keel.mesh import RackTopology
-from keel.train import GroupedOptimizerConfig, TrainConfig
+from keel.train import TrainConfig
 
 BATCH, SEQ = 16, 64
 STEPS = int(os.environ.get("SWEEP_STEPS", "6"))
@@ -20,7 +21,7 @@ STEPS = int(os.environ.get("SWEEP_STEPS", "6"))
 corpus = stdlib_corpus(max_bytes=400_000)
 tokenizer = default_tokenizer("stdlib-bpe-1k", corpus, vocab_size=tiny_moe.vocab_size)
 tokens = default_tokenize("stdlib-bpe-1k-64", corpus, tokenizer, seq_len=SEQ)
-law = GroupedOptimizerConfig.from_scaling_law(tiny_moe, batch_size=BATCH, seq_len=SEQ, num_steps=STEPS)
+law = hero_lr_law.optimizer(tiny_moe, batch_size=BATCH, seq_len=SEQ, num_steps=STEPS)
 
 
 def point(scale: float):

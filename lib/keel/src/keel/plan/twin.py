@@ -18,7 +18,7 @@ from keel.mesh.hardware import Hardware
 from keel.mesh.topology import RackTopology
 from keel.model.config import Balancing, MoELMConfig, Routing
 from keel.plan.checks import PlanError
-from keel.train.config import GroupedOptimizerConfig, TrainConfig, TrainStepConfig
+from keel.train.config import GroupedOptimizerConfig, LrScalingLaw, TrainConfig, TrainStepConfig
 
 CPU_STAND_INS = {"ragged_all_to_all": "ring"}
 """Transports the twin's hardware may lack, and the CPU-capable one that plays their part
@@ -58,13 +58,15 @@ def scale_down(
     num_steps: int,
     topology: RackTopology,
     hardware: Hardware,
+    lr_law: LrScalingLaw | None = None,
     mixture_block: int = 256,
     **train_overrides: Any,
 ) -> TrainStepConfig:
     """The twin of `config` on `model` (which must keep every feature `config.model` has on),
-    reading `data` (a token cache) for every mixture component. Mixture blocks hold at least
-    `mixture_block` sequences (whole batches), so small components still get rows in every block,
-    and phases start on block boundaries. `train_overrides` are set last (e.g. `eval_every`)."""
+    reading `data` (a token cache) for every mixture component. A grouped optimizer's peak LRs come
+    from `lr_law` (the run's own) at the twin's size; without a law they stay as declared. Mixture
+    blocks hold at least `mixture_block` sequences (whole batches), so small components still get
+    rows in every block, and phases start on block boundaries. `train_overrides` are set last."""
     missing = architecture_features(config.model) - architecture_features(model)
     if missing:
         raise PlanError(f"scale_down(model=...): the twin's model switches off {', '.join(sorted(missing))}; "
@@ -80,7 +82,7 @@ def scale_down(
         batch_size=batch_size,
         seq_len=seq_len,
         num_steps=num_steps,
-        optimizer=_optimizer(train, model, batch_size, seq_len, num_steps),
+        optimizer=_optimizer(train, model, batch_size, seq_len, num_steps, lr_law),
         weight_decay_change=train.weight_decay_change and dataclasses.replace(
             train.weight_decay_change, start_step=step(train.weight_decay_change.start_step)),
         eval_every=max(1, round(train.eval_every * ratio)),
@@ -106,12 +108,13 @@ def scale_down(
     )
 
 
-def _optimizer(train: TrainConfig, model: MoELMConfig, batch_size: int, seq_len: int, num_steps: int):
-    """The same optimizer; a grouped one gets its peak LRs from the same law at the twin's size."""
+def _optimizer(train: TrainConfig, model: MoELMConfig, batch_size: int, seq_len: int, num_steps: int,
+               lr_law: LrScalingLaw | None):
+    """The same optimizer; a grouped one gets its peak LRs from the run's law at the twin's size."""
     opt = train.optimizer
-    if not isinstance(opt, GroupedOptimizerConfig):
+    if not isinstance(opt, GroupedOptimizerConfig) or lr_law is None:
         return opt
-    law = GroupedOptimizerConfig.from_scaling_law(model, batch_size=batch_size, seq_len=seq_len, num_steps=num_steps)
+    law = lr_law.optimizer(model, batch_size=batch_size, seq_len=seq_len, num_steps=num_steps)
     return dataclasses.replace(opt, muon_lr=law.muon_lr, adam_lr=law.adam_lr)
 
 

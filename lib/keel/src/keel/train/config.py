@@ -46,11 +46,6 @@ class AdamWConfig:
             raise ValueError(f"AdamWConfig.weight_decay={self.weight_decay} must be >= 0")
 
 
-HERO_LR_COEFFICIENT = 0.087571
-HERO_LR_TOKENS_EXPONENT = -0.3461
-HERO_LR_WIDTH_EXPONENT = -0.3448
-HERO_MUON_TO_ADAM = 13 / 3
-
 MUONH_PARAMS = (
     r"\battn\.(q|k|v|o)\b",
     r"\bexperts\.",
@@ -88,23 +83,30 @@ class GroupedOptimizerConfig:
         _positive("GroupedOptimizerConfig", muon_lr=self.muon_lr, adam_lr=self.adam_lr, eps=self.eps,
                   muon_ns_steps=self.muon_ns_steps)
 
-    @staticmethod
-    def scaling_law_adam_lr(hidden_dim: int, total_tokens: int, tokens_per_step: int) -> float:
-        """The hero's LR law: 0.087571 x T^-0.3461 x D^-0.3448 x sqrt(tokens per step)."""
-        return (
-            HERO_LR_COEFFICIENT
-            * total_tokens**HERO_LR_TOKENS_EXPONENT
-            * hidden_dim**HERO_LR_WIDTH_EXPONENT
-            * math.sqrt(tokens_per_step)
-        )
 
-    @classmethod
-    def from_scaling_law(cls, model: MoELMConfig, *, batch_size: int, seq_len: int, num_steps: int,
-                         **overrides: Any) -> "GroupedOptimizerConfig":
-        """Peak LRs from the hero's law (T = total tokens, D = hidden_dim); muon_lr = adam_lr x 13/3."""
+
+@dataclass(frozen=True)
+class LrScalingLaw:
+    """Peak learning rates from a fitted law: adam_lr = coefficient x T^tokens_exponent x
+    D^width_exponent x sqrt(tokens per step) (T = total training tokens, D = hidden_dim), and
+    muon_lr = muon_to_adam x adam_lr. A run's own law is declared with it (the hero's is
+    `defaults.optimizers.hero_lr_law`), so scaled-down twins and sweeps derive their LRs the same way."""
+
+    coefficient: float
+    tokens_exponent: float
+    width_exponent: float
+    muon_to_adam: float
+
+    def adam_lr(self, hidden_dim: int, total_tokens: int, tokens_per_step: int) -> float:
+        return (self.coefficient * total_tokens**self.tokens_exponent * hidden_dim**self.width_exponent
+                * math.sqrt(tokens_per_step))
+
+    def optimizer(self, model: MoELMConfig, *, batch_size: int, seq_len: int, num_steps: int,
+                  **overrides: Any) -> GroupedOptimizerConfig:
+        """The grouped optimizer with this law's peak LRs for `model` trained at this size."""
         tokens_per_step = batch_size * seq_len
-        adam_lr = cls.scaling_law_adam_lr(model.hidden_dim, tokens_per_step * num_steps, tokens_per_step)
-        return cls(muon_lr=adam_lr * HERO_MUON_TO_ADAM, adam_lr=adam_lr, **overrides)
+        adam_lr = self.adam_lr(model.hidden_dim, tokens_per_step * num_steps, tokens_per_step)
+        return GroupedOptimizerConfig(muon_lr=adam_lr * self.muon_to_adam, adam_lr=adam_lr, **overrides)
 
 
 FROZEN_PARAMS = (r"\brouter_bias\b",)
