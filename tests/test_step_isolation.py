@@ -146,3 +146,24 @@ def test_plan_refuses_a_topology_the_declared_hardware_cannot_provide(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert "topology.gpus_per_rack=8 differs from hardware.gpus_per_rack=4" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_rerun_of_a_training_step_reuses_its_compiled_programs(tmp_path):
+    steps = "3"
+    os.environ["SWEEP_STEPS"] = steps
+    try:
+        graph = Graph(load_experiment(SWEEP), str(tmp_path))
+    finally:
+        del os.environ["SWEEP_STEPS"]
+    path = next(graph.path(s) for s in graph.steps() if s.name == "train/sweep/lr1.0")
+    first = keel("run", SWEEP, "--prefix", str(tmp_path), "--only", "lr1.0", SWEEP_STEPS=steps)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    assert "jax_cache: empty (the first attempt compiles everything)" in first.stdout
+    losses = latest_by_step(read_metrics(os.path.join(path, METRICS_FILE)), "train/loss")
+    shutil.rmtree(os.path.join(path, "checkpoints"))  # as if the first attempt had died before its checkpoint
+    os.remove(os.path.join(path, METRICS_FILE))
+    again = keel("run", SWEEP, "--prefix", str(tmp_path), "--only", "lr1.0", "--force", "lr1.0", SWEEP_STEPS=steps)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
+    found = [line for line in again.stdout.splitlines() if "compiled programs from an earlier attempt" in line]
+    assert found and int(found[0].split(": ")[1].split()[0]) > 0, again.stdout[-3000:]
+    assert latest_by_step(read_metrics(os.path.join(path, METRICS_FILE)), "train/loss") == losses

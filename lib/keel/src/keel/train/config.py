@@ -246,6 +246,9 @@ class TrainConfig:
     remat: bool = execution_only(default=True)
     """Rematerialise each layer in the backward pass."""
     host_offload: HostOffload = execution_only(default=HostOffload())
+    compilation_cache: bool = execution_only(default=True)
+    """Keep XLA's compiled programs under the step's `.keel/jax_cache`, so a rerun or resume of the
+    same step skips compiling (JAX's persistent compilation cache)."""
 
     def __post_init__(self):
         _positive("TrainConfig", batch_size=self.batch_size, seq_len=self.seq_len, num_steps=self.num_steps,

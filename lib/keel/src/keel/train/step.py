@@ -29,6 +29,8 @@ def train_step(config: TrainStepConfig) -> None:
 
     join_replicas(config.coordinator)  # a multi-host step: its replicas become one jax.distributed world (no-op alone)
     resolve(config)
+    if config.train.compilation_cache:
+        use_compilation_cache(config.output_path)
     topology = config.topology or RackTopology(racks=1, gpus_per_rack=len(jax.devices()))
     check_step_config(config, topology, num_devices=len(jax.devices()), platform=jax.default_backend())
     mesh = build_mesh(topology)
@@ -45,6 +47,26 @@ def train_step(config: TrainStepConfig) -> None:
         phase_starts={start: f"phase {i}" for i, (start, _) in enumerate(mixture_phases(config.data))},
     )
     train(config.train, inputs, config.output_path)
+
+
+def use_compilation_cache(output_path: str) -> None:
+    """Point JAX's persistent compilation cache at the step's own `.keel/jax_cache` (outside the
+    manifest) and say what an earlier attempt left there. Not for `memory://`, which a later
+    process cannot read."""
+    import jax
+
+    from keel.executor import storage
+    from keel.executor.status import keel_path
+
+    if not storage.is_shared_between_processes(output_path):
+        return
+    cache = keel_path(output_path, "jax_cache")
+    found = len(storage.list_names(cache))
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    print(f"[train] compilation cache {cache}: " + (f"{found} compiled programs from an earlier attempt (compiles "
+          "they cover are skipped)" if found else "empty (the first attempt compiles everything)"), flush=True)
 
 
 def default_transport(topology: RackTopology) -> TransportPhase:
