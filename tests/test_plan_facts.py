@@ -138,6 +138,10 @@ def test_hero_memory_fits_and_rack_hbm(hero):
     assert later["on_host"] == ["optimizer_state"]
     assert later["device_gb"] - launch["device_gb"] == pytest.approx(m["parts_gb"]["master_weights"])
     assert launch["fits"] and later["fits"]
+    # the trainer copies host-resident state in for the step: at its peak the device holds it all
+    everything = sum(m["parts_gb"][k] for k in ("weights", "master_weights", "gradients", "optimizer_state",
+                                               "saved_residuals"))
+    assert launch["step_peak_gb"] == pytest.approx(everything) and later["step_peak_gb"] == pytest.approx(everything)
     # one bf16 residual of 16 x 4096 tokens x 6144 per layer and GPU
     assert m["parts_gb"]["residual_per_layer"] == pytest.approx(16 * 4096 * 6144 * 2 / 1e9)
 

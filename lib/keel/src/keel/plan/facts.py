@@ -124,6 +124,9 @@ def memory(run: ResolvedRun) -> dict | None:
             "device_gb": device,
             "rack_gb": None if device is None else device * topo.gpus_per_rack,
             "host_gb": sum(parts[p] for p in on_host),
+            # keel.train.offload copies the host-resident state in for the step's compute: at its
+            # peak the device holds it too (it lives on the host between steps).
+            "step_peak_gb": None if device is None or not on_host else device + sum(parts[p] for p in on_host),
             "fits": None if hbm is None or device is None else device <= hbm,
         })
     return {

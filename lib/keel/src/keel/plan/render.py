@@ -87,7 +87,8 @@ def _memory(m: dict | None, color: bool) -> list[str]:
             verdict = f"fits {_gb(hbm)} HBM" if phase["fits"] else f"DOES NOT FIT {_gb(hbm)} HBM"
             if not phase["fits"] and color:
                 verdict = f"{RED}{verdict}{RESET}"
-        host = f"; host {_gb(phase['host_gb'])} ({', '.join(phase['on_host'])})" if phase["on_host"] else ""
+        host = (f"; host {_gb(phase['host_gb'])} ({', '.join(phase['on_host'])}) between steps, copied in for "
+                f"compute: {_gb(phase['step_peak_gb'])} on device at the step's peak" if phase["on_host"] else "")
         rack = f"; per rack {_rack(phase['rack_gb'])} of {_rack(m['hbm_per_rack_gb'])}" if m["hbm_per_rack_gb"] else ""
         lines.append(f"  from step {_n(phase['from_step'])}: device {_gb(phase['device_gb'])} {verdict}{rack}{host}")
     return lines
