@@ -187,6 +187,8 @@ class _Run:
             self._place(step)
             batch = next(batches)
             compiling = (phase, self.layout) not in self._step_fns
+            if compiling:
+                self.progress.event(f"step {step}: compiling the {phase.transport} training step ...")
             with jax.set_mesh(self.inputs.mesh):  # Levanter's loader leaves its own mesh context
                 self.state_arrays, metrics = self._step_fn(phase)(self.state_arrays, batch)
             completed = step + 1
