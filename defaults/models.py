@@ -1,4 +1,5 @@
-"""Model presets: the 535B-A23B hero architecture and its tiny CPU-sized twin."""
+"""Model presets: the 535B-A23B hero architecture, its tiny CPU-sized twin, and a small one for
+speed measurements where matmuls, not per-feature overheads, dominate."""
 
 from keel.model import AttentionBackend, Balancing, ConvSite, MoELMConfig, Routing
 
@@ -75,3 +76,19 @@ tiny_moe = MoELMConfig(
 )
 """Every hero feature switched on at CPU size: 4 layers (layer 3 global), 8 experts top-2 on a
 32-wide latent, 2 shared experts, quantile balancing, a 1024-token vocabulary."""
+
+small_moe = tiny_moe.replace(
+    hidden_dim=256,
+    num_heads=8,
+    head_dim=32,
+    num_kv_heads=4,
+    num_global_kv_heads=2,
+    gated_norm_rank=32,
+    num_experts=16,
+    experts_per_token=4,
+    latent_dim=128,
+    expert_dim=256,
+    shared_expert_dim=256,
+)
+"""Every hero feature at hidden 256: 4 layers, 16 experts top-4 on a 128-wide latent, 2 shared
+experts; sized so that benchmarks on 8 simulated CPU devices measure matmuls, not overheads."""
