@@ -49,16 +49,22 @@ def _wait_for_progress(path, at_least=3, timeout=60.0):
     raise TimeoutError(f"{progress} did not reach {at_least}")
 
 
-def test_first_ctrl_c_interrupts_then_the_rerun_resumes(tmp_path):
+def _run_and_signal(tmp_path, signum):
+    """Launch the graph, send `signum` once the step is under way; (paths, exit code, console)."""
     paths = _paths(tmp_path)
     proc = _launch(tmp_path)
     try:
         _wait_for_progress(paths["count/steady"])
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         out = proc.communicate(timeout=60)[0]
     finally:
         proc.kill()
-    assert proc.returncode == 130, out
+    return paths, proc.returncode, out
+
+
+def test_first_ctrl_c_interrupts_then_the_rerun_resumes(tmp_path):
+    paths, code, out = _run_and_signal(tmp_path, signal.SIGINT)
+    assert code == 130, out
     assert "count/steady was interrupted: stopped after tick" in out and "not started: count/after" in out, out
     assert "run the same command again" in out and "Traceback" not in out, out
     status = read_status(paths["count/steady"])
@@ -76,15 +82,8 @@ def test_first_ctrl_c_interrupts_then_the_rerun_resumes(tmp_path):
 
 
 def test_sigterm_interrupts_like_ctrl_c(tmp_path):
-    paths = _paths(tmp_path)
-    proc = _launch(tmp_path)
-    try:
-        _wait_for_progress(paths["count/steady"])
-        proc.send_signal(signal.SIGTERM)
-        out = proc.communicate(timeout=60)[0]
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, out
+    paths, code, out = _run_and_signal(tmp_path, signal.SIGTERM)
+    assert code == 130, out
     assert read_status(paths["count/steady"]).state == "INTERRUPTED"
 
 

@@ -89,8 +89,7 @@ def test_the_parameter_table_is_the_models_leaves_with_their_live_shardings(whic
 def test_the_planners_optimizer_groups_are_the_optimizers_own():
     config = _step_config(tiny_moe)
     run = resolve(config)
-    _, model, _ = _live(tiny_moe)
-    params = jax.tree.map(lambda x: x, model)
+    _, params, _ = _live(tiny_moe)
     tx, _ = build_optimizer(config.train, params)
     state = jax.eval_shape(tx.init, params)
     paths = jax.tree.leaves(param_paths(params))

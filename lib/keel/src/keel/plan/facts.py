@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime as dt
 import math
 
-from keel.model.config import MoELMConfig
 from keel.plan.checks import PlanError, mixture_phases
 from keel.plan.resolved import ResolvedRun, resolve
 from keel.train.config import TrainStepConfig

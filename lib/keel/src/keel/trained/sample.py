@@ -96,7 +96,8 @@ def _window(sequences: list[list[int]], rows: int, context: int):
     return ids, segments, last
 
 
-def _draw(logits: "np.ndarray", temperature: float, generator: "np.random.Generator") -> int:
+def _draw(logits, temperature: float, generator) -> int:
+    """One token id from `logits` (a numpy vector): greedy at temperature 0, else drawn by `generator`."""
     import numpy as np
 
     if temperature == 0:
