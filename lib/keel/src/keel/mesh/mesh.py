@@ -48,8 +48,9 @@ def _rack_key(devices, racks: int):
 
 
 def compute_axis_mapping() -> dict[str, tuple[str, ...] | str]:
-    """Logical -> mesh axes for activations (Haliax `axis_mapping`)."""
-    return {"batch": BATCH_AXES, "vocab": "model"}
+    """Logical -> mesh axes for activations (Haliax `axis_mapping`). A flat `token` axis (the MoE's
+    [batch x position]) is split like the batch: left out, Haliax would gather it onto every device."""
+    return {"batch": BATCH_AXES, "token": BATCH_AXES, "vocab": "model"}
 
 
 def partition_spec(array: NamedArray, mesh: Mesh, path: str = "") -> P:

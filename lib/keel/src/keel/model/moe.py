@@ -9,7 +9,8 @@ from haliax import NamedArray
 
 from keel.model.axes import TOKEN, ModelAxes, init_matrix
 from keel.model.config import Balancing, MoELMConfig
-from keel.model.norms import rms_norm
+from keel.model.layout import flatten_tokens, unflatten_tokens
+from keel.model.norms import apply_rms_norm, rms_norm
 from keel.model.routing import quantile_beta, route, routing_stats
 from keel.model.transport_spec import TransportSpec
 from keel.model.transports import dispatch
@@ -93,14 +94,14 @@ class LatentMoE(eqx.Module):
         cfg = self.config
         a = ModelAxes.of(cfg)
         Batch, Pos = valid.axes
-        tokens = hax.flatten_axes(u, (Batch, Pos), TOKEN)
-        valid_t = hax.flatten_axes(valid, (Batch, Pos), TOKEN)
+        tokens = flatten_tokens(u, Batch, Pos, TOKEN)
+        valid_t = flatten_tokens(valid, Batch, Pos, TOKEN)
         routes = route(tokens, self.router, self.router_bias, cfg)
 
         if self.latent_down is None:
             z = tokens.rename({a.Embed.name: a.Latent.name})
         else:
-            z = self.latent_norm(hax.dot(tokens, self.latent_down.astype(u.dtype), axis=a.Embed))
+            z = apply_rms_norm(self.latent_norm, hax.dot(tokens, self.latent_down.astype(u.dtype), axis=a.Embed))
         experts = self.experts
         out, dropped = dispatch(
             z,
@@ -123,4 +124,4 @@ class LatentMoE(eqx.Module):
         stats["dropped_fraction"] = hax.named(dropped / assignments, ())
         if cfg.balancing is Balancing.QUANTILE:
             stats["qb_beta"] = quantile_beta(routes, valid_t, cfg)
-        return hax.unflatten_axis(out, TOKEN, (Batch, Pos)), stats
+        return unflatten_tokens(out, TOKEN, Batch, Pos), stats

@@ -9,6 +9,7 @@ from haliax import Axis, NamedArray
 
 from keel.model.axes import ModelAxes, init_matrix
 from keel.model.config import MoELMConfig
+from keel.model.layout import times
 
 
 def rms_normalize(x: NamedArray, axis: Axis, eps: float) -> NamedArray:
@@ -19,8 +20,14 @@ def rms_normalize(x: NamedArray, axis: Axis, eps: float) -> NamedArray:
 
 
 def rms_norm(axis: Axis, config: MoELMConfig) -> hnn.RmsNorm:
-    """A learned-gain RMSNorm computed in fp32 (no bias)."""
+    """A learned-gain RMSNorm computed in fp32 (no bias); apply it with `apply_rms_norm`."""
     return hnn.RmsNorm.init(axis, eps=config.norm_eps, use_weight=True, use_bias=False, dtype=jnp.float32)
+
+
+def apply_rms_norm(norm: hnn.RmsNorm, x: NamedArray) -> NamedArray:
+    """What Haliax's `RmsNorm.__call__` computes, with the gain applied by `layout.times`, so that
+    its gradient does not all-gather the activations (see keel.model.layout)."""
+    return times(rms_normalize(x, norm.axis, norm.eps), norm.weight.astype(x.dtype))
 
 
 class GatedNorm(eqx.Module):
@@ -59,6 +66,6 @@ class NormSite(eqx.Module):
         return NormSite(norm=rms_norm(axes.Embed, config), gated=gated)
 
     def __call__(self, x: NamedArray) -> NamedArray:
-        x = self.norm(x)
+        x = apply_rms_norm(self.norm, x)
         return x if self.gated is None else self.gated(x)
 

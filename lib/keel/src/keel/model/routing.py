@@ -26,7 +26,7 @@ from jax.sharding import get_abstract_mesh, reshard
 
 from keel.model.axes import TOP_K
 from keel.model.config import MoELMConfig, Routing
-from keel.model.layout import token_axes
+from keel.model.layout import plus, token_axes
 
 
 class Routes(eqx.Module):
@@ -42,19 +42,33 @@ def route(u: NamedArray, router: NamedArray, router_bias: NamedArray | None, con
     k = config.experts_per_token
     TopK = Axis(TOP_K, k)
     logits = hax.dot(u.astype(jnp.float32), router.astype(jnp.float32), axis=Embed)
-    biased = logits if router_bias is None else logits + jax.lax.stop_gradient(router_bias.astype(jnp.float32))
+    biased = logits if router_bias is None else plus(logits, jax.lax.stop_gradient(router_bias.astype(jnp.float32)))
     if config.routing is Routing.SIGMOID_TOPK_THRESHOLD:
-        values, indices = hax.top_k(biased, Experts, k + 1, new_axis=Axis(TOP_K, k + 1))
+        values, indices = _top_k(biased, Experts, Axis(TOP_K, k + 1))
         selected = indices[TOP_K, :k]
         threshold = values[TOP_K, k]
         weights = hnn.sigmoid(_take_experts(logits, selected, Experts))
         weights = weights * (config.routing_renorm_sum / (hax.sum(weights, TopK) + 1e-9))
     else:
-        _, selected = hax.top_k(biased, Experts, k, new_axis=TopK)
+        _, selected = _top_k(biased, Experts, TopK)
         weights = hnn.softmax(_take_experts(logits, selected, Experts), axis=TopK)
         threshold = None
     selected = selected.astype(jnp.int32)
     return Routes(selected=selected, weights=weights.astype(u.dtype), logits=logits, threshold=threshold)
+
+
+def _top_k(scores: NamedArray, Experts: Axis, TopK: Axis) -> tuple[NamedArray, NamedArray]:
+    """(values, indices) [Token, TopK] of the TopK.size largest scores [Token, Experts] of each token,
+    on each token shard: XLA's SPMD partitioner does not split a top-k, and would gather every
+    token's scores onto every device first."""
+    axes = token_axes()
+    if not axes:
+        return hax.top_k(scores, Experts, TopK.size, new_axis=TopK)
+    Token = next(ax for ax in scores.axes if ax != Experts)
+    spec = P(axes, None)
+    values, indices = shard_map(lambda s: tuple(jax.lax.top_k(s, TopK.size)), mesh=get_abstract_mesh(), in_specs=spec,
+                                out_specs=(spec, spec))(reshard(scores.rearrange((Token, Experts)).array, spec))
+    return hax.named(values, (Token, TopK)), hax.named(indices, (Token, TopK))
 
 
 def _take_experts(logits: NamedArray, selected: NamedArray, Experts: Axis) -> NamedArray:
