@@ -11,9 +11,17 @@ Each figure is the median of `--repeat` runs. The comparison with Marin's StepRu
 DAG (`marin_step_runner_dag.py`) is measured when `marin-core` is importable here or an
 interpreter that has it is given (`--marin-python`, or $MARIN_PYTHON; install it into a throwaway
 venv, never into this project); otherwise the documented figure is printed: Marin StepRunner
-8-18 s for the 200-step cold run, against keel 1.2-1.9 s then (4.6x-15.7x). Targets: cold 200
-steps >= 10x faster than Marin's StepRunner, warm < 0.2 s, plan of 10,000 with cache state
-(`keel.main(steps, argv=["plan", "--json", "--prefix", ...])`) < 0.5 s. The ratios print last.
+9.9-17.5 s for the 200-step cold run (four runs on this 2-core machine while other work shared
+it), against keel 0.17-0.43 s (32x-104x of the Marin run beside it) while the bare loop took
+0.01-0.06 s, and 1.1-1.3 s (7.6x-8.9x) in a run where creating a file in /tmp took 0.6-0.8 ms
+and the bare loop 0.29 s. Targets: cold 200 steps >= 10x faster than Marin's StepRunner, warm
+< 0.2 s, plan of 10,000 with cache state (`keel.main(steps, argv=["plan", "--json", "--prefix",
+...])`) < 0.5 s. The ratios print last.
+
+What a cold step costs beyond the bare loop's folder and file: four more inodes (`.keel/`, the
+lease, `step.json`, `status`; Marin's StepRunner creates as many) and 0.4-0.9 ms of Python
+(measured on /dev/shm, where creating a file costs nothing). When creating a file is slow, the
+inodes dominate.
 """
 
 import argparse
@@ -65,7 +73,7 @@ def bare_loop(steps: list[Step], root: str) -> None:
         touch(NodeConfig(step.config.layer, step.config.index, output_path=out))
 
 
-MARIN_DOCUMENTED = (8.0, 18.0)  # Marin StepRunner, 200-step cold run on this machine (seconds), measured earlier
+MARIN_DOCUMENTED = (9.9, 17.5)  # Marin StepRunner, 200-step cold run on this machine (seconds), measured earlier
 
 
 def marin_times(args) -> tuple[float, float] | None:
@@ -165,7 +173,7 @@ def main() -> None:
     else:
         low, high = MARIN_DOCUMENTED
         print(f"Marin StepRunner {n} steps: cold {low:g}-{high:g} s (documented; marin-core not available here: "
-              "pass --marin-python; earlier keel 1.2-1.9 s = 4.6x-15.7x)")
+              "pass --marin-python; keel measured 0.17-1.3 s then)")
     print(f"ratio cold keel / bare loop: {cold / bare:.1f}x; per-step keel overhead {(cold - bare) / n * 1e3:.2f} ms")
     worst = max(colds)
     print(f"ratio cold Marin / keel: {low / cold:.1f}x (median run), {low / worst:.1f}x (slowest keel run)"

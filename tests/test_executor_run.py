@@ -14,7 +14,7 @@ from keel import Step, execution_only, output_of, this_output
 from keel.cli import console_main
 from keel.executor.plan import Graph, plan_graph
 from keel.executor.run import run_steps
-from keel.executor.status import read_status
+from keel.executor.status import keel_path, read_status
 
 REPO = Path(__file__).resolve().parent.parent
 COUNTING = str(REPO / "tests/fixtures/counting_graph.py")
@@ -76,8 +76,9 @@ def test_run_then_cached(tmp_path, prefix_kind):
     assert record["name"] == "t/b" and record["dependencies"]["t/a"] == graph.path(a)
     assert record["config"]["source"] == f"{graph.path(a)}/data.txt"
     assert "git_commit" in record["provenance"] and "packages" in record["provenance"]
-    manifest = json.loads(fsspec.open(f"{graph.path(b)}/.keel/manifest.json").open().read())
-    assert manifest["files"]["data.txt"]["size"] == 2
+    status = json.loads(fsspec.open(f"{graph.path(b)}/.keel/status").open().read())
+    assert status["state"] == "SUCCESS" and status["manifest"]["files"]["data.txt"]["size"] == 2
+    assert record["attempt"] == status["attempt"] == 1 and record["started"] == status["started"]
 
 
 def test_execution_only_change_reuses(tmp_path):
@@ -109,6 +110,15 @@ def test_failure_propagates_and_retry(tmp_path):
     assert report.ok and sorted(report.ran) == ["t/b", "t/c"] and sorted(CALLS) == ["b", "c"]
     status = read_status(failure.output_path)
     assert status.state == "SUCCESS" and status.attempt == 2
+
+
+def test_a_failure_skips_every_step_below_it_in_plan_order(tmp_path):
+    a, b, c, side = chain()
+    EXPLODE.add("a")
+    report = run_steps([c, side], str(tmp_path), echo=lambda _: None)
+    order = [p.name for p in report.plans]
+    assert [f.step for f in report.failures] == ["t/a"] and report.ran == []
+    assert report.blocked == [n for n in order if n != "t/a"] and sorted(report.blocked) == ["t/b", "t/c", "t/side"]
 
 
 def test_cli_exit_code_and_message_on_failure(tmp_path):
@@ -145,6 +155,73 @@ def test_manifest_verified_on_cache_hit(tmp_path):
     CALLS.clear()
     report = run_steps([c], str(tmp_path), echo=lambda _: None)
     assert sorted(report.ran) == ["t/b", "t/c"] and sorted(CALLS) == ["b", "c"]
+
+
+SEEN_WHILE_RUNNING: list = []  # (status on disk, plan state) as the step function saw them
+
+
+def peek(config: WriteConfig) -> None:
+    """What a crash at this point (outputs being written) would leave on disk."""
+    graph = Graph([Step("t/peek", peek, WriteConfig(config.text))], str(Path(config.output_path).parent.parent))
+    SEEN_WHILE_RUNNING.append((read_status(config.output_path), plan_graph(graph)[0].state))
+    write(config)
+
+
+def test_one_record_per_attempt_and_a_status_only_at_its_end(tmp_path):
+    """A step leaves `step.json` (its record, naming the attempt) and `status` (SUCCESS with the
+    manifest); while it runs there is no status, so a crash then leaves a step that is not finished.
+    A forced rerun drops the earlier SUCCESS before the function rewrites the outputs it describes."""
+
+    SEEN_WHILE_RUNNING.clear()
+    step = Step("t/peek", peek, WriteConfig("p"))
+    assert run_steps([step], str(tmp_path), echo=lambda _: None).ok
+    path = Graph([step], str(tmp_path)).path(step)
+    assert sorted(os.listdir(keel_path(path, ""))) == ["status", "step.json"]  # no manifest.json, no lease, no log
+    (running, state), = SEEN_WHILE_RUNNING
+    assert running.state == "RUNNING" and running.attempt == 1 and state == "running-elsewhere"
+    status = read_status(path)
+    assert status.state == "SUCCESS" and status.manifest["files"]["data.txt"]["size"] == 1 and status.started == running.started
+
+    assert run_steps([step], str(tmp_path), force="t/peek", echo=lambda _: None).ok
+    (running, state) = SEEN_WHILE_RUNNING[-1]
+    assert running.state == "RUNNING" and running.attempt == 2 and state == "running-elsewhere"  # not "cached"
+    assert read_status(path).attempt == 2
+
+
+def test_a_crash_between_the_records_leaves_the_step_unfinished(tmp_path):
+    """The states a crash can leave (record written, status absent or torn) read as not finished,
+    and the next run resumes the attempt count."""
+
+    a = Step("t/a", write, WriteConfig("a"))
+    assert run_steps([a], str(tmp_path), echo=lambda _: None).ok
+    path = Graph([a], str(tmp_path)).path(a)
+    status_file = Path(keel_path(path, "status"))
+    for torn in ("", '{"state": "SUCC'):  # what a machine crash can leave of a status not fsynced
+        status_file.write_text(torn)
+        assert read_status(path).state == "RUNNING"  # from step.json: the attempt started, never ended
+        plan = plan_graph(Graph([a], str(tmp_path)))[0]
+        assert plan.state == "run" and "died while RUNNING" in plan.reason
+    status_file.unlink()  # the launcher died before writing it
+    assert plan_graph(Graph([a], str(tmp_path)))[0].state == "run"
+    CALLS.clear()
+    assert run_steps([a], str(tmp_path), echo=lambda _: None).ran == ["t/a"] and CALLS == ["a"]
+    assert read_status(path).state == "SUCCESS" and read_status(path).attempt == 2
+
+
+def test_outputs_of_the_earlier_layout_still_read_as_cached(tmp_path):
+    """Before the manifest moved into the status, it was `.keel/manifest.json` beside a status
+    without one: such outputs are cached, and still verified against that manifest."""
+
+    a = Step("t/a", write, WriteConfig("a"))
+    assert run_steps([a], str(tmp_path), echo=lambda _: None).ok
+    path = Graph([a], str(tmp_path)).path(a)
+    status = json.loads(Path(keel_path(path, "status")).read_text())
+    Path(keel_path(path, "manifest.json")).write_text(json.dumps(status.pop("manifest")))
+    Path(keel_path(path, "status")).write_text(json.dumps(status))
+    assert plan_graph(Graph([a], str(tmp_path)))[0].state == "cached"
+    os.remove(f"{path}/data.txt")
+    plan = plan_graph(Graph([a], str(tmp_path)))[0]
+    assert plan.state == "run" and "data.txt is missing" in plan.reason
 
 
 def test_stale_shows_field_diff(tmp_path, capsys):
@@ -260,7 +337,6 @@ def test_log_is_created_on_first_output(tmp_path):
     """An in-process step that prints nothing leaves no log file; one that prints has its lines
     there; a failure's message names the log when it exists and says "(no output)" otherwise."""
     from keel.executor.run import _log_or_none
-    from keel.executor.status import keel_path
 
     quiet, loud = Step("t/quiet", write, WriteConfig("q")), Step("t/loud", chatty, WriteConfig("l"))
     report = run_steps([quiet, loud], str(tmp_path), echo=lambda _: None)

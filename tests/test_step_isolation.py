@@ -114,7 +114,7 @@ def test_a_two_point_sweep_runs_both_training_steps_at_once_in_their_own_process
     assert max(s.started for s in statuses) < min(s.finished for s in statuses), "the two steps ran at the same time"
     for step in trains:
         path = graph.path(step)
-        assert verify_manifest(path) is None
+        assert verify_manifest(path, read_status(path)) is None
         run_id = path.rsplit("/", 1)[-1].replace(".", "_")
         runs = os.listdir(os.path.join(path, "wandb_files", "wandb"))
         assert [r for r in runs if r.startswith("offline-run-")] and all(

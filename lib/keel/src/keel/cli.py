@@ -20,7 +20,7 @@ import sys
 from keel.executor import storage
 from keel.executor.overrides import apply_overrides
 from keel.executor.plan import Graph, StepPlan, plan_graph
-from keel.executor.status import KEEL_DIR
+from keel.executor.status import KEEL_DIR, RECORD
 from keel.executor.step import StepDeclarationError
 
 COMMANDS = ("run", "plan", "status", "gc", "compare")
@@ -233,7 +233,7 @@ def _gc(args, graphs: list[Graph]) -> int:
     reached = set()
     for graph in graphs:
         reached.update(storage.split(graph.path(s))[1] for s in graph.steps())
-    found = sorted({p.rsplit(f"/{KEEL_DIR}/", 1)[0] for p in fs.glob(f"{root.rstrip('/')}/**/{KEEL_DIR}/status")})
+    found = sorted({p.rsplit(f"/{KEEL_DIR}/", 1)[0] for p in fs.glob(f"{root.rstrip('/')}/**/{KEEL_DIR}/{RECORD}")})
     unreached = [p for p in found if p not in reached]
     total = 0
     for path in unreached:

@@ -3,8 +3,8 @@
 With `keel run --cluster URL` (or `KEEL_CLUSTER=URL`, or a driver that itself runs inside an Iris
 job) every step that declares `resources=` becomes a fray job with those resources; steps without
 resources still run in the driver. The cluster only runs step functions: the driver keeps leases,
-status and caching, and the job writes the outputs, log and manifest under the step's output path,
-so the prefix must be storage that the driver and the workers both reach.
+status, manifests and caching, and the job writes the outputs and log under the step's output
+path, so the prefix must be storage that the driver and the workers both reach.
 
 Imported only when a run uses a cluster, so that planning never loads fray or Iris.
 """

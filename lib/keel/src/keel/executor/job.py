@@ -1,10 +1,11 @@
-"""The function every dispatched step runs, wherever fray runs it: call `fn`, keep the log,
-write the manifest. Module-level and built from picklable parts so that a cluster task can run it.
+"""The function every dispatched step runs, wherever fray runs it: call `fn`, keep the log.
+Module-level and built from picklable parts so that a cluster task can run it. The job writes no
+status and no manifest: the driver, which holds the step's lease, records both once the job has
+finished (`status.mark_finished`), so a job orphaned by a dead driver never marks a step done.
 
 A multi-replica cluster job runs `fn` on every replica (`fn` joins them through jax.distributed,
-see `replicas.py`). Replica 0 alone keeps `log.txt` and writes the manifest, after every replica
-finished writing, so the replicas never race on keel's files; the others log to
-`log.replica<N>.txt`.
+see `replicas.py`), and each returns only once every replica has written its outputs. Replica 0
+keeps `log.txt`, the others log to `log.replica<N>.txt`, so the replicas never race on keel's files.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import traceback
 
 from keel.executor import logs, storage
 from keel.executor.replicas import replica_index, wait_for_replicas
-from keel.executor.status import keel_path, write_manifest
+from keel.executor.status import keel_path
 
 
 def log_url(output_path: str) -> str:
@@ -52,7 +53,7 @@ class _LazyLog:
 
 
 def run_step_job(fn, resolved_config, output_path: str, lazy_log: bool = False) -> None:
-    """Run one step: its outputs and manifest land under `output_path`, its log in `.keel/log.txt`.
+    """Run one step: its outputs land under `output_path`, its log in `.keel/log.txt`.
 
     With `lazy_log` (in-process steps of a local run) the log file is created on the step's first
     line of output, so a step that prints nothing has none; a failing step always has one (its
@@ -72,7 +73,7 @@ def run_step_job(fn, resolved_config, output_path: str, lazy_log: bool = False) 
         try:
             with logs.capture(log):
                 fn(resolved_config)
-                wait_for_replicas(f"keel: outputs of {output_path} written")  # then the manifest lists them all
+                wait_for_replicas(f"keel: outputs of {output_path} written")  # the job ends with every replica's outputs
         except BaseException:
             log.write(traceback.format_exc())
             raise
@@ -84,6 +85,4 @@ def run_step_job(fn, resolved_config, output_path: str, lazy_log: bool = False) 
                 os.remove(log_file)
     finally:
         log.close()
-    if replica == 0:
-        write_manifest(output_path)
 

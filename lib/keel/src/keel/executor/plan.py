@@ -139,7 +139,7 @@ def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = No
             return StepPlan(step, path, STALE, "; ".join(diff) or "identity changed", deps)
         return StepPlan(step, path, RUN, "forced" if forced else "never ran", deps)
     if status.state == SUCCESS:
-        problem = verify_manifest(path)
+        problem = verify_manifest(path, status)
         if problem is not None:
             return StepPlan(step, path, RUN, f"cache entry invalid: {problem}", deps, status)
         if forced:

@@ -1,11 +1,14 @@
 """Run a graph: the steps that are not cached, in dependency order, concurrently where they can be.
 
-Each step is claimed with a lease on its output path (so concurrent launchers run it once), marked
-RUNNING, recorded in `step.json`, dispatched (an `isolated` step in a child process of its own,
-see `child.py`; steps that declare `resources=` to the cluster client when one is given, see
-`cluster.py`; other steps right in the scheduler's worker thread, or as fray jobs of `client=`
-when one is given) and marked SUCCESS once its manifest is written. A failure marks the step FAILED, stops its dependents, lets independent
-branches finish and is reported with the step's name, output path, exception and log.
+Each step is claimed with a lease on its output path (so concurrent launchers run it once),
+recorded in `step.json` (which marks the attempt RUNNING), dispatched (an `isolated` step in a
+child process of its own, see `child.py`; steps that declare `resources=` to the cluster client
+when one is given, see `cluster.py`; other steps as jobs of fray's in-process client, or of
+`client=` when one is given) and, once the job has finished, marked SUCCESS in one write that
+carries the manifest of its outputs (see `status.py`). Bookkeeping per step: the lease (create,
+delete), `step.json` and `status` (each written whole); the log file only if the step prints. A
+failure marks the step FAILED, stops its dependents, lets independent branches finish and is
+reported with the step's name, output path, exception and log.
 
 Ctrl-C (SIGINT) or SIGTERM, the first time: no new step starts, the running ones are asked to stop
 at their next safe point (training steps checkpoint), and each is marked INTERRUPTED, never
@@ -16,6 +19,7 @@ killed, running steps marked INTERRUPTED, leases released, and the launcher exit
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import os
 import re
 import signal
@@ -29,10 +33,10 @@ from typing import Callable
 from keel.executor import interrupt, storage
 from keel.executor import lease as leases
 from keel.executor.job import log_url, run_step_job
-from keel.executor.plan import CACHED, EXTERNAL, Graph, StepPlan, plan_graph, select
+from keel.executor.plan import Graph, StepPlan, plan_graph, select
 from keel.executor.provenance import _secret_values, provenance, scrub
 from keel.executor.resolve import resolve_config
-from keel.executor.status import SUCCESS, Status, keel_path, mark_finished, mark_running, read_status, verify_manifest
+from keel.executor.status import SUCCESS, Status, mark_finished, mark_running, read_status, verify_manifest
 from keel.executor.step import Step
 
 _MAX_WAIT_POLL_S = 1.0
@@ -79,8 +83,9 @@ def default_client(max_concurrent: int):
 
 
 def _step_record(graph: Graph, step: Step, resolved, launch: dict, secrets: list[str] | None = None) -> dict:
-    """What `step.json` holds; `launch` is this launch's provenance (the same for all its steps),
-    already scrubbed with `secrets` (the secret values `scrub` cuts out; looked up when None)."""
+    """What `step.json` records of the step (`mark_running` adds the attempt); `launch` is this
+    launch's provenance (the same for all its steps), already scrubbed with `secrets` (the secret
+    values `scrub` cuts out; looked up when None)."""
     record = scrub(
         {
             "name": step.name,
@@ -146,31 +151,50 @@ class Runner:
             restore()
 
     def _schedule(self, plans: list[StepPlan], chosen: set[int], report: RunReport) -> RunReport:
+        """Start each chosen step, in plan order and at most `max_concurrent` at a time, once its
+        chosen dependencies are done (the others are cached or external). A finished step updates
+        only its own dependents: no scan of every waiting step per finished one."""
         by_id = {id(p.step): p for p in plans}
-        pending = [p for p in plans if id(p.step) in chosen]
-        done = {id(p.step) for p in plans if p.state in (CACHED, EXTERNAL)}
-        broken: set[int] = set()
+        order = {key: i for i, key in enumerate(by_id)}
+        waiting: dict[int, int] = {}  # step not started yet -> how many of its dependencies are not done
+        dependents: dict[int, list[int]] = {}
+        for key in chosen:
+            deps = {id(d) for d in by_id[key].step.deps} & chosen
+            waiting[key] = len(deps)
+            for dep in deps:
+                dependents.setdefault(dep, []).append(key)
+        ready = [(order[key], key) for key, left in waiting.items() if left == 0]
+        heapq.heapify(ready)
+
+        def block(broken: list[int]) -> None:
+            """Skip every step that depends, directly or not, on a step that failed or stopped."""
+            blocked, stack = [], [key for b in broken for key in dependents.get(b, ())]
+            broken.clear()
+            while stack:
+                key = stack.pop()
+                if waiting.pop(key, None) is not None:
+                    blocked.append(key)
+                    stack.extend(dependents.get(key, ()))
+            for key in sorted(blocked, key=order.get):
+                report.blocked.append(by_id[key].name)
+                self.echo(f"[keel] skip  {by_id[key].name}: a dependency failed")
+
         running: dict[Future, StepPlan] = {}
+        broken: list[int] = []  # failed or stopped since the last round
         with ThreadPoolExecutor(max_workers=self.max_concurrent, thread_name_prefix="keel-step") as pool:
-            while pending or running:
-                submitted = False
-                if self._stopping and pending:
-                    report.not_started.extend(p.name for p in pending)
-                    pending.clear()
-                for plan in list(pending):
-                    deps = [id(d) for d in plan.step.deps]
-                    if any(d in broken for d in deps):
-                        pending.remove(plan)
-                        broken.add(id(plan.step))
-                        report.blocked.append(plan.name)
-                        self.echo(f"[keel] skip  {plan.name}: a dependency failed")
-                    elif all(d in done or (d not in chosen and by_id[d].state in (CACHED, EXTERNAL)) for d in deps) and len(running) < self.max_concurrent:
-                        pending.remove(plan)
-                        running[pool.submit(self._execute, plan)] = plan
-                        submitted = True
+            while waiting or running:
+                if self._stopping and waiting:  # every step not started yet, even one a failure would skip
+                    report.not_started.extend(by_id[key].name for key in sorted(waiting, key=order.get))
+                    waiting.clear()
+                    ready.clear()
+                block(broken)
+                while ready and len(running) < self.max_concurrent:
+                    key = heapq.heappop(ready)[1]
+                    del waiting[key]
+                    running[pool.submit(self._execute, by_id[key])] = by_id[key]
                 if not running:
-                    if pending and not submitted:
-                        raise RuntimeError(f"keel: cannot schedule {[p.name for p in pending]}: dependencies unresolved")
+                    if waiting:
+                        raise RuntimeError(f"keel: cannot schedule {[by_id[k].name for k in waiting]}: dependencies unresolved")
                     continue
                 # A bounded wait: a signal delivered to another thread runs its Python handler only
                 # when the main thread wakes, so the main thread must wake up now and then.
@@ -180,17 +204,21 @@ class Runner:
                     try:
                         outcome = future.result()
                     except StepFailed as failure:
-                        broken.add(id(plan.step))
                         report.failures.append(failure)
                         self.echo(f"[keel] FAIL  {plan.name}: {failure.error.splitlines()[-1] if failure.error else ''}")
+                        broken.append(id(plan.step))
                         continue
                     except StepStopped as stopped:
-                        broken.add(id(plan.step))
                         report.interrupted.append(stopped)
                         self.echo(f"[keel] STOP  {plan.name}: {stopped.why}")
+                        broken.append(id(plan.step))
                         continue
-                    done.add(id(plan.step))
                     (report.ran if outcome == "ran" else report.reused).append(plan.name)
+                    for key in dependents.get(id(plan.step), ()):
+                        if key in waiting:
+                            waiting[key] -= 1
+                            if waiting[key] == 0:
+                                heapq.heappush(ready, (order[key], key))
         return report
 
     def _claim(self, plan: StepPlan) -> tuple[leases.Lease | None, Status | None]:
@@ -201,7 +229,7 @@ class Runner:
         while True:
             lease, holder = leases.try_acquire(plan.output_path, self.lease_timeout)
             status = read_status(plan.output_path)
-            finished = status is not None and status.state == SUCCESS and verify_manifest(plan.output_path) is None
+            finished = status is not None and status.state == SUCCESS and verify_manifest(plan.output_path, status) is None
             if lease is not None:
                 if finished and not forced:
                     lease.release()
@@ -225,14 +253,14 @@ class Runner:
             self.echo(f"[keel] reuse {plan.name} (finished by another launcher)")
             return "reused"
         try:
-            running = mark_running(plan.output_path, previous)
+            resolved = resolve_config(step.config, plan.output_path, self.graph.path)
+            running = mark_running(plan.output_path, previous, _step_record(self.graph, step, resolved, self._launch, self._secrets))
             with self._lock:
                 self._active[plan.output_path] = (running, lease)
-            resolved = resolve_config(step.config, plan.output_path, self.graph.path)
-            storage.write_json(keel_path(plan.output_path, "step.json"), _step_record(self.graph, step, resolved, self._launch, self._secrets))
             self.echo(f"[keel] start {plan.name} -> {plan.output_path}" + (f" ({plan.reason})" if plan.reason else ""))
             try:
                 self._dispatch(step, resolved, plan.output_path, running.attempt)
+                status = mark_finished(plan.output_path, running)  # the manifest lists the outputs as the job left them
             except interrupt.StepInterrupted as exc:
                 why = f"{exc}; `keel run` again resumes it" + (f" from {exc.resume}" if exc.resume else "")
                 mark_finished(plan.output_path, running, error=why, interrupted=True)
@@ -241,7 +269,6 @@ class Runner:
                 error = str(exc) if isinstance(exc, ChildStepError) else "".join(traceback.format_exception_only(type(exc), exc)).strip()
                 mark_finished(plan.output_path, running, error=error)
                 raise StepFailed(step.name, plan.output_path, error, _log_or_none(plan.output_path)) from exc
-            status = mark_finished(plan.output_path, running)
             self.echo(f"[keel] done  {plan.name} in {status.duration:.2f}s")
             return "ran"
         finally:

@@ -54,8 +54,7 @@ def read_text(url: str) -> str | None:
     fs, path = split(url)
     try:
         if isinstance(fs, LocalFileSystem):
-            with open(path, "rb") as f:
-                return f.read().decode()
+            return read_local(path).decode()
         return fs.cat_file(path).decode()
     except (FileNotFoundError, NotADirectoryError):
         return None
@@ -104,6 +103,31 @@ def make_folder(url: str) -> None:
     _ensure_folder(fs, path.rstrip("/") or path)
 
 
+def read_local(path: str) -> bytes:
+    """A local file's bytes through `os.open`/`os.read`: two or three system calls fewer than
+    `open()` (its fstat, ioctl, lseek). Each call lets go of the GIL, which the steps running in
+    other threads contend for: a tenth of a trivial step's bookkeeping, measured on two cores."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _write_local(path: str, data: bytes, flags: int) -> None:
+    """`data` into a new local file, as `read_local` reads: open, write, close and nothing else."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
 _tmp_names = itertools.count()
 _TMP_TAG = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
@@ -115,15 +139,15 @@ def write_atomic(url: str, text: str) -> None:
     data = text.encode()
     if isinstance(fs, LocalFileSystem):
         tmp = f"{path}.tmp-{_TMP_TAG}-{next(_tmp_names)}"  # unique per process and call, no urandom per write
-        with open(tmp, "wb") as f:
-            f.write(data)
+        _write_local(tmp, data, os.O_TRUNC)
         os.replace(tmp, path)
     else:
         fs.pipe_file(path, data)
 
 
-def write_json(url: str, obj: Any) -> None:
-    write_atomic(url, json.dumps(obj, indent=1, sort_keys=True, default=str))
+def write_json(url: str, obj: Any, indent: int | None = 1) -> None:
+    """`indent=None`: one line, by json's C encoder (the indenting encoder is pure Python)."""
+    write_atomic(url, json.dumps(obj, indent=indent, sort_keys=True, default=str))
 
 
 def create_exclusive(url: str, text: str) -> bool:
@@ -132,8 +156,7 @@ def create_exclusive(url: str, text: str) -> bool:
     _ensure_parent(fs, path)
     try:
         if isinstance(fs, LocalFileSystem):
-            with open(path, "xb") as f:
-                f.write(text.encode())
+            _write_local(path, text.encode(), os.O_EXCL)
         else:
             with fs.open(path, "xb") as f:
                 f.write(text.encode())
