@@ -230,7 +230,10 @@ def test_progress_lines_name_compiles_validation_checkpoints_and_the_switch(tmp_
     assert "\r" not in printed
     lines = [line for line in printed.splitlines() if line.startswith("[train] tiny_talk: ")]
     text = "\n".join(lines)
-    for expected in ("compiled the fixed_all_to_all training step in", "compiled the ring training step in",
+    for expected in ("compiling the fixed_all_to_all training step ahead, while the run sets up",
+                     "compiled the fixed_all_to_all evaluation in", "compiled the fixed_all_to_all training step in",
+                     "compiling the ring training step for step 3 ahead, in the background",
+                     "compiled the ring training step in", ", ahead (step 3 waited",
                      "step 0: validation loss", "step 4: validation loss", "step 3: switching transport fixed_all_to_all -> ring",
                      "step 3: checkpoint saved", "step 6/6, loss", "done: steps 0->6 in"):
         assert expected in text, (expected, text)

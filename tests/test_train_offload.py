@@ -116,18 +116,30 @@ def watching_steps(stop_after: int | None = None):
     records = []
     original = loop._Run._step_fn
 
-    def step_fn(self, phase):
-        compiled = original(self, phase)
+    class Watched:
+        """The loop's compiled step (a `compile_ahead.Pending`), whose executable records each call."""
 
-        def watched(arrays, batch):
-            step, before = int(arrays["step"]), offload.memory_kinds(arrays)
-            new, metrics = compiled(arrays, batch)
-            records.append((step, before, offload.memory_kinds(new)))
-            if step == stop_after:
-                interrupt.request()
-            return new, metrics
+        def __init__(self, pending):
+            self.pending = pending
 
-        return watched
+        def __getattr__(self, name):
+            return getattr(self.pending, name)
+
+        def get(self):
+            compiled = self.pending.get()
+
+            def watched(arrays, batch):
+                step, before = int(arrays["step"]), offload.memory_kinds(arrays)
+                new, metrics = compiled(arrays, batch)
+                records.append((step, before, offload.memory_kinds(new)))
+                if step == stop_after:
+                    interrupt.request()
+                return new, metrics
+
+            return watched
+
+    def step_fn(self, phase, step):
+        return Watched(original(self, phase, step))
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loop._Run, "_step_fn", step_fn)

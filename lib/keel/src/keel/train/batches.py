@@ -48,3 +48,21 @@ def batch_loader(
         max_buffered_batches=prefetch,
         fetch_batch_size=fetch_batches,
     )
+
+
+def batch_sharding(mesh, batch_axes: tuple[str, ...]):
+    """How every batch array [batch, seq] is laid out: rows split over `batch_axes`."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return NamedSharding(mesh, PartitionSpec(batch_axes, None))
+
+
+def batch_shapes(*, batch_size: int, seq_len: int, mesh, batch_axes: tuple[str, ...]) -> dict[str, Any]:
+    """The abstract batch the loaders produce ({field: int32 [batch, seq]}), to compile against."""
+    import jax
+    import numpy as np
+
+    from keel.data.datasets import FIELDS
+
+    sharding = batch_sharding(mesh, batch_axes)
+    return {field: jax.ShapeDtypeStruct((batch_size, seq_len), np.int32, sharding=sharding) for field in FIELDS}

@@ -21,6 +21,10 @@ They carry the memory kinds `TrainConfig.host_offload` declares for the step (`k
 host-resident master weights / optimizer state are copied to the device inside the step and
 written back to the host by its out shardings; at a layout change the state moves once and the
 step is compiled for the new layout.
+
+Every step function is compiled ahead of its first call (`keel.train.compile_ahead`): the first
+one from the state's declared shapes and shardings while the state is initialised, the data
+opened and the first validation pass run; each later phase's while the current phase trains.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from keel.executor import interrupt
-from keel.train import offload
-from keel.train.batches import batch_loader
+from keel.train import compile_ahead, offload
+from keel.train.batches import batch_loader, batch_shapes, batch_sharding
 from keel.train.checkpoint import TrainCheckpoints
 from keel.train.config import TrainConfig, TransportPhase
 from keel.train.lm import TrainableLM
@@ -92,30 +96,44 @@ class _Run:
 
         self.config, self.inputs, self.output_path = config, inputs, output_path
         self.compute_dtype = jnp.dtype(config.compute_dtype)
-        model = inputs.lm.init(jax.random.PRNGKey(config.seed))
-        model = jax.tree.map(lambda x: x.astype(config.master_dtype) if _is_float(x) else x, model)
-        params = _params(model)
-        self.tx, self.lr_schedules = build_optimizer(config, params)
-        state = {"step": jnp.zeros((), jnp.int32), "model": model, "opt_state": eqx.filter_jit(self.tx.init)(params)}
-        self.state_arrays, self.state_static = eqx.partition(state, eqx.is_array)
-        # Where each part of the state lives (keel.train.offload): pinned as the step's in/out shardings.
-        self.layout = offload.Layout()
-        self.state_shardings = offload.shardings(self.state_arrays, self.layout)
-        self._place(0)
         self.checkpoints = TrainCheckpoints(
             output_path, permanent_every=config.permanent_checkpoint_every, rolling_every=config.rolling_checkpoint_every,
             rolling_minutes=config.rolling_checkpoint_minutes, keep_rolling=config.keep_rolling_checkpoints,
         )
-        self.compile_seconds = 0.0  # first calls of each step/eval function: tracing, compiling, one run
-        self._step_fns: dict[tuple[TransportPhase, offload.Layout], Any] = {}
-        self._eval_fns: dict[tuple[TransportPhase, offload.Layout], Any] = {}
+        self.latest = self.checkpoints.latest()
+        self.start = self.checkpoints.step_of(self.latest) if self.latest is not None else 0
+        key = jax.random.PRNGKey(config.seed)
+
+        # The state's shapes and shardings follow from the declarations alone; the optimizer is
+        # built on them, and the first step starts compiling from them before any array exists.
+        self.tx, self.lr_schedules = build_optimizer(config, _params(eqx.filter_eval_shape(self._initial_model, key)))
+        shapes, self.state_static = eqx.partition(eqx.filter_eval_shape(self._initial_state, key), _is_shape)
+        self.state_shapes = compile_ahead.abstract(shapes, _on_mesh(shapes, inputs.mesh))
+        self.compiler = compile_ahead.Compiler(inputs.mesh)
+        self._step_fns: dict[tuple[TransportPhase, offload.Layout], compile_ahead.Pending] = {}
+        self._eval_fns: dict[tuple[TransportPhase, offload.Layout], compile_ahead.Pending] = {}
+        self.compile_seconds = 0.0  # the compiles of every step/eval function used
+        self.compile_waited = 0.0  # of which the loop stood waiting
+        if self.start < config.num_steps:  # the loop evaluates first: that compiles on this thread, alongside
+            self._compile_ahead(self.start, evaluation=False, announce=False)
+
+        device = jax.tree.map(lambda x: x.sharding, self.state_shapes)
+        self.state_arrays = jax.jit(lambda k: eqx.filter(self._initial_state(k), eqx.is_array), out_shardings=device)(key)
+        # Where each part of the state lives (keel.train.offload): pinned as the step's in/out shardings.
+        self.layout = offload.Layout()
+        self._place(self.start)
+
+    def _initial_model(self, key):
+        return jax.tree.map(lambda x: x.astype(self.config.master_dtype) if _is_float(x) else x, self.inputs.lm.init(key))
+
+    def _initial_state(self, key):
+        model = self._initial_model(key)
+        return {"step": jnp.zeros((), jnp.int32), "model": model, "opt_state": self.tx.init(_params(model))}
 
     # ------------------------------------------------------------------ main
     def run(self) -> dict[str, float]:
-        config = self.config
-        latest = self.checkpoints.latest()
-        if latest is not None:
-            self._place(self.checkpoints.step_of(latest))  # the exemplar in the resume step's layout
+        config, latest = self.config, self.latest
+        if latest is not None:  # the exemplar is already in the resume step's layout
             self.state_arrays = self.checkpoints.restore(self.state_arrays, latest)
             logger.info("Resumed from %s", latest)
         start = int(self.state_arrays["step"])
@@ -123,6 +141,8 @@ class _Run:
         self.progress = Progress(run_name(self.output_path), start, config.num_steps, enabled=primary)
         if latest is not None:
             self.progress.event(f"resumed from {latest} (step {start})")
+        if start < config.num_steps:
+            self.progress.event(f"compiling the {self.transport_at(start).transport} training step ahead, while the run sets up ...")
         metrics_log = MetricsLog(os.path.join(self.output_path, METRICS_FILE), writer=primary, resume_at=start)
         tracker = self._open_tracker()
         last: dict[str, float] = {}
@@ -154,7 +174,7 @@ class _Run:
         evals = latest_by_step(records, "eval/loss")
         val = f", final validation loss {evals[max(evals)]:.4f}" if evals else ""
         self.progress.event(f"done: steps {start}->{self.config.num_steps} in {self.progress.wall_seconds:.1f}s "
-                            f"(compiling {self.compile_seconds:.1f}s){val}; outputs in {self.output_path}")
+                            f"(compiling {self.compile_seconds:.1f}s, waited for {self.compile_waited:.1f}s){val}; outputs in {self.output_path}")
 
     def _title(self) -> str:
         """The run's name and the figures that tell it from its neighbours in a sweep."""
@@ -185,16 +205,16 @@ class _Run:
                 self.progress.event(f"step {step}: mixture {self.inputs.phase_starts[step]} starts")
             t0 = time.perf_counter()
             self._place(step)
-            batch = next(batches)
-            compiling = (phase, self.layout) not in self._step_fns
-            if compiling:
-                self.progress.event(f"step {step}: compiling the {phase.transport} training step ...")
+            batch = self._batch(next(batches))
+            step_fn = self._step_fn(phase, step)
+            first_use = step_fn.waited is None
             with jax.set_mesh(self.inputs.mesh):  # Levanter's loader leaves its own mesh context
-                self.state_arrays, metrics = self._step_fn(phase)(self.state_arrays, batch)
+                self.state_arrays, metrics = step_fn.get()(self.state_arrays, batch)
             completed = step + 1
             check_finite(step, {k: metrics[k] for k in FINITE_METRICS})
-            if compiling:
-                self._compiled(f"the {phase.transport} training step", time.perf_counter() - t0)
+            if first_use:
+                self._compiled(step_fn, f"step {step}")
+                self._compile_ahead(self._next_change(step))
             self.progress.step(completed, loss=float(metrics["train/loss"]),
                                tokens_per_s=tokens_per_step / (time.perf_counter() - t0), transport=phase.transport,
                                phase=self._mixture_phase(step))
@@ -233,19 +253,60 @@ class _Run:
         offload.check_supported(layout, jax.devices()[0])
         logger.info("Step %d: train state %s -> %s", step, self.layout, layout)
         self.layout = layout
-        self.state_shardings = offload.shardings(self.state_arrays, layout)
-        self.state_arrays = jax.device_put(self.state_arrays, self.state_shardings)
+        self.state_arrays = jax.device_put(self.state_arrays, offload.shardings(self.state_arrays, layout))
 
-    def _step_fn(self, phase: TransportPhase):
+    def _step_fn(self, phase: TransportPhase, step: int) -> compile_ahead.Pending:
+        """The compiled step for `phase` and the current layout: compiled ahead, or here and now."""
         key = (phase, self.layout)
         if key not in self._step_fns:
-            self._step_fns[key] = self._build_step(phase)
+            self.progress.event(f"step {step}: compiling the {phase.transport} training step ...")
+            self._step_fns[key] = self.compiler.now(*self._step_job(phase, self.layout))
         return self._step_fns[key]
 
-    def _build_step(self, phase: TransportPhase):
-        """The jitted step for `phase` and the current layout: host arrays are copied in for compute, and
-        the new state goes back to where it came from (the pinned out shardings)."""
-        lm, tx, static, shardings = self.inputs.lm, self.tx, self.state_static, self.state_shardings
+    def _step_job(self, phase: TransportPhase, layout: offload.Layout):
+        """(what, jitted, abstract args) of the training step for `phase` with the state laid out as `layout`."""
+        shardings = offload.shardings(self.state_shapes, layout)
+        return (f"the {phase.transport} training step", self._build_step(phase, shardings),
+                compile_ahead.abstract(self.state_shapes, shardings), self._batch_shapes())
+
+    def _eval_job(self, phase: TransportPhase, layout: offload.Layout):
+        shardings = offload.shardings(self.state_shapes, layout)["model"]
+        jitted = eval_loss_fn(self.inputs.lm, self.state_static["model"], shardings, phase, self.compute_dtype)
+        return (f"the {phase.transport} evaluation", jitted,
+                compile_ahead.abstract(self.state_shapes["model"], shardings), self._batch_shapes())
+
+    def _compile_ahead(self, step: int | None, *, evaluation: bool = True, announce: bool = True) -> None:
+        """Start compiling, in the background, what step `step` (None: no later change) will run."""
+        if step is None or step >= self.config.num_steps:
+            return
+        phase, layout = self.transport_at(step), offload.layout_at(self.config.host_offload, step)
+        if (phase, layout) not in self._step_fns:
+            self._step_fns[(phase, layout)] = self.compiler.ahead(*self._step_job(phase, layout))
+            if announce:
+                self.progress.event(f"compiling the {phase.transport} training step for step {step} ahead, in the background")
+        if evaluation and self._evaluates() and (phase, layout) not in self._eval_fns:
+            self._eval_fns[(phase, layout)] = self.compiler.ahead(*self._eval_job(phase, layout))
+
+    def _next_change(self, step: int) -> int | None:
+        """The first step after `step` whose transport or state layout differs from `step`'s."""
+        offload_switch = self.config.host_offload.master_weights_until_step
+        candidates = [p.start_step for p in self.config.transports] + ([offload_switch] if offload_switch else [])
+        later = sorted(c for c in candidates if c > step)
+        return next((c for c in later if (self.transport_at(c), offload.layout_at(self.config.host_offload, c))
+                     != (self.transport_at(step), offload.layout_at(self.config.host_offload, step))), None)
+
+    def _batch_shapes(self):
+        return batch_shapes(batch_size=self.config.batch_size, seq_len=self.config.seq_len, mesh=self.inputs.mesh,
+                            batch_axes=self.inputs.batch_axes)
+
+    def _batch(self, batch):
+        """A loader's batch in the layout the step was compiled for (a no-op when it already is)."""
+        return jax.device_put(batch, batch_sharding(self.inputs.mesh, self.inputs.batch_axes))
+
+    def _build_step(self, phase: TransportPhase, shardings):
+        """The jitted step for `phase` with the state laid out as `shardings`: host arrays are copied in
+        for compute, and the new state goes back to where it came from (the pinned out shardings)."""
+        lm, tx, static = self.inputs.lm, self.tx, self.state_static
         z_loss, compute_dtype, lrs = self.config.z_loss, self.compute_dtype, self.lr_schedules
 
         def step(arrays, batch):
@@ -271,23 +332,23 @@ class _Run:
 
         return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
 
-    def _eval_fn(self, phase: TransportPhase):
-        key = (phase, self.layout)
-        if key not in self._eval_fns:
-            self._eval_fns[key] = eval_loss_fn(self.inputs.lm, self.state_static["model"],
-                                               self.state_shardings["model"], phase, self.compute_dtype)
-        return self._eval_fns[key]
+    def _evaluates(self) -> bool:
+        return bool(self.inputs.val_data) and self.config.eval_batches > 0
 
     def _evaluate(self, step: int, phase: TransportPhase, metrics_log: MetricsLog, tracker) -> None:
         """Mean loss over the first `eval_batches` batches of each validation set (same batches every time)."""
-        if not self.inputs.val_data or self.config.eval_batches <= 0:
+        if not self._evaluates():
             return
-        compiling, t0 = (phase, self.layout) not in self._eval_fns, time.perf_counter()
-        losses = validation_losses(self._eval_fn(phase), self.state_arrays["model"], self.inputs.val_data,
+        key = (phase, self.layout)
+        if key not in self._eval_fns:
+            self._eval_fns[key] = self.compiler.now(*self._eval_job(phase, self.layout))
+        evaluate, first_use = self._eval_fns[key], self._eval_fns[key].waited is None
+        losses = validation_losses(lambda arrays, batch: evaluate.get()(arrays, self._batch(batch)),
+                                   self.state_arrays["model"], self.inputs.val_data,
                                    batch_size=self.config.batch_size, num_batches=self.config.eval_batches,
                                    mesh=self.inputs.mesh, batch_axes=self.inputs.batch_axes)
-        if compiling:
-            self._compiled(f"the {phase.transport} evaluation (with its first pass)", time.perf_counter() - t0)
+        if first_use:
+            self._compiled(evaluate, f"step {step}'s evaluation")
         values = {f"eval/{name}/loss": loss for name, loss in losses.items()}
         values["eval/loss"] = sum(values.values()) / len(values)
         metrics_log.write(step, values)
@@ -296,9 +357,12 @@ class _Run:
         shown = ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in values.items() if k != "eval/loss")
         self.progress.event(f"step {step}: validation loss {values['eval/loss']:.4f}" + (f" ({shown})" if len(losses) > 1 else ""))
 
-    def _compiled(self, what: str, seconds: float) -> None:
-        self.compile_seconds += seconds
-        self.progress.compiled(what, seconds)
+    def _compiled(self, pending: compile_ahead.Pending, user: str) -> None:
+        """Count and report a compile at the first use of its function."""
+        self.compile_seconds += pending.seconds
+        self.compile_waited += pending.waited if pending.ahead else pending.seconds
+        how = f"ahead ({user} waited {pending.waited:.1f}s for it)" if pending.ahead else "on first use"
+        self.progress.compiled(pending.what, pending.seconds, how)
 
     def _open_tracker(self):
         if not self.inputs.use_wandb:
@@ -357,12 +421,29 @@ def check_finite(step: int, values: dict[str, Any]) -> None:
 
 
 def _params(tree):
-    """The float arrays of a model (other leaves None, as in its gradients): what the optimizer sees."""
-    return eqx.filter(tree, eqx.is_inexact_array)
+    """The float arrays (or their ShapeDtypeStructs) of a model, other leaves None as in its
+    gradients: what the optimizer sees."""
+    return eqx.filter(tree, _is_float)
 
 
 def _is_float(x) -> bool:
-    return eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
+    return (eqx.is_array(x) or _is_shape(x)) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _on_mesh(shapes, mesh):
+    """The concrete device sharding of each abstract array: the spec its type carries, on `mesh`
+    (an array whose type names no mesh axis is replicated)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def sharding(x):
+        spec = x.sharding.spec if x.sharding is not None else PartitionSpec()
+        return NamedSharding(mesh, spec, memory_kind=offload.DEVICE)
+
+    return jax.tree.map(sharding, shapes)
 
 
 def _global_norm(tree) -> jax.Array:

@@ -48,8 +48,8 @@ class Progress:
         if self._bar is not None:
             self._bar.refresh()
 
-    def compiled(self, what: str, seconds: float) -> None:
-        self.event(f"compiled {what} in {seconds:.1f}s")
+    def compiled(self, what: str, seconds: float, how: str) -> None:
+        self.event(f"compiled {what} in {seconds:.1f}s, {how}")
 
     def step(self, completed: int, *, loss: float, tokens_per_s: float, transport: str, phase: str | None) -> None:
         """After each optimizer step: the bar's postfix, or a plain line now and then."""
