@@ -37,12 +37,8 @@ class CausalDepthwiseConv(eqx.Module):
 
 
 def _shift_right(x: NamedArray, Pos: Axis, shift: int, fill) -> NamedArray:
-    """x[t - shift] at position t, `fill` where t - shift < 0.
-
-    One pad and one static slice, which XLA fuses into their consumer. (Built as a concatenation
-    with a `full_like` head, the same shift cost 9x as much on 8 CPU devices: 41 ms against 4.7 ms
-    for a [16, 128, 256] forward and backward, measured in benchmarks/moe_feature_costs.py's run.)
-    """
+    """x[t - shift] at position t, `fill` where t - shift < 0: one pad and one static slice, which
+    XLA fuses into their consumer (a concatenation with a `full_like` head built a separate array)."""
     axis = x.axis_indices(Pos)
     widths = [(0, 0)] * x.ndim
     widths[axis] = (shift, 0)
