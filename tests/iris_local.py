@@ -1,4 +1,5 @@
-"""An in-process Iris cluster for tests, on 127.0.0.1 only (see fixtures/iris_local.yaml).
+"""An in-process Iris cluster for tests, on 127.0.0.1 only (see fixtures/iris_local.yaml), and a
+fray client of it whose jobs see this repository.
 
 The cluster writes credentials under HOME and scratch under TMPDIR, so both point into a scratch
 folder while it is up. It is always stopped: a process that exits with the cluster up hangs.
@@ -6,6 +7,7 @@ folder while it is up. It is always stopped: a process that exits with the clust
 
 import contextlib
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -34,3 +36,23 @@ def local_iris_cluster(scratch: Path):
             else:
                 os.environ[key] = value
         tempfile.tempdir = None
+
+
+@contextlib.contextmanager
+def local_iris_client(scratch: Path):
+    """(controller URL, fray client) of a local cluster whose jobs run this repository's code."""
+    from keel.executor.cluster import cluster_client, workspace_root
+
+    with local_iris_cluster(scratch) as url:
+        client = cluster_client(url, workspace=workspace_root(Path(__file__).parent))
+        try:
+            yield url, client
+        finally:
+            client.shutdown(wait=False)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a coordinator the replicas meet at)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -13,9 +13,8 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from iris_local import local_iris_cluster
+from iris_local import local_iris_client
 from keel import Resources, Step, execution_only, output_of, this_output
-from keel.executor.cluster import cluster_client, workspace_root
 from keel.executor.replicas import replica_index
 from keel.executor.plan import Graph, plan_graph
 from keel.executor.run import run_steps
@@ -36,12 +35,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 @pytest.fixture(scope="module")
 def iris(tmp_path_factory):
     """(controller URL, fray client) of one local Iris cluster for the module."""
-    with local_iris_cluster(tmp_path_factory.mktemp("iris")) as url:
-        client = cluster_client(url, workspace=workspace_root(Path(__file__).parent))
-        try:
-            yield url, client
-        finally:
-            client.shutdown(wait=False)
+    with local_iris_client(tmp_path_factory.mktemp("iris")) as cluster:
+        yield cluster
 
 
 @pytest.fixture(params=["local", "iris"])

@@ -5,7 +5,6 @@ jax.distributed on 127.0.0.1) gives the losses of the same step run in one proce
 
 import json
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,9 +12,8 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from iris_local import local_iris_cluster
+from iris_local import free_port, local_iris_client
 from keel import Resources, Step, execution_only, this_output
-from keel.executor.cluster import cluster_client
 from keel.executor.plan import Graph
 from keel.executor.replicas import join_replicas
 from keel.executor.run import run_steps
@@ -32,12 +30,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the tests folder 
 
 @pytest.fixture(scope="module")
 def iris(tmp_path_factory):
-    with local_iris_cluster(tmp_path_factory.mktemp("iris")) as url:
-        client = cluster_client(url, workspace=Path(HERE).parent)
-        try:
-            yield client
-        finally:
-            client.shutdown(wait=False)
+    with local_iris_client(tmp_path_factory.mktemp("iris")) as (_, client):
+        yield client
 
 
 @dataclass(frozen=True)
@@ -69,11 +63,6 @@ def train_micro_moe(config: MicroTrainConfig) -> None:
         json.dump({"processes": jax.process_count(), "local_devices": len(jax.local_devices()),
                    "devices": len(jax.devices())}, f)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(600)

@@ -7,16 +7,14 @@ import dataclasses
 import json
 import os
 import runpy
-import socket
 from pathlib import Path
 
 import pytest
 
 from defaults import default_eval
-from iris_local import local_iris_cluster
+from iris_local import free_port, local_iris_client
 from keel import Resources, Step
 from keel.cli import load_experiment
-from keel.executor.cluster import cluster_client
 from keel.executor.plan import Graph
 from keel.executor.run import run_steps
 from keel.executor.status import keel_path
@@ -53,18 +51,9 @@ def test_the_hero_twins_final_checkpoint_evaluates_to_its_last_validation_loss(t
 
 @pytest.fixture(scope="module")
 def iris(tmp_path_factory):
-    with local_iris_cluster(tmp_path_factory.mktemp("iris")) as url:
-        client = cluster_client(url, workspace=REPO)
-        try:
-            yield client
-        finally:
-            client.shutdown(wait=False)
+    with local_iris_client(tmp_path_factory.mktemp("iris")) as (_, client):
+        yield client
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(900)
