@@ -246,6 +246,9 @@ class TrainConfig:
     remat: bool = execution_only(default=True)
     """Rematerialise each layer in the backward pass."""
     host_offload: HostOffload = execution_only(default=HostOffload())
+    refuse_unfit: bool = execution_only(default=True)
+    """`keel run` refuses a run whose planned peak memory does not fit HBM, or whose offloaded
+    state does not fit host RAM (`keel.plan.check_fits`); False runs it anyway (the peak is a plan)."""
     compilation_cache: bool = execution_only(default=True)
     """Keep XLA's compiled programs under the step's `.keel/jax_cache`, so a rerun or resume of the
     same step skips compiling (JAX's persistent compilation cache)."""
@@ -338,6 +341,24 @@ class RunFacts:
     projected_steps_per_day: float | None = None
     run_id: str | None = None
     claims: tuple[Claim, ...] = ()
+    measured_on: str | None = None
+    """The speed key (`keel.plan.step_time.speed_key`) of the layout the speeds were measured on: a
+    declaration with another key (batch, hardware, topology, transports, ...) is a variant, whose
+    step time is predicted, not observed. None: the observations are this declaration's own."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a launch decision needs beyond the run (execution-only; the fact sheet reads it).
+
+    `store_gb_per_s`: the bandwidth checkpoints are written at (GB/s, whole run); `gpu_hour_price`:
+    what one GPU-hour costs; `cache_tokens`: (mixture component, tokens its cache holds), so the
+    sheet says how often each is read over.
+    """
+
+    store_gb_per_s: float | None = None
+    gpu_hour_price: float | None = None
+    cache_tokens: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -354,6 +375,7 @@ class TrainStepConfig:
     hardware: Hardware | None = execution_only(default=None)
     output_path: str = this_output()
     facts: RunFacts | None = execution_only(default=None)
+    launch: LaunchPlan | None = execution_only(default=None)
 
     coordinator: str | None = execution_only(default=None)
     """Where the replicas of a multi-process run meet ("host:port"); None: found through Iris.
