@@ -128,9 +128,12 @@ def test_the_comparison_table_shows_what_each_run_recorded(tmp_path, capsys):
     assert [r["fields"] for r in rows] == [{"train.optimizer.lr": 0.5}, {"train.optimizer.lr": 0.25}]
     assert all(r["wall_s"] > 0 for r in rows)
     table = (compare_dir / "comparison.md").read_text().splitlines()
-    assert table[0] == ("| run | steps | final val loss | best val loss (step) | tokens/s | wall time | "
-                        "train.optimizer.lr |")
-    assert table[2].startswith("| train/fake/lr0.5 | 4 | 6.5000 | 5.5000 (2) | 300 | ") and table[2].endswith(" | 0.5 |")
+    assert table[0] == ("| run | steps | final val loss | best val loss (step) | tokens/s | wall time | compile | "
+                        "training | eval+setup | train.optimizer.lr |")
+    assert table[2].startswith("| train/fake/lr0.5 | 4 | 6.5000 | 5.5000 (2) | 300 ") and table[2].endswith(" | 0.5 |")
+    legend = table[table.index("") + 1:]  # every column shown is defined under the table
+    assert [line.split(":")[0] for line in legend[:10]] == [f"- {c}" for c in table[0].strip("| ").split(" | ")[:-1]] + [
+        "- train.optimizer.lr"]
     assert (compare_dir / "comparison.png").stat().st_size > 1000
 
     # `keel compare` prints the same table from the cached runs, and imports no jax doing so.
@@ -142,7 +145,7 @@ def test_the_comparison_table_shows_what_each_run_recorded(tmp_path, capsys):
     assert printed.stdout.splitlines() == table
     capsys.readouterr()
     assert console_main(["compare", str(experiment), "--prefix", prefix, "--only", r"lr0\.25"]) == 0
-    assert [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()[2:]] == ["| train/fake/lr0.25"]
+    assert [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines()[2:3]] == ["| train/fake/lr0.25"]
     assert console_main(["compare", str(experiment), "--prefix", prefix, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["runs"] == rows
 

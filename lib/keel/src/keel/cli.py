@@ -39,7 +39,7 @@ def _parser(prog: str, with_experiment: bool) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Plan, run and cache a declared graph of steps.")
     p.add_argument("command", choices=COMMANDS)
     if with_experiment:
-        p.add_argument("experiments", nargs="+", metavar="EXPERIMENT.py", help="experiment file(s); gc takes several")
+        p.add_argument("experiments", nargs="+", metavar="EXPERIMENT.py", help="experiment file(s); gc and compare take several")
     p.add_argument("--prefix", default=None, help="where outputs live (default: $KEEL_PREFIX, else ./outputs)")
     p.add_argument("--force", metavar="REGEX", help="rerun matching steps even if cached")
     p.add_argument("--only", metavar="REGEX", help="run matching steps and whatever of their ancestry is missing")
@@ -61,7 +61,7 @@ def console_main(argv: list[str] | None = None) -> int:
     args = _parser("keel", with_experiment=True).parse_args(argv)
     try:
         step_lists = [load_experiment(path, args.scale) for path in args.experiments]
-        if args.command != "gc" and len(step_lists) > 1:
+        if args.command not in ("gc", "compare") and len(step_lists) > 1:
             raise StepDeclarationError(f"keel {args.command} takes one experiment file, got {len(step_lists)}")
         return _act(args, step_lists)
     except USER_ERRORS as exc:
@@ -136,11 +136,12 @@ def _act(args, step_lists: list[list]) -> int:
     storage.check_prefix(_prefix(args), write=args.command == "run" or (args.command == "gc" and args.yes))
     if args.command == "gc":
         return _gc(args, graphs)
-    graph = graphs[0]
     if args.command == "compare":
         from keel.trained.compare import compare_finished
 
-        return compare_finished(graph, _regex("--only", args.only), as_json=args.json)
+        sources = getattr(args, "experiments", [sys.argv[0]])
+        return compare_finished(list(zip(sources, graphs)), _regex("--only", args.only), as_json=args.json)
+    graph = graphs[0]
     if args.command == "run":
         _fact_sheets(graph)  # the training steps' declaration checks, before any step runs
         return _run(args, graph)

@@ -1,83 +1,202 @@
-"""Compare finished training runs: a table and one overlaid loss plot, from what the runs recorded.
+"""Compare finished training runs, of one experiment or several: a table whose every column is
+defined under it, and one overlaid loss plot, from what the runs recorded.
 
-Everything comes from files a training step leaves (no jax): `metrics.jsonl` (losses, tokens/s),
-`.keel/status` (wall time) and `.keel/step.json` (the identity fields, of which the table shows
-those that differ between the runs). `keel compare EXP.py` prints the same table for the cached
-training steps of an experiment; the compare step (`compare_step`) writes it under its output as
-comparison.md, comparison.json and comparison.png.
+Everything comes from files a training step leaves (no jax): `metrics.jsonl` (losses, each step's
+throughput, the transport), `.keel/status` (wall time), `.keel/step.json` (identity fields, of
+which the table shows those that differ between the runs; the host and start time) and `.keel/log.txt`
+(the loop's summary line: how long it waited for compiles). Two things make a throughput figure
+untrustworthy, and the table deals with both: steps that compiled or evaluated are left out of
+it, and a run that overlapped on its host with other steps is marked, since sharing the CPU or
+GPU slows it (two concurrent runs made an MoE look 27% slower than a dense model it matched alone).
+`keel compare A.py [B.py ...]` prints the table for the cached training steps of the experiments;
+the compare step (`compare_step`) writes it as comparison.md, comparison.json and comparison.png.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from keel.executor import storage
-from keel.executor.status import keel_path, read_status
+from keel.executor.status import KEEL_DIR, RECORD, keel_path, read_status
 from keel.executor.step import Step
 from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics
+from keel.trained import ladder
 from keel.trained.config import CompareConfig
 
 TABLE_FILE, JSON_FILE, PLOT_FILE = "comparison.md", "comparison.json", "comparison.png"
+SHARED_MARK = "*"
+
+COLUMNS = {
+    "experiment": "the experiment file that declares the run",
+    "run": "the training step's name",
+    "steps": "optimizer steps the run recorded",
+    "final val loss": "eval/loss (mean over the validation sets) at the last evaluated step",
+    "best val loss (step)": "the lowest eval/loss and the step it was measured at",
+    "tokens/s": "median tokens per second of training steps alone: each step's own time (batch fetch and update), "
+                f"leaving out the first step of each transport phase (it compiles) and every evaluation; "
+                f"{SHARED_MARK} when the run shared its host with other steps (slower than alone)",
+    "wall time": "the step's last attempt, start to end (.keel/status)",
+    "compile": "of the wall time, how long the loop stood waiting for its step functions to compile",
+    "training": "of the wall time, the training steps' own measured times summed, less the compile wait",
+    "eval+setup": "the rest of the wall time: validation passes, checkpoints, data and state setup, process start "
+                  "(the run records no evaluation time apart)",
+    "predicted": "the declared predicted_loss (a scaling-ladder fit) with its 95% band; OUTSIDE when the final val "
+                 "loss leaves the band",
+}
 
 
 @dataclass(frozen=True)
 class RunSummary:
-    """One row of the table."""
+    """One row of the table (every figure is defined in `COLUMNS`)."""
 
     run: str
+    experiment: str | None
     steps: int
     final_loss: float | None
-    """The last validation loss (`eval/loss` at the highest step evaluated)."""
     final_step: int | None
     best_loss: float | None
     best_step: int | None
     tokens_per_s: float | None
-    """Median training throughput over the logged steps after the first (which compiles)."""
     wall_s: float | None
-    """Duration of the step's last attempt."""
+    compile_s: float | None
+    train_s: float | None
+    other_s: float | None
+    shared: dict | None
+    """{"steps": names of the steps that ran on the host meanwhile, "fraction": of the wall time}, or None."""
+    prediction: dict | None
+    verdict: str | None
+    """'within', 'above' or 'below' the prediction's band."""
     fields: dict[str, Any]
     """Identity fields that differ between the compared runs (dotted paths into the config)."""
 
 
-def summarize(runs: dict[str, str]) -> list[RunSummary]:
-    """One summary per run (label -> a finished training step's output directory), in label order."""
-    identities = {label: _identity_fields(path) for label, path in runs.items()}
+def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None) -> list[RunSummary]:
+    """One summary per run (label -> a finished training step's output directory), in label order;
+    `experiments` maps labels to the experiment file that declares them."""
+    records = {label: _record(path) for label, path in runs.items()}
+    identities = {label: _flat(record["identity"]["config"]) for label, record in records.items()}
     differing = _differing(list(identities.values()))
+    neighbours = _attempts_near(runs.values())
     rows = []
     for label, path in runs.items():
-        records = read_metrics(storage.join(path, METRICS_FILE))
-        evals = latest_by_step(records, "eval/loss")
-        throughput = latest_by_step(records, "throughput/tokens_per_s")
-        train_steps = latest_by_step(records, "train/loss")
-        steady = [v for s, v in throughput.items() if s > min(throughput)] if len(throughput) > 1 else list(throughput.values())
+        metrics = read_metrics(storage.join(path, METRICS_FILE))
+        evals = latest_by_step(metrics, "eval/loss")
+        train_steps = latest_by_step(metrics, "train/loss")
         best_step = min(evals, key=evals.get) if evals else None
         status = read_status(path)
+        wall = status.duration if status is not None else None
+        tokens_per_step = identities[label].get("train.batch_size", 0) * identities[label].get("train.seq_len", 0)
+        compile_s = _compile_wait(path)
+        step_s = _step_seconds(metrics, tokens_per_step, len(train_steps))
+        train_s = None if step_s is None else max(0.0, step_s - (compile_s or 0.0))
+        final = evals[max(evals)] if evals else None
+        prediction = ladder.read_prediction(ladder.declared_prediction(path))
         rows.append(RunSummary(
             run=label,
+            experiment=(experiments or {}).get(label),
             steps=max(train_steps) + 1 if train_steps else 0,
-            final_loss=evals[max(evals)] if evals else None,
+            final_loss=final,
             final_step=max(evals) if evals else None,
             best_loss=evals[best_step] if evals else None,
             best_step=best_step,
-            tokens_per_s=statistics.median(steady) if steady else None,
-            wall_s=status.duration if status is not None else None,
+            tokens_per_s=training_throughput(metrics),
+            wall_s=wall,
+            compile_s=compile_s,
+            train_s=train_s,
+            other_s=None if wall is None or train_s is None else max(0.0, wall - train_s - (compile_s or 0.0)),
+            shared=_shared(path, records[label], status, neighbours),
+            prediction=prediction,
+            verdict=ladder.judge(final, prediction),
             fields={name: identities[label].get(name) for name in differing},
         ))
     return rows
 
 
-def _identity_fields(path: str) -> dict[str, Any]:
-    """The run's identity config as {dotted path: plain value} (from its `.keel/step.json`)."""
-    record = storage.read_json(keel_path(path, "step.json"))
+def training_throughput(metrics: list[dict]) -> float | None:
+    """Median `throughput/tokens_per_s` of the steps that neither compiled (the first logged step of
+    each transport phase) nor are all there is; the only step's figure when a run logged one."""
+    speeds = latest_by_step(metrics, "throughput/tokens_per_s")
+    transports = latest_by_step(metrics, "transport")
+    compiling, previous = set(), object()
+    for step in speeds:
+        if transports.get(step, previous) != previous or step == min(speeds):
+            compiling.add(step)
+        previous = transports.get(step, previous)
+    steady = [v for s, v in speeds.items() if s not in compiling] or list(speeds.values())
+    return statistics.median(steady) if steady else None
+
+
+def _step_seconds(metrics: list[dict], tokens_per_step: int, steps: int) -> float | None:
+    """The training steps' own times summed (scaled up when only every n-th step was logged)."""
+    speeds = [v for v in latest_by_step(metrics, "throughput/tokens_per_s").values() if v]
+    if not speeds or not tokens_per_step:
+        return None
+    return sum(tokens_per_step / v for v in speeds) * max(steps, len(speeds)) / len(speeds)
+
+
+_SUMMARY = re.compile(r"done: steps \d+->\d+ in [\d.]+s \(compiling [\d.]+s, waited for ([\d.]+)s\)")
+
+
+def _compile_wait(path: str) -> float | None:
+    """The compile wait of the run's last attempt, from its summary line in log.txt (None: not found)."""
+    found = _SUMMARY.findall(storage.read_text(keel_path(path, "log.txt")) or "")
+    return float(found[-1]) if found else None
+
+
+def _record(path: str) -> dict:
+    record = storage.read_json(keel_path(path, RECORD))
     if record is None:
         raise FileNotFoundError(f"{path} has no .keel/step.json: is it a keel step's output?")
+    return record
+
+
+def _attempts_near(paths) -> list[tuple[str, str | None, float, float]]:
+    """(name, host, start, end) of every step attempt under the prefixes of `paths` (a step's
+    output is {prefix}/{name}-{hash}, its name one to four segments deep); running ones end now."""
+    roots = set()
+    for path in paths:
+        record = _record(path)
+        roots.add(path.rstrip("/")[: -len(f"/{record['name']}-{record['hash']}")])
+    found = []
+    for root in roots:
+        fs, plain = storage.split(root)
+        for depth in range(1, 5):
+            for record_path in fs.glob(f"{plain}/{'/'.join(['*'] * depth)}/{KEEL_DIR}/{RECORD}"):
+                step = root + record_path.rsplit(f"/{KEEL_DIR}/", 1)[0][len(plain):]
+                record, status = storage.read_json(keel_path(step, RECORD)), read_status(step)
+                if record is not None and status is not None:
+                    end = status.finished if status.finished is not None else time.time()
+                    found.append((record.get("name", step), record.get("provenance", {}).get("host"), status.started, end))
+    return found
+
+
+def _shared(path: str, record: dict, status, attempts) -> dict | None:
+    """The steps whose attempts overlapped this run's on its host, and for what share of its wall time."""
+    if status is None or status.finished is None:
+        return None
+    start, end, host = status.started, status.finished, record.get("provenance", {}).get("host")
+    spans = sorted((max(s, start), min(e, end), name) for name, h, s, e in attempts
+                   if h == host and name != record["name"] and s < end and e > start)
+    if not spans:
+        return None
+    covered, reach = 0.0, start
+    for s, e, _ in spans:  # the union of the overlaps
+        if e > reach:
+            covered += e - max(s, reach)
+            reach = e
+    return {"steps": sorted({name for _, _, name in spans}), "fraction": covered / max(end - start, 1e-9)}
+
+
+def _flat(config: dict) -> dict[str, Any]:
     flat: dict[str, Any] = {}
-    _flatten(record["identity"]["config"], "", flat)
+    _flatten(config, "", flat)
     return flat
 
 
@@ -107,16 +226,45 @@ def _differing(identities: list[dict[str, Any]]) -> list[str]:
 
 
 def render_table(rows: list[RunSummary]) -> str:
-    """The rows as a Markdown table, one line per run."""
+    """The rows as a Markdown table, one line per run, then the definition of every column shown."""
     differing = list(rows[0].fields) if rows else []
-    header = ["run", "steps", "final val loss", "best val loss (step)", "tokens/s", "wall time", *differing]
+    several = len({r.experiment for r in rows}) > 1
+    predicted = any(r.prediction for r in rows)
+    header = [*(["experiment"] if several else []), "run", "steps", "final val loss", "best val loss (step)", "tokens/s",
+              "wall time", "compile", "training", "eval+setup", *(["predicted"] if predicted else []), *differing]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         best = f"{r.best_loss:.4f} ({r.best_step})" if r.best_loss is not None else "-"
-        cells = [r.run, str(r.steps), _number(r.final_loss, ".4f"), best, _number(r.tokens_per_s, ",.0f"),
-                 f"{r.wall_s:.1f}s" if r.wall_s is not None else "-", *(_value(r.fields[n]) for n in differing)]
+        speed = _number(r.tokens_per_s, ",.0f") + (f" {SHARED_MARK}" if r.shared and r.tokens_per_s is not None else "")
+        cells = [*([r.experiment or "-"] if several else []), r.run, str(r.steps), _number(r.final_loss, ".4f"), best,
+                 speed, _seconds(r.wall_s), _seconds(r.compile_s), _seconds(r.train_s), _seconds(r.other_s),
+                 *([_predicted(r)] if predicted else []), *(_value(r.fields[n]) for n in differing)]
         lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"- {name}: {COLUMNS[name]}" for name in header if name in COLUMNS]
+    if differing:
+        lines.append(f"- {', '.join(differing)}: identity fields (in the step's config) that differ between these runs")
+    for r in rows:
+        if r.shared:
+            lines.append(f"- {SHARED_MARK} {r.run} shared its host for {r.shared['fraction']:.0%} of its wall time with "
+                         f"{_names(r.shared['steps'])}")
     return "\n".join(lines)
+
+
+def _predicted(r: RunSummary) -> str:
+    p = r.prediction
+    if p is None:
+        return "-"
+    shown = f"{p['loss']:.4f} [{p['low']:.4f}, {p['high']:.4f}]"
+    return shown + (f" OUTSIDE ({r.verdict})" if r.verdict in ("above", "below") else "")
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}s"
 
 
 def _number(value: float | None, spec: str) -> str:
@@ -161,28 +309,49 @@ def compare_step(config: CompareConfig) -> None:
     print(table)
     storage.write_atomic(storage.join(config.output_path, TABLE_FILE), table + "\n")
     storage.write_json(storage.join(config.output_path, JSON_FILE),
-                       {"runs": [asdict(r) for r in rows], "paths": dict(config.runs)})
+                       {"runs": [asdict(r) for r in rows], "paths": dict(config.runs), "columns": COLUMNS})
     plot_losses(config.runs, storage.join(config.output_path, PLOT_FILE))
 
 
-def compare_finished(graph, only: re.Pattern | None = None, as_json: bool = False) -> int:
-    """`keel compare EXP.py [--only REGEX] [--json]`: print the table (or its rows as JSON) of the
-    graph's cached training steps whose names match `only`; runs nothing. Exit code 1 when no such
-    step has finished."""
-    from keel.executor.plan import CACHED, plan_graph
+def training_plans(experiments: list[tuple[str | None, Any]], only: re.Pattern | None = None) -> list[tuple[str | None, Any]]:
+    """(experiment, plan) of every training step of the (experiment file, graph) pairs whose name
+    matches `only`, each output once (a step two experiments share is listed under the first)."""
+    from keel.executor.plan import plan_graph
     from keel.train.config import TrainStepConfig
 
-    plans = [p for p in plan_graph(graph) if isinstance(p.step, Step) and isinstance(p.step.config, TrainStepConfig)
-             and (only is None or only.search(p.name))]
-    finished = {p.name: p.output_path for p in plans if p.state == CACHED}
-    waiting = [f"{p.name} ({p.state})" for p in plans if p.state != CACHED]
-    if not finished:
+    seen, out = set(), []
+    for source, graph in experiments:
+        for plan in plan_graph(graph):
+            if (isinstance(plan.step, Step) and isinstance(plan.step.config, TrainStepConfig)
+                    and (only is None or only.search(plan.name)) and plan.output_path not in seen):
+                seen.add(plan.output_path)
+                out.append((source, plan))
+    return out
+
+
+def compare_finished(experiments: list[tuple[str | None, Any]], only: re.Pattern | None = None, as_json: bool = False) -> int:
+    """`keel compare A.py [B.py ...] [--only REGEX] [--json]`: print the table (or its rows as JSON)
+    of the cached training steps of the (experiment file, graph) pairs whose names match `only`;
+    runs nothing. A step name two experiments declare differently is labelled `file:name`. Exit
+    code 1 when no such step has finished."""
+    from keel.executor.plan import CACHED
+
+    plans = training_plans(experiments, only)
+    names = [p.name for _, p in plans]
+    runs, files = {}, {}
+    for source, plan in plans:
+        if plan.state == CACHED:
+            file = os.path.basename(source) if source else None
+            label = plan.name if names.count(plan.name) == 1 else f"{file}:{plan.name}"
+            runs[label], files[label] = plan.output_path, file
+    waiting = [f"{p.name} ({p.state})" for _, p in plans if p.state != CACHED]
+    if not runs:
         print(f"keel: no finished training steps to compare{' matching ' + only.pattern if only else ''}"
               + (f"; not finished: {', '.join(waiting)}" if waiting else ""), file=sys.stderr)
         return 1
-    rows = summarize(finished)
+    rows = summarize(runs, files if len(experiments) > 1 else None)
     if as_json:
-        print(json.dumps({"runs": [asdict(r) for r in rows], "not_finished": waiting}, indent=1))
+        print(json.dumps({"runs": [asdict(r) for r in rows], "not_finished": waiting, "columns": COLUMNS}, indent=1))
         return 0
     print(render_table(rows))
     if waiting:

@@ -1,0 +1,174 @@
+"""Loss prediction from a scaling ladder: fit L(C) = E + A * (C / C0)^-alpha to small runs, predict a bigger one.
+
+A ladder is a few finished training runs over a range of compute C (training FLOPs: the fact
+sheet's FLOPs per token, attention and lm_head included, times the tokens trained). The fit step
+reads each run's final validation loss, fits the curve with scipy's `curve_fit` (C0, the ladder's
+geometric mean compute, only keeps the numbers well conditioned) and writes the prediction for
+the target's compute with a 95% band: from the fit's covariance (Monte Carlo over the parameters)
+or, when the covariance is not finite (a parameter at its bound, a ladder too short), from the
+spread of the leave-one-out fits. A training step declares the prediction as `predicted_loss=`;
+`keel plan` prints it, and `keel status`, `keel compare` and the dashboard set the run's final
+validation loss against it and flag a run that leaves the band. No jax here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from keel.executor import storage
+from keel.executor.status import keel_path
+from keel.executor.step import this_output
+
+FIT_FILE, PREDICTION_FILE = "fit.json", "prediction.json"
+BAND = 0.95
+
+
+@dataclass(frozen=True)
+class LadderConfig:
+    """The fit step: `runs` maps labels to finished training steps, `compute` the same labels to
+    their training FLOPs; `target` names the predicted run and `target_compute` its FLOPs."""
+
+    runs: dict[str, str]
+    compute: dict[str, float]
+    target: str
+    target_compute: float
+    output_path: str = this_output()
+
+    def __post_init__(self):
+        if set(self.runs) != set(self.compute):
+            raise ValueError(f"LadderConfig: runs {sorted(self.runs)} and compute {sorted(self.compute)} name different runs")
+        if len(self.runs) < 4:
+            raise ValueError(f"LadderConfig: {len(self.runs)} runs cannot fit 3 parameters with a residual to spare: give 4 or more")
+        if len({round(math.log(c), 6) for c in self.compute.values()}) < len(self.compute):
+            raise ValueError("LadderConfig: two runs have the same compute; give each rung its own")
+
+
+@dataclass(frozen=True)
+class Fit:
+    """L(C) = E + A * (C / c0)^-alpha, with the parameters' covariance (None when not finite)."""
+
+    E: float
+    A: float
+    alpha: float
+    c0: float
+    covariance: list[list[float]] | None
+    leave_one_out: list[tuple[float, float, float]]
+
+    def loss(self, compute: float, params: tuple[float, float, float] | None = None) -> float:
+        E, A, alpha = params or (self.E, self.A, self.alpha)
+        return E + A * (compute / self.c0) ** -alpha
+
+    def band(self, compute: float, seed: int = 0) -> tuple[float, float, str]:
+        """The 95% band of L(compute): covariance Monte Carlo, else the leave-one-out spread."""
+        import numpy as np
+
+        if self.covariance is not None:
+            draws = np.random.default_rng(seed).multivariate_normal([self.E, self.A, self.alpha], self.covariance, 4000)
+            values = draws[:, 0] + draws[:, 1] * (compute / self.c0) ** -draws[:, 2]
+            low, high = np.percentile(values, [100 * (1 - BAND) / 2, 100 * (1 + BAND) / 2])
+            return float(low), float(high), "covariance"
+        values = [self.loss(compute, p) for p in self.leave_one_out] + [self.loss(compute)]
+        return min(values), max(values), "leave-one-out"
+
+
+def fit_power_law(compute: list[float], loss: list[float]) -> Fit:
+    """Least squares of L = E + A (C/c0)^-alpha with 0 <= E < min(loss), A > 0, 0 < alpha < 3."""
+    import numpy as np
+
+    c, y = np.asarray(compute, float), np.asarray(loss, float)
+    c0 = float(np.exp(np.log(c).mean()))
+    params, cov = _curve_fit(c / c0, y)
+    finite = cov is not None and bool(np.all(np.isfinite(cov)))
+    loo = [tuple(_curve_fit(np.delete(c, i) / c0, np.delete(y, i))[0]) for i in range(len(c))] if len(c) > 3 else []
+    return Fit(*params, c0=c0, covariance=cov.tolist() if finite else None, leave_one_out=loo)
+
+
+def _curve_fit(x, y):
+    import warnings
+
+    import numpy as np
+    from scipy.optimize import curve_fit
+
+    def curve(x, E, A, alpha):
+        return E + A * x ** -alpha
+
+    floor = float(y.min())
+    start = (0.5 * floor, max(float(y.max() - 0.5 * floor), 1e-3), 0.3)
+    with warnings.catch_warnings():  # an exactly determined fit has no covariance: handled by the caller
+        warnings.simplefilter("ignore")
+        params, cov = curve_fit(curve, x, y, p0=start, bounds=([0.0, 0.0, 1e-3], [floor, np.inf, 3.0]), maxfev=20_000)
+    return tuple(float(p) for p in params), (cov if len(x) > 3 else None)
+
+
+def final_val_loss(run_path: str) -> tuple[int, float] | None:
+    """(step, eval/loss) of the run's last evaluation, or None before its first."""
+    from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics
+
+    try:
+        evals = latest_by_step(read_metrics(storage.join(run_path, METRICS_FILE)), "eval/loss")
+    except FileNotFoundError:
+        return None
+    return (max(evals), evals[max(evals)]) if evals else None
+
+
+def ladder_step(config: LadderConfig) -> None:
+    """Step function: fit.json (the rungs, the fit) and prediction.json (the target's loss and band)."""
+    rungs = []
+    for label, path in config.runs.items():
+        found = final_val_loss(path)
+        if found is None:
+            raise ValueError(f"ladder run {label} ({path}) recorded no validation loss: give it eval_batches > 0")
+        rungs.append({"run": label, "compute": config.compute[label], "step": found[0], "loss": found[1]})
+    fit = fit_power_law([r["compute"] for r in rungs], [r["loss"] for r in rungs])
+    for r in rungs:
+        r["fitted"] = fit.loss(r["compute"])
+    low, high, method = fit.band(config.target_compute)
+    prediction = {"target": config.target, "compute": config.target_compute, "loss": fit.loss(config.target_compute),
+                  "low": low, "high": high, "band": BAND, "method": method,
+                  "law": f"L(C) = {fit.E:.4f} + {fit.A:.4f} * (C / {fit.c0:.4g})^-{fit.alpha:.4f}"}
+    storage.write_json(storage.join(config.output_path, FIT_FILE), {
+        "rungs": rungs, "E": fit.E, "A": fit.A, "alpha": fit.alpha, "c0": fit.c0, "covariance": fit.covariance,
+        "leave_one_out": fit.leave_one_out, "prediction": prediction})
+    storage.write_json(storage.join(config.output_path, PREDICTION_FILE), prediction)
+    for r in rungs:
+        print(f"rung {r['run']}: C = {r['compute']:.3g} FLOPs, val loss {r['loss']:.4f} (fit {r['fitted']:.4f})")
+    print(f"fit {prediction['law']}")
+    print(describe(prediction))
+
+
+def describe(prediction: dict) -> str:
+    """`predicted val loss 4.1234 (95% band 3.9-4.3, covariance) for train/x at C = 1.2e13`."""
+    return (f"predicted val loss {prediction['loss']:.4f} ({prediction['band']:.0%} band {prediction['low']:.4f}-"
+            f"{prediction['high']:.4f}, {prediction['method']}) for {prediction['target']} at C = {prediction['compute']:.3g} FLOPs")
+
+
+def declared_prediction(run_path: str) -> str | None:
+    """Where a run's declared prediction lives (`predicted_loss` in its step.json), or None."""
+    record = storage.read_json(keel_path(run_path, "step.json"))
+    found = (record or {}).get("config", {}).get("predicted_loss")
+    return found if isinstance(found, str) else None
+
+
+def read_prediction(location: str | None) -> dict | None:
+    """The prediction.json at `location`, or None (no prediction declared, or the fit has not run)."""
+    return storage.read_json(location) if location else None
+
+
+def judge(actual: float | None, prediction: dict | None) -> str | None:
+    """'within' / 'above' / 'below' the band; None when either is missing."""
+    if actual is None or prediction is None:
+        return None
+    return "above" if actual > prediction["high"] else "below" if actual < prediction["low"] else "within"
+
+
+def verdict_line(actual: tuple[int, float] | None, prediction: dict | None) -> str | None:
+    """One line for `keel status`: the prediction and, once the run has evaluated, the actual against it."""
+    if prediction is None:
+        return None
+    line = describe(prediction)
+    if actual is not None:
+        where = judge(actual[1], prediction)
+        line += (f"; actual {actual[1]:.4f} at step {actual[0]}: "
+                 + ("within the band" if where == "within" else f"OUTSIDE the band ({where})"))
+    return line

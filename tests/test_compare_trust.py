@@ -1,0 +1,82 @@
+"""`keel compare` figures a researcher can trust: runs of several experiments in one table, throughput
+of training steps alone (no compiling step), the wall time split, a mark on runs that shared their
+host, and every column defined under the table. Training is a stand-in that writes what a training
+step records, so this runs in seconds."""
+
+import json
+import textwrap
+
+from keel.cli import console_main
+
+_EXPERIMENT = textwrap.dedent(
+    """
+    import json, os, time
+    from defaults import default_train
+    from defaults.models import tiny_moe
+    from keel import External, main
+    from keel.train import AdamWConfig, TrainConfig
+
+    def pretend_to_train(config):
+        # 4 steps, the transport switching at step 2: steps 0 and 2 compile (slow), 1 and 3 do not.
+        speeds = {0: 10.0, 1: 100.0 * config.train.optimizer.lr, 2: 5.0, 3: 200.0 * config.train.optimizer.lr}
+        rows = [{"step": 0, "eval/loss": 7.0}]
+        rows += [{"step": s, "train/loss": 6.0 - s / 10, "throughput/tokens_per_s": v,
+                  "transport": "ring" if s < 2 else "fixed_all_to_all"} for s, v in speeds.items()]
+        rows += [{"step": 4, "eval/loss": 5.0 + config.train.optimizer.lr}]
+        with open(os.path.join(config.output_path, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\\n" for r in rows)
+        time.sleep(SLEEP)
+        print("[train] x: done: steps 0->4 in 9.9s (compiling 3.0s, waited for 1.5s), final validation loss 5.0")
+
+    def run(name, lr):
+        train = TrainConfig(batch_size=2, seq_len=8, num_steps=4, optimizer=AdamWConfig(lr=lr))
+        step = default_train(name, data=External("cache", "/nowhere"), model=tiny_moe, train=train)
+        return step.__class__(step.name, pretend_to_train, step.config)
+
+    if __name__ == "__main__":
+        main(RUNS)
+    """
+)
+
+
+def _experiment(path, runs: str, sleep: float):
+    path.write_text(_EXPERIMENT.replace("RUNS)", f"{runs})").replace("SLEEP", str(sleep)))
+    return str(path)
+
+
+def test_compare_across_experiments_with_columns_defined_and_shared_runs_marked(tmp_path, capsys):
+    prefix = str(tmp_path / "out")
+    dense = _experiment(tmp_path / "dense.py", '[run("dense", 1.0)]', 0.0)
+    moe = _experiment(tmp_path / "moe.py", '[run("moe", 0.5)]', 0.0)
+    together = _experiment(tmp_path / "together.py", '[run("pair/a", 1.0), run("pair/b", 2.0)]', 2.0)
+    for experiment in (dense, moe):  # one after the other: neither shares the host
+        assert console_main(["run", experiment, "--prefix", prefix]) == 0
+    capsys.readouterr()
+
+    assert console_main(["compare", dense, moe, "--prefix", prefix, "--json"]) == 0
+    rows = {r["run"]: r for r in json.loads(capsys.readouterr().out)["runs"]}
+    assert {r["experiment"] for r in rows.values()} == {"dense.py", "moe.py"}
+    # Steps 0 and 2 compiled (the first step, and the first after the transport switch): left out.
+    assert rows["train/dense"]["tokens_per_s"] == 150.0 and rows["train/moe"]["tokens_per_s"] == 75.0
+    assert rows["train/dense"]["shared"] is None and rows["train/moe"]["shared"] is None
+    assert rows["train/dense"]["compile_s"] == 1.5
+    assert rows["train/dense"]["fields"] == {"train.optimizer.lr": 1.0} and rows["train/moe"]["fields"] == {
+        "train.optimizer.lr": 0.5}
+
+    assert console_main(["compare", dense, moe, "--prefix", prefix]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[0].strip("| ").split(" | ")
+    assert header[:2] == ["experiment", "run"] and {"compile", "training", "eval+setup"} <= set(header)
+    defined = [line.split(":")[0][2:] for line in lines[lines.index("") + 1:]]
+    assert defined == header[:-1] + ["train.optimizer.lr"]  # every column shown, defined where it is shown
+
+    assert console_main(["run", together, "--prefix", prefix]) == 0  # two runs at once on this host
+    capsys.readouterr()
+    assert console_main(["compare", together, "--prefix", prefix, "--json"]) == 0
+    pair = {r["run"]: r for r in json.loads(capsys.readouterr().out)["runs"]}
+    assert pair["train/pair/a"]["shared"]["steps"] == ["train/pair/b"]
+    assert pair["train/pair/b"]["shared"]["steps"] == ["train/pair/a"]
+    assert all(r["shared"]["fraction"] > 0.5 for r in pair.values())
+    assert console_main(["compare", together, "--prefix", prefix]) == 0
+    table = capsys.readouterr().out
+    assert "| 150 * |" in table and "- * train/pair/a shared its host for " in table
