@@ -21,6 +21,8 @@ import math
 
 from keel.plan.checks import PlanError, mixture_phases
 from keel.plan.resolved import ResolvedRun, resolve
+from keel.plan.peak import transients
+from keel.plan.step_time import observed_here, step_time, stretches
 from keel.train.config import TrainStepConfig
 
 GB = 1e9
@@ -81,9 +83,12 @@ def optimizer(config: TrainStepConfig) -> dict:
     return out
 
 
-def memory(run: ResolvedRun) -> dict | None:
-    """Bytes per GPU on device and on host, for each phase of the host-offload choice, summed over
-    the parameter table (each leaf as placed on the mesh; optimizer state placed like its leaf)."""
+def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
+    """Bytes per GPU on device and on host, for each stretch of the run (split where the master
+    weights come back from the host and at transport switches): the state summed over the
+    parameter table (each leaf as placed on the mesh; optimizer state placed like its leaf), the
+    offloaded state the step copies in, and the step's transient buffers (`peak`). "fits" is
+    judged at the peak; the host's share is checked against the host RAM."""
     config = run.config
     topo, train, hw, model = config.topology, config.train, config.hardware, config.model
     if topo is None:
@@ -103,11 +108,8 @@ def memory(run: ResolvedRun) -> dict | None:
         "saved_residuals": model.num_layers * residual / GB if train.remat else None,  # no estimate without remat
     }
     offload = train.host_offload
-    boundaries = [0] + ([offload.master_weights_until_step] if offload.master_weights_until_step else [])
     phases = []
-    for start in boundaries:
-        if start >= train.num_steps:
-            continue
+    for start, _ in stretches(run):
         on_host = ["master_weights"] if offload.master_on_host(start) else []
         if offload.optimizer_state:
             on_host.append("optimizer_state")
@@ -116,17 +118,31 @@ def memory(run: ResolvedRun) -> dict | None:
         ]
         known = [parts[p] for p in device_parts]
         device = None if None in known else sum(known)
+        transport = next(t for t in reversed(run.transports) if t.start_step <= start)
+        a2a = next((r for r in a2a_rows if r["from_step"] == transport.start_step), None)
+        transient = transients(run, a2a, transport.capacity_factor, compute)
+        host = sum(parts[p] for p in on_host)
+        # keel.train.offload copies the host-resident state in for the step's compute: at its
+        # peak the device holds it too (it lives on the host between steps).
+        state_peak = None if device is None else device + host
+        peak = None if state_peak is None else state_peak + sum(transient.values())
+        host_per_host = host * hw.gpus_per_host if hw and hw.gpus_per_host else None
         phases.append({
             "from_step": start,
+            "transport": transport.transport,
             "on_device": device_parts,
             "on_host": on_host,
             "device_gb": device,
             "rack_gb": None if device is None else device * topo.gpus_per_rack,
-            "host_gb": sum(parts[p] for p in on_host),
-            # keel.train.offload copies the host-resident state in for the step's compute: at its
-            # peak the device holds it too (it lives on the host between steps).
-            "step_peak_gb": None if device is None or not on_host else device + sum(parts[p] for p in on_host),
-            "fits": None if hbm is None or device is None else device <= hbm,
+            "host_gb": host,
+            "step_peak_gb": state_peak if on_host else None,
+            "transient_gb": transient,
+            "peak_gb": peak,
+            "headroom_gb": None if hbm is None or peak is None else hbm - peak,
+            "fits": None if hbm is None or peak is None else peak <= hbm,
+            "host_per_host_gb": host_per_host,
+            "host_fits": None if host_per_host is None or not hw.host_ram_per_host_gb else
+            host_per_host <= hw.host_ram_per_host_gb,
         })
     return {
         "parameters_per_gpu": params,
@@ -134,6 +150,7 @@ def memory(run: ResolvedRun) -> dict | None:
         "phases": phases,
         "hbm_per_gpu_gb": hbm,
         "hbm_per_rack_gb": hbm * topo.gpus_per_rack if hbm else None,
+        "host_ram_per_host_gb": hw.host_ram_per_host_gb if hw else None,
         "remat": train.remat,
     }
 
@@ -173,6 +190,7 @@ def all_to_all(run: ResolvedRun) -> list[dict]:
             "width": model.expert_input_dim,
             "buffer_gb_per_layer": buffer / GB,
             "gb_per_step_per_gpu": buffer * buffers_per_layer * model.num_layers / GB,
+            "exchanges_per_step": buffers_per_layer * model.num_layers,
             "off_gpu_fraction": 1 - 1 / topo.expert_parallel,
         })
     return out
@@ -218,7 +236,7 @@ def time(config: TrainStepConfig, train_facts: dict) -> dict | None:
     """Each measured speed with its MFU, the projection rate and the goodput it implies (projected
     over measured rate), and the completion date projected from the last observation."""
     facts, train, hw, topo = config.facts, config.train, config.hardware, config.topology
-    if facts is None or not facts.observed:
+    if not observed_here(config)[0]:  # none declared, or measured on another layout: see step_time
         return None
     start = _date(facts.start_date, "facts.start_date")
     flops_per_step = train_facts["flops_per_token"] * train.tokens_per_step
@@ -375,10 +393,11 @@ def fact_sheet(config: TrainStepConfig, name: str = "") -> dict:
     sheet["mesh"] = mesh(config)
     sheet["training"] = training(config)
     sheet["optimizer"] = optimizer(config)
-    sheet["memory"] = memory(run)
     sheet["all_to_all"] = all_to_all(run)
+    sheet["memory"] = memory(run, sheet["all_to_all"])
     sheet["cross_rack"] = cross_rack(config, sheet["memory"])
     sheet["time"] = time(config, sheet["training"])
+    sheet["step_time"] = step_time(run, sheet)
     sheet["mixture"] = mixture(config)
     sheet["transports"] = transports(run)
     sheet["claims"] = claims(config, sheet)
