@@ -22,7 +22,7 @@ import math
 from keel.plan.checks import PlanError, mixture_phases
 from keel.plan.resolved import ResolvedRun, resolve
 from keel.plan.peak import transients
-from keel.plan.step_time import observed_here, step_time, stretches
+from keel.plan.step_time import observed_here, step_time, stretches, transport_at
 from keel.train.config import TrainStepConfig
 
 GB = 1e9
@@ -118,9 +118,9 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
         ]
         known = [parts[p] for p in device_parts]
         device = None if None in known else sum(known)
-        transport = next(t for t in reversed(run.transports) if t.start_step <= start)
-        a2a = next((r for r in a2a_rows if r["from_step"] == transport.start_step), None)
-        transient = transients(run, a2a, transport.capacity_factor, compute)
+        transport = transport_at(run, start)
+        a2a = next((r for r in a2a_rows if transport and r["from_step"] == transport.start_step), None)
+        transient = transients(run, a2a, transport and transport.capacity_factor, compute)
         host = sum(parts[p] for p in on_host)
         # keel.train.offload copies the host-resident state in for the step's compute: at its
         # peak the device holds it too (it lives on the host between steps).
@@ -129,7 +129,7 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
         host_per_host = host * hw.gpus_per_host if hw and hw.gpus_per_host else None
         phases.append({
             "from_step": start,
-            "transport": transport.transport,
+            "transport": transport and transport.transport,
             "on_device": device_parts,
             "on_host": on_host,
             "device_gb": device,

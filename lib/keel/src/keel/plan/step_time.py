@@ -119,6 +119,11 @@ def stretches(run: ResolvedRun) -> list[tuple[int, int]]:
     return [(s, (starts[i + 1] if i + 1 < len(starts) else train.num_steps) - 1) for i, s in enumerate(starts)]
 
 
+def transport_at(run: ResolvedRun, step: int):
+    """The resolved transport phase in force at `step` (None when the run declares none)."""
+    return next((t for t in reversed(run.transports) if t.start_step <= step), None)
+
+
 def loads(run: ResolvedRun, sheet: dict) -> list[Load]:
     """The calibration-free cost of each stretch of the run (needs a topology and `NEEDED` hardware figures)."""
     config = run.config
@@ -142,17 +147,17 @@ def loads(run: ResolvedRun, sheet: dict) -> list[Load]:
     cross_gb = cross.get("gradient_all_reduce_gb", 0.0) + cross.get("router_histogram_gb", 0.0)
     out = []
     for start, end in stretches(run):
-        phase = next(t for t in reversed(run.transports) if t.start_step <= start)
-        a2a = next((r for r in sheet["all_to_all"] if r["from_step"] == phase.start_step), None)
+        phase = transport_at(run, start)
+        a2a = next((r for r in sheet["all_to_all"] if phase and r["from_step"] == phase.start_step), None)
         pad = a2a["capacity_factor"] if a2a and a2a["kind"] == "padded" else 1.0  # fixed buffers compute whole
         a2a_gb = a2a["gb_per_step_per_gpu"] * a2a["off_gpu_fraction"] if a2a else 0.0
         a2a_s, a2a_off = _spread(a2a_gb, topo.expert_parallel, hw)
         host_gb = next(m for m in reversed(mem["phases"]) if m["from_step"] <= start)["host_gb"] * 2  # in and back
         hbm_gb = (weights_read * passes + weights_read + update) / GB + 2 * (mem["parts_gb"]["saved_residuals"] or 0)
         hbm_gb += 2 * (a2a["gb_per_step_per_gpu"] if a2a else 0)
-        waves = phase.num_waves if phase.transport in HIDDEN_BY_WAVES else 1
+        waves = phase.num_waves if phase and phase.transport in HIDDEN_BY_WAVES else 1
         out.append(Load(
-            start, end, phase.transport,
+            start, end, phase.transport if phase else "default",
             flops=tokens * (per_token + routed * (pad - 1)) * (passes + 1) / 3,
             expert_flops=tokens * routed * pad * (passes + 1) / 3,
             model_flops=tokens * per_token,
