@@ -1,4 +1,4 @@
-"""`keel run|plan|status|gc|compare EXPERIMENT.py [options]`, and `python EXPERIMENT.py run|plan|...`.
+"""`keel run|plan|status|gc|compare|dashboard EXPERIMENT.py [options]`, and `python EXPERIMENT.py run|plan|...`.
 
 An experiment file ends with `keel.main([steps])`, optionally with named scalings of its graph
 (`keel.main([hero], scales={"tiny": twin})`, selected with `--scale tiny`). Run as a script, `main`
@@ -23,7 +23,7 @@ from keel.executor.plan import Graph, StepPlan, plan_graph
 from keel.executor.status import KEEL_DIR, RECORD
 from keel.executor.step import StepDeclarationError
 
-COMMANDS = ("run", "plan", "status", "gc", "compare")
+COMMANDS = ("run", "plan", "status", "gc", "compare", "dashboard")
 _collecting: list[tuple[list, dict]] | None = None
 
 
@@ -49,6 +49,8 @@ def _parser(prog: str, with_experiment: bool) -> argparse.ArgumentParser:
     p.add_argument("--scale", default=None, metavar="NAME", help="use the experiment's graph scaled as NAME (e.g. tiny)")
     p.add_argument("--json", action="store_true", help="machine-readable plan/status")
     p.add_argument("--yes", action="store_true", help="gc: really delete")
+    p.add_argument("--port", type=int, default=8765, help="dashboard: serve on 127.0.0.1:PORT")
+    p.add_argument("--out", default=None, metavar="DIR", help="dashboard: write the page as static files to DIR instead")
     return p
 
 
@@ -141,6 +143,14 @@ def _act(args, step_lists: list[list]) -> int:
 
         sources = getattr(args, "experiments", [sys.argv[0]])
         return compare_finished(list(zip(sources, graphs)), _regex("--only", args.only), as_json=args.json)
+    if args.command == "dashboard":
+        from keel.dashboard import export, serve
+
+        source = getattr(args, "experiments", [sys.argv[0]])[0]
+        if args.out:
+            print(export(source, graphs[0], args.out))
+            return 0
+        return serve(source, graphs[0], args.port)
     graph = graphs[0]
     if args.command == "run":
         _fact_sheets(graph)  # the training steps' declaration checks, before any step runs

@@ -81,7 +81,7 @@ def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None) -
     """One summary per run (label -> a finished training step's output directory), in label order;
     `experiments` maps labels to the experiment file that declares them."""
     records = {label: _record(path) for label, path in runs.items()}
-    identities = {label: _flat(record["identity"]["config"]) for label, record in records.items()}
+    identities = {label: flat_config(record["identity"]["config"]) for label, record in records.items()}
     differing = _differing(list(identities.values()))
     neighbours = _attempts_near(runs.values())
     rows = []
@@ -194,7 +194,8 @@ def _shared(path: str, record: dict, status, attempts) -> dict | None:
     return {"steps": sorted({name for _, _, name in spans}), "fraction": covered / max(end - start, 1e-9)}
 
 
-def _flat(config: dict) -> dict[str, Any]:
+def flat_config(config: dict) -> dict[str, Any]:
+    """An identity payload's config as {dotted path: plain value} (placeholders as words)."""
     flat: dict[str, Any] = {}
     _flatten(config, "", flat)
     return flat

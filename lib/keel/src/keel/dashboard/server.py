@@ -1,0 +1,123 @@
+"""Serve the dashboard on 127.0.0.1, or write it as static files to share.
+
+The page is index.html, static/app.js and static/style.css (package data), and state.js: the state
+document as `window.KEEL_STATE`. Served live, state.js and state.json are rebuilt from the prefix
+on request (at most once a second, however many tabs poll), and the page polls state.json;
+exported, state.js is a snapshot and the page opens from disk with no server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+
+from keel.dashboard.state import build_state
+
+HOST = "127.0.0.1"
+STATIC = ("app.js", "style.css")
+_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".json": "application/json"}
+FRESH_S = 1.0
+
+
+def _static(name: str) -> bytes:
+    return resources.files("keel.dashboard").joinpath("static", name).read_bytes()
+
+
+def _finite(value):
+    """The document with NaN and infinities as null (JSON has neither)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _state_json(state: dict) -> str:
+    return json.dumps(_finite(state), default=str)
+
+
+def state_script(state: dict, live: bool) -> str:
+    return f"window.KEEL_LIVE = {'true' if live else 'false'};\nwindow.KEEL_STATE = {_state_json(state)};\n"
+
+
+class _Cached:
+    """The state document, rebuilt when older than FRESH_S."""
+
+    def __init__(self, experiment: str, graph):
+        self.experiment, self.graph = experiment, graph
+        self._lock = threading.Lock()
+        self._state, self._at = None, 0.0
+
+    def get(self) -> dict:
+        with self._lock:
+            if self._state is None or time.monotonic() - self._at > FRESH_S:
+                self._state, self._at = build_state(self.experiment, self.graph), time.monotonic()
+            return self._state
+
+
+def make_server(experiment: str, graph, port: int = 0) -> ThreadingHTTPServer:
+    """A server for the page on 127.0.0.1:`port` (0: a free port; read `server.server_port`)."""
+    cached = _Cached(experiment, graph)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            path = self.path.split("?", 1)[0]
+            if path in ("/", "/index.html"):
+                self._send(_static("index.html"), ".html")
+            elif path == "/state.js":
+                self._send(state_script(cached.get(), live=True).encode(), ".js")
+            elif path == "/state.json":
+                self._send(_state_json(cached.get()).encode(), ".json")
+            elif path.startswith("/static/") and path[len("/static/"):] in STATIC:
+                self._send(_static(path[len("/static/"):]), os.path.splitext(path)[1])
+            else:
+                self.send_error(404)
+
+        def _send(self, body: bytes, kind: str) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", f"{_TYPES[kind]}; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # one line per poll would bury the command's own output
+            pass
+
+    server = ThreadingHTTPServer((HOST, port), Handler)
+    server.daemon_threads = True
+    return server
+
+
+def serve(experiment: str, graph, port: int) -> int:
+    """`keel dashboard EXP.py --port N`: serve until Ctrl-C."""
+    server = make_server(experiment, graph, port)
+    try:
+        print(f"keel dashboard of {experiment}: http://{HOST}:{server.server_port}/  (Ctrl-C stops it)", flush=True)
+        server.serve_forever(poll_interval=0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+def export(experiment: str, graph, out_dir: str) -> str:
+    """`keel dashboard EXP.py --out DIR`: the page as static files (open DIR/index.html); returns its path."""
+    os.makedirs(os.path.join(out_dir, "static"), exist_ok=True)
+    for name in STATIC:
+        with open(os.path.join(out_dir, "static", name), "wb") as f:
+            f.write(_static(name))
+    with open(os.path.join(out_dir, "state.js"), "w") as f:
+        f.write(state_script(build_state(experiment, graph), live=False))
+    index = os.path.join(out_dir, "index.html")
+    with open(index, "wb") as f:
+        f.write(_static("index.html"))
+    return index

@@ -1,0 +1,171 @@
+"""What the dashboard shows, as one JSON document built from the experiment's graph and its prefix.
+
+Nothing here runs a step, talks to wandb or imports jax: every figure is read from what steps
+leave under the prefix (`.keel/step.json`, `.keel/status`, `.keel/log.txt`, `metrics.jsonl`,
+`checkpoints/`) and from the declaration itself (identity fields, mixture phases, fact sheets),
+so the page works offline and on a prefix that another machine is writing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import time
+from typing import Any
+
+from keel.executor import storage
+from keel.executor.plan import Graph, StepPlan, plan_graph
+from keel.executor.status import keel_path
+from keel.executor.step import OutputOf, Step
+from keel.train.tracking import METRICS_FILE, read_metrics
+from keel.trained import compare, ladder
+
+LOG_TAIL_LINES = 80
+CHART_KEYS = re.compile(r"^(train/loss|eval/.*loss|lr/.*|throughput/tokens_per_s|moe/.*)$")
+"""The metrics the run charts draw (loss, per-component validation loss, LR per group, speed, MoE health)."""
+
+
+def build_state(experiment: str, graph: Graph) -> dict[str, Any]:
+    """The dashboard's document: the graph's steps, its training runs' series and comparison, the
+    fact sheets with a projection from the measured step time, and declared predictions."""
+    plans = plan_graph(graph)
+    names = {id(p.step): p.name for p in plans}
+    runs = [_run(graph, p) for p in plans if _is_training(p.step)]
+    finished = {r["name"]: r["output_path"] for r in runs if r["state"] == "cached"}
+    rows = compare.summarize(finished) if finished else []
+    return {
+        "experiment": experiment,
+        "prefix": graph.prefix,
+        "generated": time.time(),
+        "steps": [_step(graph, p, names) for p in plans],
+        "runs": runs,
+        "comparison": {"rows": [vars(r) for r in rows], "table": compare.render_table(rows) if rows else "",
+                       "columns": compare.COLUMNS},
+        "fact_sheets": _fact_sheets(graph, {r["name"]: r for r in runs}),
+    }
+
+
+def _is_training(step) -> bool:
+    from keel.train.config import TrainStepConfig
+
+    return isinstance(step, Step) and isinstance(step.config, TrainStepConfig)
+
+
+def _step(graph: Graph, plan: StepPlan, names: dict[int, str]) -> dict[str, Any]:
+    status = plan.status
+    config = {}
+    if isinstance(plan.step, Step):  # identity fields only: execution-only ones never change what a step computes
+        config = compare.flat_config(graph.identities.payload(plan.step)["config"])
+    return {
+        "name": plan.name,
+        "state": plan.state,
+        "reason": plan.reason,
+        "output_path": plan.output_path,
+        "deps": [names[id(d)] for d in plan.step.deps if id(d) in names],
+        "kind": "train" if _is_training(plan.step) else "external" if not isinstance(plan.step, Step) else "step",
+        "description": getattr(plan.step, "description", None),
+        "attempt": status.attempt if status else None,
+        "started": status.started if status else None,
+        "finished": status.finished if status else None,
+        "duration_s": status.duration if status else None,
+        "config": {k: v for k, v in config.items() if not k.endswith("__class__")},
+        "log_tail": _log_tail(plan.output_path) if isinstance(plan.step, Step) else "",
+    }
+
+
+def _log_tail(path: str) -> str:
+    text = storage.read_text(keel_path(path, "log.txt")) or ""
+    return "\n".join(text.replace("\r", "\n").splitlines()[-LOG_TAIL_LINES:])
+
+
+def _run(graph: Graph, plan: StepPlan) -> dict[str, Any]:
+    """One training step's curves and marks, read from its metrics (empty before its first step)."""
+    config = plan.step.config
+    try:
+        records = read_metrics(storage.join(plan.output_path, METRICS_FILE))
+    except (FileNotFoundError, OSError):
+        records = []
+    series: dict[str, dict[int, float]] = {}
+    transports: dict[int, str] = {}
+    for record in records:  # the last record of a step wins (a resumed run rewrites its tail)
+        for key, value in record.items():
+            if CHART_KEYS.match(key) and isinstance(value, (int, float)):
+                series.setdefault(key, {})[record["step"]] = value
+        if isinstance(record.get("transport"), str):
+            transports[record["step"]] = record["transport"]
+    prediction = ladder.read_prediction(prediction_location(graph, plan.step))
+    evals = series.get("eval/loss", {})
+    final = evals[max(evals)] if evals else None
+    return {
+        "name": plan.name,
+        "state": plan.state,
+        "output_path": plan.output_path,
+        "num_steps": config.train.num_steps,
+        "tokens_per_step": config.train.tokens_per_step,
+        "series": {k: sorted(v.items()) for k, v in sorted(series.items())},
+        "marks": _marks(plan.output_path, transports, config),
+        "prediction": prediction,
+        "verdict": ladder.judge(final, prediction),
+        "tokens_per_s": compare.training_throughput(records),
+    }
+
+
+def prediction_location(graph: Graph, step: Step) -> str | None:
+    """Where the prediction a training step declares (`predicted_loss=`) is written, or None."""
+    declared = getattr(step.config, "predicted_loss", None)
+    if isinstance(declared, OutputOf):
+        return storage.join(graph.path(declared.step), declared.subpath)
+    return ladder.declared_prediction(graph.path(step))
+
+
+def _marks(path: str, transports: dict[int, str], config) -> list[dict[str, Any]]:
+    """Checkpoints kept, transport switches and mixture phase starts, by step."""
+    from keel.plan.checks import mixture_phases
+
+    marks = [{"step": int(m.group(1)), "kind": "checkpoint", "label": f"checkpoint {m.group(1)}"}
+             for name in storage.list_names(storage.join(path, "checkpoints")) if (m := re.fullmatch(r"step-(\d+)", name))]
+    previous = None
+    for step, transport in sorted(transports.items()):
+        if previous is not None and transport != previous:
+            marks.append({"step": step, "kind": "transport", "label": f"-> {transport}"})
+        previous = transport
+    marks += [{"step": start, "kind": "phase", "label": f"phase {i}"}
+              for i, (start, _) in enumerate(mixture_phases(config.data)) if start]
+    return sorted(marks, key=lambda m: m["step"])
+
+
+def _fact_sheets(graph: Graph, runs: dict[str, dict]) -> list[dict[str, Any]]:
+    """Each training step's fact sheet text, with its end projected from the measured step time."""
+    from keel.plan import PlanError, fact_sheets_for
+
+    try:
+        sheets = fact_sheets_for(graph)
+    except PlanError as exc:
+        return [{"step": "", "text": f"fact sheets unavailable: {exc}", "measured": None}]
+    out = []
+    for sheet in sheets:
+        run = runs.get(sheet["step"])
+        prediction = run and run["prediction"]
+        text = sheet["text"] + (f"\nprediction   {ladder.describe(prediction)}" if prediction else "")
+        out.append({"step": sheet["step"], "text": text, "measured": _measured(graph, run) if run else None})
+    return out
+
+
+def _measured(graph: Graph, run: dict) -> dict[str, Any] | None:
+    """Seconds per training step (median of the steps that did not compile), steps done, and the
+    end projected from them: now + the steps to go, or when the step finished."""
+    if not run["tokens_per_s"]:
+        return None
+    step_s = run["tokens_per_step"] / run["tokens_per_s"]
+    done = max((s for s, _ in run["series"].get("train/loss", [])), default=-1) + 1
+    remaining = max(0, run["num_steps"] - done)
+    if run["state"] == "cached":
+        from keel.executor.status import read_status
+
+        status = read_status(run["output_path"])
+        end = status.finished if status and status.finished else time.time()
+    else:
+        end = time.time() + remaining * step_s
+    return {"step_seconds": step_s, "steps_done": done, "num_steps": run["num_steps"], "remaining_s": remaining * step_s,
+            "projected_end": dt.datetime.fromtimestamp(end, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "finished": run["state"] == "cached"}

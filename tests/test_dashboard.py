@@ -1,0 +1,161 @@
+"""`keel dashboard` in a real browser (Debian's Chromium driven by Playwright): the page of a finished
+experiment (graph states, a step's config, staleness and log, every run's charts with one point
+per logged step, the overlay, the fact sheets), the same page exported as static files, and a
+running step whose curve grows without a reload. Training is a stand-in that writes what a
+training step records (metrics.jsonl, checkpoints), so the test takes seconds, not minutes."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from dashboard_browser import browser_page, local_only, node_states, points, serving
+from keel.cli import console_main, load_experiment
+from keel.executor.plan import Graph, plan_graph
+from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 12
+
+_EXPERIMENT = textwrap.dedent(
+    """
+    import json, os, time
+    from defaults import default_compare, default_train
+    from defaults.models import tiny_moe
+    from keel import External, main
+    from keel.train import AdamWConfig, TrainConfig
+
+    SECONDS_PER_STEP = float(os.environ.get("FAKE_SECONDS_PER_STEP", "0"))
+    LR = float(os.environ.get("FAKE_LR_A", "0.5"))
+
+    def pretend_to_train(config):
+        # What the loop records, in order: evaluations (mean and per component), then per step the
+        # train loss, LRs, MoE health, throughput and transport (switching at half way), a checkpoint at the end.
+        lr, steps = config.train.optimizer.lr, config.train.num_steps
+        path = os.path.join(config.output_path, "metrics.jsonl")
+        def write(row):
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\\n")
+        write({"step": 0, "eval/code/loss": 7.1, "eval/prose/loss": 6.9, "eval/loss": 7.0})
+        for s in range(steps):
+            write({"step": s, "train/loss": 7.0 - lr * s / steps, "lr/adamw": lr * (1 - s / steps),
+                   "moe/dropped_fraction": 0.01, "moe/router_balance": 1.1, "throughput/tokens_per_s": 1000.0,
+                   "transport": "ring" if s < steps // 2 else "fixed_all_to_all"})
+            if (s + 1) % 6 == 0:
+                loss = 6.5 - lr * (s + 1) / steps
+                write({"step": s + 1, "eval/code/loss": loss + 0.1, "eval/prose/loss": loss - 0.1, "eval/loss": loss})
+            time.sleep(SECONDS_PER_STEP)
+        os.makedirs(os.path.join(config.output_path, "checkpoints", f"step-{steps}"))
+        print(f"pretend training of lr {lr} done")
+
+    def run(name, lr, steps):
+        train = TrainConfig(batch_size=2, seq_len=8, num_steps=steps, optimizer=AdamWConfig(lr=lr))
+        step = default_train(name, data=External("cache", "/nowhere"), model=tiny_moe, train=train)
+        return step.__class__(step.name, pretend_to_train, step.config)
+
+    runs = [run("dash/a", LR, STEPS), run("dash/b", 0.25, STEPS)]
+    if __name__ == "__main__":
+        main([default_compare("dash", runs=runs)] if not os.environ.get("FAKE_RUNNING") else [run("dash/live", 0.5, 400)])
+    """
+).replace("STEPS)", f"{STEPS})")
+
+
+def _graph(experiment: str, prefix: str, **env) -> Graph:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return Graph(load_experiment(experiment), prefix)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def test_the_page_of_a_finished_experiment_live_and_exported(tmp_path):
+    experiment = str(tmp_path / "dash_exp.py")
+    Path(experiment).write_text(_EXPERIMENT)
+    prefix = str(tmp_path / "out")
+    assert console_main(["run", experiment, "--prefix", prefix]) == 0
+    graph = _graph(experiment, prefix)
+    expected = {p.name: p.state for p in plan_graph(graph)}
+    run_a = next(s for s in graph.steps() if s.name == "train/dash/a")
+    logged = len(latest_by_step(read_metrics(os.path.join(graph.path(run_a), METRICS_FILE)), "train/loss"))
+
+    with serving(experiment, graph) as url, browser_page() as page:
+        page.goto(url)
+        assert node_states(page) == expected and set(expected.values()) == {"cached", "external"}
+        for run in ("train/dash/a", "train/dash/b"):  # one point per logged step; components and marks drawn
+            assert points(page, run, "loss", "train/loss") == logged == STEPS
+            assert points(page, run, "loss", "eval/loss") == 3
+            assert points(page, run, "loss", "eval/code/loss") == points(page, run, "loss", "eval/prose/loss") == 3
+            assert points(page, run, "lr", "lr/adamw") == STEPS
+            assert points(page, run, "moe", "moe/dropped_fraction") == STEPS
+            marks = page.locator(f'.run[data-run="{run}"] svg[data-chart="loss"] line.mark')
+            assert sorted(marks.evaluate_all("ls => ls.map(l => l.classList[1])")) == ["checkpoint", "transport"]
+        overlay = page.locator('svg[data-chart="overlay-eval"] polyline')
+        assert overlay.evaluate_all("ls => ls.map(l => l.dataset.series)") == ["train/dash/a", "train/dash/b"]
+        assert "| train/dash/a |" in page.inner_text("#compare-table") and "- tokens/s:" in page.inner_text("#compare-table")
+        sheets = page.locator(".sheet")
+        assert sheets.evaluate_all("s => s.map(x => x.dataset.step)") == ["train/dash/a", "train/dash/b"]
+        assert "== fact sheet: train/dash/a" in sheets.first.inner_text()
+        assert "s/step (median of training steps); 12/12 steps; finished 20" in sheets.first.locator(".measured").inner_text()
+        page.click('g.node[data-step="train/dash/a"]')  # a step's details: identity config and log tail
+        details = page.inner_text("#details")
+        assert "train.optimizer.lr" in details and "train.seq_len" in details and "pretend training of lr 0.5 done" in details
+        assert "topology" not in details  # execution-only fields are not part of the config shown
+        assert not local_only(page.requested) and not page.errors
+
+    # The same run with another learning rate: the page says it is stale, and why.
+    stale = _graph(experiment, prefix, FAKE_LR_A="0.75")
+    with serving(experiment, stale) as url, browser_page() as page:
+        page.goto(url)
+        assert node_states(page)["train/dash/a"] == "stale"
+        page.click('g.node[data-step="train/dash/a"]')
+        assert "config.train.optimizer.lr: 0.5 -> 0.75" in page.inner_text("#details")
+
+    # `keel dashboard --out DIR`: the same page as files, opened from disk with no server.
+    out = tmp_path / "shared"
+    assert console_main(["dashboard", experiment, "--prefix", prefix, "--out", str(out)]) == 0
+    with browser_page() as page:
+        page.goto((out / "index.html").as_uri())
+        assert node_states(page) == expected
+        assert points(page, "train/dash/a", "loss", "train/loss") == STEPS
+        assert page.locator(".sheet").count() == 2
+        assert not local_only(page.requested) and not page.errors
+
+
+def test_a_running_steps_curve_grows_without_reloading(tmp_path):
+    experiment = str(tmp_path / "dash_exp.py")
+    Path(experiment).write_text(_EXPERIMENT)
+    prefix = str(tmp_path / "out")
+    env = {"FAKE_RUNNING": "1", "FAKE_SECONDS_PER_STEP": "0.3"}
+    graph = _graph(experiment, prefix, **env)
+    live = graph.path(next(s for s in graph.steps() if s.name == "train/dash/live"))
+    metrics = Path(live) / METRICS_FILE
+    uv = shutil.which("uv")
+    command = [uv, "run", "--locked", "keel"] if uv else [sys.executable, "-m", "keel.cli_entry"]
+    proc = subprocess.Popen([*command, "run", experiment, "--prefix", prefix], cwd=REPO, env={**os.environ, **env},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().count("train/loss") >= 2):
+            time.sleep(0.2)
+        assert metrics.exists(), "the stand-in training step never started"
+        with serving(experiment, graph) as url, browser_page() as page:
+            page.goto(url)
+            assert node_states(page)["train/dash/live"] == "running-elsewhere"
+            first = points(page, "train/dash/live", "loss", "train/loss")
+            requests = len(page.requested)
+            page.wait_for_function(
+                f"""() => Number(document.querySelector('.run[data-run="train/dash/live"] svg[data-chart="loss"] '
+                    + 'polyline[data-series="train/loss"]').dataset.points) >= {first + 3}""", timeout=60_000)
+            assert not any(u.endswith("/") or u.endswith("index.html") for u in page.requested[requests:])  # no reload
+            assert "to go: projected end" in page.locator('.sheet[data-step="train/dash/live"] .measured').inner_text()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert json.loads(metrics.read_text().splitlines()[-1])["step"] >= first + 3
