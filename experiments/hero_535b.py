@@ -24,6 +24,7 @@ from keel import External, Resources, main
 from keel.data import Mixture, MixturePhase
 from keel.mesh import RackTopology
 from keel.plan import scale_down
+from keel.plan.positions import steps_at
 from keel.train import (
     Claim,
     HostOffload,
@@ -68,20 +69,26 @@ TOPIC_SHARES = {  # percent of each phase: initial, main, cooldown (the public p
 }
 MIXTURE_BLOCK = 49_152  # sequences per mixture block: every phase starts on a block boundary
 PRETRAIN_TOKENS, COOLDOWN_TOKENS = 15e12, 3.75e12
-MAIN_START = 108_000
+
+# Where things change, as shares of the run's tokens: the real run resolved them to its steps
+# 108,000 (main mixture), 54,000 (weight decay) and 81,716 (the forced checkpoint where the ragged
+# all-to-all took over, 2026-09-09) of its 1,024-per-rack batch; a variant with another batch or
+# length finds them at the same share of its own tokens (`keel plan` prints where they land).
+REAL_RUN_STEPS = steps_for_tokens_per_param(hero_535b, 1024 * 11, 4096, tokens_per_param=791)
+AT = {"main": 108_000 / REAL_RUN_STEPS, "weight_decay": 54_000 / REAL_RUN_STEPS, "ragged": 81_716 / REAL_RUN_STEPS}
 
 
 def block_aligned(step: float) -> int:
     """The last step at or before `step` whose first sequence starts a mixture block."""
     steps_per_block = MIXTURE_BLOCK // math.gcd(MIXTURE_BLOCK, BATCH_SIZE)
-    return math.floor(step / steps_per_block) * steps_per_block
+    return math.floor(round(step, 6) / steps_per_block) * steps_per_block
 
 
-PHASE_STARTS = {
-    "initial": 0,
-    "main": MAIN_START,
-    "cooldown": block_aligned(NUM_STEPS * PRETRAIN_TOKENS / (PRETRAIN_TOKENS + COOLDOWN_TOKENS)),
-}
+PHASE_STARTS = steps_at(
+    {"initial": 0, "main": AT["main"], "cooldown": PRETRAIN_TOKENS / (PRETRAIN_TOKENS + COOLDOWN_TOKENS)},
+    NUM_STEPS, field="hero mixture phases", to_step=block_aligned, ordered=True)
+POSITIONS = steps_at({k: AT[k] for k in ("weight_decay", "ragged")}, NUM_STEPS, field="hero positions")
+WEIGHT_DECAY_FROM, RAGGED_FROM = POSITIONS["weight_decay"], POSITIONS["ragged"]
 
 
 def topic_cache(name: str) -> External:
@@ -104,7 +111,6 @@ mixture = Mixture(
 # Training: the grouped optimizer (MuonH / AdamH / Adam) with peak LRs from the scaling law,
 # warmup over 1% of steps then linear decay to 5%, no clipping, z-loss on the final logits, and
 # from step 54,000 an annealed decay on attention gates and router weights.
-RAGGED_FROM = 81_716  # the forced checkpoint where the ragged all-to-all took over (2026-09-09)
 train = TrainConfig(
     batch_size=BATCH_SIZE,
     seq_len=SEQ_LEN,
@@ -115,7 +121,7 @@ train = TrainConfig(
     ),
     schedule=ScheduleConfig(warmup_fraction=0.01, decay_to_fraction=0.05),
     z_loss=1e-4,
-    weight_decay_change=WeightDecayChange(start_step=54_000, peak=0.02, groups=(r"\battn\.gate\b", r"\bmoe\.router\b")),
+    weight_decay_change=WeightDecayChange(start_step=WEIGHT_DECAY_FROM, peak=0.02, groups=(r"\battn\.gate\b", r"\bmoe\.router\b")),
     eval_every=3000,
     permanent_checkpoint_every=6000,
     rolling_checkpoint_minutes=60,
@@ -139,6 +145,10 @@ facts = RunFacts(
         SpeedObservation(step=RAGGED_FROM, date="2026-09-09", step_seconds=16.8),  # ragged all-to-all
     ),
     projected_steps_per_day=4400,
+    # the layout these speeds were measured on (`keel.plan.step_time.speed_key`): a variant of this
+    # file or a --set that changes any of it is predicted by the step-time model instead
+    measured_on="GB200 NVL72; 11x64 ep64 mp1; batch 11264x4096; model 535477106688/22762487808 1.48203e+11 FLOP/token; "
+    "fixed_pooled_all_to_all/3w+ragged_all_to_all; bfloat16/float32 remat; offload master<81716 optimizer",
     claims=(
         Claim("trains in 60 days", figure="run_days", quoted=60),
         Claim("the 46M-token batch is 92 MB", figure="batch_bytes", quoted=92e6),

@@ -21,6 +21,7 @@ import math
 
 from keel.plan.checks import PlanError, mixture_phases
 from keel.plan.resolved import ResolvedRun, resolve
+from keel.plan.launch import launch
 from keel.plan.peak import transients
 from keel.plan.step_time import observed_here, step_time, stretches, transport_at
 from keel.train.config import TrainStepConfig
@@ -319,11 +320,15 @@ def _si(x: float) -> str:
 
 
 def _run_days(config: TrainStepConfig, sheet: dict) -> tuple[float, str] | None:
-    t = sheet.get("time")
-    if not t:
+    t, predicted = sheet.get("time"), sheet.get("step_time") or {}
+    if t:
+        days, rate = t["whole_run_days_at_projection"], t["projection"]["steps_per_day"]
+        return days, f"{config.train.num_steps:,} steps at {rate:,.0f} steps/day take about {days:.0f} days"
+    if "run_days" not in predicted:
         return None
-    days, rate = t["whole_run_days_at_projection"], t["projection"]["steps_per_day"]
-    return days, f"{config.train.num_steps:,} steps at {rate:,.0f} steps/day take about {days:.0f} days"
+    days = predicted["run_days"]
+    return days, (f"{config.train.num_steps:,} steps at a predicted {predicted['mean_step_seconds']:.1f} s/step "
+                  f"take about {days:.0f} days at full goodput")
 
 
 def _batch_bytes(config: TrainStepConfig, sheet: dict) -> tuple[float, str]:
@@ -400,5 +405,6 @@ def fact_sheet(config: TrainStepConfig, name: str = "") -> dict:
     sheet["step_time"] = step_time(run, sheet)
     sheet["mixture"] = mixture(config)
     sheet["transports"] = transports(run)
+    sheet["launch"] = launch(run, sheet)
     sheet["claims"] = claims(config, sheet)
     return sheet

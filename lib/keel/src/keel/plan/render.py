@@ -70,6 +70,17 @@ def _training(t: dict, o: dict) -> list[str]:
     return lines
 
 
+PEAK_PARTS = {"all_to_all_buffers": "all-to-all buffers", "expert_intermediates": "expert intermediates",
+              "gathered_weights": "gathered weights"}
+
+
+def _verdict(fits: bool | None, hbm: float, color: bool) -> str:
+    if fits is None:
+        return ""
+    verdict = f"fits {_gb(hbm)} HBM" if fits else f"DOES NOT FIT {_gb(hbm)} HBM"
+    return f"{RED}{verdict}{RESET}" if not fits and color else verdict
+
+
 def _memory(m: dict | None, color: bool) -> list[str]:
     if m is None:
         return []
@@ -82,15 +93,21 @@ def _memory(m: dict | None, color: bool) -> list[str]:
         + ("" if m["remat"] else " (no remat: activations not estimated)"),
     ]
     for phase in m["phases"]:
-        verdict = ""
-        if phase["fits"] is not None:
-            verdict = f"fits {_gb(hbm)} HBM" if phase["fits"] else f"DOES NOT FIT {_gb(hbm)} HBM"
-            if not phase["fits"] and color:
-                verdict = f"{RED}{verdict}{RESET}"
         host = (f"; host {_gb(phase['host_gb'])} ({', '.join(phase['on_host'])}) between steps, copied in for "
                 f"compute: {_gb(phase['step_peak_gb'])} on device at the step's peak" if phase["on_host"] else "")
         rack = f"; per rack {_rack(phase['rack_gb'])} of {_rack(m['hbm_per_rack_gb'])}" if m["hbm_per_rack_gb"] else ""
-        lines.append(f"  from step {_n(phase['from_step'])}: device {_gb(phase['device_gb'])} {verdict}{rack}{host}")
+        lines.append(f"  from step {_n(phase['from_step'])}: device {_gb(phase['device_gb'])} between steps{rack}{host}")
+        if phase["peak_gb"] is not None:
+            state = phase["step_peak_gb"] or phase["device_gb"]
+            parts = " + ".join(f"{_gb(v)} {PEAK_PARTS[k]}" for k, v in phase["transient_gb"].items() if v)
+            room = f", {_gb(phase['headroom_gb'])} headroom" if phase["fits"] else f", {_gb(-phase['headroom_gb'])} over"
+            lines.append(f"    peak {_gb(phase['peak_gb'])} = {_gb(state)} state + {parts} "
+                         f"({phase['transport'] or 'no transport'}): {_verdict(phase['fits'], hbm, color)}"
+                         + (room if phase["fits"] is not None else ""))
+        if phase["host_fits"] is not None and phase["host_gb"]:
+            host_verdict = "fits" if phase["host_fits"] else "DOES NOT FIT"
+            lines.append(f"    host RAM {_gb(phase['host_per_host_gb'])} per host offloaded: {host_verdict} "
+                         f"{_gb(m['host_ram_per_host_gb'])}")
     return lines
 
 
@@ -132,6 +149,64 @@ def _time(t: dict | None) -> list[str]:
     lines.append(f"  projected from step {_n(p['from_step'])}: {_n(p['steps_per_day'])} steps/day = "
                  f"{p['step_seconds']:.2f} s/step{mfu}, a goodput of {p['goodput']:.1%} of the measured rate")
     lines.append(f"  projected end {t['projected_end_date']} ({t['projected_days']} days after the start)")
+    return lines
+
+
+TERMS = {"compute": "compute", "hbm": "HBM", "all_to_all": "all-to-all", "fsdp": "FSDP", "cross_rack": "cross-rack",
+         "host": "host copies"}
+
+
+def _term(name: str, t: dict) -> str:
+    amount = f"{_n(t['gb'])} GB" if t["gb"] is not None else ""
+    if t["off_domain"]:
+        amount += f", {t['off_domain']:.0%} off the fast domain"
+    shown = f"{t['seconds']:.2f} s" + (f" ({amount})" if amount else "")
+    if t["exposed_seconds"] == 0:
+        return f"{TERMS[name]} {shown} hidden"
+    if t["exposed_seconds"] < t["seconds"] - 1e-9:
+        return f"{TERMS[name]} {shown}, {t['exposed_seconds']:.2f} s exposed"
+    return f"{TERMS[name]} {shown}"
+
+
+def _step_time(s: dict | None) -> list[str]:
+    if s is None:
+        return []
+    if "missing" in s:
+        return [f"step time    not predicted: declare {', '.join(s['missing'])}"]
+    c = s["calibration"]
+    label = {"own": "observed and modelled", "other layout": "predicted", None: "predicted"}[s["observations"]]
+    lines = [f"step time    {label}; calibration: compute efficiency {c['compute_efficiency']:.1%}, "
+             f"{c['collective_sync_s'] * 1e3:.2f} ms per expert collective (from {c['source']}: {c['fitted_on']})"]
+    if s["observations"] == "other layout":
+        lines.append(f"  the declared speeds were measured on another layout ({'; '.join(s['differs'])}): not used")
+    if s["fit_problem"]:
+        lines.append(f"  no fit on this run's observations: {s['fit_problem']}")
+    for r in s["stretches"]:
+        seen = f" (observed {r['observed_seconds']:.2f})" if r["observed_seconds"] is not None else ""
+        lines.append(f"  steps {_n(r['from_step'])}-{_n(r['to_step'])} {r['transport']}: {r['step_seconds']:.2f} s/step"
+                     f"{seen}, MFU {r['mfu']:.1%}, binds: {TERMS[r['binds']]}; {_e(r['flops_per_gpu'])} FLOP, "
+                     f"{_n(r['collectives'])} expert collectives per GPU")
+        lines.append("    " + "; ".join(_term(name, t) for name, t in r["terms"].items()))
+    end = f", ending {s['end_date']}" if s["end_date"] else ""
+    lines.append(f"  whole run at these speeds: {s['run_days']:.1f} days at full goodput{end}")
+    return lines
+
+
+def _launch(lf: dict) -> list[str]:
+    c = lf["checkpoint"]
+    write = (f"; written in {c['write_seconds']:,.0f} s at {c['store_gb_per_s']:g} GB/s" if "write_seconds" in c
+             else "; declare launch.store_gb_per_s for its write time")
+    lines = [f"launch       checkpoint {_rack(c['gb'])} (master weights and optimizer state) x {c['permanent']} "
+             f"permanent + {c['rolling_kept']} rolling kept = {_rack(c['retained_gb'])}{write}"]
+    g = lf.get("gpu_hours")
+    if g:
+        cost = f", cost {g['cost']:,.0f}" if g["cost"] is not None else ""
+        lines.append(f"  GPU-hours {_n(g['hours'])} ({g['basis']}){cost}")
+    if lf["components"]:
+        reads = [f"{r['component']} {_e(r['tokens_read'])}"
+                 + (f" of {_e(r['cache_tokens'])} ({r['epochs']:.2f} epochs{', REPEATS' if r['epochs'] > 1 else ''})"
+                    if r["epochs"] is not None else "") for r in lf["components"]]
+        lines.append("  tokens read per component: " + ", ".join(reads))
     return lines
 
 
@@ -186,8 +261,10 @@ def render_fact_sheet(sheet: dict, color: bool = False) -> str:
     lines += _all_to_all(sheet["all_to_all"])
     lines += _cross_rack(sheet["cross_rack"])
     lines += _time(sheet["time"])
+    lines += _step_time(sheet["step_time"])
     lines += _mixture(sheet["mixture"])
     lines += _transports(sheet["transports"])
+    lines += _launch(sheet["launch"])
     if sheet["claims"]:
         lines.append("claims checked")
         lines += [f"  \"{c['claim']}\" ({'holds' if c['holds'] else 'does not hold'}): {c['finding']}"

@@ -21,6 +21,7 @@ belong to the layout they were measured on (`speed_key`): any other declaration 
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
 
 from keel.mesh.hardware import Hardware, StepTimeCalibration
@@ -275,7 +276,9 @@ def step_time(run: ResolvedRun, sheet: dict) -> dict | None:
         seen = [o for o in (config.facts.observed if own else ()) if row["from_step"] <= o.step <= row["to_step"]]
         row["observed_seconds"] = seen[0].step_seconds if seen else None
     seconds = sum((r["to_step"] - r["from_step"] + 1) * r["step_seconds"] for r in rows)
+    start = config.facts.start_date if config.facts else None
     return {
+        "end_date": (dt.date.fromisoformat(start) + dt.timedelta(seconds=seconds)).isoformat() if start else None,
         "key": speed_key(config),
         "observations": "own" if own else ("other layout" if differ else None),
         "differs": differ,

@@ -1,0 +1,68 @@
+"""Launch figures: what a run costs beyond its step time, for the go / no-go decision.
+
+- checkpoints: what one holds (every parameter in the master dtype and the optimizer state: what a
+  resume needs), how many the declared cadence keeps, and the write time at the declared store
+  bandwidth (`LaunchPlan.store_gb_per_s`);
+- GPU-hours at the run's length (the projection from its own observations, else the step-time
+  model's prediction at full goodput), and their cost at a declared price;
+- tokens read from each mixture component over the run against the tokens its cache holds
+  (`LaunchPlan.cache_tokens`): above 1 the component repeats.
+"""
+
+from __future__ import annotations
+
+from keel.plan.checks import PlanError
+from keel.plan.resolved import ResolvedRun
+
+GB = 1e9
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def checkpoints(run: ResolvedRun) -> dict:
+    """Size of one checkpoint, the permanent ones the cadence keeps, and their total."""
+    train = run.config.train
+    master = DTYPE_BYTES[train.master_dtype]
+    size = sum(p.size * (master + 4 * p.moments) for p in run.parameters) / GB
+    every = train.permanent_checkpoint_every
+    steps = set(range(every, train.num_steps, every)) if every else set()
+    steps |= {t.start_step for t in run.transports if t.start_step > 0} | {train.num_steps}
+    rolling = train.keep_rolling_checkpoints if train.rolling_checkpoint_every or train.rolling_checkpoint_minutes else 0
+    return {"gb": size, "permanent": len(steps), "rolling_kept": rolling, "retained_gb": size * (len(steps) + rolling)}
+
+
+def run_hours(sheet: dict) -> tuple[float, str] | None:
+    """(hours, how they were found) of the whole run: the projection from the run's own observed
+    speeds, else the step-time model's prediction."""
+    if sheet.get("time"):
+        return sheet["time"]["whole_run_days_at_projection"] * 24, "projected from the observed speeds"
+    predicted = sheet.get("step_time")
+    if predicted and "run_days" in predicted:
+        return predicted["run_days"] * 24, "predicted, at full goodput"
+    return None
+
+
+def launch(run: ResolvedRun, sheet: dict) -> dict:
+    config = run.config
+    plan, topo = config.launch, config.topology
+    ckpt = checkpoints(run)
+    if plan and plan.store_gb_per_s:
+        ckpt["write_seconds"] = ckpt["gb"] / plan.store_gb_per_s
+        ckpt["store_gb_per_s"] = plan.store_gb_per_s
+    out: dict = {"checkpoint": ckpt}
+    hours = run_hours(sheet)
+    if hours and topo is not None:
+        gpu_hours = hours[0] * topo.num_devices
+        out["gpu_hours"] = {"hours": gpu_hours, "basis": hours[1],
+                            "cost": gpu_hours * plan.gpu_hour_price if plan and plan.gpu_hour_price else None}
+    read: dict[str, float] = {}
+    for phase in sheet["mixture"]:
+        for name, weight in phase["weights"].items():
+            read[name] = read.get(name, 0.0) + weight * phase["tokens"]
+    held = dict(plan.cache_tokens) if plan else {}
+    unknown = sorted(set(held) - set(read))
+    if unknown:
+        raise PlanError(f"launch.cache_tokens names {', '.join(unknown)}, which the mixture does not have: use its "
+                        f"component names ({', '.join(sorted(read))})")
+    out["components"] = [{"component": name, "tokens_read": tokens, "cache_tokens": held.get(name),
+                          "epochs": tokens / held[name] if held.get(name) else None} for name, tokens in read.items()]
+    return out
