@@ -63,7 +63,7 @@ def console_main(argv: list[str] | None = None) -> int:
     args = _parser("keel", with_experiment=True).parse_args(argv)
     try:
         step_lists = [load_experiment(path, args.scale) for path in args.experiments]
-        if args.command not in ("gc", "compare") and len(step_lists) > 1:
+        if args.command not in ("gc", "compare", "plan") and len(step_lists) > 1:
             raise StepDeclarationError(f"keel {args.command} takes one experiment file, got {len(step_lists)}")
         return _act(args, step_lists)
     except USER_ERRORS as exc:
@@ -151,9 +151,11 @@ def _act(args, step_lists: list[list]) -> int:
             print(export(source, graphs[0], args.out))
             return 0
         return serve(source, graphs[0], args.port)
+    if args.command == "plan" and len(graphs) > 1:
+        return _plan_variants(args, graphs)
     graph = graphs[0]
     if args.command == "run":
-        _fact_sheets(graph)  # the training steps' declaration checks, before any step runs
+        _check_fits(_fact_sheets(graph))  # the training steps' declaration and memory checks, before any step runs
         return _run(args, graph)
     plans = plan_graph(graph, force)
     sheets = _fact_sheets(graph) if args.command == "plan" else []
@@ -164,6 +166,26 @@ def _act(args, step_lists: list[list]) -> int:
         for sheet in sheets:
             print()
             print(sheet["text"])
+    _check_fits(sheets)  # a plan that does not fit at its peak exits non-zero, after printing why
+    return 0
+
+
+def _check_fits(sheets: list[dict]) -> None:
+    if sheets:
+        from keel.plan import check_fits
+
+        check_fits(sheets)
+
+
+def _plan_variants(args, graphs: list[Graph]) -> int:
+    """`keel plan A.py B.py`: one table of every training step's headline figures, side by side."""
+    from keel.plan import render_variants, variant_row
+
+    sheets = [(f"{os.path.basename(path)}: {s['step']}", s) for path, graph in zip(args.experiments, graphs)
+              for s in _fact_sheets(graph)]
+    rows = [variant_row(label, sheet) for label, sheet in sheets]
+    print(json.dumps({"variants": rows}, indent=1, default=str) if args.json else render_variants(rows))
+    _check_fits([sheet for _, sheet in sheets])
     return 0
 
 

@@ -10,15 +10,20 @@ from keel.plan.checks import PlanError, check_train_step
 from keel.plan.facts import fact_sheet
 from keel.plan.render import render_fact_sheet
 from keel.plan.twin import architecture_features, scale_down
+from keel.plan.variants import render_variants, variant_row
+from keel.plan.verdicts import check_fits
 from keel.train.config import TrainStepConfig
 
 __all__ = [
     "PlanError",
     "architecture_features",
+    "check_fits",
     "check_train_step",
     "fact_sheet",
     "fact_sheets_for",
     "render_fact_sheet",
+    "render_variants",
+    "variant_row",
     "scale_down",
 ]
 

@@ -24,6 +24,7 @@ from keel.plan.resolved import ResolvedRun, resolve
 from keel.plan.launch import launch
 from keel.plan.peak import transients
 from keel.plan.step_time import observed_here, step_time, stretches, transport_at
+from keel.plan.verdicts import verdict
 from keel.train.config import TrainStepConfig
 
 GB = 1e9
@@ -393,7 +394,8 @@ def fact_sheet(config: TrainStepConfig, name: str = "") -> dict:
     if not isinstance(config, TrainStepConfig):
         raise PlanError(f"fact_sheet needs a TrainStepConfig, got {type(config).__name__}")
     run = resolve(config, name)
-    sheet: dict = {"step": name, "parameters": config.model.param_counts()}
+    sheet: dict = {"step": name, "hardware": config.hardware.name if config.hardware else None,
+                   "parameters": config.model.param_counts()}
     sheet["parameter_table"] = parameter_table(run)
     sheet["mesh"] = mesh(config)
     sheet["training"] = training(config)
@@ -407,4 +409,5 @@ def fact_sheet(config: TrainStepConfig, name: str = "") -> dict:
     sheet["transports"] = transports(run)
     sheet["launch"] = launch(run, sheet)
     sheet["claims"] = claims(config, sheet)
+    sheet["verdict"] = verdict(sheet, config.train.refuse_unfit)
     return sheet

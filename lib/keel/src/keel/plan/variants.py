@@ -1,0 +1,59 @@
+"""Variants side by side: one row of headline figures per training step's fact sheet
+(`keel plan A.py B.py`), so a launch decision compares runs on one screen."""
+
+from __future__ import annotations
+
+COLUMNS = ("variant", "hardware", "steps", "tokens", "s/step", "MFU", "days (end)", "peak/GPU", "verdict", "GPU-hours")
+
+
+def variant_row(label: str, sheet: dict) -> dict:
+    """The headline figures of one sheet: step time and MFU per stretch (observed for the run's own
+    layout, else predicted), run length, the largest peak against the HBM, the verdict, GPU-hours."""
+    t, predicted = sheet.get("time"), sheet.get("step_time") or {}
+    stretches = predicted.get("stretches", [])
+    basis = "observed" if t else "predicted"
+    if t:
+        seconds = [s["step_seconds"] for s in t["speeds"]]
+        mfus = [s["mfu"] for s in t["speeds"]]
+        days, end = t["whole_run_days_at_projection"], t["projected_end_date"]
+    else:
+        seconds = [s["step_seconds"] for s in stretches]
+        mfus = [s["mfu"] for s in stretches]
+        days, end = predicted.get("run_days"), predicted.get("end_date")
+    memory = sheet.get("memory") or {}
+    peaks = [p["peak_gb"] for p in memory.get("phases", ()) if p["peak_gb"] is not None]
+    fits = sheet["verdict"]["fits"]
+    mesh = sheet.get("mesh") or {}
+    return {
+        "variant": label,
+        "hardware": f"{sheet.get('hardware') or '?'} x {mesh.get('gpus', '?')}",
+        "steps": sheet["training"]["num_steps"],
+        "tokens": sheet["training"]["total_tokens"],
+        "step_seconds": seconds,
+        "mfu": mfus,
+        "basis": basis if seconds else None,
+        "days": days,
+        "end_date": end,
+        "peak_gb": max(peaks) if peaks else None,
+        "hbm_gb": memory.get("hbm_per_gpu_gb"),
+        "fits": fits,
+        "gpu_hours": (sheet["launch"].get("gpu_hours") or {}).get("hours"),
+    }
+
+
+def render_variants(rows: list[dict]) -> str:
+    """A markdown table of `variant_row`s."""
+    def cells(r: dict) -> list[str]:
+        seconds = " / ".join(f"{s:.1f}" for s in r["step_seconds"]) + (f" ({r['basis']})" if r["basis"] else "")
+        return [
+            r["variant"], r["hardware"], f"{r['steps']:,}", f"{r['tokens'] / 1e12:.2f}T", seconds or "n/a",
+            " / ".join(f"{m:.1%}" for m in r["mfu"] if m is not None) or "n/a",
+            f"{r['days']:.0f}" + (f" ({r['end_date']})" if r["end_date"] else "") if r["days"] is not None else "n/a",
+            f"{r['peak_gb']:.1f} of {r['hbm_gb']:g} GB" if r["peak_gb"] is not None else "n/a",
+            {True: "fits", False: "DOES NOT FIT", None: "n/a"}[r["fits"]],
+            f"{r['gpu_hours']:,.0f}" if r["gpu_hours"] is not None else "n/a",
+        ]
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
