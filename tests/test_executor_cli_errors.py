@@ -41,6 +41,9 @@ class C:
 def f(config):
     with open(os.environ["KEEL_TEST_COUNTER"], "a") as out:
         out.write(f"{config.n}\\n")
+    os.makedirs(config.output_path, exist_ok=True)
+    with open(os.path.join(config.output_path, "n.txt"), "w") as out:
+        out.write(f"{config.n}\\n")
 
 '''
 

@@ -11,6 +11,10 @@ The launcher and the child speak through two files beside each other: the payloa
 session, so a terminal's Ctrl-C reaches the launcher only, which forwards it; the first SIGINT or
 SIGTERM asks the step to stop at its next safe point (`keel.executor.interrupt`), a second one
 stops the child at once. A child whose launcher died (kill -9) is asked to stop the same way.
+
+A child killed from outside (SIGKILL, a preempted VM) reports nothing and comes back `killed`; a
+child watched by its heartbeat (`heartbeat.py`) that stops beating for the declared timeout has its
+process group killed and comes back `stalled`. The launcher retries either as a preemption.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from keel.executor import heartbeat as heartbeat_mod
 from keel.executor import interrupt
 
 _PARENT_POLL_S = 1.0
@@ -34,7 +39,7 @@ _PARENT_POLL_S = 1.0
 
 @dataclass(frozen=True)
 class ChildOutcome:
-    state: str  # "succeeded" | "interrupted" | "failed"
+    state: str  # "succeeded" | "interrupted" | "failed" | "killed" | "stalled"
     message: str = ""
     resume: str = ""  # for "interrupted": what the next run resumes from
 
@@ -55,17 +60,24 @@ def start_child(fn, resolved_config, output_path: str, env: dict[str, str]) -> t
     return process, workdir
 
 
-def collect(process: subprocess.Popen, workdir: str) -> ChildOutcome:
-    """Wait for the child and read what it reported (a child killed outright reports nothing)."""
+def collect(process: subprocess.Popen, workdir: str, heartbeat: str | None = None, timeout_s: float | None = None) -> ChildOutcome:
+    """Wait for the child and read what it reported (a child killed outright reports nothing).
+    With `heartbeat` and `timeout_s`, a child whose heartbeat is older than `timeout_s` (counted
+    from its start until its first beat) is killed with its process group: `stalled`."""
+    stalled = _wait(process, heartbeat, timeout_s) if heartbeat and timeout_s else None
     code = process.wait()
     result_path = os.path.join(workdir, "result.json")
     try:
+        if stalled:
+            return ChildOutcome("stalled", stalled)
         with open(result_path) as f:
             result = json.load(f)
         return ChildOutcome(result["state"], result.get("message", ""), result.get("resume", ""))
     except (OSError, ValueError):
-        if code == interrupt.EXIT_INTERRUPTED or code in (-signal.SIGKILL, -signal.SIGINT, -signal.SIGTERM):
+        if code == interrupt.EXIT_INTERRUPTED or code in (-signal.SIGINT, -signal.SIGTERM):
             return ChildOutcome("interrupted", f"the step's process was stopped (exit {code})")
+        if code < 0:
+            return ChildOutcome("killed", f"the step's process was killed by {signal.Signals(-code).name}")
         return ChildOutcome("failed", f"the step's process exited with code {code} without reporting a result")
     finally:
         for name in ("payload", "result.json"):
@@ -77,6 +89,27 @@ def collect(process: subprocess.Popen, workdir: str) -> ChildOutcome:
             os.rmdir(workdir)
         except OSError:
             pass
+
+
+def _wait(process: subprocess.Popen, heartbeat: str, timeout_s: float) -> str | None:
+    """Wait for the child, killing its process group when its heartbeat is older than `timeout_s`;
+    None when it ended on its own, else why it was killed."""
+    started, poll = time.time(), min(1.0, timeout_s / 4)
+    while True:
+        try:
+            process.wait(timeout=poll)
+            return None
+        except subprocess.TimeoutExpired:
+            pass
+        silent = heartbeat_mod.seconds_since(heartbeat, started, time.time())
+        if silent > timeout_s:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # its own session: the group is the step's processes
+            except ProcessLookupError:
+                pass
+            process.wait()
+            return (f"no progress for {silent:.0f}s (progress_timeout_s={timeout_s:g}): its heartbeat {heartbeat} "
+                    "stopped, so its process group was killed")
 
 
 def _install_signal_handlers() -> None:

@@ -6,12 +6,17 @@ finished (`status.mark_finished`), so a job orphaned by a dead driver never mark
 A multi-replica cluster job runs `fn` on every replica (`fn` joins them through jax.distributed,
 see `replicas.py`), and each returns only once every replica has written its outputs. Replica 0
 keeps `log.txt`, the others log to `log.replica<N>.txt`, so the replicas never race on keel's files.
+
+A step's function returns None: keel keeps files, so a returned value would be dropped unseen and
+fails the step instead. A step running in the launcher's threads that calls `os._exit` would end
+keel itself with that exit code and no summary; there the call raises `StepExited` in the step.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import threading
 import traceback
 
 from keel.executor import logs, storage
@@ -52,12 +57,50 @@ class _LazyLog:
             self._file.close()
 
 
-def run_step_job(fn, resolved_config, output_path: str, lazy_log: bool = False) -> None:
+class StepReturnedValue(TypeError):
+    """The step's function returned something; keel keeps only the files it writes."""
+
+
+class StepExited(RuntimeError):
+    """A step in the launcher called `os._exit`, which would have ended the launcher."""
+
+
+_in_step = threading.local()
+_process_exit = os._exit
+
+
+def _guarded_exit(code: int = 0) -> None:
+    if getattr(_in_step, "active", False):
+        raise StepExited(f"the step called os._exit({code}), which would end `keel run` itself: return (or raise) "
+                         "instead, or declare the step isolated=True to run it in a process of its own")
+    _process_exit(code)
+
+
+def guard_process_exit() -> None:
+    """Make `os._exit` inside a step running in this process's threads raise `StepExited` instead."""
+    os._exit = _guarded_exit
+
+
+def _call_step(fn, resolved_config, in_launcher: bool) -> None:
+    _in_step.active = in_launcher
+    try:
+        returned = fn(resolved_config)
+    finally:
+        _in_step.active = False
+    if returned is not None:
+        shown = repr(returned)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise StepReturnedValue(f"{getattr(fn, '__qualname__', fn)} returned {shown}, which keel would drop: a step writes "
+                                "its results as files under config.output_path and returns None")
+
+
+def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = False) -> None:
     """Run one step: its outputs land under `output_path`, its log in `.keel/log.txt`.
 
-    With `lazy_log` (in-process steps of a local run) the log file is created on the step's first
-    line of output, so a step that prints nothing has none; a failing step always has one (its
-    traceback). Jobs elsewhere (child processes, cluster tasks) always leave their log file.
+    With `in_launcher` (in-process steps of a local run) the log file is created on the step's
+    first line of output, so a step that prints nothing has none; a failing step always has one
+    (its traceback); and `os._exit` raises in the step (`guard_process_exit`). Jobs elsewhere
+    (child processes, cluster tasks) always leave their log file.
     """
     fs, path = storage.split(output_path)
     storage.make_folder(output_path)
@@ -66,13 +109,13 @@ def run_step_job(fn, resolved_config, output_path: str, lazy_log: bool = False) 
     local = storage.is_local(output_path)
     log_file = storage.split(target)[1] if local else tempfile.mktemp(prefix="keel-log-")
     log = _LazyLog(log_file)
-    if not lazy_log:  # open it now, so that it exists even when the step prints nothing
+    if not in_launcher:  # open it now, so that it exists even when the step prints nothing
         os.makedirs(os.path.dirname(log_file), exist_ok=True)
         log._file = open(log_file, "a", buffering=1)
     try:
         try:
             with logs.capture(log):
-                fn(resolved_config)
+                _call_step(fn, resolved_config, in_launcher=in_launcher)
                 wait_for_replicas(f"keel: outputs of {output_path} written")  # the job ends with every replica's outputs
         except BaseException:
             log.write(traceback.format_exc())

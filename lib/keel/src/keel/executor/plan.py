@@ -64,6 +64,8 @@ class Graph:
             self.identities.hash(step)
         self._merge_same_names()
         self._paths: dict[int, str] = {}
+        self.overrides: dict[str, list[str]] = {}
+        """Step name -> the `--set` assignments that changed its identity (recorded in its step.json)."""
 
     def _merge_same_names(self) -> None:
         """Steps declared twice with one identity (say, a shared default built in two places) become
@@ -139,7 +141,7 @@ def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = No
             return StepPlan(step, path, STALE, "; ".join(diff) or "identity changed", deps)
         return StepPlan(step, path, RUN, "forced" if forced else "never ran", deps)
     if status.state == SUCCESS:
-        problem = verify_manifest(path, status)
+        problem = verify_manifest(path, status, no_outputs=step.no_outputs)
         if problem is not None:
             return StepPlan(step, path, RUN, f"cache entry invalid: {problem}", deps, status)
         if forced:

@@ -24,19 +24,21 @@ import os
 import re
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Callable
 
-from keel.executor import interrupt, storage
+from keel.executor import heartbeat, interrupt, storage
 from keel.executor import lease as leases
-from keel.executor.job import log_url, run_step_job
+from keel.executor.job import guard_process_exit, log_url, run_step_job
 from keel.executor.plan import Graph, StepPlan, plan_graph, select
 from keel.executor.provenance import _secret_values, provenance, scrub
 from keel.executor.resolve import resolve_config
-from keel.executor.status import SUCCESS, Status, mark_finished, mark_running, read_status, verify_manifest
+from keel.executor.identity import HASH_CHARS
+from keel.executor.status import KEEL_DIR, SUCCESS, Status, keel_path, mark_finished, mark_running, read_status, verify_manifest
 from keel.executor.step import Step
 
 _MAX_WAIT_POLL_S = 1.0
@@ -95,6 +97,7 @@ def _step_record(graph: Graph, step: Step, resolved, launch: dict, secrets: list
             "dependencies": {d.name: graph.path(d) for d in step.deps},
             "description": step.description,
             "resources": step.resources.describe() if step.resources else None,
+            **({"overrides": graph.overrides[step.name]} if step.name in graph.overrides else {}),
         },
         secrets,
     )
@@ -135,6 +138,7 @@ class Runner:
         self._active: dict[str, tuple[Status, leases.Lease]] = {}  # output path -> (RUNNING status, lease)
         self._stopping, self._stopping_since = False, 0.0
         self._isolated_in_run = 0
+        guard_process_exit()
 
     def run(self, only: re.Pattern | None = None) -> RunReport:
         plans = plan_graph(self.graph, self.force)
@@ -229,7 +233,8 @@ class Runner:
         while True:
             lease, holder = leases.try_acquire(plan.output_path, self.lease_timeout)
             status = read_status(plan.output_path)
-            finished = status is not None and status.state == SUCCESS and verify_manifest(plan.output_path, status) is None
+            finished = (status is not None and status.state == SUCCESS
+                        and verify_manifest(plan.output_path, status, no_outputs=plan.step.no_outputs) is None)
             if lease is not None:
                 if finished and not forced:
                     lease.release()
@@ -254,27 +259,68 @@ class Runner:
             return "reused"
         try:
             resolved = resolve_config(step.config, plan.output_path, self.graph.path)
-            running = mark_running(plan.output_path, previous, _step_record(self.graph, step, resolved, self._launch, self._secrets))
-            with self._lock:
-                self._active[plan.output_path] = (running, lease)
-            self.echo(f"[keel] start {plan.name} -> {plan.output_path}" + (f" ({plan.reason})" if plan.reason else ""))
-            try:
-                self._dispatch(step, resolved, plan.output_path, running.attempt)
-                status = mark_finished(plan.output_path, running)  # the manifest lists the outputs as the job left them
-            except interrupt.StepInterrupted as exc:
-                why = f"{exc}; `keel run` again resumes it" + (f" from {exc.resume}" if exc.resume else "")
-                mark_finished(plan.output_path, running, error=why, interrupted=True)
-                raise StepStopped(step.name, plan.output_path, why) from None
-            except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then reported
-                error = str(exc) if isinstance(exc, ChildStepError) else "".join(traceback.format_exception_only(type(exc), exc)).strip()
-                mark_finished(plan.output_path, running, error=error)
-                raise StepFailed(step.name, plan.output_path, error, _log_or_none(plan.output_path)) from exc
+            record = _step_record(self.graph, step, resolved, self._launch, self._secrets)
+            if previous is not None and self.force and self.force.search(plan.name):
+                storage.delete_contents(plan.output_path, keep=KEEL_DIR)  # --force starts clean (no old checkpoint resumes)
+            status = self._attempts(plan, step, resolved, record, previous, lease)
             self.echo(f"[keel] done  {plan.name} in {status.duration:.2f}s")
             return "ran"
         finally:
             with self._lock:
                 self._active.pop(plan.output_path, None)
             lease.release()
+
+    def _attempts(self, plan: StepPlan, step: Step, resolved, record: dict, previous: Status | None, lease) -> Status:
+        """Run the step until an attempt succeeds, is stopped on request, or its declared retries
+        (`Step.retries`) are spent; each attempt is recorded, the last status lists the earlier ones."""
+        earlier: list[dict] = []
+        left = {"failure": step.retries.on_failure, "preemption": step.retries.on_preemption}
+        while True:
+            running = mark_running(plan.output_path, previous, record)
+            with self._lock:
+                self._active[plan.output_path] = (running, lease)
+            how = f"attempt {running.attempt}, retrying" if earlier else plan.reason
+            self.echo(f"[keel] start {plan.name} -> {plan.output_path}" + (f" ({how})" if how else ""))
+            siblings = _entries_beside(plan.output_path)
+            try:
+                self._dispatch(step, resolved, plan.output_path, running.attempt)
+            except interrupt.StepInterrupted as exc:
+                why = f"{exc}; `keel run` again resumes it" + (f" from {exc.resume}" if exc.resume else "")
+                mark_finished(plan.output_path, running, error=why, interrupted=True, attempts=list(earlier))
+                raise StepStopped(step.name, plan.output_path, why) from None
+            except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then retried or reported
+                kind = "preemption" if isinstance(exc, StepPreempted) else "failure"
+                error = str(exc) if isinstance(exc, (ChildStepError, StepPreempted)) else "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                previous = mark_finished(plan.output_path, running, error=error, attempts=list(earlier))
+                earlier.append({"attempt": running.attempt, "state": kind, "error": error})
+                if left[kind] > 0 and not self._stopping:
+                    left[kind] -= 1
+                    self.echo(f"[keel] retry {plan.name}: attempt {running.attempt} ended by {kind} ({error.splitlines()[-1]}); "
+                              f"{left[kind]} more {kind} retr{'y' if left[kind] == 1 else 'ies'} after this one")
+                    continue
+                if kind == "preemption" and not step.retries.on_preemption:  # nothing declared: resume by hand, as before
+                    why = f"{error}; `keel run` again resumes it"
+                    mark_finished(plan.output_path, running, error=why, interrupted=True, attempts=earlier[:-1])
+                    raise StepStopped(step.name, plan.output_path, why) from None
+                if len(earlier) > 1:
+                    error = f"failed after {len(earlier)} attempts: " + "; ".join(f"attempt {a['attempt']} ({a['state']}): {a['error'].splitlines()[-1]}" for a in earlier)
+                    mark_finished(plan.output_path, running, error=error, attempts=earlier[:-1])
+                raise StepFailed(step.name, plan.output_path, error, _log_or_none(plan.output_path)) from exc
+            strays = _new_entries_beside(plan.output_path, siblings, self._outputs_beside(plan.output_path))
+            if strays:
+                error = (f"the step wrote {', '.join(strays)} beside its output folder, in {plan.output_path.rsplit('/', 1)[0]}: "
+                         "a step writes only under config.output_path (those files were left where they are)")
+                mark_finished(plan.output_path, running, error=error, attempts=earlier)
+                raise StepFailed(step.name, plan.output_path, error, _log_or_none(plan.output_path))
+            status = mark_finished(plan.output_path, running, no_outputs=step.no_outputs, attempts=earlier)
+            if status.state != SUCCESS:
+                raise StepFailed(step.name, plan.output_path, status.error or "", _log_or_none(plan.output_path))
+            return status
+
+    def _outputs_beside(self, output_path: str) -> set[str]:
+        """The names other steps of this graph own in the folder holding `output_path`."""
+        parent = output_path.rsplit("/", 1)[0] + "/"
+        return {self.graph.path(s)[len(parent):].split("/", 1)[0] for s in self.graph.steps() if self.graph.path(s).startswith(parent)}
 
     def _dispatch(self, step: Step, resolved, output_path: str, attempt: int) -> None:
         from fray.types import Entrypoint, JobRequest, create_environment
@@ -300,7 +346,7 @@ class Runner:
             if self.client is None:
                 self.client = default_client(self.max_concurrent)
         # In the driver a step that prints nothing leaves no log file (one file fewer per step).
-        entry = Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path), kwargs={"lazy_log": True})
+        entry = Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path), kwargs={"in_launcher": True})
         self.client.submit(JobRequest(name=job_name, entrypoint=entry)).wait(raise_on_failure=True)
 
     def _run_in_child(self, step: Step, resolved, output_path: str) -> None:
@@ -309,18 +355,23 @@ class Runner:
         env = _process_env(resolved, processes=1)
         if self._isolated_in_run > 1:  # several steps share this console: plain progress lines, no bars
             env = {**env, "KEEL_PROGRESS": "lines"}
+        beat = _heartbeat_file(output_path) if step.progress_timeout_s else None
+        if beat:
+            env = {**env, heartbeat.ENV: beat}
         with self._lock:
             if self._stopping:
                 raise interrupt.StepInterrupted("the run was interrupted before the step started")
             process, workdir = start_child(step.fn, resolved, output_path, env)
             self._children.add(process)
         try:
-            outcome = collect(process, workdir)
+            outcome = collect(process, workdir, beat, step.progress_timeout_s)
         finally:
             with self._lock:
                 self._children.discard(process)
-        if outcome.state == "interrupted":
+        if outcome.state == "interrupted" or (outcome.state == "killed" and self._stopping):
             raise interrupt.StepInterrupted(outcome.message, outcome.resume)
+        if outcome.state in ("killed", "stalled"):
+            raise StepPreempted(outcome.message)
         if outcome.state != "succeeded":
             raise ChildStepError(outcome.message)
 
@@ -367,6 +418,16 @@ def _log_or_none(output_path: str) -> str:
     return url if storage.exists(url) else f"{url} (no output)"
 
 
+def _heartbeat_file(output_path: str) -> str:
+    """`.keel/heartbeat` of a local output; beside the launcher's temporary files for a remote one
+    (a heartbeat is read every second: an object store is no place for it)."""
+    if storage.is_local(output_path):
+        beat = storage.split(keel_path(output_path, heartbeat.FILE))[1]
+        os.makedirs(os.path.dirname(beat), exist_ok=True)
+        return beat
+    return os.path.join(tempfile.gettempdir(), f"keel-heartbeat-{output_path.rsplit('/', 1)[-1]}")
+
+
 def _process_env(resolved, processes: int) -> dict[str, str]:
     """What each of the step's `processes` needs in its environment, as its config declares."""
     return resolved.process_env(processes=processes) if hasattr(resolved, "process_env") else {}
@@ -374,6 +435,23 @@ def _process_env(resolved, processes: int) -> dict[str, str]:
 
 class ChildStepError(RuntimeError):
     """The step's function raised in its child process; the message is the child's error line."""
+
+
+class StepPreempted(RuntimeError):
+    """The step's process was killed from outside, or stopped making progress and was killed."""
+
+
+_OUTPUT_NAME = re.compile(r".+-[0-9a-f]{%d}" % HASH_CHARS)
+
+
+def _entries_beside(output_path: str) -> set[str]:
+    return set(storage.list_names(output_path.rsplit("/", 1)[0]))
+
+
+def _new_entries_beside(output_path: str, before: set[str], owned: set[str]) -> list[str]:
+    """Entries that appeared beside the step's output folder while it ran and that no step owns
+    (another step's output, `NAME-HASH`, may appear there at any time): writes outside its folder."""
+    return sorted(n for n in _entries_beside(output_path) - before - owned if not _OUTPUT_NAME.fullmatch(n))
 
 
 def _signal_quietly(process, signum) -> None:

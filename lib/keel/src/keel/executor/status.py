@@ -9,22 +9,28 @@ previous attempt's status, so a SUCCESS never outlives the outputs it describes.
 Two files per attempt, each replaced whole (write, then rename), are all a crash can interrupt:
 before the status is in place, the step is not finished. Nothing is fsynced: a process that dies
 loses none of its writes; after a machine crash, a status torn on disk reads as no status, and a
-cache hit still checks every output's size against the manifest. Outputs written before the
-manifest moved into the status (a separate `manifest.json`) still read as finished.
+cache hit still checks every output against the manifest. Outputs written before the manifest
+moved into the status (a separate `manifest.json`) still read as finished.
+
+The manifest records each local file's size, mtime and BLAKE2b hash (fast, and in the standard
+library); a cache hit stats every file and re-hashes only those whose size or mtime changed, so a
+file rewritten in place at the same size is caught while an untouched output costs one stat.
+A status file that is not keel's (valid JSON of another shape) reads as a FAILED attempt naming
+the file, so the step reruns instead of `plan` crashing.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from keel.executor import storage
 
 KEEL_DIR = ".keel"
 RUNNING, SUCCESS, FAILED, INTERRUPTED = "RUNNING", "SUCCESS", "FAILED", "INTERRUPTED"
 STATUS, RECORD = "status", "step.json"
-_HASH_LIMIT = 1 << 20  # sha256 only files up to 1 MiB: cheap, and enough to catch a small rewrite
 
 
 def keel_path(output_path: str, name: str) -> str:
@@ -39,7 +45,10 @@ class Status:
     finished: float | None = None
     error: str | None = None
     manifest: dict | None = None
-    """SUCCESS only: {"files": {relative path: {"size", "sha256" (small local files)}}, "total_bytes"}."""
+    """SUCCESS only: {"files": {relative path: {"size", and for local files "mtime_ns", "blake2b"}}, "total_bytes"}."""
+    attempts: list | None = None
+    """The earlier attempts of this launch that failed or were preempted and were retried
+    ({"attempt", "state", "error"}), oldest first; None when the first attempt is the last."""
 
     @property
     def duration(self) -> float | None:
@@ -51,9 +60,34 @@ def read_status(output_path: str) -> Status | None:
     None when no attempt started."""
     record = _read(output_path, STATUS)
     if record is not None:
-        return Status(**record)
+        return _status_from(record, keel_path(output_path, STATUS))
     started = _read(output_path, RECORD)
-    return None if started is None else Status(RUNNING, started["attempt"], started["started"])
+    if started is None:
+        return None
+    if not isinstance(started, dict) or not isinstance(started.get("attempt"), int) or not isinstance(started.get("started"), (int, float)):
+        return _not_keels(keel_path(output_path, RECORD), "no attempt number and start time")
+    return Status(RUNNING, started["attempt"], started["started"])
+
+
+_STATUS_FIELDS = {f.name for f in fields(Status)}
+
+
+def _status_from(record, where: str) -> Status:
+    """The Status a record holds, or a FAILED one that names the file when it is not keel's."""
+    if not isinstance(record, dict):
+        return _not_keels(where, f"a JSON {type(record).__name__}, not an object")
+    missing = sorted({"state", "attempt", "started"} - record.keys())
+    unknown = sorted(record.keys() - _STATUS_FIELDS)
+    if missing or unknown or record["state"] not in (RUNNING, SUCCESS, FAILED, INTERRUPTED):
+        why = f"missing {', '.join(missing)}" if missing else f"unknown fields {', '.join(unknown)}" if unknown else f"unknown state {record['state']!r}"
+        return _not_keels(where, why)
+    if record["state"] == SUCCESS and not isinstance(record.get("manifest"), (dict, type(None))):
+        return _not_keels(where, "a manifest that is not an object")
+    return Status(**record)
+
+
+def _not_keels(where: str, why: str) -> Status:
+    return Status(FAILED, 0, 0.0, 0.0, f"{where} is not a status keel wrote ({why}); the next `keel run` reruns the step and replaces it")
 
 
 def _read(output_path: str, name: str) -> dict | None:
@@ -74,12 +108,21 @@ def mark_running(output_path: str, previous: Status | None, record: dict) -> Sta
     return status
 
 
-def mark_finished(output_path: str, running: Status, error: str | None = None, *, interrupted: bool = False) -> Status:
+NO_OUTPUTS_ERROR = ("the step wrote no files under its output path (a step writes its results there); "
+                    "write them, or declare Step(..., no_outputs=True) for a step whose effect is elsewhere")
+
+
+def mark_finished(output_path: str, running: Status, error: str | None = None, *, interrupted: bool = False,
+                  no_outputs: bool = False, attempts: list | None = None) -> Status:
     """SUCCESS (with the manifest of the outputs as they are now), FAILED (with `error`) or
-    INTERRUPTED (stopped on request; `error` says how to resume)."""
+    INTERRUPTED (stopped on request; `error` says how to resume). A step that wrote no file is
+    FAILED unless it declares `no_outputs`: an empty SUCCESS would only fail its dependents later.
+    `attempts` lists the earlier attempts of this launch that were retried."""
     state = INTERRUPTED if interrupted else FAILED if error else SUCCESS
     manifest = _manifest(output_path) if state == SUCCESS else None
-    status = Status(state, running.attempt, running.started, time.time(), error, manifest)
+    if manifest is not None and not manifest["files"] and not no_outputs:
+        state, error, manifest = FAILED, NO_OUTPUTS_ERROR, None
+    status = Status(state, running.attempt, running.started, time.time(), error, manifest, attempts or None)
     _write(output_path, STATUS, vars(status))
     return status
 
@@ -91,27 +134,37 @@ def _write(output_path: str, name: str, record: dict) -> None:
 
 
 def _manifest(output_path: str) -> dict:
-    """Every file the step produced (size, and sha256 for small local files)."""
+    """Every file the step produced: size, and for local files mtime and BLAKE2b hash."""
     sizes = storage.file_sizes(output_path, skip_dir=KEEL_DIR)
     files = {}
     local = storage.is_local(output_path)
+    root = storage.split(output_path)[1]
     for rel, size in sorted(sizes.items()):
         entry = {"size": size}
-        if local and size <= _HASH_LIMIT:
-            entry["sha256"] = hashlib.sha256(storage.read_local(storage.split(storage.join(output_path, rel))[1])).hexdigest()
+        if local:
+            path = os.path.join(root, rel)
+            entry["mtime_ns"] = os.stat(path).st_mtime_ns
+            entry["blake2b"] = content_hash(path)
         files[rel] = entry
     return {"files": files, "total_bytes": sum(sizes.values())}
 
 
-def verify_manifest(output_path: str, status: Status) -> str | None:
-    """None when every file of a SUCCESS status's manifest is present with its recorded size, else
-    why not. Outputs finished before the manifest moved into the status have it in manifest.json."""
+def content_hash(path: str) -> str:
+    """BLAKE2b of a local file: about twice SHA-256's speed, streamed in chunks."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "blake2b").hexdigest()
+
+
+def verify_manifest(output_path: str, status: Status, no_outputs: bool = True) -> str | None:
+    """None when every file of a SUCCESS status's manifest is present with its recorded size (and,
+    where recorded, content: a file whose size or mtime changed is re-hashed), else why not.
+    Outputs finished before the manifest moved into the status have it in manifest.json."""
     manifest = status.manifest if status.manifest is not None else storage.read_json(keel_path(output_path, "manifest.json"))
     if manifest is None:
         return "no manifest: the step never finished writing its outputs"
     files = manifest["files"]
     if not files:
-        return None
+        return None if no_outputs else NO_OUTPUTS_ERROR
     present = storage.file_sizes(output_path, skip_dir=KEEL_DIR)
     for rel, entry in files.items():
         size = present.get(rel)
@@ -119,4 +172,8 @@ def verify_manifest(output_path: str, status: Status) -> str | None:
             return f"output file {rel} is missing"
         if size != entry["size"]:
             return f"output file {rel} has {size} bytes, the manifest recorded {entry['size']}"
+        if "blake2b" in entry and storage.is_local(output_path):
+            path = os.path.join(storage.split(output_path)[1], rel)
+            if os.stat(path).st_mtime_ns != entry.get("mtime_ns") and content_hash(path) != entry["blake2b"]:
+                return f"output file {rel} was changed after the step finished (its content hash differs from the manifest's)"
     return None

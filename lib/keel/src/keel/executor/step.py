@@ -9,10 +9,13 @@ imports anything heavy: declaring a graph must stay instant.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
+import types
+import typing
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 from keel.executor.resources import Resources
 
@@ -86,9 +89,19 @@ class Step:
     devices or a wandb run); its environment is the launcher's plus `config.process_env(processes=1)`
     when the config defines it (e.g. the simulated device count its hardware declares). A cluster
     job of the step gets `config.process_env(processes=resources.replicas)` in every replica.
+
+    How it runs, never part of its identity:
+    - `no_outputs=True`: the step's effect is elsewhere (a check, a notification); without it a
+      step that writes no file under its output path is FAILED, not an empty SUCCESS.
+    - `retries=Retries(on_failure=N, on_preemption=M)`: attempts after the first, within one
+      `keel run`; a step that resumes (training, from its newest checkpoint) continues each time.
+    - `progress_timeout_s`: an isolated step whose heartbeat (`keel.executor.heartbeat.beat()`,
+      touched by every training step) is older than this is killed with its process group and
+      counted as preempted.
     """
 
-    __slots__ = ("name", "fn", "config", "resources", "description", "isolated", "_deps")
+    __slots__ = ("name", "fn", "config", "resources", "description", "isolated", "no_outputs", "retries",
+                 "progress_timeout_s", "_deps")
 
     def __init__(
         self,
@@ -99,6 +112,9 @@ class Step:
         resources: Resources | None = None,
         description: str | None = None,
         isolated: bool = False,
+        no_outputs: bool = False,
+        retries: "Retries | None" = None,
+        progress_timeout_s: float | None = None,
     ):
         self.name = validate_name(name)
         if not callable(fn):
@@ -106,11 +122,22 @@ class Step:
         if not dataclasses.is_dataclass(config) or isinstance(config, type):
             raise StepDeclarationError(f"step {name!r}: config must be a dataclass instance, got {type(config).__name__}")
         check_finite(config, name)
+        check_types(config, name)
+        if retries is not None and not isinstance(retries, Retries):
+            raise StepDeclarationError(f"step {name!r}: retries must be Retries(on_failure=N, on_preemption=M), got {retries!r}")
+        if progress_timeout_s is not None and not (isinstance(progress_timeout_s, (int, float)) and progress_timeout_s > 0):
+            raise StepDeclarationError(f"step {name!r}: progress_timeout_s={progress_timeout_s!r}: give a number of seconds > 0, or None")
+        if progress_timeout_s is not None and not isolated:
+            raise StepDeclarationError(f"step {name!r}: progress_timeout_s needs isolated=True (only a step in a process "
+                                       "of its own can be killed and resumed)")
         self.fn = fn
         self.config = config
         self.resources = resources
         self.description = description
         self.isolated = isolated
+        self.no_outputs = no_outputs
+        self.retries = retries or Retries()
+        self.progress_timeout_s = progress_timeout_s
         self._deps: tuple[Step | External, ...] | None = None
 
     @property
@@ -127,10 +154,27 @@ class Step:
 
     def with_config(self, config: Any) -> "Step":
         return Step(self.name, self.fn, config, resources=self.resources, description=self.description,
-                    isolated=self.isolated)
+                    isolated=self.isolated, no_outputs=self.no_outputs, retries=self.retries,
+                    progress_timeout_s=self.progress_timeout_s)
 
     def __repr__(self) -> str:
         return f"Step({self.name!r})"
+
+
+@dataclass(frozen=True)
+class Retries:
+    """Attempts a step gets after its first within one `keel run`: `on_failure` after it raised
+    (or its process failed), `on_preemption` after its process was killed from outside (SIGKILL,
+    a spot VM's end) or stopped making progress. Then it is FAILED, naming every attempt."""
+
+    on_failure: int = 0
+    on_preemption: int = 0
+
+    def __post_init__(self):
+        for name in ("on_failure", "on_preemption"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise StepDeclarationError(f"Retries({name}={value!r}): give a whole number >= 0")
 
 
 class External:
@@ -174,6 +218,51 @@ def check_finite(config: Any, step_name: str) -> None:
             stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
         elif isinstance(value, dict):
             stack.extend((f"{where}[{k!r}]", v) for k, v in value.items())
+
+
+_SCALARS = {int: (int,), float: (int, float), str: (str,), bool: (bool,)}
+
+
+@functools.lru_cache(maxsize=None)
+def _field_hints(cls: type) -> dict[str, Any]:
+    """The class's field annotations as types; empty when they name something not importable."""
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # noqa: BLE001 - an unresolvable forward reference: nothing to check against
+        return {}
+
+
+def _admits(hint: Any, value: Any) -> bool | None:
+    """Whether a value fits a scalar, Literal or Optional annotation; None for other annotations
+    (containers, classes), which are not checked."""
+    if hint in _SCALARS:
+        return isinstance(value, _SCALARS[hint]) and not (hint is float and isinstance(value, bool))
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return value in typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        verdicts = [_admits(arg, value) if arg is not type(None) else value is None for arg in typing.get_args(hint)]
+        return True if any(verdicts) else None if None in verdicts else False
+    return None
+
+
+def check_types(config: Any, step_name: str) -> None:
+    """Refuse a config value of the wrong scalar type (`n="100"` for `n: int`) when the step is
+    declared, naming the field: inside the step it would fail far from the mistake, or not at all."""
+    stack: list[tuple[str, Any]] = [("config", config)]
+    while stack:
+        where, obj = stack.pop()
+        hints = _field_hints(type(obj))
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if isinstance(value, (Step, External, OutputOf, ThisOutput)):
+                continue
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                stack.append((f"{where}.{f.name}", value))
+            elif f.name in hints and _admits(hints[f.name], value) is False:
+                shown = getattr(hints[f.name], "__name__", None) or str(hints[f.name]).replace("typing.", "")
+                raise StepDeclarationError(f"step {step_name!r}: {where}.{f.name}={value!r} is a {type(value).__name__}, "
+                                           f"but the field is declared {shown}: give a {shown} value")
 
 
 def iter_values(obj: Any):

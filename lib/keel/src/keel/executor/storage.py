@@ -237,6 +237,15 @@ def delete_file(url: str) -> None:
         pass
 
 
+def delete_contents(url: str, keep: str) -> None:
+    """Delete every entry directly under the folder `url` except the one named `keep`."""
+    fs, path = split(url)
+    for name in list_names(url):
+        if name != keep:
+            fs.rm(f"{path.rstrip('/')}/{name}", recursive=True)
+    _made_dirs.clear()
+
+
 def delete_tree(url: str) -> None:
     fs, path = split(url)
     fs.rm(path, recursive=True)
