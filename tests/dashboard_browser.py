@@ -7,7 +7,11 @@ browser test that skipped would pass CI without looking at the page.
 
 import contextlib
 import os
+import shutil
+import socket
+import sys
 import threading
+import time
 
 import pytest
 
@@ -70,3 +74,20 @@ def points(page, run: str, chart: str, series: str) -> int:
 def local_only(requests: list[str]) -> list[str]:
     """The requests that left the machine (should be none)."""
     return [u for u in requests if not (u.startswith("file://") or u.startswith("http://127.0.0.1:"))]
+
+
+def keel_command() -> list[str]:
+    """`uv run --locked keel` (the README's spelling), or this interpreter's keel without uv."""
+    uv = shutil.which("uv")
+    return [uv, "run", "--locked", "keel"] if uv else [sys.executable, "-m", "keel.cli_entry"]
+
+
+def wait_until_listening(port: int, timeout: float) -> None:
+    """Return once 127.0.0.1:`port` accepts a connection; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    pytest.fail(f"nothing listened on 127.0.0.1:{port} within {timeout:.0f}s")

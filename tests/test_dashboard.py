@@ -6,15 +6,13 @@ training step records (metrics.jsonl, checkpoints), so the test takes seconds, n
 
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
-from dashboard_browser import browser_page, local_only, node_states, points, serving
+from dashboard_browser import browser_page, keel_command, local_only, node_states, points, serving
 from keel.cli import console_main, load_experiment
 from keel.executor.plan import Graph, plan_graph
 from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics
@@ -136,9 +134,7 @@ def test_a_running_steps_curve_grows_without_reloading(tmp_path):
     graph = _graph(experiment, prefix, **env)
     live = graph.path(next(s for s in graph.steps() if s.name == "train/dash/live"))
     metrics = Path(live) / METRICS_FILE
-    uv = shutil.which("uv")
-    command = [uv, "run", "--locked", "keel"] if uv else [sys.executable, "-m", "keel.cli_entry"]
-    proc = subprocess.Popen([*command, "run", experiment, "--prefix", prefix], cwd=REPO, env={**os.environ, **env},
+    proc = subprocess.Popen([*keel_command(), "run", experiment, "--prefix", prefix], cwd=REPO, env={**os.environ, **env},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 120

@@ -59,7 +59,8 @@ def test_the_comparison_has_one_row_per_run_with_the_values_the_runs_recorded(sw
         optimizer = run.config.train.optimizer
         assert row["fields"] == {"train.optimizer.adam_lr": optimizer.adam_lr, "train.optimizer.muon_lr": optimizer.muon_lr}
     table = (out / "comparison.md").read_text().splitlines()
-    assert len(table) == 2 + 3 and "train.optimizer.adam_lr" in table[0]
+    assert table[5] == "" and "train.optimizer.adam_lr" in table[0]  # 3 rows, then each column's definition
+    assert all(f"- {column}:" in "\n".join(table[6:]) for column in table[0].strip("| ").split(" | "))
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # `keel compare` prints that table from the cached runs, without running anything or importing jax.
@@ -72,7 +73,7 @@ def test_the_comparison_has_one_row_per_run_with_the_values_the_runs_recorded(sw
     only = keel("compare", TUTORIAL, "--prefix", graph.prefix, "--only", r"lr2\.0", timeout=120)
     assert only.returncode == 0, only.stdout + only.stderr
     lines = only.stdout.splitlines()  # one run: no field differs, the rest of its row is the same
-    assert len(lines) == 3 and lines[2].startswith(" | ".join(table[4].split(" | ")[:6])), lines
+    assert lines[3] == "" and lines[2].startswith(" | ".join(table[4].split(" | ")[:6])), lines
 
 
 def test_the_eval_step_reproduces_the_runs_last_validation_loss(sweep):
@@ -118,3 +119,40 @@ def test_the_tutorial_shares_the_tiny_moe_data_chain_and_reruns_cached(sweep):
     assert shared == {name: graph.path(steps[name]) for name in shared} and len(shared) == 3
     again = keel("run", TUTORIAL, "--prefix", graph.prefix, timeout=300)
     assert again.returncode == 0 and "0 ran, 0 reused, 9 cached" in again.stdout, again.stdout + again.stderr
+
+
+def test_the_dashboard_shows_the_sweep(sweep):
+    """`keel dashboard experiments/tutorials/lr_sweep.py` (the README's command) in Chromium: every
+    step with its state, each run's loss chart with one point per logged step, the runs overlaid,
+    a fact sheet per run with its measured step time."""
+    from dashboard_browser import browser_page, keel_command, local_only, node_states, points, wait_until_listening
+    from iris_local import free_port
+
+    from keel.executor.plan import plan_graph
+
+    graph, steps = sweep
+    runs = {s.name: graph.path(s) for s in steps.values() if s.name.startswith("train/")}
+    port = free_port()
+    served = subprocess.Popen([*keel_command(), "dashboard", TUTORIAL, "--prefix", graph.prefix, "--port", str(port)],
+                              env=user_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until_listening(port, timeout=120)
+        with browser_page() as page:
+            page.goto(f"http://127.0.0.1:{port}/")
+            states = node_states(page)
+            assert states == {p.name: p.state for p in plan_graph(graph)} and set(states.values()) == {"cached"}
+            for name, path in runs.items():
+                logged = latest_by_step(_metrics(path), "train/loss")
+                assert points(page, name, "loss", "train/loss") == len(logged) == 30
+                assert points(page, name, "loss", "eval/loss") == len(latest_by_step(_metrics(path), "eval/loss"))
+            overlay = page.locator('svg[data-chart="overlay-eval"] polyline').evaluate_all("ls => ls.map(l => l.dataset.series)")
+            assert sorted(overlay) == sorted(runs)
+            sheets = page.locator(".sheet")
+            assert sorted(sheets.evaluate_all("s => s.map(x => x.dataset.step)")) == sorted(runs)
+            assert all("s/step (median of training steps); 30/30 steps; finished" in t
+                       for t in sheets.locator(".measured").all_inner_texts())
+            assert not local_only(page.requested) and not page.errors
+    finally:
+        served.terminate()
+        printed = served.communicate(timeout=30)[0]
+    assert f"http://127.0.0.1:{port}/" in printed  # it said where
