@@ -66,7 +66,7 @@ def test_compare_across_experiments_with_columns_defined_and_shared_runs_marked(
     assert console_main(["compare", dense, moe, "--prefix", prefix]) == 0
     lines = capsys.readouterr().out.splitlines()
     header = lines[0].strip("| ").split(" | ")
-    assert header[:2] == ["experiment", "run"] and {"compile", "training", "eval+setup"} <= set(header)
+    assert header[:2] == ["experiment", "run"] and {"compile", "training", "eval+ckpt", "setup"} <= set(header)
     defined = [line.split(":")[0][2:] for line in lines[lines.index("") + 1:]]
     assert defined == header[:-1] + ["train.optimizer.lr"]  # every column shown, defined where it is shown
 

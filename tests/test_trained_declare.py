@@ -129,10 +129,10 @@ def test_the_comparison_table_shows_what_each_run_recorded(tmp_path, capsys):
     assert all(r["wall_s"] > 0 for r in rows)
     table = (compare_dir / "comparison.md").read_text().splitlines()
     assert table[0] == ("| run | steps | final val loss | best val loss (step) | tokens/s | wall time | compile | "
-                        "training | eval+setup | train.optimizer.lr |")
+                        "training | eval+ckpt | setup | train.optimizer.lr |")
     assert table[2].startswith("| train/fake/lr0.5 | 4 | 6.5000 | 5.5000 (2) | 300 ") and table[2].endswith(" | 0.5 |")
     legend = table[table.index("") + 1:]  # every column shown is defined under the table
-    assert [line.split(":")[0] for line in legend[:10]] == [f"- {c}" for c in table[0].strip("| ").split(" | ")[:-1]] + [
+    assert [line.split(":")[0] for line in legend[:11]] == [f"- {c}" for c in table[0].strip("| ").split(" | ")[:-1]] + [
         "- train.optimizer.lr"]
     assert (compare_dir / "comparison.png").stat().st_size > 1000
 

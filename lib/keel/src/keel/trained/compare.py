@@ -43,10 +43,12 @@ COLUMNS = {
                 f"leaving out the first step of each transport phase (it compiles) and every evaluation; "
                 f"{SHARED_MARK} when the run shared its host with other steps (slower than alone)",
     "wall time": "the step's last attempt, start to end (.keel/status)",
-    "compile": "of the wall time, how long the loop stood waiting for its step functions to compile",
-    "training": "of the wall time, the training steps' own measured times summed, less the compile wait",
-    "eval+setup": "the rest of the wall time: validation passes, checkpoints, data and state setup, process start "
-                  "(the run records no evaluation time apart)",
+    "compile": "of the wall time, how long the loop stood waiting for its step and evaluation functions to compile",
+    "training": "of the wall time, the training steps' own measured times summed (batch fetch and update), less "
+                "their compile wait",
+    "eval+ckpt": "of the wall time, the rest of the training loop: validation passes and checkpoint writes",
+    "setup": "the rest of the wall time, before the loop's first step: process start, imports, state initialisation, "
+             "opening the data",
     "predicted": "the declared predicted_loss (a scaling-ladder fit) with its 95% band; OUTSIDE when the final val "
                  "loss leaves the band",
 }
@@ -67,7 +69,8 @@ class RunSummary:
     wall_s: float | None
     compile_s: float | None
     train_s: float | None
-    other_s: float | None
+    eval_s: float | None
+    setup_s: float | None
     shared: dict | None
     """{"steps": names of the steps that ran on the host meanwhile, "fraction": of the wall time}, or None."""
     prediction: dict | None
@@ -93,9 +96,7 @@ def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None) -
         status = read_status(path)
         wall = status.duration if status is not None else None
         tokens_per_step = identities[label].get("train.batch_size", 0) * identities[label].get("train.seq_len", 0)
-        compile_s = _compile_wait(path)
-        step_s = _step_seconds(metrics, tokens_per_step, len(train_steps))
-        train_s = None if step_s is None else max(0.0, step_s - (compile_s or 0.0))
+        split = wall_split(storage.read_text(keel_path(path, "log.txt")) or "", metrics, tokens_per_step, wall)
         final = evals[max(evals)] if evals else None
         prediction = ladder.read_prediction(ladder.declared_prediction(path))
         rows.append(RunSummary(
@@ -108,9 +109,7 @@ def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None) -
             best_step=best_step,
             tokens_per_s=training_throughput(metrics),
             wall_s=wall,
-            compile_s=compile_s,
-            train_s=train_s,
-            other_s=None if wall is None or train_s is None else max(0.0, wall - train_s - (compile_s or 0.0)),
+            **split,
             shared=_shared(path, records[label], status, neighbours),
             prediction=prediction,
             verdict=ladder.judge(final, prediction),
@@ -133,21 +132,25 @@ def training_throughput(metrics: list[dict]) -> float | None:
     return statistics.median(steady) if steady else None
 
 
-def _step_seconds(metrics: list[dict], tokens_per_step: int, steps: int) -> float | None:
-    """The training steps' own times summed (scaled up when only every n-th step was logged)."""
+_DONE = re.compile(r"done: steps \d+->\d+ in ([\d.]+)s \(compiling [\d.]+s, waited for ([\d.]+)s\)")
+_COMPILED = re.compile(r"compiled the (.+?) in ([\d.]+)s, (?:on first use|ahead \(.*? waited ([\d.]+)s for it\))")
+
+
+def wall_split(log: str, metrics: list[dict], tokens_per_step: int, wall: float | None) -> dict[str, float | None]:
+    """The wall time as compile / training / eval+ckpt / setup seconds (see `COLUMNS`), from the
+    loop's log of its last attempt (each compile and what waited for it; the loop's own time) and
+    each step's measured time. None where the log lacks the loop's summary line."""
+    done = _DONE.findall(log)
     speeds = [v for v in latest_by_step(metrics, "throughput/tokens_per_s").values() if v]
-    if not speeds or not tokens_per_step:
-        return None
-    return sum(tokens_per_step / v for v in speeds) * max(steps, len(speeds)) / len(speeds)
-
-
-_SUMMARY = re.compile(r"done: steps \d+->\d+ in [\d.]+s \(compiling [\d.]+s, waited for ([\d.]+)s\)")
-
-
-def _compile_wait(path: str) -> float | None:
-    """The compile wait of the run's last attempt, from its summary line in log.txt (None: not found)."""
-    found = _SUMMARY.findall(storage.read_text(keel_path(path, "log.txt")) or "")
-    return float(found[-1]) if found else None
+    if wall is None or not done or not speeds or not tokens_per_step:
+        return {"compile_s": None, "train_s": None, "eval_s": None, "setup_s": None}
+    attempt = log[log.rfind("done: steps", 0, log.rfind("done: steps")) + 1:]  # since the previous attempt's summary
+    step_waits = sum(float(waited or seconds) for what, seconds, waited in _COMPILED.findall(attempt) if "evaluation" not in what)
+    loop_s, compile_s = float(done[-1][0]), float(done[-1][1])
+    steps_s = sum(tokens_per_step / v for v in speeds)
+    train_s = max(0.0, steps_s - step_waits)
+    eval_s = max(0.0, loop_s - steps_s - (compile_s - step_waits))
+    return {"compile_s": compile_s, "train_s": train_s, "eval_s": eval_s, "setup_s": max(0.0, wall - loop_s)}
 
 
 def _record(path: str) -> dict:
@@ -232,13 +235,13 @@ def render_table(rows: list[RunSummary]) -> str:
     several = len({r.experiment for r in rows}) > 1
     predicted = any(r.prediction for r in rows)
     header = [*(["experiment"] if several else []), "run", "steps", "final val loss", "best val loss (step)", "tokens/s",
-              "wall time", "compile", "training", "eval+setup", *(["predicted"] if predicted else []), *differing]
+              "wall time", "compile", "training", "eval+ckpt", "setup", *(["predicted"] if predicted else []), *differing]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         best = f"{r.best_loss:.4f} ({r.best_step})" if r.best_loss is not None else "-"
         speed = _number(r.tokens_per_s, ",.0f") + (f" {SHARED_MARK}" if r.shared and r.tokens_per_s is not None else "")
         cells = [*([r.experiment or "-"] if several else []), r.run, str(r.steps), _number(r.final_loss, ".4f"), best,
-                 speed, _seconds(r.wall_s), _seconds(r.compile_s), _seconds(r.train_s), _seconds(r.other_s),
+                 speed, _seconds(r.wall_s), _seconds(r.compile_s), _seconds(r.train_s), _seconds(r.eval_s), _seconds(r.setup_s),
                  *([_predicted(r)] if predicted else []), *(_value(r.fields[n]) for n in differing)]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
