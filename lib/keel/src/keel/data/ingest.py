@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from keel.data.documents import Document, check_validation_fraction, write_documents
-from keel.data.quality import BadRecord, RecordLog
+from keel.data.quality import BadRecord, RecordLog, not_text
 from keel.executor import storage
 from keel.executor.step import execution_only, this_output
 
@@ -143,6 +143,9 @@ def _matches(pattern: str, field: str) -> list[InputFile]:
     wildcard = any(ch in path for ch in "*?[")
     matches = sorted(fs.glob(path)) if wildcard else ([path] if fs.exists(path) else [])
     matches = [m for m in matches if not fs.isdir(m)]
+    if not matches and not wildcard and fs.isdir(path):
+        suffixes = ", ".join(f"{pattern.rstrip('/')}/*{suffix}" for suffix in (".jsonl", ".txt"))
+        raise FileNotFoundError(f"{field}: {pattern!r} is a directory, not a file: give a glob of its files, e.g. {suffixes}")
     if not matches:
         raise FileNotFoundError(f"{field}: {pattern!r} matches no file")
     base = _glob_base(path).rstrip("/")
@@ -224,14 +227,21 @@ def _read_jsonl(file: InputFile, fmt: str, config: IngestConfig, log: RecordLog)
 
 
 def _read_txt(file: InputFile, config: IngestConfig, log: RecordLog) -> Iterator[Document]:
-    """The whole file as one document, decoded line by line when it is not all UTF-8."""
+    """The whole file as one document, decoded line by line when a few of its lines are not UTF-8;
+    a file that is binary data (`quality.not_text`) is one skipped record."""
     fs, path = storage.split(file.url)
     data = fs.cat_file(path)
     lines = data.splitlines(keepends=True)
-    log.look(len(lines))
     try:
         text = data.decode("utf-8")
+        log.look(len(lines))
     except UnicodeDecodeError:
+        binary = not_text(data)
+        if binary:
+            log.look()
+            log.skip(BadRecord(file.url, 1, "not text (binary data)", binary + "; remove the file or fix its encoding"))
+            return
+        log.look(len(lines))
         decoded = (_decode(raw, file.url, n, config, log) for n, raw in enumerate(lines, start=1))
         text = "".join(t for t in decoded if t is not None)
     yield Document(f"{file.id_prefix}:1", text)

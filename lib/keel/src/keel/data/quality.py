@@ -13,6 +13,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_EXAMPLES = 100
+MAX_NOISE_FRACTION = 0.1
+"""Text with more of its characters undecodable bytes or control characters than this is binary
+data, not text to repair (text with a stray Latin-1 byte here and there has far fewer)."""
+_CONTROL = {c for c in range(32) if chr(c) not in "\t\n\r\f\v"}
+
+
+def not_text(data: bytes) -> str | None:
+    """Why `data` is binary rather than text with a few bad bytes, or None: repairing such a file
+    line by line would turn noise into documents."""
+    if b"\x00" in data:
+        return "contains NUL bytes"
+    text = data.decode("utf-8", errors="replace")
+    noise = text.count("\ufffd") + sum(text.count(chr(c)) for c in _CONTROL)
+    if text and noise > MAX_NOISE_FRACTION * len(text):
+        return f"{noise / len(text):.0%} of its characters are undecodable bytes or control characters"
+    return None
 
 
 class BadRecordError(ValueError):
