@@ -3,8 +3,13 @@
     table = default_compare("lr_sweep", runs=[run_a, run_b])
     scores = default_eval("lr_sweep/a", model=run_a, data={"stdlib": tokens})          # checkpoint="final"
     samples = default_sample("lr_sweep/a", model=run_a, prompts=["def "], max_tokens=48, seed=0)
+    ladder = default_scaling_ladder("tiny", data=tokens, model=tiny_moe, train=train, sizes=(32, 48, 64, 96),
+                                    steps=(24, 32, 40, 48), target=(128, 64), lr_law=hero_lr_law)
+    big = default_train("big", ..., model=ladder.target_model, train=ladder.target_train, predicted_loss=ladder.prediction)
+    check = ladder.check(big)                                                             # the prediction error
 
-Steps are named `compare/<name>`, `eval/<name>` and `sample/<name>`. Each depends on the training
+Steps are named `compare/<name>`, `eval/<name>`, `sample/<name>` and, for a ladder, `train/ladder/<name>/...`
+and `ladder/<name>`. Each depends on the training
 steps it reads, so it is cached like any step and reruns when a run changes; evaluating another
 checkpoint is another identity. Eval and sample steps run in a process of their own with the
 devices their training step declared, and load the checkpoint on the same layout.
@@ -12,17 +17,29 @@ devices their training step declared, and load the checkpoint on the same layout
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from keel import Resources, Step
 from keel.data import Mixture, TokenizeConfig
 from keel.executor.identity import Identities
-from keel.executor.step import External, OutputOf
+from keel.executor.step import External, OutputOf, output_of
+from keel.mesh import Hardware, RackTopology
+from keel.model import MoELMConfig
+from keel.train import LrScalingLaw, TrainConfig
 from keel.train import TrainStepConfig
 from keel.trained import CompareConfig, EvalConfig, SampleConfig, TrainedModel
 from keel.trained.compare import compare_step
 from keel.trained.evaluate import eval_step
+from keel.trained.ladder import (
+    PREDICTION_FILE,
+    LadderConfig,
+    PredictionCheckConfig,
+    check_step,
+    ladder_step,
+    training_compute,
+)
 from keel.trained.sample import sample_step
 
 
@@ -35,6 +52,69 @@ def default_compare(name: str, *, runs: Sequence[Step]) -> Step:
         raise ValueError(f"default_compare({name!r}): runs {labels} name one step twice: list each run once")
     return Step(f"compare/{name}", compare_step, CompareConfig(runs={run.name: run for run in runs}),
                 description=f"compare {len(runs)} runs")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalingLadder:
+    """What `default_scaling_ladder` declares: the rungs' training steps, the fit step, the
+    prediction (pass it to `default_train(..., predicted_loss=)`) and the run it is made for."""
+
+    name: str
+    runs: tuple[Step, ...]
+    fit: Step
+    prediction: OutputOf
+    target_model: MoELMConfig
+    target_train: TrainConfig
+    target_compute: float
+
+    def check(self, run: Step) -> Step:
+        """A step `ladder/<name>/check` after `run` (the predicted run) that prints and keeps the prediction error."""
+        if not isinstance(run, Step) or getattr(run.config, "predicted_loss", None) is None:
+            raise TypeError(f"ScalingLadder.check: {run!r} declares no predicted_loss: pass the run declared with "
+                            "predicted_loss=ladder.prediction")
+        return Step(f"ladder/{self.name}/check", check_step, PredictionCheckConfig(run=run, prediction=self.prediction),
+                    description=f"{run.name}'s validation loss against the ladder's prediction")
+
+
+def default_scaling_ladder(name: str, *, data: Any, model: MoELMConfig, train: TrainConfig, sizes: Sequence[int],
+                           steps: Sequence[int], target: tuple[int, int], lr_law: LrScalingLaw | None = None,
+                           topology: RackTopology | None = None, hardware: Hardware | None = None) -> ScalingLadder:
+    """Small runs over a range of compute and a cached fit that predicts a bigger run's loss.
+
+    Rung i trains `model` at hidden_dim `sizes[i]` for `steps[i]` steps (`train` otherwise, its
+    learning rates from `lr_law` at each rung's width and tokens when given); `target` is the
+    predicted run's (hidden_dim, steps). The fit step `ladder/<name>` fits L(C) = E + A (C/C0)^-alpha
+    to the rungs' final validation losses (`keel.trained.ladder`) and writes prediction.json."""
+    if len(sizes) != len(steps):
+        raise ValueError(f"default_scaling_ladder({name!r}): {len(sizes)} sizes but {len(steps)} step counts: give one each")
+    if train.eval_batches <= 0:
+        raise ValueError(f"default_scaling_ladder({name!r}): train.eval_batches=0 leaves nothing to fit: evaluate the rungs")
+
+    def rung(hidden: int, num_steps: int) -> tuple[MoELMConfig, TrainConfig]:
+        sized = model.replace(hidden_dim=hidden)
+        changes: dict[str, Any] = {"num_steps": num_steps, "eval_every": num_steps}
+        if lr_law is not None:
+            changes["optimizer"] = lr_law.optimizer(sized, batch_size=train.batch_size, seq_len=train.seq_len,
+                                                    num_steps=num_steps)
+        return sized, dataclasses.replace(train, **changes)
+
+    from defaults.train import default_train
+
+    runs, compute = [], {}
+    for hidden, num_steps in zip(sizes, steps):
+        sized, trained = rung(hidden, num_steps)
+        run = default_train(f"ladder/{name}/h{hidden}-s{num_steps}", data=data, model=sized, train=trained,
+                            topology=topology, hardware=hardware, description=f"scaling ladder {name}: hidden {hidden}, "
+                            f"{num_steps} steps")
+        runs.append(run)
+        compute[run.name] = training_compute(sized, trained)
+    target_model, target_train = rung(*target)
+    target_compute = training_compute(target_model, target_train)
+    fit = Step(f"ladder/{name}", ladder_step, LadderConfig(runs={r.name: r for r in runs}, compute=compute,
+                                                           target=f"hidden {target[0]}, {target[1]} steps",
+                                                           target_compute=target_compute),
+               description=f"fit of {len(runs)} rungs; predicts hidden {target[0]} x {target[1]} steps")
+    return ScalingLadder(name, tuple(runs), fit, output_of(fit, PREDICTION_FILE), target_model, target_train, target_compute)
 
 
 def default_eval(name: str, *, model: Step, data: dict[str, Step | External], checkpoint: str | int = "final",

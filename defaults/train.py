@@ -34,12 +34,33 @@ def default_train(
     hardware: Hardware | None = None,
     resources: Resources | None = None,
     description: str | None = None,
+    predicted_loss: OutputOf | None = None,
 ) -> Step:
-    """A `Step` that trains `model` on `data` (a Mixture, or a tokenize step / External cache)."""
+    """A `Step` that trains `model` on `data` (a Mixture, or a tokenize step / External cache).
+
+    `predicted_loss` is a scaling ladder's prediction for this run (`default_scaling_ladder(...).prediction`):
+    the run trains after it is made, and must have the compute it was made for."""
     if not isinstance(data, (Mixture, Step, External, OutputOf)):
         raise TypeError(
             f"default_train({name!r}): data is a {type(data).__name__}; give a keel.data.Mixture, a tokenize Step "
             "or an External token cache"
         )
-    config = TrainStepConfig(model=model, data=data, train=train, topology=topology, hardware=hardware)
+    if predicted_loss is not None:
+        _check_prediction(name, predicted_loss, model, train)
+    config = TrainStepConfig(model=model, data=data, train=train, topology=topology, hardware=hardware,
+                             predicted_loss=predicted_loss)
     return Step(f"train/{name}", train_step, config, resources=resources, description=description, isolated=True)
+
+
+def _check_prediction(name: str, predicted: Any, model: MoELMConfig, train: TrainConfig) -> None:
+    """A prediction is for one compute: refuse it for a run of another."""
+    from keel.trained.ladder import LadderConfig, training_compute
+
+    fit = predicted.step.config if isinstance(predicted, OutputOf) and isinstance(predicted.step, Step) else None
+    if not isinstance(fit, LadderConfig):
+        raise TypeError(f"default_train({name!r}): predicted_loss is a {type(predicted).__name__}; give a scaling "
+                        "ladder's prediction (default_scaling_ladder(...).prediction)")
+    compute = training_compute(model, train)
+    if abs(compute - fit.target_compute) > 1e-9 * fit.target_compute:
+        raise ValueError(f"default_train({name!r}): predicted_loss was made for {fit.target_compute:.4g} FLOPs, this run "
+                         f"trains {compute:.4g}: declare the run the ladder predicts (its target_model and target_train)")

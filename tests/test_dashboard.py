@@ -53,7 +53,7 @@ _EXPERIMENT = textwrap.dedent(
 
     def run(name, lr, steps):
         train = TrainConfig(batch_size=2, seq_len=8, num_steps=steps, optimizer=AdamWConfig(lr=lr))
-        step = default_train(name, data=External("cache", "/nowhere"), model=tiny_moe, train=train)
+        step = default_train(name, data=External("cache", "/nowhere", version="v1"), model=tiny_moe, train=train)
         return step.__class__(step.name, pretend_to_train, step.config)
 
     runs = [run("dash/a", LR, STEPS), run("dash/b", 0.25, STEPS)]

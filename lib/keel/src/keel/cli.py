@@ -219,6 +219,10 @@ def render_table(plans: list[StepPlan], timings: bool = False) -> str:
             shown = progress(p.output_path) if callable(progress) else None
             if shown:
                 rows.append(f"{'':<17}   {shown}")
+        if timings and p.status is not None and getattr(getattr(p.step, "config", None), "predicted_loss", None):
+            from keel.trained.ladder import status_line  # the prediction, and the run's loss against it
+
+            rows.append(f"{'':<17}   {status_line(p.output_path) or 'prediction declared, not made yet'}")
     counts: dict[str, int] = {}
     for p in plans:
         counts[p.state] = counts.get(p.state, 0) + 1

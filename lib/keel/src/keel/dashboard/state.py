@@ -16,7 +16,7 @@ from typing import Any
 from keel.executor import storage
 from keel.executor.plan import Graph, StepPlan, plan_graph
 from keel.executor.status import keel_path
-from keel.executor.step import OutputOf, Step
+from keel.executor.step import Step
 from keel.train.tracking import METRICS_FILE, read_metrics
 from keel.trained import compare, ladder
 
@@ -93,7 +93,7 @@ def _run(graph: Graph, plan: StepPlan) -> dict[str, Any]:
                 series.setdefault(key, {})[record["step"]] = value
         if isinstance(record.get("transport"), str):
             transports[record["step"]] = record["transport"]
-    prediction = ladder.read_prediction(prediction_location(graph, plan.step))
+    prediction = ladder.read_prediction(ladder.prediction_location(graph, plan.step))
     evals = series.get("eval/loss", {})
     final = evals[max(evals)] if evals else None
     return {
@@ -105,17 +105,9 @@ def _run(graph: Graph, plan: StepPlan) -> dict[str, Any]:
         "series": {k: sorted(v.items()) for k, v in sorted(series.items())},
         "marks": _marks(plan.output_path, transports, config),
         "prediction": prediction,
-        "verdict": ladder.judge(final, prediction),
+        "verdict": ladder.judge(final, prediction) if evals and max(evals) == config.train.num_steps else None,
         "tokens_per_s": compare.training_throughput(records),
     }
-
-
-def prediction_location(graph: Graph, step: Step) -> str | None:
-    """Where the prediction a training step declares (`predicted_loss=`) is written, or None."""
-    declared = getattr(step.config, "predicted_loss", None)
-    if isinstance(declared, OutputOf):
-        return storage.join(graph.path(declared.step), declared.subpath)
-    return ladder.declared_prediction(graph.path(step))
 
 
 def _marks(path: str, transports: dict[int, str], config) -> list[dict[str, Any]]:
@@ -145,9 +137,7 @@ def _fact_sheets(graph: Graph, runs: dict[str, dict]) -> list[dict[str, Any]]:
     out = []
     for sheet in sheets:
         run = runs.get(sheet["step"])
-        prediction = run and run["prediction"]
-        text = sheet["text"] + (f"\nprediction   {ladder.describe(prediction)}" if prediction else "")
-        out.append({"step": sheet["step"], "text": text, "measured": _measured(graph, run) if run else None})
+        out.append({"step": sheet["step"], "text": sheet["text"], "measured": _measured(graph, run) if run else None})
     return out
 
 

@@ -13,6 +13,7 @@ from keel.plan.twin import architecture_features, scale_down
 from keel.plan.variants import render_variants, variant_row
 from keel.plan.verdicts import check_fits
 from keel.train.config import TrainStepConfig
+from keel.trained.ladder import plan_line
 
 __all__ = [
     "PlanError",
@@ -36,5 +37,8 @@ def fact_sheets_for(steps) -> list[dict]:
         if isinstance(step, Step) and isinstance(step.config, TrainStepConfig):
             sheet = fact_sheet(step.config, step.name)
             sheet["text"] = render_fact_sheet(sheet)
+            predicted = plan_line(steps, step) if hasattr(steps, "path") else None  # a graph knows where it is written
+            if predicted:
+                sheet["text"] += "\n" + predicted
             sheets.append(sheet)
     return sheets

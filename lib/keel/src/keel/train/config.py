@@ -380,6 +380,10 @@ class TrainStepConfig:
     coordinator: str | None = execution_only(default=None)
     """Where the replicas of a multi-process run meet ("host:port"); None: found through Iris.
     Pin it (e.g. "127.0.0.1:<port>") when every replica runs on one machine."""
+    predicted_loss: str | None = execution_only(default=None)
+    """Where the loss predicted for this run is written (a scaling ladder's prediction.json:
+    `default_train(..., predicted_loss=ladder.prediction)`), so the run trains after its prediction
+    is made and `keel plan`, `status`, `compare` and the dashboard set its loss against the band."""
 
     def progress(self, output_path: str) -> str | None:
         """How far a running (or stopped) training step got, from its metrics: for `keel status`

@@ -20,7 +20,7 @@ from keel.executor import storage
 from keel.executor.status import keel_path
 from keel.executor.step import this_output
 
-FIT_FILE, PREDICTION_FILE = "fit.json", "prediction.json"
+FIT_FILE, PREDICTION_FILE, CHECK_FILE = "fit.json", "prediction.json", "check.json"
 BAND = 0.95
 
 
@@ -42,6 +42,16 @@ class LadderConfig:
             raise ValueError(f"LadderConfig: {len(self.runs)} runs cannot fit 3 parameters with a residual to spare: give 4 or more")
         if len({round(math.log(c), 6) for c in self.compute.values()}) < len(self.compute):
             raise ValueError("LadderConfig: two runs have the same compute; give each rung its own")
+
+
+@dataclass(frozen=True)
+class PredictionCheckConfig:
+    """The predicted run against its prediction, once it has trained: `run` is the training step,
+    `prediction` the prediction.json it declared."""
+
+    run: str
+    prediction: str
+    output_path: str = this_output()
 
 
 @dataclass(frozen=True)
@@ -137,10 +147,53 @@ def ladder_step(config: LadderConfig) -> None:
     print(describe(prediction))
 
 
+def check_step(config: PredictionCheckConfig) -> None:
+    """Step function: check.json and a printed line with the prediction error on the predicted run."""
+    prediction = read_prediction(config.prediction)
+    actual = final_val_loss(config.run)
+    if prediction is None or actual is None:
+        raise ValueError(f"nothing to check: prediction {config.prediction} or the run's validation loss is missing")
+    error = actual[1] - prediction["loss"]
+    where = judge(actual[1], prediction)
+    result = {"prediction": prediction, "actual": actual[1], "step": actual[0], "error": error,
+              "relative_error": error / actual[1], "verdict": where}
+    storage.write_json(storage.join(config.output_path, CHECK_FILE), result)
+    print(f"prediction error on {prediction['target']}: actual val loss {actual[1]:.4f} - predicted {prediction['loss']:.4f} "
+          f"= {error:+.4f} ({error / actual[1]:+.1%}); "
+          + ("within" if where == "within" else f"OUTSIDE ({where})")
+          + f" the {prediction['band']:.0%} band [{prediction['low']:.4f}, {prediction['high']:.4f}]")
+
+
 def describe(prediction: dict) -> str:
     """`predicted val loss 4.1234 (95% band 3.9-4.3, covariance) for train/x at C = 1.2e13`."""
     return (f"predicted val loss {prediction['loss']:.4f} ({prediction['band']:.0%} band {prediction['low']:.4f}-"
             f"{prediction['high']:.4f}, {prediction['method']}) for {prediction['target']} at C = {prediction['compute']:.3g} FLOPs")
+
+
+def training_compute(model, train) -> float:
+    """A run's training FLOPs: FLOPs per token (attention and lm_head included) x tokens trained."""
+    return model.flops_per_token(train.seq_len) * train.total_tokens
+
+
+def prediction_location(graph, step) -> str | None:
+    """Where the prediction a training step declares (`predicted_loss=`) is written, or None."""
+    from keel.executor.step import OutputOf
+
+    declared = getattr(step.config, "predicted_loss", None)
+    if isinstance(declared, OutputOf):
+        return storage.join(graph.path(declared.step), declared.subpath)
+    return declared if isinstance(declared, str) else None
+
+
+def plan_line(graph, step) -> str | None:
+    """The fact sheet's line for a training step that declares a prediction (None when it does not)."""
+    location = prediction_location(graph, step)
+    if location is None:
+        return None
+    prediction = read_prediction(location)
+    if prediction is None:
+        return f"prediction   not made yet: the ladder's fit writes {location} before this run trains"
+    return f"prediction   {describe(prediction)}"
 
 
 def declared_prediction(run_path: str) -> str | None:
@@ -162,13 +215,19 @@ def judge(actual: float | None, prediction: dict | None) -> str | None:
     return "above" if actual > prediction["high"] else "below" if actual < prediction["low"] else "within"
 
 
-def verdict_line(actual: tuple[int, float] | None, prediction: dict | None) -> str | None:
-    """One line for `keel status`: the prediction and, once the run has evaluated, the actual against it."""
+def status_line(run_path: str) -> str | None:
+    """`keel status`'s line for a run that declares a prediction: the prediction and, once the run
+    has evaluated, its validation loss against the band (judged at the end; mid-run it is shown only)."""
+    prediction = read_prediction(declared_prediction(run_path))
     if prediction is None:
         return None
     line = describe(prediction)
+    actual = final_val_loss(run_path)
     if actual is not None:
+        record = storage.read_json(keel_path(run_path, "step.json")) or {}
+        num_steps = record.get("config", {}).get("train", {}).get("num_steps")
         where = judge(actual[1], prediction)
-        line += (f"; actual {actual[1]:.4f} at step {actual[0]}: "
-                 + ("within the band" if where == "within" else f"OUTSIDE the band ({where})"))
+        verdict = ("within the band" if where == "within" else f"OUTSIDE the band ({where})") if actual[0] == num_steps \
+            else f"of {num_steps} steps: judged at the end"
+        line += f"; actual {actual[1]:.4f} at step {actual[0]}: {verdict}"
     return line

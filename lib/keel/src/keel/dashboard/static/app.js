@@ -173,7 +173,7 @@ function renderRuns(state) {
     const head = html("h3", {}, `${run.name} — ${run.state}` + (run.tokens_per_s ? ` · ${Math.round(run.tokens_per_s).toLocaleString()} tokens/s` : ""));
     if (run.prediction) {
       const last = (run.series["eval/loss"] || []).slice(-1)[0];
-      const verdict = run.verdict ? (run.verdict === "within" ? "within the band" : `OUTSIDE the band (${run.verdict})`) : "not evaluated yet";
+      const verdict = run.verdict ? (run.verdict === "within" ? "within the band" : `OUTSIDE the band (${run.verdict})`) : "judged at the end";
       head.append(" ", html("span", { class: "badge prediction " + (run.verdict && run.verdict !== "within" ? "outside" : "within"), "data-verdict": run.verdict || "" },
         `predicted ${run.prediction.loss.toFixed(4)} [${run.prediction.low.toFixed(4)}, ${run.prediction.high.toFixed(4)}]` +
         (last ? `, actual ${last[1].toFixed(4)}: ${verdict}` : "")));
