@@ -119,8 +119,8 @@ def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None) -
 
 
 def training_throughput(metrics: list[dict]) -> float | None:
-    """Median `throughput/tokens_per_s` of the steps that neither compiled (the first logged step of
-    each transport phase) nor are all there is; the only step's figure when a run logged one."""
+    """Median `throughput/tokens_per_s` of the logged steps that did not compile (the first step, and
+    the first of each transport phase after it); of all of them when every logged step compiled."""
     speeds = latest_by_step(metrics, "throughput/tokens_per_s")
     transports = latest_by_step(metrics, "transport")
     compiling, previous = set(), object()
