@@ -286,8 +286,10 @@ def test_plan_imports_no_jax(tmp_path):
 
 
 def test_gc_lists_and_deletes_unreached(tmp_path, capsys):
-    prefix = str(tmp_path)
-    assert console_main(["run", HELLO, "--prefix", prefix, "--set", "tutorial/numbers.n=3"]) == 0
+    prefix = str(tmp_path / "out")
+    edited = tmp_path / "hello_edited.py"  # the experiment as it was before an edit: its outputs are abandoned
+    edited.write_text(Path(HELLO).read_text().replace("NumbersConfig(n=100)", "NumbersConfig(n=3)"))
+    assert console_main(["run", str(edited), "--prefix", prefix]) == 0
     assert console_main(["run", HELLO, "--prefix", prefix]) == 0
     capsys.readouterr()
     assert console_main(["gc", HELLO, "--prefix", prefix]) == 0

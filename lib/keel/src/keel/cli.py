@@ -12,23 +12,32 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import linecache
 import os
 import re
 import runpy
+import shlex
 import sys
+import traceback
 
 from keel.executor import storage
 from keel.executor.overrides import apply_overrides
-from keel.executor.plan import Graph, StepPlan, plan_graph
+from keel.executor.plan import EMPTY_EXTERNAL, Graph, StepPlan, plan_graph, select
 from keel.executor.status import KEEL_DIR, RECORD
 from keel.executor.step import StepDeclarationError
 
 COMMANDS = ("run", "plan", "status", "gc", "compare", "dashboard")
 _collecting: list[tuple[list, dict]] | None = None
+_declared_scales: set[str] = set()  # the scales the experiments loaded declare (for the --scale hint)
 
 
 class UsageError(ValueError):
     """A command-line option keel cannot use, such as a `--force` that is not a regular expression."""
+
+
+class ExperimentError(StepDeclarationError):
+    """The experiment file raised while it was read (a typo, a bad value, a missing import): its
+    message names the file and line, shows the line and the exception, without a traceback."""
 
 
 # Mistakes in the experiment or the command line: one `keel: error: ...` line and exit code 2.
@@ -54,15 +63,35 @@ def _parser(prog: str, with_experiment: bool) -> argparse.ArgumentParser:
     return p
 
 
+_OPTION_USERS = {"yes": ("gc",), "force": ("run", "plan", "status"), "only": ("run", "plan", "status", "compare"),
+                 "max_concurrent": ("run",), "cluster": ("run",)}
+"""The commands each option means something to: given to another command, it is refused, not ignored."""
+
+
 def _prefix(args) -> str:
+    if args.prefix == "":
+        raise UsageError("--prefix is empty: give a folder or an fsspec URL (or leave --prefix out for $KEEL_PREFIX, else ./outputs)")
     return args.prefix or os.environ.get("KEEL_PREFIX") or "outputs"
+
+
+def _check_options(args) -> None:
+    """Refuse an option the command would ignore, and values no run can use."""
+    defaults = vars(_parser("keel", with_experiment=False).parse_args([args.command]))
+    for option, users in _OPTION_USERS.items():
+        if getattr(args, option) != defaults[option] and args.command not in users:
+            flag = "--" + option.replace("_", "-")
+            raise UsageError(f"{flag} does nothing for `keel {args.command}` (it applies to: {', '.join(users)}); leave it out")
+    if args.max_concurrent < 1:
+        raise UsageError(f"--max-concurrent {args.max_concurrent}: give at least 1 (steps running at once)")
 
 
 def console_main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser("keel", with_experiment=True).parse_args(argv)
+    args.again = "keel " + shlex.join(argv)
     try:
         step_lists = [load_experiment(path, args.scale) for path in args.experiments]
+        args.scales = sorted(_declared_scales)
         if args.command not in ("gc", "compare", "plan") and len(step_lists) > 1:
             raise StepDeclarationError(f"keel {args.command} takes one experiment file, got {len(step_lists)}")
         return _act(args, step_lists)
@@ -80,13 +109,36 @@ def load_experiment(path: str, scale: str | None = None) -> list:
     saved_argv = sys.argv
     try:
         sys.argv = [path]
-        runpy.run_path(path, run_name="__main__")
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except StepDeclarationError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any mistake in the file is the user's to fix: say where
+            raise ExperimentError(_where_it_failed(path, exc)) from None
         if not _collecting:
             raise StepDeclarationError(f"{path} never called keel.main([...]) under `if __name__ == '__main__':`")
+        _declared_scales.update(name for _, scales in _collecting for name in scales)
         return [s for steps, scales in _collecting for s in _scaled(steps, scales, scale, path)]
     finally:
         sys.argv = saved_argv
         _collecting = previous
+
+
+def _where_it_failed(path: str, exc: BaseException) -> str:
+    """`FILE:LINE: Type: message` and the line itself, at the experiment file's deepest frame (or
+    where a syntax error is), for an exception raised while the file ran."""
+    target = os.path.abspath(path)
+    if isinstance(exc, SyntaxError) and exc.filename and os.path.abspath(exc.filename) == target:
+        where, lineno, detail = path, exc.lineno, exc.msg
+    else:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == target]
+        lineno = frames[-1].lineno if frames else None
+        where, detail = path, str(exc) or "(no message)"
+        if isinstance(exc, SyntaxError) and exc.filename:  # in a module the experiment imports
+            detail = f"{exc.msg} ({exc.filename}:{exc.lineno})"
+    text = (linecache.getline(target, lineno).strip() if lineno else "")
+    head = f"{where}:{lineno}: " if lineno else f"{where}: "
+    return head + f"{type(exc).__name__}: {detail}" + (f"\n    {lineno} | {text}" if text else "")
 
 
 def _scaled(steps, scales: dict, scale: str | None, where: str) -> list:
@@ -105,7 +157,10 @@ def experiment_main(steps, argv: list[str] | None = None, scales: dict | None = 
     if _collecting is not None:
         _collecting.append((list(steps), scales))
         return 0
-    args = _parser(os.path.basename(sys.argv[0]) or "experiment", with_experiment=False).parse_args(sys.argv[1:] if argv is None else argv)
+    own_argv = sys.argv[1:] if argv is None else argv
+    args = _parser(os.path.basename(sys.argv[0]) or "experiment", with_experiment=False).parse_args(own_argv)
+    args.again = shlex.join(["python", sys.argv[0], *own_argv])
+    args.scales = sorted(scales)
     try:
         code = _act(args, [_scaled(steps, scales, args.scale, sys.argv[0])])
     except USER_ERRORS as exc:
@@ -117,9 +172,13 @@ def experiment_main(steps, argv: list[str] | None = None, scales: dict | None = 
 
 
 def _graph(args, steps) -> Graph:
+    """The graph under the prefix with every `--set` applied; the steps whose output the overrides
+    moved record them (`Graph.overrides`), so gc can tell their outputs from abandoned ones."""
     graph = Graph(steps, _prefix(args))
     if args.overrides:
+        declared = {s.name: graph.path(s) for s in graph.steps()}
         graph = Graph(apply_overrides(graph.targets, graph.order, args.overrides), _prefix(args))
+        graph.overrides = {s.name: list(args.overrides) for s in graph.steps() if declared.get(s.name) != graph.path(s)}
     return graph
 
 
@@ -132,9 +191,13 @@ def _regex(option: str, text: str | None) -> re.Pattern | None:
 
 def _act(args, step_lists: list[list]) -> int:
     """Validate everything that can be wrong before a step runs (options, graph, prefix), then act."""
+    _check_options(args)
     force = _regex("--force", args.force)
-    _regex("--only", args.only)
+    only = _regex("--only", args.only)
     graphs = [_graph(args, steps) for steps in step_lists]
+    if only is not None and not any(only.search(s.name) for graph in graphs for s in graph.order):
+        names = ", ".join(s.name for s in graphs[0].order)
+        raise UsageError(f"--only {args.only!r} matches no step; the experiment's steps: {names}")
     storage.check_prefix(_prefix(args), write=args.command == "run" or (args.command == "gc" and args.yes))
     if args.command == "gc":
         return _gc(args, graphs)
@@ -156,8 +219,12 @@ def _act(args, step_lists: list[list]) -> int:
     graph = graphs[0]
     if args.command == "run":
         _check_fits(_fact_sheets(graph))  # the training steps' declaration and memory checks, before any step runs
+        _check_externals(plan_graph(graph, force), only)
         return _run(args, graph)
     plans = plan_graph(graph, force)
+    if only is not None:  # what `run --only` would look at: the matching steps and their ancestry
+        wanted = {id(s) for s in _with_ancestry([p.step for p in plans if only.search(p.name)])}
+        plans = [p for p in plans if id(p.step) in wanted]
     sheets = _fact_sheets(graph) if args.command == "plan" else []
     if args.json:
         print(_plan_json(plans, sheets))
@@ -168,6 +235,29 @@ def _act(args, step_lists: list[list]) -> int:
             print(sheet["text"])
     _check_fits(sheets)  # a plan that does not fit at its peak exits non-zero, after printing why
     return 0
+
+
+def _with_ancestry(steps: list) -> list:
+    found: dict[int, object] = {}
+    stack = list(steps)
+    while stack:
+        step = stack.pop()
+        if id(step) not in found:
+            found[id(step)] = step
+            stack.extend(step.deps)
+    return list(found.values())
+
+
+def _check_externals(plans: list[StepPlan], only: re.Pattern | None) -> None:
+    """Refuse to start a run whose steps read an External path that holds no file (and declares
+    no version): each of them would start, then fail, or worse, read nothing."""
+    chosen = select(plans, only)
+    needed = {id(d) for p in plans if id(p.step) in chosen for d in p.step.deps}
+    empty = [p for p in plans if p.state == "external" and id(p.step) in needed and p.reason == EMPTY_EXTERNAL]
+    if empty:
+        shown = "; ".join(f"{p.name} at {p.output_path}" for p in empty)
+        raise StepDeclarationError(f"no files at the path of external input {shown}: put the data there or fix the "
+                                   "External's path (a declared version= stands for files keel does not list)")
 
 
 def _check_fits(sheets: list[dict]) -> None:
@@ -245,18 +335,21 @@ def _run(args, graph: Graph) -> int:
         if url:
             stack.callback(cluster.shutdown)
         report = runner.run(re.compile(args.only) if args.only else None)
-    print(f"[keel] {len(report.ran)} ran, {len(report.reused)} reused, "
+    reused = f"{len(report.reused)} reused" + (" (finished by another launcher while this one waited)" if report.reused else "")
+    print(f"[keel] {len(report.ran)} ran, {reused}, "
           f"{sum(p.state == 'cached' for p in report.plans)} cached, {len(report.failures)} failed, {len(report.blocked)} skipped"
           + (f", {len(report.interrupted)} interrupted, {len(report.not_started)} not started" if report.interrupted or report.not_started else ""))
     for failure in report.failures:
         print(f"keel: {failure}", file=sys.stderr)
+        if "TopologyError" in failure.error and args.scale is None and getattr(args, "scales", None):
+            print(f"keel: this machine lacks the devices the step's topology declares; the experiment declares smaller "
+                  f"scales ({', '.join(args.scales)}): try `{args.again} --scale {args.scales[0]}`", file=sys.stderr)
     if report.interrupted or report.not_started:
         for stopped in report.interrupted:
             print(f"keel: {stopped}", file=sys.stderr)
         if report.not_started:
             print(f"keel: not started: {', '.join(report.not_started)}", file=sys.stderr)
-        print(f"keel: interrupted; run the same command again (keel run {' '.join(args.experiments) if hasattr(args, 'experiments') else sys.argv[0]}) "
-              "to resume from the last checkpoints", file=sys.stderr)
+        print(f"keel: interrupted; run the same command again ({args.again}) to resume from the last checkpoints", file=sys.stderr)
         from keel.executor.interrupt import EXIT_INTERRUPTED
 
         return EXIT_INTERRUPTED
@@ -271,15 +364,32 @@ def _gc(args, graphs: list[Graph]) -> int:
     for graph in graphs:
         reached.update(storage.split(graph.path(s))[1] for s in graph.steps())
     found = sorted({p.rsplit(f"/{KEEL_DIR}/", 1)[0] for p in fs.glob(f"{root.rstrip('/')}/**/{KEEL_DIR}/{RECORD}")})
-    unreached = [p for p in found if p not in reached]
+    unreached, kept = [], []
+    for path in (p for p in found if p not in reached):
+        overrides = _recorded_overrides(fs, path)
+        (kept if overrides else unreached).append(path)
+        if overrides:
+            print(f"{'kept':>14}  {path} (made with --set {' --set '.join(overrides)}; gc with the same --set reaches it, "
+                  "or delete it by hand)")
     total = 0
     for path in unreached:
         size = int(fs.du(path, total=True))
         total += size
         print(f"{size:>14,d}  {path}")
-    print(f"-- {len(unreached)} unreached output(s), {total:,d} bytes" + ("" if args.yes else " (pass --yes to delete)"))
+    print(f"-- {len(unreached)} unreached output(s), {total:,d} bytes" + ("" if args.yes else " (pass --yes to delete)")
+          + (f"; {len(kept)} made with --set kept" if kept else ""))
     if args.yes:
         for path in unreached:
             fs.rm(path, recursive=True)
         print(f"-- deleted {len(unreached)}")
     return 0
+
+
+def _recorded_overrides(fs, output_path: str) -> list[str]:
+    """The `--set` assignments an output was made with (its step.json records them), else []."""
+    try:
+        record = json.loads(fs.cat_file(f"{output_path}/{KEEL_DIR}/{RECORD}"))
+    except (OSError, ValueError):
+        return []
+    overrides = record.get("overrides") if isinstance(record, dict) else None
+    return [str(o) for o in overrides] if isinstance(overrides, list) else []

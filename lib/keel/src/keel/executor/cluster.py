@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -72,6 +73,9 @@ def cluster_client(url: str | None = None, *, workspace: Path | None = None):
 def check_reachable(url: str) -> None:
     """Ask the controller's `/health` once, so that a wrong URL fails now, in seconds, rather than
     after Iris's submit retries (many minutes)."""
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https") or not urllib.parse.urlsplit(url).netloc:
+        raise ClusterUnreachable(f"--cluster {url}: not a controller URL; give the http://HOST:PORT that "
+                                 "`iris --config=CLUSTER.yaml cluster start` prints (or set KEEL_CLUSTER to it)")
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via an HTTP proxy
     try:
         with opener.open(f"{url.rstrip('/')}/health", timeout=HEALTH_TIMEOUT_S) as response:

@@ -13,7 +13,7 @@ import typing
 from typing import Any
 
 from keel.executor.graph import substitute
-from keel.executor.step import External, Step, StepDeclarationError
+from keel.executor.step import External, OutputOf, Step, StepDeclarationError, ThisOutput
 
 
 class OverrideError(StepDeclarationError):
@@ -38,6 +38,12 @@ def _declared_type(obj: Any, name: str, current: Any) -> Any:
         return type(current) if current is not None else Any
 
 
+def _tuple_as_list(text: str) -> str:
+    """A Python tuple written as the value (`()`, `(a, b)`) in YAML's list syntax (`[]`, `[a, b]`)."""
+    stripped = text.strip()
+    return f"[{stripped[1:-1]}]" if stripped.startswith("(") and stripped.endswith(")") else text
+
+
 def _parse_value(obj: Any, name: str, text: str, key: str) -> Any:
     """`text` as the field's declared type, decoded by draccus (Levanter's config parser) from YAML
     syntax: `3`, `1e-3`, `true`, `ring`, `[a, b]`, `{start_step: 0, transport: ring}`."""
@@ -49,7 +55,7 @@ def _parse_value(obj: Any, name: str, text: str, key: str) -> Any:
     if declared is str:
         return text
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.safe_load(_tuple_as_list(text))
     except yaml.YAMLError:
         raw = text
     try:
@@ -96,12 +102,21 @@ def _set_one(step: Step, parts: list[str], text: str, key: str) -> Step:
             hint = f"; closest: {', '.join(close)}" if close else f"; fields of {step.name}: {', '.join(known[:12])}"
             raise OverrideError(f"--set {key}: step {step.name!r} has no config field {'.'.join(parts[: i + 1])!r}{hint}")
         obj = getattr(obj, part)
+    if isinstance(obj, (ThisOutput, OutputOf, Step, External)):
+        raise OverrideError(f"--set {key}: {'.'.join(parts)} is a path keel fills in ({_placeholder(obj)}): a step writes "
+                            "only under its own output; pass --prefix to put every output elsewhere")
     try:
         return step.with_config(_replace_path(step.config, parts, text, key))
     except OverrideError:
         raise
     except ValueError as exc:  # a config's own validation refused the new value
         raise OverrideError(f"--set {key}: {exc}") from exc
+
+
+def _placeholder(value: Any) -> str:
+    if isinstance(value, ThisOutput):
+        return "this_output()"
+    return f"the output of {(value.step if isinstance(value, OutputOf) else value).name}"
 
 
 def apply_overrides(targets: list[Step | External], order: list[Step | External], assignments: list[str]) -> list[Step | External]:
@@ -113,10 +128,14 @@ def apply_overrides(targets: list[Step | External], order: list[Step | External]
         if isinstance(step, Step):
             by_name.setdefault(step.name, []).append(step)
     replaced: dict[int, Step] = {}
+    seen: dict[str, str] = {}
     for assignment in assignments:
         key, eq, text = assignment.partition("=")
         if not eq:
             raise OverrideError(f"--set {assignment!r}: expected STEP_NAME.field=value")
+        if key in seen:
+            raise OverrideError(f"--set {key} is given twice ({seen[key]!r} and {assignment!r}): keep the one you mean")
+        seen[key] = assignment
         # Step names contain '.' and '/': the longest name that prefixes the key wins.
         names = [n for n in by_name if key.startswith(n + ".")]
         if not names:

@@ -24,6 +24,7 @@ from keel.executor.step import External, Step, StepDeclarationError
 
 CACHED, RUN, STALE, FAILED_STATE, RUNNING_ELSEWHERE, EXTERNAL = "cached", "run", "stale", "failed", "running-elsewhere", "external"
 INTERRUPTED_STATE = "interrupted"
+EMPTY_EXTERNAL = "no files at this path: `keel run` refuses to start the steps that read it"
 
 
 @dataclass
@@ -130,7 +131,7 @@ def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = No
         if step.version:
             return StepPlan(step, path, EXTERNAL, f"version {step.version}", deps)
         files = graph.identities.payload(step)["inputs"]
-        described = f"{len(files)} files fingerprinted" if files else "no files at this path yet"
+        described = f"{len(files)} files fingerprinted" if files else EMPTY_EXTERNAL
         return StepPlan(step, path, EXTERNAL, described, deps)
     status = read_status(path) if listings.exists(path) else None
     forced = bool(force and force.search(step.name))
@@ -227,4 +228,4 @@ def select(plans: list[StepPlan], only: re.Pattern | None) -> set[int]:
     return chosen
 
 
-__all__ = ["CACHED", "EXTERNAL", "FAILED_STATE", "INTERRUPTED_STATE", "Graph", "RUN", "RUNNING_ELSEWHERE", "STALE", "StepPlan", "plan_graph", "plan_step", "select"]
+__all__ = ["CACHED", "EMPTY_EXTERNAL", "EXTERNAL", "FAILED_STATE", "INTERRUPTED_STATE", "Graph", "RUN", "RUNNING_ELSEWHERE", "STALE", "StepPlan", "plan_graph", "plan_step", "select"]

@@ -252,6 +252,13 @@ class Runner:
             delay = min(delay * 2, _MAX_WAIT_POLL_S)
 
     def _execute(self, plan: StepPlan) -> str:
+        try:
+            return self._claim_and_run(plan)
+        except OSError as exc:  # keel's own records could not be written: a full disk, a quota
+            error = _with_hint(f"keel could not record the step under its output: {type(exc).__name__}: {exc}")
+            raise StepFailed(plan.name, plan.output_path, error, _log_or_none(plan.output_path)) from None
+
+    def _claim_and_run(self, plan: StepPlan) -> str:
         step: Step = plan.step  # type: ignore[assignment]
         lease, previous = self._claim(plan)
         if lease is None:
@@ -291,6 +298,7 @@ class Runner:
             except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then retried or reported
                 kind = "preemption" if isinstance(exc, StepPreempted) else "failure"
                 error = str(exc) if isinstance(exc, (ChildStepError, StepPreempted)) else "".join(traceback.format_exception_only(type(exc), exc)).strip()
+                error = _with_hint(error)
                 previous = mark_finished(plan.output_path, running, error=error, attempts=list(earlier))
                 earlier.append({"attempt": running.attempt, "state": kind, "error": error})
                 if left[kind] > 0 and not self._stopping:
@@ -416,6 +424,16 @@ def _log_or_none(output_path: str) -> str:
     """The step's log, or that it has none: a step that printed nothing leaves no log file."""
     url = log_url(output_path)
     return url if storage.exists(url) else f"{url} (no output)"
+
+
+_DISK_FULL = ("No space left on device", "Disk quota exceeded")
+
+
+def _with_hint(error: str) -> str:
+    """The error, with what to do when it says the disk is full."""
+    if any(text in error for text in _DISK_FULL):
+        return error + "\n  the disk holding the outputs is full: free space there or pass another --prefix, then run again (finished steps stay cached)"
+    return error
 
 
 def _heartbeat_file(output_path: str) -> str:

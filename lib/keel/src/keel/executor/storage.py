@@ -8,6 +8,7 @@ with conditional writes). Leases are built on the exclusive create.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import itertools
@@ -139,8 +140,13 @@ def write_atomic(url: str, text: str) -> None:
     data = text.encode()
     if isinstance(fs, LocalFileSystem):
         tmp = f"{path}.tmp-{_TMP_TAG}-{next(_tmp_names)}"  # unique per process and call, no urandom per write
-        _write_local(tmp, data, os.O_TRUNC)
-        os.replace(tmp, path)
+        try:
+            _write_local(tmp, data, os.O_TRUNC)
+            os.replace(tmp, path)
+        except BaseException:  # a full disk: leave no partial temporary file behind
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
     else:
         fs.pipe_file(path, data)
 

@@ -1,0 +1,268 @@
+"""The catalogue of bad inputs and faults keel meets, each reproduced as a user meets it: an
+experiment file and a `keel` command line, run in a process of its own with a clean environment.
+
+Every entry of CATALOGUE must end in one of two ways, never in a traceback and never in SUCCESS:
+- "error": exit code 2 and one `keel: error:` block naming the mistake and its fix, before any step runs;
+- "failed": exit code 1, the step FAILED with the cause in the report.
+
+Add an entry when a new bad input is found; cases that need several commands (run, then damage an
+output, then run again) follow the catalogue as their own tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+HEADER = '''
+import os
+from dataclasses import dataclass
+
+from keel import External, Step, main, output_of, this_output
+
+
+@dataclass(frozen=True)
+class C:
+    n: int
+    inputs: tuple = ()
+    output_path: str = this_output()
+
+
+def write(config):
+    os.makedirs(config.output_path, exist_ok=True)
+    with open(os.path.join(config.output_path, "n.txt"), "w") as f:
+        f.write(str(config.n))
+
+'''
+
+GOOD = 'a = Step("x/a", write, C(1))\nb = Step("x/b", write, C(2, (output_of(a),)))\n'
+MAIN = '\nif __name__ == "__main__":\n    main([b])\n'
+
+
+@dataclass(frozen=True)
+class BadInput:
+    name: str
+    body: str
+    """The experiment file after HEADER."""
+    argv: tuple[str, ...]
+    """After `keel`; EXP stands for the experiment file (outputs go under the test's folder)."""
+    outcome: str  # "error" | "failed"
+    says: str
+    """A phrase the report must contain."""
+
+
+CATALOGUE = [
+    # --- steps that did the wrong thing and used to be SUCCESS
+    BadInput("step writes nothing", 'def nothing(config):\n    pass\na = Step("x/a", nothing, C(1))\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN,
+             ("run", "EXP"), "failed", "wrote no files under its output path"),
+    BadInput("step writes beside its folder",
+             'def beside(config):\n    write(config)\n    open(os.path.join(config.output_path, "..", "stray.txt"), "w").write("x")\n'
+             'a = Step("x/a", beside, C(1))\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN,
+             ("run", "EXP"), "failed", "wrote stray.txt beside its output folder"),
+    BadInput("step returns a value", 'def answer(config):\n    write(config)\n    return 42\na = Step("x/a", answer, C(1))\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN,
+             ("run", "EXP"), "failed", "returned 42, which keel would drop"),
+    BadInput("os._exit in a launcher step", 'def bye(config):\n    write(config)\n    os._exit(0)\na = Step("x/a", bye, C(1))\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN,
+             ("run", "EXP"), "failed", "called os._exit(0)"),
+    BadInput("--set of the output path", GOOD + MAIN, ("run", "EXP", "--set", "x/a.output_path=/tmp/elsewhere"), "error",
+             "is a path keel fills in"),
+    # --- mistakes in the experiment file
+    BadInput("invalid TrainConfig value", 'from keel.train import TrainConfig\nTrainConfig(batch_size=8, seq_len=16, num_steps=0)\n' + GOOD + MAIN,
+             ("plan", "EXP"), "error", "num_steps=0 must be positive"),
+    BadInput("zero batch size in the LR law",
+             'from defaults.models import tiny_moe\nfrom defaults.optimizers import hero_lr_law\n'
+             'hero_lr_law.optimizer(tiny_moe, batch_size=0, seq_len=16, num_steps=10)\n' + GOOD + MAIN,
+             ("plan", "EXP"), "error", "hero_lr_law.optimizer(tiny_moe, batch_size=0"),
+    BadInput("validation fraction above 1", 'from defaults import ingest\ningest("d", ("x.jsonl",), validation_fraction=1.5)\n' + GOOD + MAIN,
+             ("plan", "EXP"), "error", "validation_fraction"),
+    BadInput("tokenizer vocabulary too small", 'from keel.data.tokenizer import TrainTokenizerConfig\nTrainTokenizerConfig(documents="d", vocab_size=100)\n' + GOOD + MAIN,
+             ("plan", "EXP"), "error", "vocab_size=100 is too small"),
+    BadInput("typo'd keyword", 'a = Step("x/a", write, C(n=1, imputs=()))\n' + MAIN, ("plan", "EXP"), "error", "unexpected keyword argument 'imputs'"),
+    BadInput("syntax error", 'a = Step("x/a", write, C(1)\n' + MAIN, ("plan", "EXP"), "error", "SyntaxError"),
+    BadInput("missing import", 'a = Step("x/a", write, Config(1))\n' + MAIN, ("plan", "EXP"), "error", "name 'Config' is not defined"),
+    BadInput("wrong type in a config", 'a = Step("x/a", write, C(n="100"))\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN,
+             ("plan", "EXP"), "error", "config.n='100' is a str, but the field is declared int"),
+    BadInput("a directory as an input", 'from defaults import ingest\nos.makedirs("corpus", exist_ok=True)\nb = ingest("d", ("corpus",))\n' + MAIN,
+             ("plan", "EXP"), "error", "is a directory, not a file: give a glob of its files"),
+    BadInput("External with no files", 'e = External("raw", "empty-data")\nb = Step("x/b", write, C(2, (output_of(e),)))\n' + MAIN,
+             ("run", "EXP"), "error", "no files at the path of external input raw"),
+    # --- the command line
+    BadInput("--cluster not a URL", GOOD + MAIN, ("run", "EXP", "--cluster", "notaurl"), "error", "--cluster notaurl: not a controller URL"),
+    BadInput("--only matching no step", GOOD + MAIN, ("run", "EXP", "--only", "nothing-like-this"), "error", "matches no step"),
+    BadInput("--max-concurrent 0", GOOD + MAIN, ("run", "EXP", "--max-concurrent", "0"), "error", "give at least 1"),
+    BadInput("a repeated --set", GOOD + MAIN, ("plan", "EXP", "--set", "x/a.n=3", "--set", "x/a.n=4"), "error", "is given twice"),
+    BadInput("an empty --prefix", GOOD + MAIN, ("plan", "EXP", "--prefix", ""), "error", "--prefix is empty"),
+    BadInput("status --yes", GOOD + MAIN, ("status", "EXP", "--yes"), "error", "--yes does nothing for `keel status`"),
+    BadInput("gc --force", GOOD + MAIN, ("gc", "EXP", "--force", "x"), "error", "--force does nothing for `keel gc`"),
+]
+
+
+def clean_env() -> dict[str, str]:
+    """The environment of a user's shell: none of the test session's device or platform settings."""
+    return {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+
+
+def keel(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`keel ARGV` in `tmp_path`, EXP standing for the experiment; outputs under `tmp_path/out`
+    unless ARGV gives a --prefix."""
+    args = [str(tmp_path / "exp.py") if a == "EXP" else a for a in argv]
+    if "--prefix" not in argv:
+        args += ["--prefix", str(tmp_path / "out")]
+    return subprocess.run([sys.executable, "-m", "keel.cli_entry", *args], cwd=tmp_path, env={**clean_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=300)
+
+
+def write_experiment(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "exp.py"
+    path.write_text(HEADER + body)
+    return path
+
+
+def assert_error(result: subprocess.CompletedProcess, says: str) -> None:
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr, result.stderr
+    assert result.stderr.startswith("keel: error: ") and result.stderr.count("keel: error:") == 1, result.stderr
+    assert says in result.stderr, result.stderr
+    assert "[keel] start" not in result.stdout, result.stdout
+
+
+def assert_failed(result: subprocess.CompletedProcess, says: str) -> None:
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
+    assert "[keel] FAIL" in result.stdout and "0 ran" in result.stdout, result.stdout
+    assert says in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("case", CATALOGUE, ids=[c.name for c in CATALOGUE])
+def test_catalogue(tmp_path, case):
+    write_experiment(tmp_path, case.body)
+    result = keel(tmp_path, *case.argv)
+    (assert_error if case.outcome == "error" else assert_failed)(result, case.says)
+
+
+def status_of(tmp_path: Path, name: str) -> dict:
+    [path] = (tmp_path / "out").glob(f"{name}-*/.keel/status")
+    return json.loads(path.read_text())
+
+
+def test_a_step_that_wrote_nothing_reruns_once_fixed(tmp_path):
+    write_experiment(tmp_path, 'def nothing(config):\n    pass\na = Step("x/a", nothing, C(1))\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN)
+    assert_failed(keel(tmp_path, "run", "EXP"), "declare Step(..., no_outputs=True)")
+    write_experiment(tmp_path, 'a = Step("x/a", write, C(1))\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN)
+    again = keel(tmp_path, "run", "EXP")
+    assert again.returncode == 0 and "2 ran" in again.stdout, again.stdout + again.stderr
+
+
+def test_a_step_declared_without_outputs_succeeds(tmp_path):
+    write_experiment(tmp_path, 'def check(config):\n    pass\nb = Step("x/check", check, C(1), no_outputs=True)\n' + MAIN)
+    result = keel(tmp_path, "run", "EXP")
+    assert result.returncode == 0 and "1 ran" in result.stdout, result.stdout + result.stderr
+    assert status_of(tmp_path, "x/check")["state"] == "SUCCESS"
+
+
+def test_an_output_rewritten_in_place_at_the_same_size_is_not_cached(tmp_path):
+    write_experiment(tmp_path, GOOD + MAIN)
+    assert keel(tmp_path, "run", "EXP").returncode == 0
+    [output] = (tmp_path / "out").glob("x/a-*/n.txt")
+    os.utime(output, (1, 1))  # touched, same content: re-hashed once, still cached
+    assert "2 cached" in keel(tmp_path, "plan", "EXP").stdout
+    output.write_text("7")  # same size, other content
+    plan = keel(tmp_path, "plan", "EXP")
+    assert "was changed after the step finished" in plan.stdout, plan.stdout
+    again = keel(tmp_path, "run", "EXP")
+    assert again.returncode == 0 and "1 ran" in again.stdout, again.stdout + again.stderr
+    assert output.read_text() == "1"
+
+
+def test_a_status_of_the_wrong_shape_names_its_file_and_reruns(tmp_path):
+    write_experiment(tmp_path, GOOD + MAIN)
+    assert keel(tmp_path, "run", "EXP").returncode == 0
+    [status] = (tmp_path / "out").glob("x/a-*/.keel/status")
+    status.write_text('{"state": "SUCCESS"}')
+    plan = keel(tmp_path, "plan", "EXP")
+    assert plan.returncode == 0 and "Traceback" not in plan.stderr, plan.stderr
+    assert f"{status} is not a status keel wrote" in plan.stdout, plan.stdout
+    again = keel(tmp_path, "run", "EXP")
+    assert again.returncode == 0 and "1 ran" in again.stdout, again.stdout + again.stderr
+
+
+def test_random_bytes_saved_as_text_are_not_documents(tmp_path):
+    (tmp_path / "noise.txt").write_bytes(os.urandom(20_000))
+    write_experiment(tmp_path, 'from defaults import ingest\nb = ingest("noise", ("noise.txt",))\n' + MAIN)
+    result = keel(tmp_path, "run", "EXP")
+    assert_failed(result, "not text (binary data)")
+
+
+def test_a_tuple_written_as_a_set_value_parses_like_a_list(tmp_path):
+    write_experiment(tmp_path, GOOD + MAIN)
+    with_tuple, with_list = (keel(tmp_path, "plan", "EXP", "--json", "--set", f"x/b.inputs={v}") for v in ("()", "[]"))
+    assert with_tuple.returncode == 0, with_tuple.stderr
+    assert json.loads(with_tuple.stdout)["steps"] == json.loads(with_list.stdout)["steps"]
+
+
+def test_plan_only_lists_what_run_only_looks_at(tmp_path):
+    write_experiment(tmp_path, GOOD + 'c = Step("x/c", write, C(3))\nif __name__ == "__main__":\n    main([b, c])\n')
+    plan = keel(tmp_path, "plan", "EXP", "--only", "x/b")
+    assert "x/a" in plan.stdout and "x/b" in plan.stdout and "x/c" not in plan.stdout, plan.stdout
+
+
+def test_gc_keeps_outputs_made_with_set(tmp_path):
+    write_experiment(tmp_path, GOOD + MAIN)
+    assert keel(tmp_path, "run", "EXP", "--set", "x/a.n=5").returncode == 0
+    listed = keel(tmp_path, "gc", "EXP", "--yes")
+    assert listed.returncode == 0 and "made with --set x/a.n=5" in listed.stdout, listed.stdout + listed.stderr
+    assert "0 unreached output(s)" in listed.stdout
+    assert len(list((tmp_path / "out").glob("x/*-*"))) == 2  # x/a and x/b made with --set, kept
+    assert keel(tmp_path, "gc", "EXP", "--set", "x/a.n=5").stdout.count("kept") == 0  # the same --set reaches them
+
+
+def test_the_resume_hint_repeats_prefix_and_set(tmp_path):
+    write_experiment(tmp_path, '''
+import time
+from keel.executor import interrupt
+
+
+def slow(config):
+    write(config)
+    open(os.path.join(config.output_path, "started"), "w").write("yes")
+    while not interrupt.requested():
+        time.sleep(0.05)
+    raise interrupt.StepInterrupted("stopped on request")
+
+
+b = Step("x/slow", slow, C(1))
+''' + MAIN)
+    args = [sys.executable, "-m", "keel.cli_entry", "run", str(tmp_path / "exp.py"), "--prefix", str(tmp_path / "elsewhere"),
+            "--set", "x/slow.n=2"]
+    proc = subprocess.Popen(args, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not list((tmp_path / "elsewhere").glob("x/slow-*/started")):
+            assert proc.poll() is None, proc.communicate()
+        proc.send_signal(2)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert f"--prefix {tmp_path / 'elsewhere'} --set x/slow.n=2) to resume" in err, err
+
+
+def test_a_full_disk_is_a_failed_step_with_the_fix(tmp_path):
+    disk = tmp_path / "small"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        write_experiment(tmp_path, 'def big(config):\n    os.makedirs(config.output_path, exist_ok=True)\n'
+                                   '    open(os.path.join(config.output_path, "big.bin"), "wb").write(os.urandom(1 << 20))\n'
+                                   'b = Step("x/big", big, C(1))\n' + MAIN)
+        result = keel(tmp_path, "run", "EXP", "--prefix", str(disk))
+        assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr, result.stdout + result.stderr
+        assert "No space left on device" in result.stderr and "free space there or pass another --prefix" in result.stderr, result.stderr
+        assert not [p for p in disk.rglob("*") if ".tmp-" in p.name], "no temporary files left behind"
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
