@@ -4,13 +4,15 @@ progress (every training step), which the launcher watches when the step declare
 
 A process that is stopped (SIGSTOP), deadlocked or spinning without finishing a step keeps its
 lease alive through the launcher, so nothing else would ever notice it. The file's format is
-Levanter's (`levanter.recovery.detection.touch_heartbeat`: "<step> <time>", replaced whole), which
-the training step writes; the launcher, which imports no jax, only reads its mtime.
+Levanter's (`levanter.recovery.detection.touch_heartbeat`: "<step> <time>", replaced whole, so its
+supervisor could watch a keel step too); it is written here because that module imports jax, which
+a step that beats need not load. The launcher only reads the file's mtime.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 ENV = "KEEL_HEARTBEAT"
 """Where the step's process writes its heartbeat; set by the launcher when it watches one."""
@@ -21,6 +23,17 @@ FILE = "heartbeat"
 def path() -> str | None:
     """The heartbeat file this process should touch, or None when nobody watches it."""
     return os.environ.get(ENV) or None
+
+
+def beat(step: int) -> None:
+    """Say "still making progress, at `step`" when the launcher watches this process; else nothing."""
+    target = path()
+    if target is None:
+        return
+    tmp = f"{target}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(f"{step} {time.time()}\n")
+    os.replace(tmp, target)
 
 
 def seconds_since(heartbeat: str, started: float, now: float) -> float:

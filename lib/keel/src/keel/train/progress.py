@@ -14,6 +14,8 @@ import os
 import sys
 import time
 
+from keel.executor import heartbeat
+
 LINE_EVERY_S = 15.0
 
 
@@ -52,7 +54,9 @@ class Progress:
         self.event(f"compiled {what} in {seconds:.1f}s, {how}")
 
     def step(self, completed: int, *, loss: float, tokens_per_s: float, transport: str, phase: str | None) -> None:
-        """After each optimizer step: the bar's postfix, or a plain line now and then."""
+        """After each optimizer step: the heartbeat the launcher may watch (`Step.progress_timeout_s`),
+        then the bar's postfix, or a plain line now and then."""
+        heartbeat.beat(completed)
         if not self.enabled:
             return
         now = time.perf_counter()

@@ -1,0 +1,108 @@
+"""Faults a long run meets with nobody watching: a step's process killed (SIGKILL), frozen
+(SIGSTOP) or raising mid-run. A step that declares `retries=Retries(...)` and, for hangs,
+`progress_timeout_s` is retried by the launcher, resumes from its newest checkpoint and ends
+SUCCESS with the result of an uninterrupted run, each attempt recorded; spent retries fail the step
+naming every attempt.
+
+The step here stands in for training (no jax, so each attempt starts in a second): it takes
+`steps` deterministic steps, beats the heartbeat after each (as `keel.train.progress` does),
+checkpoints every other step and, on its first attempt only, meets the fault `KEEL_TEST_FAULT`
+declares (`sigkill@5`, `sigstop@5`, `raise@5`; `raise@always` on every attempt).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXPERIMENT = '''
+import json
+import os
+import signal
+from dataclasses import dataclass
+
+from keel import Retries, Step, main, this_output
+from keel.executor import heartbeat
+
+
+@dataclass(frozen=True)
+class Train:
+    steps: int
+    output_path: str = this_output()
+
+
+def train(config):
+    checkpoint = os.path.join(config.output_path, "checkpoint.json")
+    state = json.load(open(checkpoint)) if os.path.exists(checkpoint) else {"step": 0, "loss": 8.0}
+    print(f"resuming at step {state['step']}", flush=True)
+    kind, _, at = os.environ.get("KEEL_TEST_FAULT", "").partition("@")
+    first_attempt = not os.path.exists(os.path.join(config.output_path, "faulted"))
+    while state["step"] < config.steps:
+        state = {"step": state["step"] + 1, "loss": round(state["loss"] * 0.9 + 0.05, 12)}
+        heartbeat.beat(state["step"])
+        if state["step"] % 2 == 0:
+            with open(checkpoint + ".tmp", "w") as f:
+                json.dump(state, f)
+            os.replace(checkpoint + ".tmp", checkpoint)
+        if kind and (at == "always" or (first_attempt and state["step"] == int(at))):
+            open(os.path.join(config.output_path, "faulted"), "w").close()
+            if kind == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "sigstop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            raise RuntimeError(f"injected fault at step {state['step']}")
+    with open(os.path.join(config.output_path, "final.json"), "w") as f:
+        json.dump(state, f)
+
+
+run = Step("train/faulty", train, Train(steps=8), isolated=True, retries=Retries(on_failure=2, on_preemption=2),
+           progress_timeout_s=float(os.environ.get("KEEL_TEST_TIMEOUT", "10")))
+
+if __name__ == "__main__":
+    main([run])
+'''
+
+
+def uninterrupted_loss(steps: int) -> float:
+    loss = 8.0
+    for _ in range(steps):
+        loss = round(loss * 0.9 + 0.05, 12)
+    return loss
+
+
+def run_with_fault(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProcess, Path]:
+    (tmp_path / "exp.py").write_text(EXPERIMENT)
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    result = subprocess.run([sys.executable, "-m", "keel.cli_entry", "run", str(tmp_path / "exp.py"), "--prefix", str(tmp_path / "out")],
+                            env={**env, "KEEL_TEST_FAULT": fault}, capture_output=True, text=True, timeout=300)
+    [output] = (tmp_path / "out").glob("train/faulty-*")
+    return result, output
+
+
+@pytest.mark.parametrize("fault,kind,why", [
+    ("sigkill@5", "preemption", "killed by SIGKILL"),
+    ("sigstop@5", "preemption", "no progress for"),
+    ("raise@5", "failure", "injected fault at step 5"),
+])
+def test_a_fault_is_retried_and_resumes_to_the_uninterrupted_result(tmp_path, fault, kind, why):
+    result, output = run_with_fault(tmp_path, fault)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"[keel] retry train/faulty: attempt 1 ended by {kind}" in result.stdout, result.stdout
+    assert json.loads((output / "final.json").read_text()) == {"step": 8, "loss": uninterrupted_loss(8)}
+    status = json.loads((output / ".keel/status").read_text())
+    assert status["state"] == "SUCCESS" and status["attempt"] == 2, status
+    [earlier] = status["attempts"]
+    assert earlier["attempt"] == 1 and earlier["state"] == kind and why in earlier["error"], earlier
+    assert "resuming at step 4" in (output / ".keel/log.txt").read_text()  # from the newest checkpoint, not from 0
+
+
+def test_spent_retries_fail_the_step_naming_every_attempt(tmp_path):
+    result, output = run_with_fault(tmp_path, "raise@always")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stdout + result.stderr
+    assert "failed after 3 attempts: attempt 1 (failure): RuntimeError: injected fault at step 1; attempt 2 (failure)" in result.stderr
+    status = json.loads((output / ".keel/status").read_text())
+    assert status["state"] == "FAILED" and status["attempt"] == 3 and [a["attempt"] for a in status["attempts"]] == [1, 2]
