@@ -82,3 +82,19 @@ def test_an_override_the_config_refuses_is_a_clear_error():
     assert out.returncode == 2
     assert "TrainConfig.transports: a phase starts at step 81716, at or after num_steps=50000" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_hero_file_keys_its_speeds_to_its_own_layout(sheet):
+    s = sheet["step_time"]
+    assert s["observations"] == "own" and s["calibration"]["source"] == "this run's observations"
+    assert [round(r["step_seconds"], 1) for r in s["stretches"]] == [19.8, 16.8]
+    assert all(m["fits"] for m in sheet["memory"]["phases"]) and sheet["verdict"]["fits"]
+
+
+def test_an_h100_variant_by_set_is_predicted_and_does_not_fit():
+    out = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan", "--set",
+                "train/hero_535b.hardware.name=H100 SXM (HGX, InfiniBand)", "--set",
+                "train/hero_535b.hardware.hbm_per_device_gb=80")
+    assert out.returncode == 2 and "does not fit" in out.stderr
+    assert "measured on another layout (GB200 NVL72 -> H100 SXM (HGX, InfiniBand)): not used" in out.stdout
+    assert "DOES NOT FIT 80.0 GB HBM" in out.stdout

@@ -254,11 +254,11 @@ def calibrate(config: TrainStepConfig, all_loads: list[Load], fallback: StepTime
 
 def step_time(run: ResolvedRun, sheet: dict) -> dict | None:
     """The predicted step time of each stretch of the run with its terms, the calibration used and
-    the run's length at that speed; None without a topology or hardware, {"missing": [...]} when
-    the hardware lacks a figure the model needs."""
+    the run's length at that speed; None without a topology, or hardware with a peak FLOP rate
+    (simulated CPU devices have none); {"missing": [...]} when it lacks a figure the model needs."""
     config = run.config
     hw, topo, train = config.hardware, config.topology, config.train
-    if hw is None or topo is None or sheet["memory"] is None:
+    if hw is None or hw.peak_flops_per_device is None or topo is None or sheet["memory"] is None:
         return None
     missing = [f"hardware.{name}" for name in NEEDED if getattr(hw, name) is None]
     if missing:

@@ -1,0 +1,96 @@
+"""Launch figures (checkpoints, GPU-hours and cost, tokens read per component), positions that
+follow the run, and `keel plan A.py B.py`'s table of variants."""
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+
+from keel.plan import PlanError, fact_sheet, render_fact_sheet
+from keel.plan.positions import steps_at
+from keel.train import LaunchPlan
+from keel.train.config import MOMENTS
+from test_plan_facts import hero_config
+from test_plan_hero import HERO, _keel
+
+
+def test_checkpoints_hold_master_weights_and_optimizer_state_and_the_cadence_keeps_them():
+    config = dataclasses.replace(hero_config(), launch=LaunchPlan(store_gb_per_s=100.0, gpu_hour_price=2.0))
+    sheet = fact_sheet(config)
+    ckpt = sheet["launch"]["checkpoint"]
+    entries = sum(math.prod(r["axes"].values()) * (4 + 4 * MOMENTS[r["group"]]) for r in sheet["parameter_table"])
+    assert ckpt["gb"] == pytest.approx(entries / 1e9)
+    # every 6,000 steps below the end, the final one and the switch at 81,716; one rolling kept
+    assert ckpt["permanent"] == 390_251 // 6000 + 1 + 1 and ckpt["rolling_kept"] == 1
+    assert ckpt["retained_gb"] == pytest.approx(ckpt["gb"] * (ckpt["permanent"] + 1))
+    assert ckpt["write_seconds"] == pytest.approx(ckpt["gb"] / 100.0)
+    hours = sheet["launch"]["gpu_hours"]
+    assert hours["hours"] == pytest.approx(sheet["time"]["whole_run_days_at_projection"] * 24 * 704)
+    assert hours["cost"] == pytest.approx(2.0 * hours["hours"])
+    text = render_fact_sheet(sheet)
+    assert "written in" in text and "GPU-hours" in text
+
+
+def test_tokens_read_per_component_against_what_its_cache_holds():
+    config = dataclasses.replace(hero_config(), launch=LaunchPlan(cache_tokens=(("math", 0.2e12), ("law", 1e12))))
+    sheet = fact_sheet(config)
+    read = {r["component"]: r for r in sheet["launch"]["components"]}
+    assert sum(r["tokens_read"] for r in read.values()) == pytest.approx(18_005_144_633_344)
+    assert read["math"]["epochs"] == pytest.approx(read["math"]["tokens_read"] / 0.2e12) and read["math"]["epochs"] > 1
+    assert read["law"]["epochs"] < 1 and read["finance"]["epochs"] is None
+    assert "REPEATS" in render_fact_sheet(sheet)
+    with pytest.raises(PlanError, match=r"launch.cache_tokens names maths, which the mixture does not have"):
+        fact_sheet(dataclasses.replace(config, launch=LaunchPlan(cache_tokens=(("maths", 1e12),))))
+
+
+def test_positions_are_fractions_of_the_run_resolved_to_steps():
+    assert steps_at({"a": 0.25, "b": 0.5}, 1000, field="x") == {"a": 250, "b": 500}
+    with pytest.raises(PlanError, match=r"phases: a at step 500 \(0.5\), b at step 250 \(0.25\): each must land"):
+        steps_at({"a": 0.5, "b": 0.25}, 1000, field="phases", ordered=True)
+    with pytest.raises(PlanError, match=r"x\['a'\]=1.2 is not a fraction of the run"):
+        steps_at({"a": 1.2}, 1000, field="x")
+
+
+def _hero_copy(tmp_path: Path, old: str, new: str) -> str:
+    text = Path(HERO).read_text()
+    assert old in text
+    path = tmp_path / "hero_variant.py"
+    path.write_text(text.replace(old, new))
+    return str(path)
+
+
+@pytest.mark.parametrize("per_rack", [2048, 3072])
+def test_a_hero_copy_with_a_larger_batch_moves_its_positions_with_its_tokens(tmp_path, per_rack):
+    import json
+
+    path = _hero_copy(tmp_path, "BATCH_SIZE = 1024 * RACKS", f"BATCH_SIZE = {per_rack} * RACKS")
+    out = _keel("plan", path, "--json", "--prefix", str(tmp_path / "out"))
+    assert out.returncode == 2 and "does not fit" in out.stderr  # planned; its peak is over the HBM
+    (sheet,) = json.loads(out.stdout[out.stdout.index("{"):])["fact_sheets"]
+    hero_tokens_per_step = 11_264 * 4096
+    steps, tokens_per_step = sheet["training"]["num_steps"], sheet["training"]["tokens_per_step"]
+    main, switch = sheet["mixture"][1]["start_step"], sheet["transports"][1]["start_step"]
+    block_steps = 49_152 // math.gcd(49_152, sheet["training"]["batch_size"])  # phases start on a mixture block
+    assert 0 <= 108_000 / 390_251 * steps - main < block_steps  # the hero's share of the tokens
+    assert abs(main * tokens_per_step - 108_000 * hero_tokens_per_step) <= block_steps * tokens_per_step
+    assert switch == round(81_716 / 390_251 * steps)
+    assert sheet["optimizer"]["weight_decay_change"]["start_step"] == round(54_000 / 390_251 * steps)
+
+
+def test_phases_declared_out_of_order_are_a_keel_error(tmp_path):
+    path = _hero_copy(tmp_path, '"main": 108_000 / REAL_RUN_STEPS', '"main": 0.9')
+    out = _keel("plan", path, "--prefix", str(tmp_path / "out"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "keel: error: hero mixture phases: initial at step 0 (0), main at step" in out.stderr
+
+
+def test_keel_plan_of_two_files_prints_one_table_of_variants(tmp_path):
+    doubled = _hero_copy(tmp_path, "BATCH_SIZE = 1024 * RACKS", "BATCH_SIZE = 2048 * RACKS")
+    out = _keel("plan", HERO, doubled, "--prefix", str(tmp_path / "out"))
+    header, rule, hero_row, doubled_row = out.stdout.strip().splitlines()
+    assert header.startswith("| variant | hardware | steps | tokens | s/step | MFU |")
+    assert "hero_535b.py: train/hero_535b" in hero_row and "19.8 / 16.8 (observed)" in hero_row
+    assert "2026-11-18" in hero_row and "| fits |" in hero_row
+    assert "(predicted)" in doubled_row and "DOES NOT FIT" in doubled_row and "195,125" in doubled_row
+    assert out.returncode == 2  # the doubled batch does not fit

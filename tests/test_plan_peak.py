@@ -1,0 +1,63 @@
+"""Memory verdicts at the step's peak: the state, the offloaded state copied in and one layer's
+transient buffers; a plan that does not fit exits non-zero and `keel run` refuses it."""
+
+import dataclasses
+
+import pytest
+
+from defaults.hardware import gb200_nvl72
+from keel.plan import PlanError, check_fits, fact_sheet, render_fact_sheet
+from test_plan_facts import hero_config
+from test_plan_hero import HERO, _keel
+
+
+@pytest.fixture(scope="module")
+def hero():
+    return fact_sheet(hero_config(), "hero")
+
+
+def test_the_hero_peak_is_its_state_plus_named_transients_and_fits_with_headroom(hero):
+    m = hero["memory"]
+    (pooled, *_), launch = hero["all_to_all"], m["phases"][0]
+    t = launch["transient_gb"]
+    assert t["all_to_all_buffers"] == pytest.approx(2 * pooled["buffer_gb_per_layer"])  # send and receive
+    rows = 16 * 4096 * 8 * 1.15  # the receive buffer: capacity x the even share of a GPU's assignments
+    assert t["expert_intermediates"] == pytest.approx(3 * rows * 3072 * 2 / 1e9)
+    assert t["gathered_weights"] == pytest.approx(3 * 6144 * 128_256 * 2 / 1e9)  # lm_head: the largest FSDP leaf
+    for phase in m["phases"]:
+        assert phase["peak_gb"] == pytest.approx(phase["step_peak_gb"] + sum(phase["transient_gb"].values()))
+        assert phase["fits"] and phase["headroom_gb"] == pytest.approx(192 - phase["peak_gb"])
+        assert phase["host_fits"] and phase["host_per_host_gb"] == pytest.approx(4 * phase["host_gb"])
+    assert hero["verdict"] == {"fits": True, "problems": [], "enforced": True}
+    check_fits([hero])
+    assert "GB headroom" in render_fact_sheet(hero)
+
+
+def test_fits_is_judged_at_the_peak_not_between_steps():
+    sheet = fact_sheet(hero_config(batch=2 * 11_264), "hero/2x")
+    launch = sheet["memory"]["phases"][0]
+    assert launch["device_gb"] < 192 < launch["peak_gb"]  # fits between steps, not at the peak
+    assert launch["fits"] is False and sheet["verdict"]["fits"] is False
+    assert "DOES NOT FIT 192.0 GB HBM" in render_fact_sheet(sheet)
+    with pytest.raises(PlanError, match=r"hero/2x: from step 0 the peak is .* over the 192 GB HBM.*refuse_unfit=false"):
+        check_fits([sheet])
+    allowed = fact_sheet(hero_config(batch=2 * 11_264, refuse_unfit=False))
+    check_fits([allowed])  # told otherwise: the verdict stands, nothing is refused
+
+
+def test_host_ram_per_host_is_checked_against_what_offload_puts_there():
+    config = dataclasses.replace(hero_config(), hardware=dataclasses.replace(gb200_nvl72, host_ram_per_host_gb=200.0))
+    sheet = fact_sheet(config, "hero/small-host")
+    launch, later = sheet["memory"]["phases"]
+    assert launch["host_fits"] is False and later["host_fits"] is True  # master weights + moments vs moments alone
+    with pytest.raises(PlanError, match=r"from step 0 the offloaded state is .* GB per host, over its 200 GB RAM"):
+        check_fits([sheet])
+
+
+def test_keel_plan_exits_non_zero_and_keel_run_refuses_a_plan_that_does_not_fit():
+    doubled = ("--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b.train.batch_size=22528")
+    out = _keel("plan", HERO, *doubled)
+    assert out.returncode == 2 and "DOES NOT FIT 192.0 GB HBM" in out.stdout
+    assert "keel: error: train/hero_535b: from step 0 the peak is" in out.stderr and "Traceback" not in out.stderr
+    run = _keel("run", HERO, *doubled)
+    assert run.returncode == 2 and "does not fit" in run.stderr and "ran" not in run.stdout

@@ -1,0 +1,111 @@
+"""The step-time model: calibrated once on the hero's two observed steps, it predicts any variant
+term by term, pricing each kind of traffic on the link it crosses."""
+
+import dataclasses
+
+import pytest
+
+from defaults.hardware import gb200_nvl72, h100_sxm
+from keel.mesh import RackTopology
+from keel.plan import fact_sheet, render_fact_sheet
+from keel.plan.step_time import speed_key
+from test_plan_facts import hero_config
+
+OBSERVED = {0: 19.8, 81_716: 16.8}  # the reference's pooled and ragged step times
+
+
+def keyed(config):
+    """The config with its observations keyed to its own layout, as the hero file declares them."""
+    return dataclasses.replace(config, facts=dataclasses.replace(config.facts, measured_on=speed_key(config)))
+
+
+HERO = keyed(hero_config())
+
+
+def variant(**changes):
+    """A variant of the hero that keeps the hero's (keyed) observations."""
+    return dataclasses.replace(HERO, **changes)
+
+
+@pytest.fixture(scope="module")
+def hero():
+    return fact_sheet(HERO, "hero")
+
+
+@pytest.fixture(scope="module")
+def predicted_hero():
+    """The hero predicted from its declaration and the GB200 preset alone."""
+    return fact_sheet(dataclasses.replace(hero_config(), facts=None), "hero")
+
+
+def test_calibrated_on_the_hero_it_reproduces_both_observations_and_says_what_binds(hero):
+    s = hero["step_time"]
+    assert s["observations"] == "own" and s["calibration"]["source"] == "this run's observations"
+    for row in s["stretches"]:
+        assert row["observed_seconds"] == OBSERVED[row["from_step"]]
+        assert row["step_seconds"] == pytest.approx(row["observed_seconds"], rel=0.10)
+        assert row["binds"] in row["terms"]
+        exposed = sum(t["exposed_seconds"] for t in row["terms"].values())
+        assert row["step_seconds"] == pytest.approx(exposed)
+    pooled, ragged = s["stretches"]
+    assert pooled["collectives"] == 3 * ragged["collectives"]  # three waves per exchange
+    # the preset carries the constants this fit finds
+    c = gb200_nvl72.calibration
+    assert s["calibration"]["compute_efficiency"] == pytest.approx(c.compute_efficiency, rel=1e-3)
+    assert s["calibration"]["collective_sync_s"] == pytest.approx(c.collective_sync_s, rel=1e-3)
+
+
+def test_the_preset_alone_predicts_the_hero_within_ten_percent(predicted_hero):
+    s = predicted_hero["step_time"]
+    assert s["observations"] is None and s["calibration"]["source"] == "the GB200 NVL72 preset"
+    assert predicted_hero["time"] is None
+    for row in s["stretches"]:
+        assert row["step_seconds"] == pytest.approx(OBSERVED[row["from_step"]], rel=0.10)
+        assert 0 < row["mfu"] < 1
+    text = render_fact_sheet(predicted_hero)
+    assert "step time    predicted" in text and "binds: compute" in text
+
+
+def test_observed_speeds_are_not_applied_to_another_layout(hero):
+    doubled = fact_sheet(variant(train=dataclasses.replace(HERO.train, batch_size=2 * 11_264)))
+    assert doubled["time"] is None  # the hero's 19.8 s belong to the hero
+    s = doubled["step_time"]
+    assert s["observations"] == "other layout"
+    assert s["differs"] == ["batch 11264x4096 -> batch 22528x4096"]
+    for mine, heros in zip(s["stretches"], hero["step_time"]["stretches"]):
+        assert mine["step_seconds"] > heros["step_seconds"]  # twice the tokens per GPU take longer
+        assert mine["mfu"] < 1.5 * heros["mfu"]  # not twice the MFU at the hero's step time
+    assert "measured on another layout (batch 11264x4096 -> batch 22528x4096): not used" in render_fact_sheet(doubled)
+
+
+def test_h100_hosts_as_a_64_gpu_rack_price_the_expert_axis_on_infiniband(predicted_hero):
+    h100 = dataclasses.replace(h100_sxm, gpus_per_rack=64, physical_gpus_per_rack=None)
+    sheet = fact_sheet(variant(hardware=h100))
+    for mine, gb200 in zip(sheet["step_time"]["stretches"], predicted_hero["step_time"]["stretches"]):
+        a2a = mine["terms"]["all_to_all"]
+        assert a2a["off_domain"] == pytest.approx((64 - 8) / 63)  # 8 GPUs share an NVLink domain
+        assert gb200["terms"]["all_to_all"]["off_domain"] == 0
+        assert a2a["seconds"] > 3 * gb200["terms"]["all_to_all"]["seconds"]
+        assert mine["terms"]["host"]["seconds"] == pytest.approx(
+            gb200["terms"]["host"]["seconds"] * gb200_nvl72.host_link_gb_per_s / h100.host_link_gb_per_s)
+        assert mine["step_seconds"] > 2 * gb200["step_seconds"]
+        assert mine["mfu"] < 0.3
+    assert sheet["verdict"]["fits"] is False  # 80 GB cannot hold the hero's per-GPU share
+
+
+def test_ep32_gathers_expert_weights_over_data_and_sends_fewer_rows_off_gpu(predicted_hero):
+    sheet = fact_sheet(variant(topology=RackTopology(11, 64, expert_parallel=32)))
+    assert sheet["mesh"]["axes"]["data"] == 2
+    experts_bf16 = 48 * 384 * 3 * 3072 * 3072 * 2 / 1e9 / 64  # a GPU's routed-expert shard
+    for mine, ep64 in zip(sheet["step_time"]["stretches"], predicted_hero["step_time"]["stretches"]):
+        fsdp, fsdp64 = mine["terms"]["fsdp"], ep64["terms"]["fsdp"]
+        assert fsdp["gb"] - fsdp64["gb"] == pytest.approx(experts_bf16 * 4)  # 3 gathers + 1 reduce-scatter
+        assert mine["terms"]["all_to_all"]["gb"] / ep64["terms"]["all_to_all"]["gb"] == pytest.approx((31 / 32) / (63 / 64))
+        assert mine["step_seconds"] != ep64["step_seconds"]
+
+
+def test_hardware_without_its_links_names_what_is_missing():
+    bare = dataclasses.replace(gb200_nvl72, link_gb_per_s=None, host_link_gb_per_s=None)
+    sheet = fact_sheet(variant(hardware=bare))
+    assert sheet["step_time"] == {"missing": ["hardware.link_gb_per_s", "hardware.host_link_gb_per_s"]}
+    assert "not predicted: declare hardware.link_gb_per_s, hardware.host_link_gb_per_s" in render_fact_sheet(sheet)
