@@ -198,17 +198,6 @@ def all_to_all(run: ResolvedRun) -> list[dict]:
     return out
 
 
-def state_layout(run: ResolvedRun) -> list[dict] | None:
-    """Every array of the train state as the trainer lays it out (path, shape, dtype, spec, memory
-    kind, bytes per device), from each step where the host-offload layout changes: what the
-    running step records in `.keel/layout.json` and refuses to train without."""
-    if run.mesh_axes is None:
-        return None
-    offload = run.config.train.host_offload.master_weights_until_step
-    starts = [0] + ([offload] if offload and offload < run.config.train.num_steps else [])
-    return [{"from_step": start, "leaves": [leaf.record() for leaf in run.state_at(start)]} for start in starts]
-
-
 def parameter_table(run: ResolvedRun) -> list[dict]:
     """Every leaf as the run holds it: path, named axes, dtype, placement, optimizer group."""
     return [{
@@ -408,7 +397,6 @@ def fact_sheet(config: TrainStepConfig, name: str = "") -> dict:
     sheet: dict = {"step": name, "hardware": config.hardware.name if config.hardware else None,
                    "parameters": config.model.param_counts()}
     sheet["parameter_table"] = parameter_table(run)
-    sheet["state_layout"] = state_layout(run)
     sheet["mesh"] = mesh(config)
     sheet["training"] = training(config)
     sheet["optimizer"] = optimizer(config)
