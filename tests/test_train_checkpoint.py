@@ -2,6 +2,7 @@
 (by time or every N steps) keep the newest N, permanent ones every N steps stay."""
 
 import os
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -35,3 +36,15 @@ def test_permanent_cadence_is_kept_and_supersedes_rolling_ones(tmp_path):
     checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=10, rolling_every=3, keep_rolling=3)
     # 3, 6, 9 rolling; 10 permanent (rolling ones before it are superseded); 12, 15, 18, 21 rolling (keep 3); 20 permanent
     assert _save_steps(checkpoints, range(1, 23)) == ["step-10", "step-20", "step-21"]
+
+
+def test_a_truncated_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, capsys):
+    checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=1)
+    assert _save_steps(checkpoints, (1, 2)) == ["step-1", "step-2"]
+    newest = checkpoints.latest()
+    for chunk in (Path(newest) / "d").iterdir():  # tensorstore's OCDBT data files
+        chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])  # truncated, as a full disk or a killed copy leaves it
+    restored = checkpoints.restore({"w": jnp.zeros((4,))}, newest)
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((4,), 1.0))
+    out = capsys.readouterr().out
+    assert f"skipping checkpoint {newest}: it cannot be read" in out and "step-1 instead" in out, out

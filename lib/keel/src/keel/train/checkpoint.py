@@ -5,7 +5,10 @@ time, of which the newest `keep_rolling` are kept, and permanent ones every N st
 forced: the final step, a transport switch), never deleted; a permanent checkpoint supersedes the
 rolling ones, which are then removed. A rerun of a step that died finds the newest
 complete checkpoint and resumes from it; Levanter only writes a checkpoint's `metadata.json` once
-every array is committed, so a checkpoint torn by `kill -9` is never picked.
+every array is committed, so a checkpoint torn by `kill -9` is never picked. A checkpoint damaged
+after it was written (a truncated array file: tensorstore's OUT_OF_RANGE) is skipped with a line
+saying which and why, and the newest intact one before it restored; with none intact the run
+starts from its initial state.
 
 States are restored into the shardings of a freshly initialised state (the exemplar), so a
 restored run keeps its expert sharding whatever the model's named-axis mapping is, and each
@@ -48,8 +51,26 @@ class TrainCheckpoints:
         return discover_latest_checkpoint(self.root)
 
     def restore(self, exemplar, path: str):
-        """The state saved at `path`, laid out like `exemplar` (same tree, shardings, memory kinds and dtypes)."""
-        return restore_like(exemplar, path)
+        """The state saved at `path`, laid out like `exemplar` (same tree, shardings, memory kinds
+        and dtypes); when `path` cannot be read, the newest older checkpoint that can, else `exemplar`."""
+        from levanter.checkpoint import discover_latest_checkpoint
+
+        skipped: list[str] = []
+        candidate: str | None = path
+        while candidate is not None:
+            try:
+                state = restore_like(exemplar, candidate)
+            except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint: a truncated or missing array file
+                why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+                print(f"[train] skipping checkpoint {candidate}: it cannot be read ({type(exc).__name__}: {why})", flush=True)
+                skipped.append(candidate)
+                candidate = discover_latest_checkpoint(self.root, exclude_paths=skipped)
+                continue
+            if skipped:
+                print(f"[train] restored {candidate} instead (the newest checkpoint that reads)", flush=True)
+            return state
+        print(f"[train] no checkpoint under {self.root} can be read: starting from the initial state", flush=True)
+        return exemplar
 
     @staticmethod
     def step_of(path: str) -> int:
