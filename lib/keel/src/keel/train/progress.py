@@ -17,6 +17,24 @@ import time
 from keel.executor import heartbeat
 
 LINE_EVERY_S = 15.0
+MIN_LOSS_DROP = 0.01
+"""A finished run whose training loss never went this fraction below its first value did not
+learn (a learning rate far too large or too small, frozen weights): its summary says so."""
+MIN_STEPS_TO_JUDGE = 10
+
+
+def loss_never_moved(losses: list[float], min_drop: float = MIN_LOSS_DROP) -> str | None:
+    """A warning when the training `losses` (one per step, in order) never went `min_drop` of the
+    first below it, or None; a run that learns drops far more within its first steps."""
+    finite = [x for x in losses if x == x and abs(x) != float("inf")]
+    if len(finite) < MIN_STEPS_TO_JUDGE:
+        return None
+    first, lowest = finite[0], min(finite)
+    if lowest <= first * (1 - min_drop):
+        return None
+    return (f"warning: the training loss never went {min_drop:.0%} below its first value ({first:.4f}; lowest "
+            f"{lowest:.4f}) in {len(losses)} steps: the run did not learn; check the learning rate (far too large "
+            "or too small) and that the weights are trained")
 
 
 def _eta(seconds: float) -> str:
@@ -39,6 +57,8 @@ class Progress:
         self._t0 = time.perf_counter()
         self._timed_from: tuple[int, float] | None = None  # (step, time) after the first compiled step
         self._last_line = 0.0
+        self._losses: list[float] = []  # this process's training losses, for `loss_never_moved`
+        self._completed = start
 
     def event(self, text: str) -> None:
         """A line worth keeping: printed (and so in log.txt), above the bar."""
@@ -57,6 +77,8 @@ class Progress:
         """After each optimizer step: the heartbeat the launcher may watch (`Step.progress_timeout_s`),
         then the bar's postfix, or a plain line now and then."""
         heartbeat.beat(completed)
+        self._losses.append(loss)
+        self._completed = completed
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -82,9 +104,15 @@ class Progress:
         return _eta(per_step * (self.total - completed))
 
     def close(self) -> None:
+        """Take the bar down; a run that went from its first step to its last here and never
+        learned says so (a resumed run saw only its end, where a small drop is normal)."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        warning = loss_never_moved(self._losses) if self.start == 0 and self._completed == self.total else None
+        self._losses = []
+        if warning:
+            self.event(warning)
 
     @property
     def wall_seconds(self) -> float:

@@ -1,0 +1,27 @@
+"""A finished run whose training loss never moved from its first value (a learning rate of 1e8:
+the loss flat at ln(vocab)) says so when its progress closes, instead of ending as if it learned."""
+
+import math
+
+from keel.train.progress import Progress
+
+
+def _run(losses: list[float], total: int, start: int = 0) -> None:
+    progress = Progress("run", start, total)
+    for completed, loss in enumerate(losses, start=start + 1):
+        progress.step(completed, loss=loss, tokens_per_s=1.0, transport="ring", phase=None)
+    progress.close()
+
+
+def test_a_flat_loss_is_a_warning_when_the_run_finishes(capsys, monkeypatch):
+    monkeypatch.setenv("KEEL_PROGRESS", "lines")
+    _run([math.log(1024)] * 30, total=30)
+    assert "warning: the training loss never went 1% below its first value (6.9315" in capsys.readouterr().out
+
+
+def test_a_learning_run_or_an_unfinished_one_gets_no_warning(capsys, monkeypatch):
+    monkeypatch.setenv("KEEL_PROGRESS", "lines")
+    _run([7.0 - 0.1 * i for i in range(30)], total=30)
+    _run([7.0] * 30, total=100)  # stopped early (interrupted): judged when it finishes
+    _run([3.0] * 30, total=300, start=270)  # resumed near the end: a flat tail is no sign
+    assert "warning" not in capsys.readouterr().out
