@@ -26,13 +26,14 @@ def test_the_fit_recovers_a_known_law_and_its_band_holds_the_truth():
     fit = fit_power_law(compute, [law(c) + w for c, w in zip(compute, wiggle)])
     assert fit.E == pytest.approx(2.0, abs=0.3) and fit.alpha == pytest.approx(0.3, abs=0.08)
     low, high, method = fit.band(4e11)
-    assert method == "covariance" and low < law(4e11) < high and high - low < 0.2
+    assert method == "jackknife over 5 rungs" and low < law(4e11) < high and high - low < 0.2
     assert low < fit.loss(4e11) < high
-    # Four rungs, exactly noise-free: the covariance of a perfect fit is degenerate or tiny; either
-    # way the band is finite and holds the truth.
+    # Without noise every leave-one-out fit finds the law again: the band closes on the truth.
     exact = fit_power_law(compute[:4], [law(c) for c in compute[:4]])
     low, high, _ = exact.band(4e11)
-    assert low - 1e-6 <= law(4e11) <= high + 1e-6
+    assert low == pytest.approx(law(4e11), abs=1e-3) and high == pytest.approx(law(4e11), abs=1e-3)
+    with pytest.raises(ValueError, match="4 or more"):
+        fit_power_law(compute[:3], [law(c) for c in compute[:3]])
 
 
 def test_a_ladder_needs_four_distinct_rungs_and_judges_a_loss_against_the_band():
