@@ -91,7 +91,7 @@ def test_the_hero_file_keys_its_speeds_to_its_own_layout(sheet):
     assert all(m["fits"] for m in sheet["memory"]["phases"]) and sheet["verdict"]["fits"]
 
 
-def test_an_h100_variant_by_set_is_predicted_and_does_not_fit():
+def test_a_hardware_variant_by_set_is_predicted_and_judged_at_its_hbm():
     out = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan", "--set",
                 "train/hero_535b.hardware.name=H100 SXM (HGX, InfiniBand)", "--set",
                 "train/hero_535b.hardware.hbm_per_device_gb=80")

@@ -21,6 +21,7 @@ import math
 
 from keel.plan.checks import PlanError, mixture_phases
 from keel.plan.resolved import ResolvedRun, resolve
+from keel.plan.dtypes import bytes_of
 from keel.plan.launch import launch
 from keel.plan.peak import transients
 from keel.plan.step_time import observed_here, step_time, stretches, transport_at
@@ -28,14 +29,7 @@ from keel.plan.verdicts import verdict
 from keel.train.config import TrainStepConfig
 
 GB = 1e9
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 TOKEN_ID_BYTES = 4  # int32 ids: uint16 cannot hold a vocabulary above 65,536
-
-
-def _bytes_of(dtype: str, field: str) -> int:
-    if dtype not in DTYPE_BYTES:
-        raise PlanError(f"{field}={dtype!r} is unknown: use one of {', '.join(DTYPE_BYTES)}")
-    return DTYPE_BYTES[dtype]
 
 
 def mesh(config: TrainStepConfig) -> dict | None:
@@ -96,8 +90,8 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
     if topo is None:
         return None
     hbm = topo.hbm_per_gpu_gb or (hw.hbm_per_device_gb if hw else None)
-    compute = _bytes_of(train.compute_dtype, "train.compute_dtype")
-    master = _bytes_of(train.master_dtype, "train.master_dtype")
+    compute = bytes_of(train.compute_dtype, "train.compute_dtype")
+    master = bytes_of(train.master_dtype, "train.master_dtype")
     params = sum(run.per_device(p) for p in run.parameters)
     tokens_per_gpu = train.batch_size // topo.batch_shards * train.seq_len
     residual = tokens_per_gpu * model.hidden_dim * compute
@@ -169,7 +163,7 @@ def all_to_all(run: ResolvedRun) -> list[dict]:
     topo, train, model = config.topology, config.train, config.model
     if topo is None or not model.num_experts:
         return []
-    compute = _bytes_of(train.compute_dtype, "train.compute_dtype")
+    compute = bytes_of(train.compute_dtype, "train.compute_dtype")
     tokens = train.batch_size // topo.batch_shards * train.seq_len
     row_bytes = model.expert_input_dim * compute
     buffers_per_layer = 2 * (2 + (1 if train.remat else 0))

@@ -12,16 +12,16 @@
 from __future__ import annotations
 
 from keel.plan.checks import PlanError
+from keel.plan.dtypes import bytes_of
 from keel.plan.resolved import ResolvedRun
 
 GB = 1e9
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 def checkpoints(run: ResolvedRun) -> dict:
     """Size of one checkpoint, the permanent ones the cadence keeps, and their total."""
     train = run.config.train
-    master = DTYPE_BYTES[train.master_dtype]
+    master = bytes_of(train.master_dtype, "train.master_dtype")
     size = sum(p.size * (master + 4 * p.moments) for p in run.parameters) / GB
     every = train.permanent_checkpoint_every
     steps = set(range(every, train.num_steps, every)) if every else set()

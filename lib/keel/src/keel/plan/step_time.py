@@ -25,6 +25,7 @@ import datetime as dt
 from dataclasses import dataclass
 
 from keel.mesh.hardware import Hardware, StepTimeCalibration
+from keel.plan.dtypes import bytes_of
 from keel.plan.peak import fsdp_shards
 from keel.plan.resolved import ResolvedRun
 from keel.train.config import TrainStepConfig
@@ -129,7 +130,7 @@ def loads(run: ResolvedRun, sheet: dict) -> list[Load]:
     """The calibration-free cost of each stretch of the run (needs a topology and `NEEDED` hardware figures)."""
     config = run.config
     model, train, topo, hw = config.model, config.train, config.topology, config.hardware
-    compute_bytes = 2 if train.compute_dtype != "float32" else 4
+    compute_bytes = bytes_of(train.compute_dtype, "train.compute_dtype")
     tokens = train.batch_size // topo.batch_shards * train.seq_len
     passes = 3 if train.remat else 2  # forward, (remat's second forward,) backward
     routed = 6 * model.param_counts()["active_components"]["routed_experts"]
@@ -141,7 +142,9 @@ def loads(run: ResolvedRun, sheet: dict) -> list[Load]:
         shards = fsdp_shards(run, p)
         gathered += run.per_device(p) * (shards - 1) * compute_bytes
         weights_read += run.per_device(p) * shards * compute_bytes
-    update = mem["parameters_per_gpu"] * 12 + mem["parts_gb"]["optimizer_state"] * GB * 2  # master r/w, grad, bf16 out
+    master_bytes = bytes_of(train.master_dtype, "train.master_dtype")
+    # the update reads and writes the master weights and moments, reads the gradients, writes the weights
+    update = mem["parameters_per_gpu"] * (2 * master_bytes + 2 * compute_bytes) + mem["parts_gb"]["optimizer_state"] * GB * 2
     fsdp_gb = gathered * (passes + 1) / GB  # a gather per pass and the gradients' reduce-scatter
     fsdp_s, fsdp_off = _spread(fsdp_gb, topo.data * topo.expert, hw)
     cross = sheet["cross_rack"] or {}
@@ -154,7 +157,9 @@ def loads(run: ResolvedRun, sheet: dict) -> list[Load]:
         a2a_gb = a2a["gb_per_step_per_gpu"] * a2a["off_gpu_fraction"] if a2a else 0.0
         a2a_s, a2a_off = _spread(a2a_gb, topo.expert_parallel, hw)
         host_gb = next(m for m in reversed(mem["phases"]) if m["from_step"] <= start)["host_gb"] * 2  # in and back
-        hbm_gb = (weights_read * passes + weights_read + update) / GB + 2 * (mem["parts_gb"]["saved_residuals"] or 0)
+        # weights read each pass and their gradients written once, the update, the saved residuals
+        # written and read back, every all-to-all buffer written and read
+        hbm_gb = (weights_read * (passes + 1) + update) / GB + 2 * (mem["parts_gb"]["saved_residuals"] or 0)
         hbm_gb += 2 * (a2a["gb_per_step_per_gpu"] if a2a else 0)
         waves = phase.num_waves if phase and phase.transport in HIDDEN_BY_WAVES else 1
         out.append(Load(
