@@ -48,3 +48,12 @@ def test_a_truncated_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, ca
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((4,), 1.0))
     out = capsys.readouterr().out
     assert f"skipping checkpoint {newest}: it cannot be read" in out and "step-1 instead" in out, out
+
+
+def test_none_leaves_load_without_a_warning(tmp_path, caplog):
+    checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=1)
+    checkpoints.on_step({"w": jnp.full((4,), 1.0), "bias": None}, 1)
+    checkpoints.wait()
+    restored = restore_like({"w": jnp.zeros((4,)), "bias": None}, checkpoints.latest())
+    assert restored["bias"] is None
+    assert "Unknown leaf type" not in caplog.text, caplog.text

@@ -97,6 +97,12 @@ class TrainCheckpoints:
         self._checkpointer.wait_until_finished()
 
 
+def _not_a_none_leaf(record: logging.LogRecord) -> bool:
+    """Levanter warns "Unknown leaf type <class 'NoneType'>" for each None in the tree (an absent
+    optional part holds nothing to load); five such lines per load made users doubt it loaded."""
+    return not record.getMessage().startswith("Unknown leaf type <class 'NoneType'>")
+
+
 def restore_like(exemplar, path: str):
     """Load a checkpoint into the exact tree, shardings and dtypes of `exemplar`.
 
@@ -105,6 +111,10 @@ def restore_like(exemplar, path: str):
     """
     import haliax as hax
     from levanter.checkpoint import load_checkpoint
+
+    serialization_log = logging.getLogger("levanter.tensorstore_serialization")
+    if _not_a_none_leaf not in serialization_log.filters:
+        serialization_log.addFilter(_not_a_none_leaf)
 
     is_named = lambda x: isinstance(x, hax.NamedArray)  # noqa: E731
     raw = jax.tree.map(lambda x: x.array if is_named(x) else x, exemplar, is_leaf=is_named)
