@@ -30,6 +30,10 @@ def _tera(tokens: float) -> str:
     return f" ({tokens / 1e12:.2f}T)" if tokens >= 1e11 else ""
 
 
+def _tokens(x: float) -> str:
+    return f"{x / 1e12:.2f}T" if x >= 1e11 else _e(x)
+
+
 def _parameters(p: dict) -> list[str]:
     lines = [f"parameters   total {_n(p['total'])}   active {_n(p['active'])}"]
     for name, count in p["components"].items():
@@ -183,9 +187,10 @@ def _step_time(s: dict | None) -> list[str]:
         lines.append(f"  no fit on this run's observations: {s['fit_problem']}")
     for r in s["stretches"]:
         seen = f" (observed {r['observed_seconds']:.2f})" if r["observed_seconds"] is not None else ""
+        kinds = " + ".join(f"{_e(v)} {k}" for k, v in r["flops_by_kind"].items())
         lines.append(f"  steps {_n(r['from_step'])}-{_n(r['to_step'])} {r['transport']}: {r['step_seconds']:.2f} s/step"
-                     f"{seen}, MFU {r['mfu']:.1%}, binds: {TERMS[r['binds']]}; {_e(r['flops_per_gpu'])} FLOP, "
-                     f"{_n(r['collectives'])} expert collectives per GPU")
+                     f"{seen}, MFU {r['mfu']:.1%}, binds: {TERMS[r['binds']]}; FLOP per GPU {kinds} (remat and padded "
+                     f"rows included), {_n(r['collectives'])} expert collectives")
         lines.append("    " + "; ".join(_term(name, t) for name, t in r["terms"].items()))
     end = f", ending {s['end_date']}" if s["end_date"] else ""
     lines.append(f"  whole run at these speeds: {s['run_days']:.1f} days at full goodput{end}")
@@ -203,8 +208,8 @@ def _launch(lf: dict) -> list[str]:
         cost = f", cost {g['cost']:,.0f}" if g["cost"] is not None else ""
         lines.append(f"  GPU-hours {_n(g['hours'])} ({g['basis']}){cost}")
     if lf["components"]:
-        reads = [f"{r['component']} {_e(r['tokens_read'])}"
-                 + (f" of {_e(r['cache_tokens'])} ({r['epochs']:.2f} epochs{', REPEATS' if r['epochs'] > 1 else ''})"
+        reads = [f"{r['component']} {_tokens(r['tokens_read'])}"
+                 + (f" of {_tokens(r['cache_tokens'])} ({r['epochs']:.2f} epochs{', REPEATS' if r['epochs'] > 1 else ''})"
                     if r["epochs"] is not None else "") for r in lf["components"]]
         lines.append("  tokens read per component: " + ", ".join(reads))
     return lines

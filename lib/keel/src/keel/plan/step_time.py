@@ -201,6 +201,8 @@ def timing(load: Load, hw: Hardware, calibration: StepTimeCalibration) -> dict:
         "terms": {name: {"seconds": t, "exposed_seconds": e, "gb": load.amounts_gb.get(name),
                          "off_domain": load.off_domain.get(name)} for name, (t, e) in terms.items()},
         "flops_per_gpu": load.flops,
+        "flops_by_kind": {"dense matmuls and attention": load.flops - load.expert_flops,
+                          "routed experts": load.expert_flops},
         "collectives": load.collectives,
         "binds": max(terms, key=lambda name: terms[name][1]),
         "step_seconds": step,
