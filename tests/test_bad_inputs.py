@@ -266,3 +266,24 @@ def test_a_full_disk_is_a_failed_step_with_the_fix(tmp_path):
         assert not [p for p in disk.rglob("*") if ".tmp-" in p.name], "no temporary files left behind"
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_plan_says_when_a_cached_steps_function_changed(tmp_path):
+    write_experiment(tmp_path, GOOD + MAIN)
+    assert keel(tmp_path, "run", "EXP").returncode == 0
+    path = tmp_path / "exp.py"
+    path.write_text(path.read_text().replace("        f.write(str(config.n))", "        f.write(str(config.n))  # fixed"))
+    plan = keel(tmp_path, "plan", "EXP")
+    assert plan.returncode == 0 and "write changed since this output was made" in plan.stdout, plan.stdout
+    assert "2 cached" in plan.stdout  # still cached: the code is not part of the identity
+
+
+def test_force_starts_clean(tmp_path):
+    write_experiment(tmp_path, GOOD + MAIN)
+    assert keel(tmp_path, "run", "EXP").returncode == 0
+    [output] = (tmp_path / "out").glob("x/a-*")
+    (output / "checkpoints").mkdir()
+    (output / "checkpoints" / "step-3").write_text("torn")  # what a rerun would otherwise resume from
+    forced = keel(tmp_path, "run", "EXP", "--force", "^x/a$")
+    assert forced.returncode == 0 and "1 ran" in forced.stdout, forced.stdout + forced.stderr
+    assert not (output / "checkpoints").exists() and (output / "n.txt").read_text() == "1"

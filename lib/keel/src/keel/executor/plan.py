@@ -14,8 +14,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from keel.executor import code, storage
 from keel.executor import lease as leases
-from keel.executor import storage
 from keel.executor.graph import substitute, topological_order
 from keel.executor.identity import Identities, output_path
 from keel.executor.inputs import describe_change
@@ -147,7 +147,7 @@ def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = No
             return StepPlan(step, path, RUN, f"cache entry invalid: {problem}", deps, status)
         if forced:
             return StepPlan(step, path, RUN, "forced (--force)", deps, status)
-        return StepPlan(step, path, CACHED, "", deps, status)
+        return StepPlan(step, path, CACHED, code.describe_change(step.name, step.fn, status.code), deps, status)
     if status.state == FAILED:
         return StepPlan(step, path, FAILED_STATE, f"attempt {status.attempt} failed: {status.error}", deps, status)
     if status.state == INTERRUPTED:

@@ -31,7 +31,7 @@ import traceback
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Callable
 
-from keel.executor import heartbeat, interrupt, storage
+from keel.executor import code, heartbeat, interrupt, storage
 from keel.executor import lease as leases
 from keel.executor.job import guard_process_exit, log_url, run_step_job
 from keel.executor.plan import Graph, StepPlan, plan_graph, select
@@ -320,7 +320,7 @@ class Runner:
                          "a step writes only under config.output_path (those files were left where they are)")
                 mark_finished(plan.output_path, running, error=error, attempts=earlier)
                 raise StepFailed(step.name, plan.output_path, error, _log_or_none(plan.output_path))
-            status = mark_finished(plan.output_path, running, no_outputs=step.no_outputs, attempts=earlier)
+            status = mark_finished(plan.output_path, running, no_outputs=step.no_outputs, attempts=earlier, code=code.fingerprint(step.fn))
             if status.state != SUCCESS:
                 raise StepFailed(step.name, plan.output_path, status.error or "", _log_or_none(plan.output_path))
             return status

@@ -49,6 +49,8 @@ class Status:
     attempts: list | None = None
     """The earlier attempts of this launch that failed or were preempted and were retried
     ({"attempt", "state", "error"}), oldest first; None when the first attempt is the last."""
+    code: str | None = None
+    """The fingerprint of the step function's source that made this attempt (`code.py`)."""
 
     @property
     def duration(self) -> float | None:
@@ -113,16 +115,17 @@ NO_OUTPUTS_ERROR = ("the step wrote no files under its output path (a step write
 
 
 def mark_finished(output_path: str, running: Status, error: str | None = None, *, interrupted: bool = False,
-                  no_outputs: bool = False, attempts: list | None = None) -> Status:
+                  no_outputs: bool = False, attempts: list | None = None, code: str | None = None) -> Status:
     """SUCCESS (with the manifest of the outputs as they are now), FAILED (with `error`) or
     INTERRUPTED (stopped on request; `error` says how to resume). A step that wrote no file is
     FAILED unless it declares `no_outputs`: an empty SUCCESS would only fail its dependents later.
-    `attempts` lists the earlier attempts of this launch that were retried."""
+    `attempts` lists the earlier attempts of this launch that were retried; `code` fingerprints
+    the step function that ran."""
     state = INTERRUPTED if interrupted else FAILED if error else SUCCESS
     manifest = _manifest(output_path) if state == SUCCESS else None
     if manifest is not None and not manifest["files"] and not no_outputs:
         state, error, manifest = FAILED, NO_OUTPUTS_ERROR, None
-    status = Status(state, running.attempt, running.started, time.time(), error, manifest, attempts or None)
+    status = Status(state, running.attempt, running.started, time.time(), error, manifest, attempts or None, code)
     _write(output_path, STATUS, vars(status))
     return status
 
