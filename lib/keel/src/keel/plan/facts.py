@@ -92,18 +92,15 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
         return None
     hbm = topo.hbm_per_gpu_gb or (hw.hbm_per_device_gb if hw else None)
     compute = bytes_of(train.compute_dtype, "train.compute_dtype")
-    bytes_of(train.master_dtype, "train.master_dtype")
+    master = bytes_of(train.master_dtype, "train.master_dtype")
     params = sum(run.per_device(p) for p in run.parameters)
     tokens_per_gpu = train.batch_size // topo.batch_shards * train.seq_len
     residual = tokens_per_gpu * model.hidden_dim * compute
-    # The train state's own bytes per device (`ResolvedRun.state_at`: what the running step records
-    # and checks, leaf by leaf); gradients are laid out and typed like the trained parameters.
-    state = run.state_at(0)
-    trained = {f"model/{p.path}" for p in run.parameters if p.trained}
     parts = {
-        "master_weights": sum(leaf.bytes_per_device for leaf in state if leaf.path.startswith("model/")) / GB,
-        "gradients": sum(leaf.bytes_per_device for leaf in state if leaf.path in trained) / GB,
-        "optimizer_state": sum(leaf.bytes_per_device for leaf in state if leaf.path.startswith("opt_state/")) / GB,
+        "weights": params * compute / GB,
+        "master_weights": params * master / GB,
+        "gradients": params * compute / GB,
+        "optimizer_state": sum(run.per_device(p) * p.moments * 4 for p in run.parameters) / GB,
         "residual_per_layer": residual / GB,
         "saved_residuals": model.num_layers * residual / GB if train.remat else None,  # no estimate without remat
     }
@@ -113,7 +110,7 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
         on_host = ["master_weights"] if offload.master_on_host(start) else []
         if offload.optimizer_state:
             on_host.append("optimizer_state")
-        device_parts = ["gradients", "saved_residuals"] + [
+        device_parts = ["weights", "gradients", "saved_residuals"] + [
             p for p in ("master_weights", "optimizer_state") if p not in on_host
         ]
         known = [parts[p] for p in device_parts]
@@ -121,8 +118,6 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
         transport = transport_at(run, start)
         a2a = next((r for r in a2a_rows if transport and r["from_step"] == transport.start_step), None)
         transient = transients(run, a2a, transport and transport.capacity_factor, compute)
-        if run.newton_schulz_bytes_per_device():
-            transient["newton_schulz_gathered"] = run.newton_schulz_bytes_per_device() / GB
         host = sum(parts[p] for p in on_host)
         # keel.train.offload copies the host-resident state in for the step's compute: at its
         # peak the device holds it too (it lives on the host between steps).
@@ -397,7 +392,6 @@ def fact_sheet(config: TrainStepConfig, name: str = "") -> dict:
     sheet: dict = {"step": name, "hardware": config.hardware.name if config.hardware else None,
                    "parameters": config.model.param_counts()}
     sheet["parameter_table"] = parameter_table(run)
-    sheet["stand_ins"] = list(config.stand_ins)
     sheet["mesh"] = mesh(config)
     sheet["training"] = training(config)
     sheet["optimizer"] = optimizer(config)
