@@ -103,7 +103,8 @@ def _memory(m: dict | None, color: bool) -> list[str]:
         lines.append(f"  from step {_n(phase['from_step'])}: device {_gb(phase['device_gb'])} between steps{rack}{host}")
         if phase["peak_gb"] is not None:
             state = phase["step_peak_gb"] or phase["device_gb"]
-            parts = " + ".join(f"{_gb(v)} {PEAK_PARTS[k]}" for k, v in phase["transient_gb"].items() if v)
+            parts = " + ".join(f"{_gb(v)} {PEAK_PARTS.get(k, k.replace('_', ' '))}"
+                               for k, v in phase["transient_gb"].items() if v)
             room = f", {_gb(phase['headroom_gb'])} headroom" if phase["fits"] else f", {_gb(-phase['headroom_gb'])} over"
             lines.append(f"    peak {_gb(phase['peak_gb'])} = {_gb(state)} state + {parts} "
                          f"({phase['transport'] or 'no transport'}): {_verdict(phase['fits'], hbm, color)}"
