@@ -253,3 +253,86 @@ def test_a_killed_tokenize_step_is_not_cached_and_the_executor_reruns_it(tmp_pat
     assert report.ok and report.ran == ["tokenized/stdlib"]
     assert read_status(str(tokenized)).state == SUCCESS
     assert len(load_token_cache(str(tokenized), "train", seq_len=16)) > 1024
+
+
+_MIXED = "abc déjà vu straße 日本語の文字 😀🚀 e\u0301 <|endoftext|> \n"
+
+
+@pytest.fixture(scope="module")
+def mixed_inputs(tmp_path_factory):
+    """Documents of mostly non-ASCII text and a byte-level BPE of a few merges: most characters span tokens."""
+    import json
+    import random
+
+    from keel.data import IngestConfig, ingest_documents
+
+    root = tmp_path_factory.mktemp("mixed")
+    rng = random.Random(0)
+    lines = [json.dumps({"text": "".join(rng.choice(_MIXED) for _ in range(rng.randint(1, 400)))}) for _ in range(120)]
+    (root / "d.jsonl").write_text("\n".join(lines) + "\n")
+    ingest_documents(IngestConfig(inputs=(str(root / "d.jsonl"),), validation_fraction=0.2, output_path=str(root / "docs")))
+    train_tokenizer(TrainTokenizerConfig(documents=str(root / "docs"), vocab_size=262, output_path=str(root / "tok")))
+    return str(root / "docs"), str(root / "tok")
+
+
+def test_the_fast_encode_call_gives_the_ids_of_the_offset_computing_calls(inputs, mixed_inputs):
+    for corpus, tok in (inputs, mixed_inputs):
+        tokenizer = load_tokenizer(tok).tokenizer
+        tokenizer.encode_special_tokens = True  # as the step sets it
+        texts = [d.text for d in iter_documents(corpus, "train")][:8] + [_MIXED, "", "<|endoftext|>"]
+        fast = [e.ids for e in tokenizer.encode_batch_fast(texts, add_special_tokens=False)]
+        assert fast == [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+        assert fast == [tokenizer.encode(t, add_special_tokens=False).ids for t in texts]
+
+
+@pytest.mark.parametrize("seq_len", [7, 64])
+def test_byte_counts_are_the_bytes_each_cached_sequence_decodes_to(mixed_inputs, tmp_path, seq_len):
+    from keel.data.tokenize import read_sequence_bytes
+
+    corpus, tok = mixed_inputs
+    out = _tokenize(tmp_path / "out", mixed_inputs, seq_len=seq_len, add_bos=True)  # bos and eos: bytes none
+    tokenizer = load_tokenizer(tok).tokenizer
+    stats = storage.read_json(f"{out}/tokenize.json")["splits"]
+    cut = 0
+    for split in ("train", "validation"):
+        records = load_token_cache(out, split, seq_len=seq_len)
+        ids = [r["input_ids"].tolist() for r in records.get_batch_sync(slice(0, len(records)))]
+        texts = tokenizer.decode_batch(ids, skip_special_tokens=True)
+        assert read_sequence_bytes(out, split).tolist() == [len(t.encode("utf-8")) for t in texts]
+        assert stats[split]["bytes"] == sum(len(t.encode("utf-8")) for t in texts)
+        cut += sum("\ufffd" in t for t in texts)
+    assert cut, "sequence boundaries should cut through some characters here"
+
+
+def test_the_byte_table_counts_what_decoding_counts(inputs, mixed_inputs, monkeypatch):
+    from tokenizers import decoders, pre_tokenizers
+
+    from keel.data import tokenizer as module
+    from keel.data.tokenizer import SequenceBytes, _byte_level_bytes
+
+    assert sorted(_byte_level_bytes()) == sorted(pre_tokenizers.ByteLevel.alphabet())
+    assert sorted(_byte_level_bytes().values()) == list(range(256))
+    rng = np.random.default_rng(0)
+    for _, tok in (inputs, mixed_inputs):
+        counter = SequenceBytes(load_tokenizer(tok).tokenizer)
+        assert not counter.decodes
+        vocab = counter.tokenizer.get_vocab_size()
+        partial = np.flatnonzero(counter._coded >> 32)  # tokens that are part of a character
+        assert len(partial)
+        for length in (1, 2, 3, 16, 256):
+            for ids in (rng.integers(0, vocab, size=(200, length)), rng.choice(partial, size=(200, length)),
+                        rng.choice(np.concatenate([partial, np.arange(vocab)]), size=(200, length))):
+                assert np.array_equal(counter(ids), counter.decoded(ids))
+
+    other = load_tokenizer(mixed_inputs[1]).tokenizer
+    other.decoder = decoders.Sequence([decoders.ByteLevel()])  # not a plain ByteLevel decoder: decoded
+    counter = SequenceBytes(other)
+    ids = rng.integers(0, other.get_vocab_size(), size=(20, 16))
+    assert counter.decodes and np.array_equal(counter(ids), counter.decoded(ids))
+
+    wrong = [b"x" * 7] * 400  # a table that disagrees with the decoder is noticed on the first rows
+    monkeypatch.setattr(module, "_token_bytes", lambda tokenizer: wrong)
+    counter = SequenceBytes(load_tokenizer(mixed_inputs[1]).tokenizer)
+    assert not counter.decodes
+    ids = rng.integers(0, 300, size=(20, 16))
+    assert np.array_equal(counter(ids), counter.decoded(ids)) and counter.decodes

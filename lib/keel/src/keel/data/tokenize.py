@@ -31,6 +31,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
 
 from keel.data.documents import SPLITS, EmptyDataError, read_index, read_shard, shard_urls
@@ -45,6 +46,8 @@ BYTES_FILE = "{split}.bytes.npy"
 FORMAT = "keel.token_cache/v1"
 WRITE_ROWS = 1024
 _QUEUE_DEPTH = 4
+ENCODE_THREADS = 2  # batches encoding at once: one's last long documents overlap the next one's start
+ENCODE_AHEAD = 3  # batches handed to the encoding threads ahead of the one being packed
 
 
 @dataclass(frozen=True)
@@ -184,33 +187,72 @@ def _document_batches(urls: list[str], batch_documents: int) -> Iterator[list[st
         yield batch
 
 
-def _tokenize_split(config: TokenizeConfig, loaded, split: str, total_documents: int) -> dict:
+def _encoder(config: TokenizeConfig, loaded):
+    """texts -> one int32 array per document: bos/eos as configured around its ids."""
+    import numpy as np
+
+    # encode_batch_fast: the same ids as encode_batch without computing character offsets
+    encode = getattr(loaded.tokenizer, "encode_batch_fast", loaded.tokenizer.encode_batch)
+    bos = loaded.bos_id if config.add_bos else None
+    eos = loaded.eos_id if config.add_eos else None
+
+    def encode_texts(texts: list[str]) -> list:
+        arrays = []
+        for encoding in encode(texts, add_special_tokens=False):
+            ids = encoding.ids  # a fresh list
+            if bos is not None:
+                ids.insert(0, bos)
+            if eos is not None:
+                ids.append(eos)
+            arrays.append(np.array(ids, dtype=np.int32))
+        return arrays
+
+    return encode_texts
+
+
+def _encoded(encode, batches: Iterator[list[str]], threads: int = ENCODE_THREADS,
+             ahead: int = ENCODE_AHEAD) -> Iterator[list]:
+    """`encode(batch)` of each batch, in order, with up to `ahead` batches submitted to `threads` threads."""
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="keel-tokenize-encode")
+    pending: deque = deque()
+    try:
+        for batch in batches:
+            pending.append(pool.submit(encode, batch))
+            if len(pending) >= ahead:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _tokenize_split(config: TokenizeConfig, loaded, split: str, total_documents: int, count_bytes) -> dict:
     import numpy as np
     from tqdm import tqdm
 
     from keel.data.packing import SequencePacker
 
-    encode = getattr(loaded.tokenizer, "encode_batch_fast", loaded.tokenizer.encode_batch)
-    prefix = [loaded.bos_id] if config.add_bos else []
-    suffix = [loaded.eos_id] if config.add_eos else []
     packer = SequencePacker(config.seq_len)
     urls = shard_urls(config.documents, split)
     documents = tokens = sequences = 0
     sequence_bytes = []
     bar = tqdm(total=total_documents, desc=f"tokenize {split}", unit="doc", unit_scale=True, mininterval=1.0)
-    with bar, _CacheWriterThread(storage.join(config.output_path, split)) as writer:
+    batches = _threaded(lambda: _document_batches(urls, config.batch_documents))
+    encoded = _encoded(_encoder(config, loaded), batches)
+    with bar, closing(batches), closing(encoded), _CacheWriterThread(storage.join(config.output_path, split)) as writer:
         start = time.perf_counter()
-        for texts in _threaded(lambda: _document_batches(urls, config.batch_documents)):
-            encodings = encode(texts, add_special_tokens=False)
-            arrays = [np.array(prefix + e.ids + suffix, dtype=np.int32) for e in encodings]
+        for arrays in encoded:
             input_ids, segment_ids = packer.add(arrays)
             if len(input_ids):
                 writer.add(input_ids, segment_ids)
-                sequence_bytes.append(_text_bytes(loaded.tokenizer, input_ids))
-            documents += len(texts)
+                sequence_bytes.append(count_bytes(input_ids))
+            documents += len(arrays)
             tokens += sum(len(a) for a in arrays)
             sequences += len(input_ids)
-            bar.update(len(texts))
+            bar.update(len(arrays))
             bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tok/s", refresh=False)
     sequence_bytes = np.concatenate(sequence_bytes) if sequence_bytes else np.zeros((0,), np.int64)
     _write_array(storage.join(config.output_path, BYTES_FILE.format(split=split)), sequence_bytes)
@@ -221,14 +263,6 @@ def _tokenize_split(config: TokenizeConfig, loaded, split: str, total_documents:
         "dropped_tokens": packer.leftover_tokens,
         "bytes": int(sequence_bytes.sum()),
     }
-
-
-def _text_bytes(tokenizer, input_ids):
-    """UTF-8 bytes of each sequence's text; special tokens (bos/eos) decode to nothing."""
-    import numpy as np
-
-    texts = tokenizer.decode_batch(input_ids.tolist(), skip_special_tokens=True)
-    return np.array([len(t.encode("utf-8")) for t in texts], dtype=np.int64)
 
 
 def _write_array(url: str, array) -> None:
@@ -265,7 +299,7 @@ def clear_token_cache(output_path: str) -> None:
 
 def tokenize_documents(config: TokenizeConfig) -> None:
     """Step function: write one Levanter cache per split, then `tokenize.json`."""
-    from keel.data.tokenizer import load_tokenizer
+    from keel.data.tokenizer import SequenceBytes, load_tokenizer
 
     loaded = load_tokenizer(config.tokenizer, bos_token=config.bos_token, eos_token=config.eos_token)
     loaded.tokenizer.encode_special_tokens = True  # "<|endoftext|>" inside a document is text, not a boundary
@@ -277,10 +311,11 @@ def tokenize_documents(config: TokenizeConfig) -> None:
             )
     index = read_index(config.documents)
     clear_token_cache(config.output_path)
+    count_bytes = SequenceBytes(loaded.tokenizer)  # UTF-8 bytes each sequence decodes to, special tokens none
     splits = {}
     for split in SPLITS:
         started = time.perf_counter()
-        splits[split] = _tokenize_split(config, loaded, split, index["splits"][split]["documents"])
+        splits[split] = _tokenize_split(config, loaded, split, index["splits"][split]["documents"], count_bytes)
         elapsed = max(time.perf_counter() - started, 1e-9)
         logger.info(
             "tokenized %s: %d documents, %d tokens, %d sequences in %.1fs (%.0f docs/s, %.0f tokens/s)",

@@ -8,6 +8,7 @@ such a directory, a path to a `tokenizer.json`, or a hub name (only where a hub 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from keel.data.documents import EmptyDataError, iter_documents, read_index
 from keel.data.summary import write_summary
 from keel.executor import storage
 from keel.executor.step import this_output
+
+logger = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -150,4 +153,104 @@ def load_tokenizer(
         return token_id
 
     return LoadedTokenizer(tokenizer, id_of("bos_token"), id_of("eos_token"), id_of("pad_token"))
+
+
+def _byte_level_bytes() -> dict[str, int]:
+    """The ByteLevel decoder's map from the 256 alphabet characters back to bytes (GPT-2's
+    `bytes_to_unicode`, inverted): printable bytes stand for themselves, the rest for chr(256 + n)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
+
+
+class SequenceBytes:
+    """Counts the UTF-8 bytes of the text each row of token ids decodes to: for every row, exactly
+    `len(tokenizer.decode(row, skip_special_tokens=True).encode("utf-8"))`.
+
+    Decoding every sequence costs about a fifth of what encoding it did, so for the common case
+    (a ByteLevel decoder, every added token special) the count comes from a table instead: each
+    token's bytes are what the decoder maps its characters to, special tokens have none, and a row
+    whose tokens are each whole UTF-8 holds exactly the sum of their lengths. A row with a token
+    that is part of a character (bytes above 0x7f cut between tokens, or a sequence boundary cut
+    through a character) is joined and decoded as the decoder does (invalid bytes become U+FFFD,
+    3 bytes each). Any other tokenizer is decoded, and so is every row from the first call on
+    whose first rows the table and the decoder disagree (a `tokenizers` that decodes differently)."""
+
+    CHECKED_ROWS = 8
+
+    def __init__(self, tokenizer):
+        import numpy as np
+
+        self.tokenizer = tokenizer
+        self._token_bytes = _token_bytes(tokenizer)
+        self._checked = False
+        if self._token_bytes is not None:  # one gather per row: length, plus 2**32 for a partial token
+            self._coded = np.array([len(b) + (0 if _is_utf8(b) else 1 << 32) for b in self._token_bytes], dtype=np.int64)
+
+    @property
+    def decodes(self) -> bool:
+        """True where every row is decoded (no table for this tokenizer)."""
+        return self._token_bytes is None
+
+    def __call__(self, input_ids):
+        """int64[rows]: the bytes of each row of the int array `input_ids` (rows, seq_len)."""
+        import numpy as np
+
+        if self._token_bytes is None:
+            return self.decoded(input_ids)
+        sums = self._coded[input_ids].sum(axis=1)
+        counts = sums & 0xFFFFFFFF
+        table = self._token_bytes
+        for row in np.flatnonzero(sums >> 32):
+            text = b"".join([table[i] for i in input_ids[row].tolist()]).decode("utf-8", errors="replace")
+            counts[row] = len(text.encode("utf-8"))
+        if not self._checked and len(counts):
+            self._checked = True
+            if not np.array_equal(counts[: self.CHECKED_ROWS], self.decoded(input_ids[: self.CHECKED_ROWS])):
+                logger.warning("byte counts from the token table differ from decoding: decoding every sequence")
+                self._token_bytes = None
+                return self.decoded(input_ids)
+        return counts
+
+    def decoded(self, input_ids):
+        """The same counts, by decoding every row."""
+        import numpy as np
+
+        texts = self.tokenizer.decode_batch(np.asarray(input_ids).tolist(), skip_special_tokens=True)
+        return np.array([len(t.encode("utf-8")) for t in texts], dtype=np.int64)
+
+
+def _token_bytes(tokenizer) -> list[bytes] | None:
+    """Each id's bytes as `decode(..., skip_special_tokens=True)` emits them, or None where the
+    tokenizer's decoding is not a per-token byte map (another decoder, or added tokens that are
+    not special, which decode outside the decoder)."""
+    from tokenizers import decoders
+
+    if type(tokenizer.decoder) is not decoders.ByteLevel:
+        return None
+    added = tokenizer.get_added_tokens_decoder()
+    if not all(token.special for token in added.values()):
+        return None
+    to_byte = _byte_level_bytes()
+    table = []
+    for token_id in range(max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1):
+        if token_id in added:
+            table.append(b"")  # special: skipped
+            continue
+        token = tokenizer.id_to_token(token_id)
+        if token is None:
+            return None
+        try:
+            table.append(bytes([to_byte[c] for c in token]))
+        except KeyError:  # a character outside the alphabet: the decoder keeps the token's own UTF-8
+            table.append(token.encode("utf-8"))
+    return table
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
