@@ -19,6 +19,7 @@ killed, running steps marked INTERRUPTED, leases released, and the launcher exit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import os
 import re
@@ -288,7 +289,7 @@ class Runner:
                 self._active[plan.output_path] = (running, lease)
             how = f"attempt {running.attempt}, retrying" if earlier else plan.reason
             self.echo(f"[keel] start {plan.name} -> {plan.output_path}" + (f" ({how})" if how else ""))
-            siblings = _entries_beside(plan.output_path)
+            beside = _Beside.before(plan.output_path)
             try:
                 self._dispatch(step, resolved, plan.output_path, running.attempt)
             except interrupt.StepInterrupted as exc:
@@ -314,7 +315,7 @@ class Runner:
                     error = f"failed after {len(earlier)} attempts: " + "; ".join(f"attempt {a['attempt']} ({a['state']}): {a['error'].splitlines()[-1]}" for a in earlier)
                     mark_finished(plan.output_path, running, error=error, attempts=earlier[:-1])
                 raise StepFailed(step.name, plan.output_path, error, _log_or_none(plan.output_path)) from exc
-            strays = _new_entries_beside(plan.output_path, siblings, self._outputs_beside(plan.output_path))
+            strays = beside.written(self._owned_names)
             if strays:
                 error = (f"the step wrote {', '.join(strays)} beside its output folder, in {plan.output_path.rsplit('/', 1)[0]}: "
                          "a step writes only under config.output_path (those files were left where they are)")
@@ -325,10 +326,16 @@ class Runner:
                 raise StepFailed(step.name, plan.output_path, status.error or "", _log_or_none(plan.output_path))
             return status
 
-    def _outputs_beside(self, output_path: str) -> set[str]:
-        """The names other steps of this graph own in the folder holding `output_path`."""
-        parent = output_path.rsplit("/", 1)[0] + "/"
-        return {self.graph.path(s)[len(parent):].split("/", 1)[0] for s in self.graph.steps() if self.graph.path(s).startswith(parent)}
+    @functools.cached_property
+    def _owned_names(self) -> dict[str, set[str]]:
+        """Folder -> the names the graph's steps own directly in it (their outputs, the folders above)."""
+        owned: dict[str, set[str]] = {}
+        for step in self.graph.steps():
+            folder, _, name = self.graph.path(step).rpartition("/")
+            while folder and folder.startswith(self.graph.prefix):
+                owned.setdefault(folder, set()).add(name)
+                folder, _, name = folder.rpartition("/")
+        return owned
 
     def _dispatch(self, step: Step, resolved, output_path: str, attempt: int) -> None:
         from fray.types import Entrypoint, JobRequest, create_environment
@@ -462,14 +469,42 @@ class StepPreempted(RuntimeError):
 _OUTPUT_NAME = re.compile(r".+-[0-9a-f]{%d}" % HASH_CHARS)
 
 
-def _entries_beside(output_path: str) -> set[str]:
-    return set(storage.list_names(output_path.rsplit("/", 1)[0]))
+_FS_CLOCK_LAG_NS = 20_000_000
+"""File times come from the kernel's coarse clock, up to a tick (4-10 ms) behind `time.time_ns()`."""
 
 
-def _new_entries_beside(output_path: str, before: set[str], owned: set[str]) -> list[str]:
-    """Entries that appeared beside the step's output folder while it ran and that no step owns
-    (another step's output, `NAME-HASH`, may appear there at any time): writes outside its folder."""
-    return sorted(n for n in _entries_beside(output_path) - before - owned if not _OUTPUT_NAME.fullmatch(n))
+@dataclasses.dataclass(frozen=True)
+class _Beside:
+    """The folder holding a step's output, as the step started: what the step wrote there instead of
+    under its output (`{output_path}/../x`) shows up as a new entry that no step owns. Local folders
+    only: two stats when nothing changed there, one listing when something did."""
+
+    folder: str
+    mtime_ns: int | None
+    started_ns: int
+
+    @classmethod
+    def before(cls, output_path: str) -> "_Beside":
+        folder = storage.split(output_path)[1].rsplit("/", 1)[0] if storage.is_local(output_path) else ""
+        try:
+            mtime = os.stat(folder).st_mtime_ns if folder else None
+        except FileNotFoundError:
+            mtime = 0
+        return cls(folder, mtime, time.time_ns() - _FS_CLOCK_LAG_NS)
+
+    def written(self, owned: dict[str, set[str]]) -> list[str]:
+        """Entries created in the folder since the start that no step owns (another step's output,
+        `NAME-HASH`, may appear there at any time)."""
+        if self.mtime_ns is None or os.stat(self.folder).st_mtime_ns == self.mtime_ns:
+            return []
+        mine = owned.get(self.folder, set())
+        found = []
+        for entry in os.scandir(self.folder):
+            if entry.name in mine or _OUTPUT_NAME.fullmatch(entry.name) or entry.name.startswith(".keel-probe-"):
+                continue
+            if entry.stat(follow_symlinks=False).st_ctime_ns >= self.started_ns:
+                found.append(entry.name)
+        return sorted(found)
 
 
 def _signal_quietly(process, signum) -> None:
