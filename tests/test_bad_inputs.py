@@ -71,6 +71,12 @@ CATALOGUE = [
              ("run", "EXP"), "failed", "called os._exit(0)"),
     BadInput("--set of the output path", GOOD + MAIN, ("run", "EXP", "--set", "x/a.output_path=/tmp/elsewhere"), "error",
              "is a path keel fills in"),
+    BadInput("a topology this machine lacks",
+             'from keel.mesh import RackTopology, TopologyError\n'
+             'def train(config):\n    raise TopologyError("RackTopology: 1 devices are present but racks=11 x gpus_per_rack=64 = 704")\n'
+             'b = Step("train/hero", train, C(1))\ntwin = Step("train/twin", write, C(1))\n'
+             'if __name__ == "__main__":\n    main([b], scales={"tiny": lambda: [twin]})\n',
+             ("run", "EXP"), "failed", "--scale tiny`"),
     # --- mistakes in the experiment file
     BadInput("invalid TrainConfig value", 'from keel.train import TrainConfig\nTrainConfig(batch_size=8, seq_len=16, num_steps=0)\n' + GOOD + MAIN,
              ("plan", "EXP"), "error", "num_steps=0 must be positive"),
