@@ -138,18 +138,14 @@ def _write(output_path: str, name: str, record: dict) -> None:
 
 def _manifest(output_path: str) -> dict:
     """Every file the step produced: size, and for local files mtime and BLAKE2b hash."""
-    sizes = storage.file_sizes(output_path, skip_dir=KEEL_DIR)
-    files = {}
-    local = storage.is_local(output_path)
+    if not storage.is_local(output_path):
+        sizes = storage.file_sizes(output_path, skip_dir=KEEL_DIR)
+        return {"files": {rel: {"size": size} for rel, size in sorted(sizes.items())}, "total_bytes": sum(sizes.values())}
     root = storage.split(output_path)[1]
-    for rel, size in sorted(sizes.items()):
-        entry = {"size": size}
-        if local:
-            path = os.path.join(root, rel)
-            entry["mtime_ns"] = os.stat(path).st_mtime_ns
-            entry["blake2b"] = content_hash(path)
-        files[rel] = entry
-    return {"files": files, "total_bytes": sum(sizes.values())}
+    stats = storage.local_file_stats(root, skip_dir=KEEL_DIR)
+    files = {rel: {"size": size, "mtime_ns": mtime, "blake2b": content_hash(os.path.join(root, rel))}
+             for rel, (size, mtime) in sorted(stats.items())}
+    return {"files": files, "total_bytes": sum(size for size, _ in stats.values())}
 
 
 def content_hash(path: str) -> str:
@@ -168,15 +164,16 @@ def verify_manifest(output_path: str, status: Status, no_outputs: bool = True) -
     files = manifest["files"]
     if not files:
         return None if no_outputs else NO_OUTPUTS_ERROR
-    present = storage.file_sizes(output_path, skip_dir=KEEL_DIR)
+    local = storage.is_local(output_path)
+    root = storage.split(output_path)[1]
+    present = (storage.local_file_stats(root, skip_dir=KEEL_DIR) if local
+               else {rel: (size, None) for rel, size in storage.file_sizes(output_path, skip_dir=KEEL_DIR).items()})
     for rel, entry in files.items():
-        size = present.get(rel)
+        size, mtime = present.get(rel, (None, None))
         if size is None:
             return f"output file {rel} is missing"
         if size != entry["size"]:
             return f"output file {rel} has {size} bytes, the manifest recorded {entry['size']}"
-        if "blake2b" in entry and storage.is_local(output_path):
-            path = os.path.join(storage.split(output_path)[1], rel)
-            if os.stat(path).st_mtime_ns != entry.get("mtime_ns") and content_hash(path) != entry["blake2b"]:
-                return f"output file {rel} was changed after the step finished (its content hash differs from the manifest's)"
+        if local and "blake2b" in entry and mtime != entry.get("mtime_ns") and content_hash(os.path.join(root, rel)) != entry["blake2b"]:
+            return f"output file {rel} was changed after the step finished (its content hash differs from the manifest's)"
     return None

@@ -190,7 +190,7 @@ def file_sizes(url: str, skip_dir: str) -> dict[str, int]:
     """Every file under `url` (relative path -> size), except those under the sub folder `skip_dir`."""
     fs, path = split(url)
     if isinstance(fs, LocalFileSystem):
-        return _local_file_sizes(path, skip_dir)
+        return {rel: size for rel, (size, _) in local_file_stats(path, skip_dir).items()}
     try:
         found = fs.find(path, detail=True)
     except FileNotFoundError:
@@ -205,10 +205,11 @@ def file_sizes(url: str, skip_dir: str) -> dict[str, int]:
     return out
 
 
-def _local_file_sizes(path: str, skip_dir: str) -> dict[str, int]:
-    """`file_sizes` on a local disk with `os.scandir`, as fsspec's `find` sees it (regular files
-    only; links are neither listed nor followed) at a fraction of its cost."""
-    out: dict[str, int] = {}
+def local_file_stats(path: str, skip_dir: str) -> dict[str, tuple[int, int]]:
+    """Every file under the local folder `path` (relative path -> (size, mtime_ns)) except those
+    under `skip_dir`, with `os.scandir`, as fsspec's `find` sees them (regular files only; links
+    are neither listed nor followed) at a fraction of its cost."""
+    out: dict[str, tuple[int, int]] = {}
     stack = [("", path)]
     while stack:
         rel_dir, folder = stack.pop()
@@ -223,7 +224,8 @@ def _local_file_sizes(path: str, skip_dir: str) -> dict[str, int]:
                     if rel != skip_dir:
                         stack.append((rel + "/", entry.path))
                 elif entry.is_file(follow_symlinks=False) and rel != skip_dir:
-                    out[rel] = entry.stat(follow_symlinks=False).st_size
+                    stat = entry.stat(follow_symlinks=False)
+                    out[rel] = (stat.st_size, stat.st_mtime_ns)
     return out
 
 
