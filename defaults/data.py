@@ -25,12 +25,12 @@ from keel.data import (
 
 
 def stdlib_corpus(*, max_bytes: int | None = None, max_files: int | None = None, include_tests: bool = True,
-                  validation_fraction: float = 0.01) -> Step:
-    """The running Python's standard-library sources as a document set (its version is in the identity)."""
-    config = StdlibCorpusConfig(
-        include_tests=include_tests, max_files=max_files, max_bytes=max_bytes, validation_fraction=validation_fraction
-    )
-    return Step("documents/stdlib", build_stdlib_corpus, config, description="Python stdlib sources")
+                  validation_fraction: float = 0.01, packages: tuple[str, ...] = (), name: str = "stdlib") -> Step:
+    """The running Python's standard-library sources as a document set (its version is in the
+    identity); `packages` keeps some top-level packages only (`keel.data.stdlib_families`)."""
+    config = StdlibCorpusConfig(include_tests=include_tests, max_files=max_files, max_bytes=max_bytes,
+                                validation_fraction=validation_fraction, packages=tuple(packages))
+    return Step(f"documents/{name}", build_stdlib_corpus, config, description="Python stdlib sources")
 
 
 def ingest(name: str, inputs: tuple[str, ...] = (), *, hf_dataset: HfDatasetSpec | None = None, **kwargs) -> Step:

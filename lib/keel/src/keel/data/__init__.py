@@ -18,7 +18,7 @@ from keel.data.documents import Document, EmptyDataError, iter_documents, read_i
 from keel.data.ingest import HfDatasetSpec, IngestConfig, ingest_documents
 from keel.data.mixture import Mixture, MixtureError, MixturePhase
 from keel.data.quality import BadRecordError
-from keel.data.stdlib_corpus import StdlibCorpusConfig, build_stdlib_corpus
+from keel.data.stdlib_corpus import StdlibCorpusConfig, build_stdlib_corpus, stdlib_families
 from keel.data.summary import read_summary
 from keel.data.tokenize import TokenizeConfig, tokenize_documents
 from keel.data.tokenizer import LoadedTokenizer, TrainTokenizerConfig, load_tokenizer, train_tokenizer
@@ -39,6 +39,7 @@ __all__ = [
     "TokenizeConfig",
     "TrainTokenizerConfig",
     "build_stdlib_corpus",
+    "stdlib_families",
     "build_train_dataset",
     "build_validation_datasets",
     "ingest_documents",

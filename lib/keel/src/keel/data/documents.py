@@ -101,6 +101,28 @@ def clear_documents(output_path: str) -> None:
             storage.delete_tree(url)
 
 
+NEAR_DUPLICATE_OVERLAP = 0.5
+"""In the stdlib corpus an ordinary module shares about 20% of its distinct lines with the other
+modules; the `encodings/` codec tables share 66-97% with their siblings."""
+
+
+def normalised_lines(text: str) -> set[int]:
+    """Hashes of a document's distinct lines, whitespace collapsed and lowercased; lines under 8
+    characters (blank, brackets, `pass`) say nothing about copying and are left out."""
+    out = set()
+    for line in text.splitlines():
+        line = " ".join(line.split()).lower()
+        if len(line) >= 8:
+            out.add(hash(line))
+    return out
+
+
+def near_duplicate(text: str, train_lines: set[int], overlap: float) -> bool:
+    """Whether at least `overlap` of the document's distinct normalised lines occur in `train_lines`."""
+    lines = normalised_lines(text)
+    return bool(lines) and len(lines & train_lines) >= overlap * len(lines)
+
+
 def write_documents(
     output_path: str,
     documents: Iterable[Document],
@@ -110,8 +132,14 @@ def write_documents(
     log: RecordLog,
     source: dict,
     what: str,
+    near_duplicate_overlap: float | None = NEAR_DUPLICATE_OVERLAP,
 ) -> dict:
     """Split, shard and write `documents`; the index file goes last, once every shard is complete.
+
+    A document drawn for validation that is a near-copy of the training documents (at least
+    `near_duplicate_overlap` of its distinct normalised lines occur in them: `near_duplicate`)
+    goes to train instead, counted in the summary: validating on near-copies of training data
+    would report memorisation as generalisation. None keeps every drawn document in validation.
 
     Fails (no index written) when `log` counted too many skipped records or when no document is
     left; `what` names the input in those messages. Writes summary.json and prints its line.
@@ -120,6 +148,8 @@ def write_documents(
     writers = {split: _ShardedSplitWriter(output_path, split, shard_bytes) for split in SPLITS}
     seen: set[str] = set()
     empty = 0
+    held_out: list[Document] = []  # validation candidates, written once every training line is known
+    train_lines: set[int] = set()
     for doc in documents:
         if doc.id in seen:
             raise ValueError(f"duplicate document id {doc.id!r}: ids must be unique within a document set")
@@ -127,7 +157,18 @@ def write_documents(
         if not doc.text:
             empty += 1
             continue
-        writers[split_of(doc.id, validation_fraction)].add(doc)
+        if split_of(doc.id, validation_fraction) == "validation":
+            held_out.append(doc)
+        else:
+            writers["train"].add(doc)
+            if near_duplicate_overlap is not None:
+                train_lines |= normalised_lines(doc.text)
+    moved = []
+    for doc in held_out:
+        copy = near_duplicate_overlap is not None and near_duplicate(doc.text, train_lines, near_duplicate_overlap)
+        writers["train" if copy else "validation"].add(doc)
+        if copy:
+            moved.append(doc.id)
     for writer in writers.values():
         writer.close()
     log.check()
@@ -152,10 +193,14 @@ def write_documents(
         "bad_records": {"count": log.skipped_count, "examples": [str(r) for r in log.examples]},
     }
     summary = {"documents": total, "splits": {s: {"documents": w.documents, "bytes": w.bytes} for s, w in writers.items()},
-               "empty_documents": empty, **log.summary(), "warnings": warnings}
+               "empty_documents": empty, **log.summary(), "warnings": warnings,
+               "near_duplicates_kept_out_of_validation": {"count": len(moved), "threshold": near_duplicate_overlap,
+                                                          "examples": moved[:10]}}
     line = (f"documents: {total:,} ({writers['train'].documents:,} train, {writers['validation'].documents:,} validation; "
             f"{sum(w.bytes for w in writers.values()):,} bytes) from {log.records:,} records")
-    extra = [x for x in (log.describe(), f"dropped {empty} with empty text" if empty else "", *warnings) if x]
+    near = (f"kept {len(moved)} near-copies of training documents out of validation (e.g. {moved[0]})"
+            if moved else "")
+    extra = [x for x in (log.describe(), f"dropped {empty} with empty text" if empty else "", near, *warnings) if x]
     write_summary(output_path, summary, line + "".join(f"\n  {x}" for x in extra))
     storage.write_json(storage.join(output_path, INDEX_FILE), index)
     return index

@@ -8,6 +8,10 @@ identity: the step does not fingerprint its ~2,000 source files (`keel.executor.
 Python release fixes them and a plan need not stat them all. Files are read in sorted
 relative-path order, which makes the `max_files` / `max_bytes` caps (for fast tests and
 tutorials) deterministic too: the corpus ends before the first file that would exceed a cap.
+
+`packages` keeps only some top-level packages (a directory such as `email`, or a module's stem
+such as `typing`): topic-like components of one corpus, e.g. for the hero twin's mixture, where
+`stdlib_families(n)` splits the library into n families of about equal size.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from keel.data.documents import Document, check_validation_fraction, write_documents
+from keel.data.documents import NEAR_DUPLICATE_OVERLAP, Document, check_validation_fraction, write_documents
 from keel.data.quality import BadRecord, RecordLog
 from keel.executor.step import this_output
 
@@ -32,7 +36,12 @@ class StdlibCorpusConfig:
     include_tests: bool = True
     max_files: int | None = None
     max_bytes: int | None = None
+    packages: tuple[str, ...] = ()
+    """Top-level packages or modules to keep (empty: all)."""
     validation_fraction: float = 0.01
+    near_duplicate_overlap: float | None = NEAR_DUPLICATE_OVERLAP
+    """A validation draw sharing this share of its lines with the training files goes to train
+    (`keel.data.documents.near_duplicate`: the codec tables under `encodings/` are near-copies)."""
     shard_bytes: int = 8 * 2**20
     output_path: str = this_output()
 
@@ -42,6 +51,33 @@ class StdlibCorpusConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"StdlibCorpusConfig.{name} must be positive or None, got {value}")
+
+
+def top_level(relative: str) -> str:
+    """The top-level package (or module) a standard-library file belongs to: `email/mime/text.py`
+    -> `email`, `typing.py` -> `typing`."""
+    return relative.split("/", 1)[0].removesuffix(".py")
+
+
+def stdlib_families(count: int, include_tests: bool = False) -> list[tuple[str, ...]]:
+    """The standard library's top-level packages in `count` families of about equal size: runs of
+    consecutive names (sorted), each closed once it holds its share of the bytes still left."""
+    root = sysconfig.get_paths()["stdlib"]
+    sizes: dict[str, int] = {}
+    for relative in stdlib_files(include_tests):
+        sizes[top_level(relative)] = sizes.get(top_level(relative), 0) + os.path.getsize(os.path.join(root, relative))
+    names, left = sorted(sizes), sum(sizes.values())
+    families: list[list[str]] = [[]]
+    filled = 0
+    for i, name in enumerate(names):
+        families[-1].append(name)
+        filled += sizes[name]
+        left_names, left_families = len(names) - i - 1, count - len(families)
+        if left_families and (filled >= left / (left_families + 1) or left_names == left_families):
+            families.append([])
+            left -= filled
+            filled = 0
+    return [tuple(f) for f in families]
 
 
 def stdlib_files(include_tests: bool) -> list[str]:
@@ -61,7 +97,8 @@ def stdlib_files(include_tests: bool) -> list[str]:
 def _documents(config: StdlibCorpusConfig, log: RecordLog) -> Iterator[Document]:
     root = sysconfig.get_paths()["stdlib"]
     total_bytes = 0
-    for count, relative in enumerate(stdlib_files(config.include_tests)):
+    files = [f for f in stdlib_files(config.include_tests) if not config.packages or top_level(f) in config.packages]
+    for count, relative in enumerate(files):
         if config.max_files is not None and count >= config.max_files:
             return
         with open(os.path.join(root, relative), "rb") as f:
@@ -90,8 +127,10 @@ def build_stdlib_corpus(config: StdlibCorpusConfig) -> None:
         config.output_path,
         _documents(config, log),
         validation_fraction=config.validation_fraction,
+        near_duplicate_overlap=config.near_duplicate_overlap,
         shard_bytes=config.shard_bytes,
         log=log,
         source={"stdlib": sysconfig.get_paths()["stdlib"], "python": " ".join(running)},
-        what=f"the standard library (max_files={config.max_files}, max_bytes={config.max_bytes})",
+        what=f"the standard library (max_files={config.max_files}, max_bytes={config.max_bytes}"
+             + (f", packages {config.packages[0]} .. {config.packages[-1]})" if config.packages else ")"),
     )
