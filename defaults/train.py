@@ -20,7 +20,7 @@ from keel.data import Mixture
 from keel.executor.step import External, OutputOf
 from keel.mesh import Hardware, RackTopology
 from keel.model import MoELMConfig
-from keel.train import TrainConfig, TrainStepConfig
+from keel.train import RunFacts, TrainConfig, TrainStepConfig
 from keel.train.step import train_step
 
 
@@ -35,11 +35,15 @@ def default_train(
     resources: Resources | None = None,
     description: str | None = None,
     predicted_loss: OutputOf | None = None,
+    facts: RunFacts | None = None,
+    stand_ins: tuple[str, ...] = (),
 ) -> Step:
     """A `Step` that trains `model` on `data` (a Mixture, or a tokenize step / External cache).
 
     `predicted_loss` is a scaling ladder's prediction for this run (`default_scaling_ladder(...).prediction`):
-    the run trains after it is made, and must have the compute it was made for."""
+    the run trains after it is made, and must have the compute it was made for. `facts` are what is
+    known of a real run (speeds, claims); `stand_ins` name what a scaled-down twin plays the real
+    run's part with (`keel.plan.scale_down` says them; `keel plan` prints them)."""
     if not isinstance(data, (Mixture, Step, External, OutputOf)):
         raise TypeError(
             f"default_train({name!r}): data is a {type(data).__name__}; give a keel.data.Mixture, a tokenize Step "
@@ -48,7 +52,7 @@ def default_train(
     if predicted_loss is not None:
         _check_prediction(name, predicted_loss, model, train)
     config = TrainStepConfig(model=model, data=data, train=train, topology=topology, hardware=hardware,
-                             predicted_loss=predicted_loss)
+                             predicted_loss=predicted_loss, facts=facts, stand_ins=stand_ins)
     return Step(f"train/{name}", train_step, config, resources=resources, description=description, isolated=True)
 
 

@@ -58,7 +58,7 @@ def train_micro_moe(config: MicroTrainConfig) -> None:
     train_config = TrainConfig(num_steps=config.num_steps, batch_size=16, seq_len=64, eval_every=100, eval_batches=0,
                                z_loss=1e-4, rolling_checkpoint_minutes=None, optimizer=AdamWConfig(lr=1e-2),
                                compute_dtype="float32")
-    train(train_config, loop_inputs(use_wandb=False), config.output_path)
+    train(train_config, loop_inputs(train_config, use_wandb=False), config.output_path)
     with open(f"{config.output_path}/process-{jax.process_index()}.json", "w") as f:
         json.dump({"processes": jax.process_count(), "local_devices": len(jax.local_devices()),
                    "devices": len(jax.devices())}, f)

@@ -39,9 +39,18 @@ def test_hero_file_derives_the_reference(sheet):
         ("fixed_pooled_all_to_all", 0), ("ragged_all_to_all", 81_716)]
     assert sheet["time"]["projected_end_date"] == "2026-11-18"
     assert round(sheet["optimizer"]["adam_lr"], 6) == 0.000759
-    claims = {c["figure"]: c["value"] for c in sheet["claims"]}
-    assert round(claims["run_days"]) == 89 and round(claims["batch_bytes"] / 1e6) == 185
-    assert round(claims["activation_bytes_per_layer"] / 1e9) == 567
+    claims = {c["claim"]: c for c in sheet["claims"]}
+    assert round(claims["trains in 60 days"]["value"]) == 89 and not claims["trains in 60 days"]["holds"]
+    assert claims["about 3 months"]["holds"]
+    assert round(claims["the 46M-token batch is 92 MB"]["value"] / 1e6) == 185
+    two_years = claims["2 years on one rack -> 60 days on 11"]
+    assert two_years["value"] == pytest.approx(11 * claims["trains in 60 days"]["value"]) and not two_years["holds"]
+    # "567 GB per layer" is one bf16 D-wide tensor over the batch, said as such; a layer keeps far more
+    per_layer = claims["activations are 567 GB per layer"]
+    assert "566.9 GB is one bf16 6144-wide tensor" in per_layer["finding"] and not per_layer["holds"]
+    assert per_layer["value"] > 10 * 567e9
+    all_layers = claims["27 TB of activations for 48 layers without checkpointing"]
+    assert all_layers["value"] == pytest.approx(48 * per_layer["value"]) and not all_layers["holds"]
     assert [s["step_seconds"] for s in sheet["time"]["speeds"]] == [19.8, 16.8]
 
 

@@ -19,9 +19,10 @@ def _run(tmp_path, **fields):
 
     from keel.train.loop import _Run
 
-    inputs = loop_inputs(use_wandb=False)
+    config = TrainConfig(**BASE, **fields)
+    inputs = loop_inputs(config, use_wandb=False)
     with jax.set_mesh(inputs.mesh):
-        return _Run(TrainConfig(**BASE, **fields), inputs, str(tmp_path / "tiny_ahead-0123abcd89"))
+        return _Run(config, inputs, str(tmp_path / "tiny_ahead-0123abcd89"))
 
 
 def _described(tree):

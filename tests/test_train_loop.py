@@ -82,7 +82,7 @@ def switch_run(tmp_path_factory):
     transports = (TransportPhase(0, "fixed_all_to_all"), TransportPhase(4, "ring"))
     config = TrainConfig(num_steps=8, permanent_checkpoint_every=1, optimizer=AdamWConfig(lr=1e-2), transports=transports,
                          compute_dtype="float32", **BASE)
-    train(config, loop_inputs(), out)
+    train(config, loop_inputs(config), out)
     return out, config
 
 
@@ -94,7 +94,7 @@ def fixed_run(tmp_path_factory):
 
     out = str(tmp_path_factory.mktemp("runs") / "tiny_fixed-0123abcd89")
     config = TrainConfig(num_steps=8, optimizer=AdamWConfig(lr=1e-2), compute_dtype="float32", **BASE)
-    train(config, loop_inputs(use_wandb=False), out)
+    train(config, loop_inputs(config, use_wandb=False), out)
     return out
 
 
@@ -128,7 +128,7 @@ def test_router_bias_of_step_t_plus_1_comes_from_step_t_and_survives_checkpoints
         exemplar = lm.init(jax.random.PRNGKey(0))
         before = restore_like({"model": exemplar}, os.path.join(out, "checkpoints", "step-6"))["model"]
         after = restore_like({"model": exemplar}, os.path.join(out, "checkpoints", "step-7"))["model"]
-    batches = batch_loader(loop_inputs().train_data, batch_size=16, mesh=mesh, batch_axes=BATCH_AXES).iter_from_step(6)
+    batches = batch_loader(loop_inputs(config).train_data, batch_size=16, mesh=mesh, batch_axes=BATCH_AXES).iter_from_step(6)
     batch = next(batches)
     batches.close()
     phase = TransportPhase(4, "ring")
@@ -191,14 +191,14 @@ def test_an_interruption_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_
     threading.Thread(target=interrupt_after_step_2, daemon=True).start()
     try:
         with pytest.raises(interrupt.StepInterrupted, match="training stopped after step") as stopped:
-            train(config, loop_inputs(use_wandb=False, delay_per_item=0.02), out)
+            train(config, loop_inputs(config, use_wandb=False, delay_per_item=0.02), out)
     finally:
         interrupt.clear()
     done = int(str(stopped.value).split("after step ")[1].split()[0])
     assert 3 <= done < 8
     assert os.path.exists(os.path.join(out, "checkpoints", f"step-{done}", "metadata.json"))
 
-    train(config, loop_inputs(use_wandb=False), out)
+    train(config, loop_inputs(config, use_wandb=False), out)
     records = read_metrics(os.path.join(out, METRICS_FILE))
     assert [r["step"] for r in records if "train/loss" in r] == list(range(8))
     got, expected = _losses(out), _losses(fixed_run)
@@ -213,7 +213,7 @@ def test_a_non_finite_loss_fails_the_run_naming_the_step(tmp_path):
 
     config = TrainConfig(num_steps=6, optimizer=AdamWConfig(lr=1e30), compute_dtype="float32", **BASE)
     with pytest.raises(NonFiniteTraining, match=r"training diverged at step [1-5]: train/(loss|grad_norm) = (nan|inf)"):
-        train(config, loop_inputs(use_wandb=False), str(tmp_path / "tiny_nan-0123abcd89"))
+        train(config, loop_inputs(config, use_wandb=False), str(tmp_path / "tiny_nan-0123abcd89"))
 
 
 def test_progress_lines_name_compiles_validation_checkpoints_and_the_switch(tmp_path, capsys):
@@ -224,8 +224,8 @@ def test_progress_lines_name_compiles_validation_checkpoints_and_the_switch(tmp_
 
     out = str(tmp_path / "tiny_talk-0123abcd89")
     transports = (TransportPhase(0, "fixed_all_to_all"), TransportPhase(3, "ring"))
-    train(TrainConfig(num_steps=6, optimizer=AdamWConfig(lr=1e-2), transports=transports, **BASE),
-          loop_inputs(use_wandb=False), out)
+    config = TrainConfig(num_steps=6, optimizer=AdamWConfig(lr=1e-2), transports=transports, **BASE)
+    train(config, loop_inputs(config, use_wandb=False), out)
     printed = capsys.readouterr().out
     assert "\r" not in printed
     lines = [line for line in printed.splitlines() if line.startswith("[train] tiny_talk: ")]

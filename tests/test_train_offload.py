@@ -159,7 +159,7 @@ def _train(out, host_offload, stop_after=None, records=None):
     records = [] if records is None else records
     with watching_steps(stop_after) as seen:
         try:
-            train(config, loop_inputs(use_wandb=False), str(out))
+            train(config, loop_inputs(config, use_wandb=False), str(out))
         finally:
             records.extend(seen)
     return records

@@ -19,7 +19,7 @@ def main(output_path: str, config_json: str) -> None:
     fields = json.loads(config_json)
     delay = fields.pop("delay_per_item", 0.0)
     config = TrainConfig(optimizer=AdamWConfig(lr=1e-2), **fields)
-    train(config, loop_inputs(seq_len=config.seq_len, delay_per_item=delay, use_wandb=False), output_path)
+    train(config, loop_inputs(config, delay_per_item=delay, use_wandb=False), output_path)
 
 
 if __name__ == "__main__":

@@ -86,8 +86,20 @@ def arithmetic_sequences(n: int, *, seq_len: int, vocab: int, seed: int, delay_p
     return Throttled(items) if delay_per_item else ListAsyncDataset(items)
 
 
-def loop_inputs(*, seq_len: int = 64, delay_per_item: float = 0.0, use_wandb: bool = True):
-    from keel.train.config import TransportPhase
+def micro_plan(config):
+    """The resolved run of `MICRO` trained with `config` on 2 racks x 4 (expert parallel 4)."""
+    from keel import External
+    from keel.mesh import RackTopology
+    from keel.plan.resolved import resolve
+    from keel.train.config import TrainStepConfig
+
+    topology = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
+    return resolve(TrainStepConfig(model=MICRO, data=External("test/arithmetic", "memory://arithmetic", version="1"),
+                                   train=config, topology=topology))
+
+
+def loop_inputs(config, *, delay_per_item: float = 0.0, use_wandb: bool = True):
+    """What `keel.train.loop.train(config, ...)` needs to train `MICRO` with `config` (its resolved run included)."""
     from keel.train.loop import LoopInputs
 
     mesh = rack_mesh()
@@ -95,9 +107,10 @@ def loop_inputs(*, seq_len: int = 64, delay_per_item: float = 0.0, use_wandb: bo
         lm=micro_lm(mesh),
         mesh=mesh,
         batch_axes=BATCH_AXES,
-        train_data=arithmetic_sequences(512, seq_len=seq_len, vocab=MICRO.vocab_size, seed=0, delay_per_item=delay_per_item),
-        val_data={"held_out": arithmetic_sequences(32, seq_len=seq_len, vocab=MICRO.vocab_size, seed=1)},
-        default_transport=TransportPhase(0, "fixed_all_to_all"),
+        train_data=arithmetic_sequences(512, seq_len=config.seq_len, vocab=MICRO.vocab_size, seed=0,
+                                        delay_per_item=delay_per_item),
+        val_data={"held_out": arithmetic_sequences(32, seq_len=config.seq_len, vocab=MICRO.vocab_size, seed=1)},
+        plan=micro_plan(config),
         use_wandb=use_wandb,
         fetch_batches=1 if delay_per_item else 8,
     )

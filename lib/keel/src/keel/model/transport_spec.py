@@ -1,22 +1,56 @@
 """Which expert-dispatch transport a run uses: an execution detail, never part of a run's identity.
 
+`TRANSPORTS` is the one registry of what each transport is: what its capacity factor sizes (if
+anything), whether it drops assignments past that capacity, whether it moves tokens between
+devices, whether XLA:CPU runs it and what plays its part where it cannot run. The planner's
+buffer sizes, the kernel's capacity and the CPU twin's stand-ins all read it.
+
 Plain (no jax), so run configs can hold a `TransportSpec` and `keel plan` can reject a transport
 the target platform cannot run before any compute is spent.
 """
 
 from dataclasses import dataclass
 
-TRANSPORTS: dict[str, str] = {
-    "dense": "every expert on every token, masked by the routing weights (the reference; tests only)",
-    "local": "grouped expert matmuls on each device's own tokens with every expert gathered (no expert parallelism)",
-    "fixed_all_to_all": "expert parallel over `expert`: fixed (sender, expert) capacity cells, overflow dropped and counted",
-    "ring": "expert parallel over `expert`: all-gather tokens, psum-scatter outputs; dropless",
-    "fixed_pooled_all_to_all": "expert parallel over `expert`: destination-pooled fixed buffers sent in static waves",
-    "ragged_all_to_all": "expert parallel over `expert`: ragged all-to-all, rows grouped by expert (GPU/TPU only)",
+
+@dataclass(frozen=True)
+class Transport:
+    """One way of getting tokens to their experts and the outputs back."""
+
+    description: str
+    capacity: str | None = None
+    """What the capacity factor sizes, as a multiple of the even share of assignments: the fixed
+    (sender, expert) cells, the destination pools, or the receiver's buffer of the ragged
+    transport; None: no capacity (dropless, or no tokens moved)."""
+    pads_sends: bool = False
+    """Whether the bytes sent are the capacity-padded buffers (else only the real assignments)."""
+    moves_tokens: bool = True
+    accelerator_only: bool = False
+    """XLA:CPU answers `UNIMPLEMENTED: HLO opcode 'ragged-all-to-all' is not supported by XLA:CPU ThunkEmitter`."""
+    cpu_stand_in: str | None = None
+    """The CPU-capable transport that plays its part on a simulated rack (same drop behaviour where possible)."""
+
+    @property
+    def drops(self) -> bool:
+        """Assignments past the capacity are dropped (contribute zero) and counted."""
+        return self.capacity is not None
+
+
+TRANSPORTS: dict[str, Transport] = {
+    "dense": Transport("every expert on every token, masked by the routing weights (the reference; tests only)",
+                       moves_tokens=False),
+    "local": Transport("grouped expert matmuls on each device's own tokens with every expert gathered "
+                       "(no expert parallelism)", moves_tokens=False),
+    "fixed_all_to_all": Transport("expert parallel over `expert`: fixed (sender, expert) capacity cells, overflow "
+                                  "dropped and counted", capacity="sender cell", pads_sends=True),
+    "ring": Transport("expert parallel over `expert`: all-gather tokens, psum-scatter outputs; dropless"),
+    "fixed_pooled_all_to_all": Transport("expert parallel over `expert`: destination-pooled fixed buffers sent in "
+                                         "static waves", capacity="destination pool", pads_sends=True),
+    "ragged_all_to_all": Transport("expert parallel over `expert`: ragged all-to-all, rows grouped by expert, "
+                                   "a receiver buffer of capacity x the even share (GPU/TPU only)",
+                                   capacity="receiver buffer", accelerator_only=True, cpu_stand_in="ring"),
 }
 
-# XLA:CPU answers `UNIMPLEMENTED: HLO opcode 'ragged-all-to-all' is not supported by XLA:CPU ThunkEmitter`.
-ACCELERATOR_ONLY = frozenset({"ragged_all_to_all"})
+ACCELERATOR_ONLY = frozenset(name for name, t in TRANSPORTS.items() if t.accelerator_only)
 
 
 @dataclass(frozen=True)
@@ -25,9 +59,9 @@ class TransportSpec:
 
     name: str = "local"
     capacity_factor: float | None = None
-    """Capacity of the fixed-capacity transports (per (sender, expert) cell, or per destination
-    pool for fixed_pooled_all_to_all) as a multiple of the even share; None: the model's
-    `capacity_factor`. `ring` ignores it (dropless)."""
+    """Capacity (see `Transport.capacity`) as a multiple of the even share; None: the model's
+    `capacity_factor` when the transport has a capacity. The trainer always passes the resolved
+    run's value. `ring` ignores it (dropless)."""
     num_waves: int = 1
     """Static waves of the pooled transport (fixed_pooled_all_to_all only; the hero used 3)."""
 
@@ -46,5 +80,5 @@ def check_transport_supported(transport: "str | TransportSpec", platform: str) -
     if name in ACCELERATOR_ONLY and platform == "cpu":
         raise ValueError(
             f"transport={name!r} needs a GPU or TPU: XLA:CPU does not implement ragged-all-to-all. "
-            "On CPU use 'fixed_all_to_all', 'ring' (dropless) or 'local'."
+            f"On CPU use 'fixed_all_to_all', {TRANSPORTS[name].cpu_stand_in!r} (its stand-in) or 'local'."
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from keel.plan.checks import PlanError
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4}
 
 
 def bytes_of(dtype: str, field: str) -> int:

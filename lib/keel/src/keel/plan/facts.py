@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 
+from keel.model.transport_spec import TRANSPORTS
 from keel.plan.checks import PlanError, mixture_phases
 from keel.plan.resolved import ResolvedRun, resolve
 from keel.plan.dtypes import bytes_of
@@ -92,15 +93,18 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
         return None
     hbm = topo.hbm_per_gpu_gb or (hw.hbm_per_device_gb if hw else None)
     compute = bytes_of(train.compute_dtype, "train.compute_dtype")
-    master = bytes_of(train.master_dtype, "train.master_dtype")
+    bytes_of(train.master_dtype, "train.master_dtype")
     params = sum(run.per_device(p) for p in run.parameters)
     tokens_per_gpu = train.batch_size // topo.batch_shards * train.seq_len
     residual = tokens_per_gpu * model.hidden_dim * compute
+    # The train state's own bytes per device (`ResolvedRun.state_at`: what the running step records
+    # and checks, leaf by leaf); gradients are laid out and typed like the trained parameters.
+    state = run.state_at(0)
+    trained = {f"model/{p.path}" for p in run.parameters if p.trained}
     parts = {
-        "weights": params * compute / GB,
-        "master_weights": params * master / GB,
-        "gradients": params * compute / GB,
-        "optimizer_state": sum(run.per_device(p) * p.moments * 4 for p in run.parameters) / GB,
+        "master_weights": sum(leaf.bytes_per_device for leaf in state if leaf.path.startswith("model/")) / GB,
+        "gradients": sum(leaf.bytes_per_device for leaf in state if leaf.path in trained) / GB,
+        "optimizer_state": sum(leaf.bytes_per_device for leaf in state if leaf.path.startswith("opt_state/")) / GB,
         "residual_per_layer": residual / GB,
         "saved_residuals": model.num_layers * residual / GB if train.remat else None,  # no estimate without remat
     }
@@ -110,7 +114,7 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
         on_host = ["master_weights"] if offload.master_on_host(start) else []
         if offload.optimizer_state:
             on_host.append("optimizer_state")
-        device_parts = ["weights", "gradients", "saved_residuals"] + [
+        device_parts = ["gradients", "saved_residuals"] + [
             p for p in ("master_weights", "optimizer_state") if p not in on_host
         ]
         known = [parts[p] for p in device_parts]
@@ -118,6 +122,8 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
         transport = transport_at(run, start)
         a2a = next((r for r in a2a_rows if transport and r["from_step"] == transport.start_step), None)
         transient = transients(run, a2a, transport and transport.capacity_factor, compute)
+        if run.newton_schulz_bytes_per_device():
+            transient["newton_schulz_gathered"] = run.newton_schulz_bytes_per_device() / GB
         host = sum(parts[p] for p in on_host)
         # keel.train.offload copies the host-resident state in for the step's compute: at its
         # peak the device holds it too (it lives on the host between steps).
@@ -174,8 +180,8 @@ def all_to_all(run: ResolvedRun) -> list[dict]:
             continue
         if phase.transport == "ring":
             kind, factor, rows = "all_gather", 1.0, tokens * (topo.expert_parallel - 1)
-        else:
-            padded = phase.capacity_factor is not None
+        else:  # padded buffers are sent whole; the ragged transport sends only the real assignments
+            padded = TRANSPORTS[phase.transport].pads_sends
             factor = phase.capacity_factor if padded else 1.0
             kind, rows = ("padded" if padded else "ragged"), tokens * model.experts_per_token * factor
         buffer = rows * row_bytes
@@ -191,6 +197,17 @@ def all_to_all(run: ResolvedRun) -> list[dict]:
             "off_gpu_fraction": 1 - 1 / topo.expert_parallel,
         })
     return out
+
+
+def state_layout(run: ResolvedRun) -> list[dict] | None:
+    """Every array of the train state as the trainer lays it out (path, shape, dtype, spec, memory
+    kind, bytes per device), from each step where the host-offload layout changes: what the
+    running step records in `.keel/layout.json` and refuses to train without."""
+    if run.mesh_axes is None:
+        return None
+    offload = run.config.train.host_offload.master_weights_until_step
+    starts = [0] + ([offload] if offload and offload < run.config.train.num_steps else [])
+    return [{"from_step": start, "leaves": [leaf.record() for leaf in run.state_at(start)]} for start in starts]
 
 
 def parameter_table(run: ResolvedRun) -> list[dict]:
@@ -336,12 +353,54 @@ def _batch_bytes(config: TrainStepConfig, sheet: dict) -> tuple[float, str]:
                       f"2-byte ids cannot hold a {model.vocab_size:,}-token vocabulary"))
 
 
+def layer_activations_per_token(model) -> dict[str, float]:
+    """Values one token leaves in one layer's forward for its backward (without rematerialisation),
+    by site: the norms and GatedNorms, q/k/v (and the key convolution), the attention output before
+    and after XSA and the gate, the output projection and its convolution; the router logits, the
+    latent projection, every routed expert's gate/up/activation/output over the capacity-padded
+    rows, the shared experts, the MoE output convolution. A lower bound: attention scores are not
+    kept (a fused kernel recomputes them)."""
+    d, heads, hd = model.hidden_dim, model.num_heads, model.head_dim
+    kv, gate_rank = model.num_kv_heads * hd, model.gated_norm_rank
+    norms = 2 * (d + (gate_rank + d if gate_rank else 0))
+    attention = heads * hd * (3 if model.xsa else 2) + 2 * kv + (kv if model.conv_sites else 0) + heads + 2 * d
+    routed = 0.0
+    if model.num_experts:
+        rows = model.experts_per_token * model.capacity_factor
+        routed = model.num_experts * 2 + (2 * model.latent_dim if model.latent_dim else 0) \
+            + rows * (3 * model.expert_dim + model.expert_input_dim) + d
+    shared = model.num_shared_experts * 3 * model.shared_expert_dim
+    return {"norms": norms, "attention": attention, "routed_experts": routed, "shared_experts": shared,
+            "residual_and_convolutions": 2 * d}
+
+
 def _activation_bytes(config: TrainStepConfig, sheet: dict) -> tuple[float, str]:
     model, train = config.model, config.train
     value = train.tokens_per_step * model.hidden_dim * 2
-    per_gpu = f"; per GPU it is {sheet['memory']['parts_gb']['residual_per_layer']:.3g} GB" if sheet.get("memory") else ""
-    return value, (f"{value / GB:.4g} GB is one bf16 {model.hidden_dim}-wide tensor over the whole global batch "
-                   f"({train.tokens_per_step:,} tokens){per_gpu}")
+    real = sum(layer_activations_per_token(model).values()) * 2 * train.tokens_per_step
+    per_gpu = f" (per GPU {sheet['memory']['parts_gb']['residual_per_layer']:.3g} GB)" if sheet.get("memory") else ""
+    return real, (f"{value / GB:.4g} GB is one bf16 {model.hidden_dim}-wide tensor over the whole global batch "
+                  f"({train.tokens_per_step:,} tokens){per_gpu}, not a layer's activations: a layer's forward "
+                  f"leaves at least {real / GB:,.0f} GB ({real / value:.0f}x) for its backward")
+
+
+def _activation_bytes_all_layers(config: TrainStepConfig, sheet: dict) -> tuple[float, str]:
+    model, train = config.model, config.train
+    one_tensor = train.tokens_per_step * model.hidden_dim * 2 * model.num_layers
+    real = sum(layer_activations_per_token(model).values()) * 2 * train.tokens_per_step * model.num_layers
+    return real, (f"{one_tensor / 1e12:.3g} TB is one bf16 {model.hidden_dim}-wide tensor per layer for "
+                  f"{model.num_layers} layers; without checkpointing the layers keep at least {real / 1e12:,.0f} TB "
+                  f"({real / one_tensor:.0f}x), hence per-layer rematerialisation")
+
+
+def _one_rack_days(config: TrainStepConfig, sheet: dict) -> tuple[float, str] | None:
+    whole = _run_days(config, sheet)
+    if whole is None or config.topology is None:
+        return None
+    racks = config.topology.racks
+    days = whole[0] * racks
+    return days, (f"the same tokens on 1 rack instead of {racks} take {racks} x {whole[0]:.0f} = {days:,.0f} days "
+                  f"({days / 365:.1f} years), against {whole[0]:.0f} days on {racks}")
 
 
 def _moe_to_dense(config: TrainStepConfig, sheet: dict) -> tuple[float, str] | None:
@@ -364,6 +423,8 @@ FIGURES = {
     "run_days": _run_days,
     "batch_bytes": _batch_bytes,
     "activation_bytes_per_layer": _activation_bytes,
+    "activation_bytes_all_layers": _activation_bytes_all_layers,
+    "one_rack_days": _one_rack_days,
     "moe_to_dense_flops": _moe_to_dense,
 }
 """Figures a declared `Claim` can name: each derives (value, finding) from the declaration and the
@@ -392,6 +453,8 @@ def fact_sheet(config: TrainStepConfig, name: str = "") -> dict:
     sheet: dict = {"step": name, "hardware": config.hardware.name if config.hardware else None,
                    "parameters": config.model.param_counts()}
     sheet["parameter_table"] = parameter_table(run)
+    sheet["state_layout"] = state_layout(run)
+    sheet["stand_ins"] = list(config.stand_ins)
     sheet["mesh"] = mesh(config)
     sheet["training"] = training(config)
     sheet["optimizer"] = optimizer(config)

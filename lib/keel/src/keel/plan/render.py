@@ -91,8 +91,8 @@ def _memory(m: dict | None, color: bool) -> list[str]:
     p = m["parts_gb"]
     hbm = m["hbm_per_gpu_gb"]
     lines = [
-        f"memory/GPU   {_n(m['parameters_per_gpu'])} parameters: weights {_gb(p['weights'])}, fp32 master "
-        f"{_gb(p['master_weights'])}, gradients {_gb(p['gradients'])}, optimizer state {_gb(p['optimizer_state'])}",
+        f"memory/GPU   {_n(m['parameters_per_gpu'])} parameters: master weights {_gb(p['master_weights'])}, gradients "
+        f"{_gb(p['gradients'])}, optimizer state {_gb(p['optimizer_state'])} (the state table's bytes: keel plan --json)",
         f"  one residual per layer {_gb(p['residual_per_layer'])}; saved with remat {_gb(p['saved_residuals'])}"
         + ("" if m["remat"] else " (no remat: activations not estimated)"),
     ]
@@ -259,6 +259,8 @@ def _groups(table: list[dict]) -> list[str]:
 def render_fact_sheet(sheet: dict, color: bool = False) -> str:
     """Plain-text fact sheet; `color` paints the does-not-fit lines red for terminals."""
     lines = [f"== fact sheet: {sheet['step']}" if sheet["step"] else "== fact sheet"]
+    if sheet.get("stand_ins"):
+        lines += ["stand-ins    a scaled-down twin: what plays the real run's part"] + [f"  {s}" for s in sheet["stand_ins"]]
     lines += _parameters(sheet["parameters"])
     lines += _groups(sheet["parameter_table"])
     lines += _mesh(sheet["mesh"])

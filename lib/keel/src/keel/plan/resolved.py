@@ -9,6 +9,13 @@ what both `keel plan` and the trainer read, so that the fact sheet and the run c
   (`train.config.optimizer_group`, which the optimizer calls too) and optimizer-state arrays;
 - the transport timeline, each phase with the capacity factor its transport will run with.
 
+- the train state as the trainer lays it out at any step (`state_at`): every array of the
+  model and the optimizer state with its shape, dtype, partition spec, memory kind (host offload)
+  and bytes per device. The running step records its live state in the same form
+  (`.keel/layout.json`, `keel.train.layout`) and refuses to train on any difference;
+- each optimizer group's learning rate at any step (`lr_at`), which the running step checks
+  against its optax schedules.
+
 Plain data and arithmetic, no jax: the 535B run resolves in milliseconds.
 """
 
@@ -18,8 +25,14 @@ import math
 from dataclasses import dataclass
 
 from keel.mesh.placement import Axes, Placement, place, shards
+from keel.mesh.topology import RackTopology
+from keel.model.transport_spec import TransportSpec
 from keel.plan.checks import check_train_step
-from keel.train.config import MOMENTS, TrainStepConfig, TransportPhase, optimizer_group
+from keel.plan.dtypes import DTYPE_BYTES
+from keel.train.config import MOMENTS, STACK_AXES, TrainStepConfig, TransportPhase, optimizer_group, peak_lr
+
+DEVICE, HOST = "device", "pinned_host"
+"""Memory kinds: HBM, and the host memory that offloaded state lives in between steps."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,46 @@ class TransportRun:
     num_waves: int
     phase: TransportPhase
 
+    @property
+    def spec(self) -> TransportSpec:
+        """What the MoE kernel is handed while this phase runs: the transport with this capacity."""
+        return TransportSpec(self.transport, capacity_factor=self.capacity_factor, num_waves=self.num_waves)
+
+
+@dataclass(frozen=True)
+class StateLeaf:
+    """One array of the train state as it lives on the mesh: the unit the live check compares.
+
+    Paths: `step`; `model/<parameter path>`; `opt_state/<parameter path>/<i>` for the i-th
+    optimizer-state array kept for that parameter (MuonH's momentum; Adam's two moments).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    spec: tuple
+    """Per array axis: None (replicated), a mesh axis, or a tuple of mesh axes it is split over."""
+    memory_kind: str
+    bytes_per_device: int
+
+    def record(self) -> dict:
+        """The JSON form `keel plan --json` prints and `.keel/layout.json` holds."""
+        return {"path": self.path, "shape": list(self.shape), "dtype": self.dtype, "spec": spec_json(self.spec),
+                "memory_kind": self.memory_kind, "bytes_per_device": self.bytes_per_device}
+
+
+def spec_json(spec) -> list:
+    """A partition spec as JSON: per axis null, a mesh axis name, or a list of names."""
+    return [list(e) if isinstance(e, (tuple, list)) else e for e in spec]
+
+
+def bytes_per_device(shape: tuple[int, ...], spec, dtype: str, mesh_axes: dict[str, int]) -> int:
+    """Bytes of one device's shard: each axis split over its mesh axes (rounded up, as jax pads)."""
+    total = DTYPE_BYTES[dtype]
+    for size, entry in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        total *= -(-size // shards((entry,), mesh_axes))
+    return total
+
 
 @dataclass(frozen=True)
 class ResolvedRun:
@@ -85,6 +138,73 @@ class ResolvedRun:
         """Entries of `parameter` that one device holds."""
         return parameter.size / shards(parameter.placement or (), self.mesh_axes or {})
 
+    def transport_at(self, step: int) -> TransportRun:
+        return next(t for t in reversed(self.transports) if t.start_step <= step)
+
+    def memory_kinds_at(self, step: int) -> dict[str, str]:
+        """Where the offloadable parts of the state live while step `step` runs (`HostOffload`'s rule)."""
+        offload = self.config.train.host_offload
+        return {"master_weights": HOST if offload.master_on_host(step) else DEVICE,
+                "optimizer_state": HOST if offload.optimizer_state else DEVICE}
+
+    def state_at(self, step: int) -> tuple[StateLeaf, ...]:
+        """Every array of the train state while step `step` runs, as the trainer lays it out: the
+        parameters in the master dtype, each optimizer-state array placed and typed like its
+        parameter, in the memory kinds `memory_kinds_at(step)` gives."""
+        if self.mesh_axes is None:
+            raise ValueError("the run declares no topology, so it has no mesh to lay its state out on")
+        kinds, master = self.memory_kinds_at(step), self.config.train.master_dtype
+        leaves = [StateLeaf("step", (), "int32", (), DEVICE, 4)]
+        for p in self.parameters:
+            spec = p.placement
+            leaves.append(StateLeaf(f"model/{p.path}", p.shape, master, spec, kinds["master_weights"],
+                                    bytes_per_device(p.shape, spec, master, self.mesh_axes)))
+        for p in self.parameters:
+            for i in range(p.moments):
+                leaves.append(StateLeaf(f"opt_state/{p.path}/{i}", p.shape, master, p.placement,
+                                        kinds["optimizer_state"], bytes_per_device(p.shape, p.placement, master,
+                                                                                   self.mesh_axes)))
+        return tuple(leaves)
+
+    def newton_schulz_bytes_per_device(self) -> int:
+        """What MuonH's Newton-Schulz holds at once on a device: the largest MuonH parameter with
+        each logical matrix gathered whole (its FSDP-split rows come together) while its stack
+        axes (layers, experts) keep their split, in the declared Newton-Schulz dtype. 0 without MuonH."""
+        opt = self.config.train.optimizer
+        dtype = getattr(opt, "newton_schulz_dtype", None)
+        if dtype is None or self.mesh_axes is None:
+            return 0
+        largest = 0
+        for p in self.parameters:
+            if p.group != "muonh":
+                continue
+            held = DTYPE_BYTES[dtype]
+            for (name, size), entry in zip(p.axes, p.placement or ()):
+                held *= -(-size // shards((entry,), self.mesh_axes)) if name in STACK_AXES else size
+            largest = max(largest, held)
+        return largest
+
+    @property
+    def warmup_steps(self) -> int:
+        train = self.config.train
+        return math.floor(train.schedule.warmup_fraction * train.num_steps)
+
+    def lr_at(self, step: int) -> dict[str, float]:
+        """Each trained optimizer group's learning rate at `step`: linear warmup from 0 over
+        floor(warmup_fraction x steps), then linear decay to decay_to_fraction x peak at the end."""
+        train = self.config.train
+        warmup = self.warmup_steps
+        decay = train.num_steps - warmup
+        out = {}
+        for group in sorted({p.group for p in self.parameters if p.trained}):
+            peak = peak_lr(train.optimizer, group)
+            if step < warmup:
+                out[group] = peak * step / warmup
+            else:
+                done = min(step - warmup, decay) / decay if decay else 1.0
+                out[group] = peak + (train.schedule.decay_to_fraction * peak - peak) * done
+        return out
+
 
 def resolve(config: TrainStepConfig, name: str = "") -> ResolvedRun:
     """Check the declaration (a `PlanError` names the field) and resolve the run."""
@@ -95,10 +215,15 @@ def resolve(config: TrainStepConfig, name: str = "") -> ResolvedRun:
     for path, axes in model.parameter_axes().items():
         rule, placement = place(path, axes, mesh_axes) if mesh_axes else ("no mesh", None)
         parameters.append(Parameter(path, axes, train.master_dtype, rule, placement, optimizer_group(train.optimizer, path)))
-    phases = train.transports
+    phases = train.transports or (default_transport(topo),)
     transports = tuple(
         TransportRun(p.start_step, (phases[i + 1].start_step if i + 1 < len(phases) else train.num_steps) - 1,
                      p.transport, p.capacity(model), p.num_waves, p)
         for i, p in enumerate(phases)
     )
     return ResolvedRun(config, mesh_axes, tuple(parameters), transports)
+
+
+def default_transport(topology: RackTopology | None) -> TransportPhase:
+    """Without a declared timeline: the dropless ring across an expert axis, else local experts."""
+    return TransportPhase(0, "ring" if topology is not None and topology.expert_parallel > 1 else "local")

@@ -3,10 +3,11 @@
 A twin keeps what makes the run the run: every architecture feature that is switched on, the
 optimizer's groups and learning-rate law, the schedule's shape, the mixture's phase structure and
 weights, the weight-decay change and the transport switch, all at proportionally scaled steps.
-It swaps what only sizes it: model widths, batch, sequence length, step count, the data (one
-small token cache stands in for every mixture component), the hardware, and what must follow
-them (a transport the hardware lacks gets a CPU stand-in; pooled waves must divide the experts
-per device). Pure config: no jax.
+It swaps what only sizes it: model widths, batch, sequence length, step count, the data (a small
+token cache per mixture component, or one for all), the hardware, and what must follow them (a
+transport the hardware lacks gets its registered CPU stand-in; pooled waves must divide the
+experts per device). Host offload keeps its switch, at the scaled step. Every swap is named in
+the twin's `stand_ins`, which `keel plan` prints. Pure config: no jax.
 """
 
 from __future__ import annotations
@@ -17,12 +18,10 @@ from typing import Any
 from keel.mesh.hardware import Hardware
 from keel.mesh.topology import RackTopology
 from keel.model.config import Balancing, MoELMConfig, Routing
+from keel.model.transport_spec import TRANSPORTS
 from keel.plan.checks import PlanError
 from keel.train.config import GroupedOptimizerConfig, LrScalingLaw, TrainConfig, TrainStepConfig
 
-CPU_STAND_INS = {"ragged_all_to_all": "ring"}
-"""Transports the twin's hardware may lack, and the CPU-capable one that plays their part
-(`ring` is dropless, like the ragged all-to-all)."""
 
 
 def architecture_features(model: MoELMConfig) -> set[str]:
@@ -63,7 +62,7 @@ def scale_down(
     **train_overrides: Any,
 ) -> TrainStepConfig:
     """The twin of `config` on `model` (which must keep every feature `config.model` has on),
-    reading `data` (a token cache) for every mixture component. A grouped optimizer's peak LRs come
+    reading `data`: a token cache for every mixture component, or {component: cache}. A grouped optimizer's peak LRs come
     from `lr_law` (the run's own) at the twin's size; without a law they stay as declared. Mixture
     blocks hold at least `mixture_block` sequences (whole batches), so small components still get
     rows in every block, and phases start on block boundaries. `train_overrides` are set last."""
@@ -77,6 +76,11 @@ def scale_down(
     def step(s: int) -> int:
         return min(num_steps - 1, round(s * ratio))
 
+    def transport(name: str) -> str:
+        return name if hardware.supports_transport(name) else TRANSPORTS[name].cpu_stand_in or "fixed_all_to_all"
+
+    offload_until = train.host_offload.master_weights_until_step
+
     twin_train = dataclasses.replace(
         train,
         batch_size=batch_size,
@@ -89,14 +93,25 @@ def scale_down(
         permanent_checkpoint_every=None,
         transports=_distinct_starts(tuple(
             dataclasses.replace(t, start_step=step(t.start_step),
-                                transport=t.transport if hardware.supports_transport(t.transport)
-                                else CPU_STAND_INS.get(t.transport, "fixed_all_to_all"),
+                                transport=transport(t.transport),
                                 num_waves=_waves(t.num_waves, topology.experts_per_device(model)))
             for t in train.transports
         )),
-        host_offload=dataclasses.replace(train.host_offload, master_weights_until_step=None),
+        host_offload=dataclasses.replace(train.host_offload,
+                                         master_weights_until_step=offload_until and step(offload_until)),
     )
     twin_train = dataclasses.replace(twin_train, **train_overrides)
+    stand_ins = [f"hardware: {hardware.name} ({topology.racks} racks x {topology.gpus_per_rack}) plays "
+                 + (f"{config.hardware.name} ({config.topology.racks} racks x {config.topology.gpus_per_rack})"
+                    if config.hardware and config.topology else "the declared hardware"),
+                 f"model: {model.hidden_dim}-wide, {model.num_layers} layers, {model.num_experts} experts plays "
+                 f"{config.model.hidden_dim}-wide, {config.model.num_layers} layers, {config.model.num_experts} experts"]
+    for original in train.transports:
+        if transport(original.transport) != original.transport:
+            stand_ins.append(f"transport from step {step(original.start_step)}: {transport(original.transport)} "
+                             f"plays {original.transport}, which {hardware.name} cannot run "
+                             f"({TRANSPORTS[transport(original.transport)].description})")
+    stand_ins.append(f"data: {_data_stand_in(config.data, data)}")
     return dataclasses.replace(
         config,
         model=model,
@@ -105,7 +120,23 @@ def scale_down(
         topology=topology,
         hardware=hardware,
         facts=None,
+        stand_ins=tuple(stand_ins),
     )
+
+
+def _data_stand_in(original: Any, stand_in: Any) -> str:
+    """One line saying which data plays the run's."""
+    components = getattr(original, "components", None)
+    if components is None:
+        return f"{_name(stand_in)} plays {_name(original)}"
+    if isinstance(stand_in, dict):
+        return f"{len(set(map(_name, stand_in.values())))} distinct caches play the {len(components)} components"
+    return f"{_name(stand_in)} plays every one of the {len(components)} components"
+
+
+def _name(value: Any) -> str:
+    step = getattr(value, "step", value)
+    return getattr(step, "name", type(value).__name__)
 
 
 def _optimizer(train: TrainConfig, model: MoELMConfig, batch_size: int, seq_len: int, num_steps: int,
@@ -130,15 +161,19 @@ def _distinct_starts(phases: tuple) -> tuple:
 
 
 def _data(original: Any, stand_in: Any, step, batch_size: int, block_steps: int) -> Any:
-    """A mixture keeps its components' names, phases and weights, every component reading `stand_in`;
-    phase starts are rounded to whole blocks of `block_steps` steps. Other data is replaced."""
+    """A mixture keeps its components' names, phases and weights, each component reading its
+    stand-in (`stand_in[name]`, or `stand_in` for all); phase starts are rounded to whole blocks of
+    `block_steps` steps. Other data is replaced."""
     if not hasattr(original, "phases"):
         return stand_in
+    if isinstance(stand_in, dict) and set(stand_in) != set(original.components):
+        raise PlanError(f"scale_down(data=...): stand-ins for {sorted(stand_in)} but the mixture's components are "
+                        f"{sorted(original.components)}: give one per component")
     starts = [round(step(p.start_step) / block_steps) * block_steps for p in original.phases]
     phases = _distinct_starts(tuple(dataclasses.replace(p, start_step=s) for p, s in zip(original.phases, starts)))
     return dataclasses.replace(
         original,
-        components={name: stand_in for name in original.components},
+        components={name: stand_in[name] if isinstance(stand_in, dict) else stand_in for name in original.components},
         phases=phases,
         block_size=block_steps * batch_size,
     )

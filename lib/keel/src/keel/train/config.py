@@ -64,8 +64,10 @@ gains, conv kernels) is trained by plain Adam."""
 class GroupedOptimizerConfig:
     """The hero's optimizer: MuonH / AdamH / Adam groups, with no gradient clipping.
 
-    MuonH (Muon with a norm-preserving "hyperball" update) uses `muon_lr`; AdamH and Adam use
-    `adam_lr`. A parameter goes to the first group whose patterns match its path, else to Adam.
+    MuonH (Muon with a norm-preserving "hyperball" update) and AdamH (Adam's direction with the same
+    hyperball projection) use `muon_lr`; Adam uses `adam_lr` (`peak_lr` is the one rule). A
+    parameter goes to the first group whose patterns match its path, else to Adam. Newton-Schulz
+    runs in `newton_schulz_dtype` (the hero's: bf16) with `muon_eps` guarding its normalisation.
     """
 
     muon_lr: float
@@ -76,12 +78,17 @@ class GroupedOptimizerConfig:
     muon_momentum: float = 0.95
     muon_nesterov: bool = True
     muon_ns_steps: int = 5
+    muon_eps: float = 1e-8
+    newton_schulz_dtype: str = "bfloat16"
     muonh_params: tuple[str, ...] = MUONH_PARAMS
     adamh_params: tuple[str, ...] = ADAMH_PARAMS
 
     def __post_init__(self):
         _positive("GroupedOptimizerConfig", muon_lr=self.muon_lr, adam_lr=self.adam_lr, eps=self.eps,
-                  muon_ns_steps=self.muon_ns_steps)
+                  muon_ns_steps=self.muon_ns_steps, muon_eps=self.muon_eps)
+        if self.newton_schulz_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"GroupedOptimizerConfig.newton_schulz_dtype={self.newton_schulz_dtype!r}: use "
+                             "'bfloat16' (the hero's) or 'float32'")
 
 
 
@@ -109,10 +116,24 @@ class LrScalingLaw:
         return GroupedOptimizerConfig(muon_lr=adam_lr * self.muon_to_adam, adam_lr=adam_lr, **overrides)
 
 
+STACK_AXES = frozenset({"layers", "experts", "shared_experts"})
+"""Axes that index independent matrices (scanned layers, routed experts, shared experts): MuonH
+orthogonalises each matrix along them on its own, and they keep their split while it does."""
 FROZEN_PARAMS = (r"\brouter_bias\b",)
 """Parameters the optimizer never updates: the router bias is set from quantile statistics."""
 MOMENTS = {"muonh": 1, "adamh": 2, "adam": 2, "adamw": 2, "frozen": 0}
 """fp32 optimizer-state arrays each group keeps per parameter (momentum; Adam's two moments)."""
+
+
+def peak_lr(optimizer: "AdamWConfig | GroupedOptimizerConfig", group: str) -> float:
+    """The peak learning rate of an optimizer group: AdamW's `lr`; for the grouped optimizer
+    `muon_lr` for MuonH and AdamH (the hero's AdamH runs at the MuonH rate), `adam_lr` for Adam;
+    0 for the frozen group. The optimizer and the resolved run both read it."""
+    if group == "frozen":
+        return 0.0
+    if isinstance(optimizer, AdamWConfig):
+        return optimizer.lr
+    return optimizer.muon_lr if group in ("muonh", "adamh") else optimizer.adam_lr
 
 
 def optimizer_group(optimizer: "AdamWConfig | GroupedOptimizerConfig", path: str) -> str:
@@ -160,16 +181,15 @@ class WeightDecayChange:
             raise ValueError("WeightDecayChange.groups is empty: name the parameter groups to decay")
 
 
-CAPACITY_TRANSPORTS = frozenset({"fixed_all_to_all", "fixed_pooled_all_to_all"})
-"""Transports with fixed-capacity buffers (they drop assignments past the capacity)."""
 
 
 @dataclass(frozen=True)
 class TransportPhase:
     """From `start_step` on, dispatch tokens to experts with `transport` (execution-only).
 
-    `capacity_factor` None keeps the model's `capacity_factor` (for `fixed_pooled_all_to_all` it
-    is the pooled sender capacity); `num_waves` is read by the pooled transport only. A switch
+    `capacity_factor` None keeps the model's `capacity_factor` for a transport with a capacity
+    (`TRANSPORTS[name].capacity`: the sender cells, the destination pools, the ragged receiver
+    buffer); `num_waves` is read by the pooled transport only. A switch
     checkpoints at `start_step` and continues under the same output path: the transport is not
     part of the run's identity.
     """
@@ -181,9 +201,9 @@ class TransportPhase:
 
     def capacity(self, model: MoELMConfig) -> float | None:
         """The capacity factor this phase runs with: its own, else the model's; None for transports
-        without a capacity (`ring` is dropless, `local` and `dense` move no tokens). The planner's
-        buffer sizes and the transport the trainer builds both read it."""
-        if self.transport not in CAPACITY_TRANSPORTS:
+        without a capacity (`ring` is dropless, `local` and `dense` move no tokens). The resolved
+        run holds it; the planner's buffer sizes and the kernel the trainer calls both read it there."""
+        if TRANSPORTS[self.transport].capacity is None:
             return None
         return self.capacity_factor if self.capacity_factor is not None else model.capacity_factor
 
@@ -226,8 +246,12 @@ class TrainConfig:
     seed: int = 0
     z_loss: float = 0.0
     weight_decay_change: WeightDecayChange | None = None
-    eval_every: int = 100
+    compute_dtype: str = "bfloat16"
+    master_dtype: str = "float32"
+    """Precision changes the weights, so both count toward the run's identity."""
 
+    eval_every: int = execution_only(default=100)
+    """Evaluation cadence: how often the run is looked at, not what it trains."""
     eval_batches: int = execution_only(default=4)
     permanent_checkpoint_every: int | None = execution_only(default=None)
     """Permanent checkpoints every N steps, never deleted (the final one and those at transport
@@ -241,8 +265,6 @@ class TrainConfig:
     log_every: int = execution_only(default=1)
     transports: tuple[TransportPhase, ...] = execution_only(default=())
     """Transport timeline, by ascending start_step; empty = the loop's default for the mesh."""
-    compute_dtype: str = execution_only(default="bfloat16")
-    master_dtype: str = execution_only(default="float32")
     remat: bool = execution_only(default=True)
     """Rematerialise each layer in the backward pass."""
     host_offload: HostOffload = execution_only(default=HostOffload())
@@ -317,9 +339,10 @@ class Claim:
     """A figure quoted about a run, declared next to it so that `keel plan` recomputes it.
 
     `figure` names what the planner derives (see `keel.plan.facts.FIGURES`): `run_days` (the whole
-    run at the projected rate), `batch_bytes` (a global batch of token ids), `activation_bytes_per_layer`
-    (one bf16 hidden-wide tensor over the global batch), `moe_to_dense_flops` (routed experts' FLOPs
-    over a dense MLP of the same width). `quoted` is the figure as claimed, in the same unit.
+    run at the projected rate), `one_rack_days` (the same on one rack), `batch_bytes` (a global
+    batch of token ids), `activation_bytes_per_layer` / `activation_bytes_all_layers` (what a
+    layer's forward keeps for its backward over the global batch, without rematerialisation),
+    `moe_to_dense_flops` (routed experts' FLOPs over a dense MLP of the same width). `quoted` is the figure as claimed, in the same unit.
     """
 
     text: str
@@ -377,6 +400,9 @@ class TrainStepConfig:
     facts: RunFacts | None = execution_only(default=None)
     launch: LaunchPlan | None = execution_only(default=None)
 
+    stand_ins: tuple[str, ...] = execution_only(default=())
+    """What a scaled-down twin plays the real run's part with, one line each (`keel.plan.scale_down`
+    writes them; `keel plan` prints them): the hardware, a transport the hardware lacks, the data."""
     coordinator: str | None = execution_only(default=None)
     """Where the replicas of a multi-process run meet ("host:port"); None: found through Iris.
     Pin it (e.g. "127.0.0.1:<port>") when every replica runs on one machine."""

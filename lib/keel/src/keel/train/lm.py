@@ -2,8 +2,8 @@
 
 The loop is model-agnostic so that benchmarks can run Levanter's own models and a dense baseline
 under exactly the same trainer, devices and data. A `TrainableLM` owns its mixed precision (it is
-handed fp32 master weights and the compute dtype), is told the `TransportPhase` in force for the
-step, and reports its routing statistics in `aux`:
+handed fp32 master weights and the compute dtype), is told the transport in force for the step
+(a `TransportSpec` with the resolved run's capacity), and reports its routing statistics in `aux`:
 
 - `qb_beta` [layers, experts]: this step's quantile-balancing betas (absent without QB);
 - `dropped_fraction`: assignments dropped by expert capacity / all assignments;
@@ -38,15 +38,11 @@ class KeelLM:
         self.config, self.mesh, self.remat = config, mesh, remat
 
     def init(self, key):
-        import equinox as eqx
-        import jax
-
-        from keel.mesh.mesh import model_shardings
+        """The freshly initialised model; its caller jits this with the resolved run's shardings
+        (`keel.train.layout.planned_shardings`), so no placement is decided here."""
         from keel.model.transformer import init_model
 
-        shapes = eqx.filter_eval_shape(init_model, self.config, key)
-        init = jax.jit(init_model, static_argnums=0, out_shardings=model_shardings(shapes, self.mesh))
-        return init(self.config, key)
+        return init_model(self.config, key)
 
     def loss(self, model, batch, *, transport, z_loss: float, compute_dtype):
         import haliax as hax
@@ -65,7 +61,7 @@ class KeelLM:
                 self._for_phase(model, transport),
                 tokens,
                 z_loss=z_loss,
-                transport=_transport_spec(transport, self.config),
+                transport=transport,
                 compute_dtype=compute_dtype,
             )
         out = {}
@@ -91,9 +87,3 @@ class KeelLM:
 
         return dataclasses.replace(model, layers=dataclasses.replace(model.layers, gradient_checkpointing=self.remat))
 
-
-def _transport_spec(phase, model_config):
-    """keel.model's TransportSpec for a TransportPhase, with the capacity the planner reports."""
-    from keel.model.transport_spec import TransportSpec
-
-    return TransportSpec(phase.transport, capacity_factor=phase.capacity(model_config), num_waves=phase.num_waves)

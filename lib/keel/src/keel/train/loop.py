@@ -8,12 +8,19 @@ t+1 is computed from step t's forward pass: state the optimizer does not own. Th
   uninterrupted run's;
 - switches expert transport where the config's timeline says, checkpointing at the switch step
   (the transport is execution-only: same output path, same identity);
-- evaluates on the validation data every `eval_every` steps (and before the first step);
+- evaluates on the validation data every `eval_every` steps (and before the first step): the same
+  seeded sample of each whole validation split every time (`validation_losses`);
 - writes metrics as JSON lines and to wandb, and a PNG of the loss curves at the end; after a
   resume the rows of steps past the checkpoint are dropped first, so each step has one row;
 - stops as a failure at the first non-finite loss or gradient norm, naming the step;
 - stops at the next step boundary when the executor asks (Ctrl-C, SIGTERM), after a rolling
   checkpoint there, raising `StepInterrupted` so the step is INTERRUPTED and a rerun resumes.
+
+The train state is laid out as the resolved run says (`LoopInputs.plan`, `keel.train.layout`):
+every array's partition spec comes from the run's state table, never from the model or the
+arrays themselves. The loop records the live state to `.keel/layout.json` when it starts or
+resumes and at every phase change (transport switch, host-offload switch), and stops before
+training on the first array, transport capacity or learning rate that differs from the plan.
 
 The train state's shardings are pinned (inputs and outputs of the step), so a restored state and
 a state fresh out of the previous step run the very same executable: resumption is bit-exact.
@@ -41,7 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from keel.executor import interrupt
-from keel.train import compile_ahead, offload
+from keel.model.transport_spec import TransportSpec
+from keel.plan.resolved import ResolvedRun
+from keel.train import compile_ahead, layout, offload
 from keel.train.batches import batch_loader, batch_shapes, batch_sharding
 from keel.train.checkpoint import TrainCheckpoints
 from keel.train.config import TrainConfig, TransportPhase
@@ -74,8 +83,12 @@ class LoopInputs:
     """A Levanter AsyncDataset of examples (dicts of int32 [seq_len] arrays), in training order."""
     val_data: dict[str, Any]
     """Validation datasets by name; `eval/loss` is their mean, `eval/<name>/loss` each one's."""
-    default_transport: TransportPhase
-    """The transport when the config declares no timeline."""
+    plan: ResolvedRun | None
+    """The resolved run (`keel.plan.resolved.resolve`): where every array lives, the transport
+    timeline with its capacities, each group's learning rate. None only for a model the planner
+    does not describe (a benchmark's Levanter baseline): its state is then replicated, unchecked."""
+    default_transport: TransportPhase = TransportPhase(0, "local")
+    """The transport of a run without a plan."""
     fetch_batches: int = 8
     """Training batches read from storage per request (Levanter's fetch_batch_size)."""
     wandb_project: str = "keel"
@@ -94,7 +107,10 @@ class _Run:
     def __init__(self, config: TrainConfig, inputs: LoopInputs, output_path: str):
         from keel.train.optimizer import build_optimizer
 
-        self.config, self.inputs, self.output_path = config, inputs, output_path
+        self.config, self.inputs, self.output_path, self.plan = config, inputs, output_path, inputs.plan
+        if self.plan is not None and self.plan.config.train != config:
+            raise ValueError("the training loop was given a TrainConfig other than its resolved run's: pass "
+                             "plan.config.train")
         self.compute_dtype = jnp.dtype(config.compute_dtype)
         self.checkpoints = TrainCheckpoints(
             output_path, permanent_every=config.permanent_checkpoint_every, rolling_every=config.rolling_checkpoint_every,
@@ -108,12 +124,13 @@ class _Run:
         # built on them, and the first step starts compiling from them before any array exists.
         self.tx, self.lr_schedules = build_optimizer(config, _params(eqx.filter_eval_shape(self._initial_model, key)))
         shapes, self.state_static = eqx.partition(eqx.filter_eval_shape(self._initial_state, key), _is_shape)
-        self.state_shapes = compile_ahead.abstract(shapes, _on_mesh(shapes, inputs.mesh))
+        self.state_shapes = compile_ahead.abstract(shapes, self._planned_shardings(shapes))
         self.compiler = compile_ahead.Compiler(inputs.mesh)
         self._step_fns: dict[tuple[TransportPhase, offload.Layout], compile_ahead.Pending] = {}
         self._eval_fns: dict[tuple[TransportPhase, offload.Layout], compile_ahead.Pending] = {}
         self.compile_seconds = 0.0  # the compiles of every step/eval function used
         self.compile_waited = 0.0  # of which the loop stood waiting
+        self.told_sample = False  # the first evaluation says how many sequences it samples
         if self.start < config.num_steps:  # the loop evaluates first: that compiles on this thread, alongside
             self._compile_ahead(self.start, evaluation=False, announce=False)
 
@@ -122,6 +139,15 @@ class _Run:
         # Where each part of the state lives (keel.train.offload): pinned as the step's in/out shardings.
         self.layout = offload.Layout()
         self._place(self.start)
+
+    def _planned_shardings(self, shapes):
+        """Each array's device sharding: the resolved run's placement (replicated without a plan)."""
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        if self.plan is None:
+            return jax.tree.map(lambda _: NamedSharding(self.inputs.mesh, PartitionSpec(), memory_kind=offload.DEVICE),
+                                shapes)
+        return layout.planned_shardings(self.plan, shapes, self.inputs.mesh)
 
     def _initial_model(self, key):
         return jax.tree.map(lambda x: x.astype(self.config.master_dtype) if _is_float(x) else x, self.inputs.lm.init(key))
@@ -141,6 +167,8 @@ class _Run:
         self.progress = Progress(run_name(self.output_path), start, config.num_steps, enabled=primary)
         if latest is not None:
             self.progress.event(f"resumed from {latest} (step {start})")
+        if start < config.num_steps:
+            self._check_layout(start, "resume" if latest is not None else "start")
         if start < config.num_steps:
             self.progress.event(f"compiling the {self.transport_at(start).transport} training step ahead, while the run sets up ...")
         metrics_log = MetricsLog(os.path.join(self.output_path, METRICS_FILE), writer=primary, resume_at=start)
@@ -198,13 +226,15 @@ class _Run:
         previous = self.transport_at(start)
         for step in range(start, config.num_steps):
             phase = self.transport_at(step)
-            if phase != previous:
+            switching = phase != previous
+            if switching:
                 self.progress.event(f"step {step}: switching transport {previous.transport} -> {phase.transport}")
                 previous = phase
             if step in self.inputs.phase_starts and step:
                 self.progress.event(f"step {step}: mixture {self.inputs.phase_starts[step]} starts")
             t0 = time.perf_counter()
-            self._place(step)
+            if self._place(step) or switching:
+                self._check_layout(step, "phase change")
             batch = self._batch(next(batches))
             step_fn = self._step_fn(phase, step)
             first_use = step_fn.waited is None
@@ -243,17 +273,41 @@ class _Run:
 
     # ------------------------------------------------------------------ pieces
     def transport_at(self, step: int) -> TransportPhase:
+        if self.plan is not None:
+            return self.plan.transport_at(step).phase
         return self.config.transport_at(step) or self.inputs.default_transport
 
-    def _place(self, step: int) -> None:
-        """Move the state to the layout `config.host_offload` declares for `step` (once per change)."""
-        layout = offload.layout_at(self.config.host_offload, step)
-        if layout == self.layout:
+    def _transport_spec(self, phase: TransportPhase) -> TransportSpec:
+        """What the MoE kernel is handed for `phase`: the resolved run's capacity, never recomputed."""
+        if self.plan is None:
+            return TransportSpec(phase.transport, num_waves=phase.num_waves)
+        return self.plan.transport_at(phase.start_step).spec
+
+    def _place(self, step: int) -> bool:
+        """Move the state to the layout `config.host_offload` declares for `step`; True if it moved."""
+        target = offload.layout_at(self.config.host_offload, step)
+        if target == self.layout:
+            return False
+        offload.check_supported(target, jax.devices()[0])
+        logger.info("Step %d: train state %s -> %s", step, self.layout, target)
+        self.layout = target
+        self.state_arrays = jax.device_put(self.state_arrays, offload.shardings(self.state_arrays, target))
+        return True
+
+    def _check_layout(self, step: int, reason: str) -> None:
+        """Record the live state in `.keel/layout.json` and stop unless it is the resolved run at `step`."""
+        if self.plan is None:
+            self.progress.event(f"step {step}: no resolved run: the train state is replicated and unchecked")
             return
-        offload.check_supported(layout, jax.devices()[0])
-        logger.info("Step %d: train state %s -> %s", step, self.layout, layout)
-        self.layout = layout
-        self.state_arrays = jax.device_put(self.state_arrays, offload.shardings(self.state_arrays, layout))
+        spec = self._transport_spec(self.transport_at(step))
+        live = layout.record(self.state_arrays, step=step, reason=reason,
+                             transport={"transport": spec.name, "capacity_factor": spec.capacity_factor},
+                             learning_rates={g: float(fn(step)) for g, fn in self.lr_schedules.items()},
+                             peak_learning_rates={g: float(fn(self.plan.warmup_steps))
+                                                  for g, fn in self.lr_schedules.items()})
+        if jax.process_index() == 0:
+            layout.append_record(self.output_path, live)
+        layout.check(live, self.plan)
 
     def _step_fn(self, phase: TransportPhase, step: int) -> compile_ahead.Pending:
         """The compiled step for `phase` and the current layout: compiled ahead, or here and now."""
@@ -271,7 +325,8 @@ class _Run:
 
     def _eval_job(self, phase: TransportPhase, layout: offload.Layout):
         shardings = offload.shardings(self.state_shapes, layout)["model"]
-        jitted = eval_loss_fn(self.inputs.lm, self.state_static["model"], shardings, phase, self.compute_dtype)
+        jitted = eval_loss_fn(self.inputs.lm, self.state_static["model"], shardings, self._transport_spec(phase),
+                              self.compute_dtype)
         return (f"the {phase.transport} evaluation", jitted,
                 compile_ahead.abstract(self.state_shapes["model"], shardings), self._batch_shapes())
 
@@ -308,15 +363,19 @@ class _Run:
         for compute, and the new state goes back to where it came from (the pinned out shardings)."""
         lm, tx, static = self.inputs.lm, self.tx, self.state_static
         z_loss, compute_dtype, lrs = self.config.z_loss, self.compute_dtype, self.lr_schedules
+        transport = self._transport_spec(phase)
+        # Gradients are laid out like their parameters (the plan's spec, the master dtype).
+        grad_shardings = jax.tree.map(lambda s: s.with_memory_kind(offload.DEVICE), shardings["model"])
 
         def step(arrays, batch):
             state = eqx.combine(offload.to_device(arrays, shardings), static)
             model = state["model"]
 
             def loss_of(m):
-                return lm.loss(m, batch, transport=phase, z_loss=z_loss, compute_dtype=compute_dtype)
+                return lm.loss(m, batch, transport=transport, z_loss=z_loss, compute_dtype=compute_dtype)
 
             (loss, aux), grads = eqx.filter_value_and_grad(loss_of, has_aux=True)(model)
+            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
             updates, opt_state = tx.update(_params(grads), state["opt_state"], _params(model))
             model = eqx.apply_updates(model, updates)
             model = lm.apply_router_update(model, aux)
@@ -327,7 +386,7 @@ class _Run:
                 "moe/dropped_fraction": aux.get("dropped_fraction", jnp.zeros(())),
                 "moe/router_balance": aux.get("router_balance", jnp.ones(())),
             }
-            metrics.update({name: fn(state["step"]) for name, fn in lrs.items()})
+            metrics.update({f"lr/{group}": fn(state["step"]) for group, fn in lrs.items()})
             return eqx.filter(new_state, eqx.is_array), metrics
 
         return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
@@ -336,17 +395,24 @@ class _Run:
         return bool(self.inputs.val_data) and self.config.eval_batches > 0
 
     def _evaluate(self, step: int, phase: TransportPhase, metrics_log: MetricsLog, tracker) -> None:
-        """Mean loss over the first `eval_batches` batches of each validation set (same batches every time)."""
+        """Mean loss over a seeded sample of `eval_batches` batches of each validation set (the same
+        sample every time; all of a set that is smaller)."""
         if not self._evaluates():
             return
         key = (phase, self.layout)
         if key not in self._eval_fns:
             self._eval_fns[key] = self.compiler.now(*self._eval_job(phase, self.layout))
         evaluate, first_use = self._eval_fns[key], self._eval_fns[key].waited is None
-        losses = validation_losses(lambda arrays, batch: evaluate.get()(arrays, self._batch(batch)),
-                                   self.state_arrays["model"], self.inputs.val_data,
-                                   batch_size=self.config.batch_size, num_batches=self.config.eval_batches,
-                                   mesh=self.inputs.mesh, batch_axes=self.inputs.batch_axes)
+        sampled = validation_losses(lambda arrays, batch: evaluate.get()(arrays, self._batch(batch)),
+                                    self.state_arrays["model"], self.inputs.val_data,
+                                    batch_size=self.config.batch_size, num_batches=self.config.eval_batches,
+                                    mesh=self.inputs.mesh, batch_axes=self.inputs.batch_axes, seed=self.config.seed)
+        losses = {name: loss for name, (loss, _) in sampled.items()}
+        if not self.told_sample:
+            self.told_sample = True
+            used = ", ".join(f"{name} {len(rows):,} of {len(self.inputs.val_data[name]):,}"
+                             for name, (_, rows) in sampled.items())
+            self.progress.event(f"validation: a seeded sample of each split, the same every time (sequences: {used})")
         if first_use:
             self._compiled(evaluate, f"step {step}'s evaluation")
         values = {f"eval/{name}/loss": loss for name, loss in losses.items()}
@@ -370,33 +436,42 @@ class _Run:
         return open_wandb(self.output_path, project=self.inputs.wandb_project, entity=None)
 
 
-def eval_loss_fn(lm: TrainableLM, static, shardings, phase: TransportPhase, compute_dtype):
+def eval_loss_fn(lm: TrainableLM, static, shardings, transport: TransportSpec, compute_dtype):
     """The jitted validation loss `evaluate(arrays, batch)` of a model split into its `arrays` (laid
     out as `shardings`, host arrays copied in) and `static` part: cross-entropy without the z-loss
     term. The loop's evaluations and the eval step (keel.trained) both call it."""
 
     def evaluate(arrays, batch):
         model = eqx.combine(offload.to_device(arrays, shardings), static)
-        loss, _ = lm.loss(model, batch, transport=phase, z_loss=0.0, compute_dtype=compute_dtype)
+        loss, _ = lm.loss(model, batch, transport=transport, z_loss=0.0, compute_dtype=compute_dtype)
         return loss
 
     return jax.jit(evaluate, in_shardings=(shardings, None))
 
 
 def validation_losses(evaluate, arrays, datasets: dict[str, Any], *, batch_size: int, num_batches: int, mesh,
-                      batch_axes: tuple[str, ...]) -> dict[str, float]:
-    """{name: mean of `evaluate(arrays, batch)` over the first `num_batches` batches of that dataset}:
-    the same batches every time, read in order."""
+                      batch_axes: tuple[str, ...], seed: int = 0) -> dict[str, tuple[float, Any]]:
+    """{name: (mean loss, the row indices evaluated)}: `evaluate(arrays, batch)` over a seeded
+    random sample of `num_batches x batch_size` sequences from anywhere in each dataset (all of a
+    smaller one), the same sample every time. The first batches in storage order would be a few
+    neighbouring documents, not the split; the last batch is filled by cycling through the sample."""
+    import numpy as np
+
+    from keel.data.datasets import FIELDS
+
     out = {}
     for name, dataset in sorted(datasets.items()):
-        loader = batch_loader(dataset, batch_size=batch_size, mesh=mesh, batch_axes=batch_axes, prefetch=0)
-        batches = loader.iter_from_step(0)
+        data = dataset.as_sync_dataset()
+        picked = np.random.default_rng(seed).permutation(len(data))[: num_batches * batch_size]
+        rows = np.resize(picked, -(-len(picked) // batch_size) * batch_size)
         losses = []
-        for _, batch in zip(range(num_batches), batches):
+        for start in range(0, len(rows), batch_size):
+            items = data.get_batch([int(i) for i in rows[start:start + batch_size]])
+            batch = jax.device_put({f: np.stack([item[f] for item in items]) for f in FIELDS},
+                                   batch_sharding(mesh, batch_axes))
             with jax.set_mesh(mesh):
                 losses.append(float(evaluate(arrays, batch)))
-        batches.close()
-        out[name] = sum(losses) / len(losses)
+        out[name] = (sum(losses) / len(losses), picked)
     return out
 
 
@@ -432,18 +507,6 @@ def _is_float(x) -> bool:
 
 def _is_shape(x) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct)
-
-
-def _on_mesh(shapes, mesh):
-    """The concrete device sharding of each abstract array: the spec its type carries, on `mesh`
-    (an array whose type names no mesh axis is replicated)."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    def sharding(x):
-        spec = x.sharding.spec if x.sharding is not None else PartitionSpec()
-        return NamedSharding(mesh, spec, memory_kind=offload.DEVICE)
-
-    return jax.tree.map(sharding, shapes)
 
 
 def _global_norm(tree) -> jax.Array:

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from keel.train.config import STACK_AXES
+
 Schedule = Callable[[jax.Array], jax.Array]
 
-STACK_AXES = frozenset({"layers", "experts", "shared_experts"})
-"""Axes that index independent matrices (scanned layers, routed experts, shared experts)."""
 FUSED_AXES = (("heads", "head_size"), ("kv_heads", "head_size"))
 """Axes that together form one side of a matrix: an attention projection's heads x head_size."""
 
@@ -62,9 +62,10 @@ class MuonHState(NamedTuple):
 
 
 def scale_by_muonh(
-    lr: Schedule, *, momentum: float, nesterov: bool, ns_steps: int, eps: float
+    lr: Schedule, *, momentum: float, nesterov: bool, ns_steps: int, eps: float, dtype=jnp.bfloat16
 ) -> optax.GradientTransformation:
-    """MuonH: Nesterov momentum, Newton-Schulz orthogonalisation per logical matrix, hyperball update.
+    """MuonH: Nesterov momentum, Newton-Schulz orthogonalisation per logical matrix (computed in
+    `dtype`: the hero's bf16), hyperball update.
 
     The update keeps each logical matrix's Frobenius norm at its initial value (Levanter's
     `norm_preserving_update` on the same matrix), so MuonH matrices need no weight decay.
@@ -82,7 +83,7 @@ def scale_by_muonh(
         rate = lr(state.count)
 
         def step(p, u):
-            return _muonh_step(p, u, rate, ns_steps, eps)
+            return _muonh_step(p, u, rate, ns_steps, eps, dtype)
 
         flat = jax.tree.map(step, flatten_linear_layers(params), flatten_linear_layers(direction), is_leaf=_is_named)
         return unflatten_linear_layers(direction, flat), MuonHState(count=optax.safe_increment(state.count), momentum=buf)
@@ -101,12 +102,13 @@ def _check_matrix(param) -> None:
         raise ValueError(f"MuonH: an unnamed array of shape {param.shape} is not a matrix: give it Haliax axes")
 
 
-def _muonh_step(param, update, rate, steps: int, eps: float):
+def _muonh_step(param, update, rate, steps: int, eps: float, dtype):
     """The hyperball update of one parameter: every logical matrix orthogonalised, its norm kept."""
     from levanter.optim.util import norm_preserving_update
 
     def one(p, u):
-        return norm_preserving_update(p, _newton_schulz(u.astype(jnp.float32), steps, eps), rate).astype(u.dtype)
+        orthogonal = _newton_schulz(u.astype(dtype), steps, eps).astype(jnp.float32)
+        return norm_preserving_update(p, orthogonal, rate).astype(u.dtype)
 
     if not _is_named(param):  # a plain 2-D array (init_fn refused any other)
         return one(param, update)

@@ -62,11 +62,6 @@ class ScheduleState(NamedTuple):
     count: jax.Array
 
 
-def scale_by_neg_schedule(schedule: Schedule) -> optax.GradientTransformation:
-    """Multiply updates by `-schedule(count)` (the learning rate step of plain Adam)."""
-    return optax.scale_by_schedule(lambda count: -schedule(count))
-
-
 def scheduled_weight_decay(mask, lr: Schedule, rate: Schedule) -> optax.GradientTransformation:
     """Decoupled weight decay on masked parameters: update -= lr(t) * rate(t) * param.
 
@@ -97,10 +92,6 @@ def scale_by_adamh(lr: Schedule, *, b1: float, b2: float, eps: float) -> optax.G
     return optax.inject_hyperparams(lambda learning_rate: levanter_adamh(b1, b2, eps, learning_rate))(learning_rate=lr)
 
 
-def adam(lr: Schedule, *, b1: float, b2: float, eps: float) -> optax.GradientTransformation:
-    return optax.chain(optax.scale_by_adam(b1, b2, eps), scale_by_neg_schedule(lr))
-
-
 def grouped(
     transforms: Mapping[str, optax.GradientTransformation], labels
 ) -> optax.GradientTransformation:
@@ -125,28 +116,30 @@ def optimizer_labels(optimizer, params):
 
 
 def build_optimizer(train, params) -> tuple[optax.GradientTransformation, dict[str, Schedule]]:
-    """The optax transform a `TrainConfig` declares, plus its learning-rate schedules by metric name.
+    """The optax transform a `TrainConfig` declares, plus the learning-rate schedule of each of its
+    groups (the very functions the transforms step with: the loop logs them as `lr/<group>` and
+    checks them against the resolved run).
 
-    The router bias (`config.FROZEN_PARAMS`) receives no update at all. A `WeightDecayChange` adds
-    decoupled weight decay on its groups, scaled by each parameter's own learning rate.
+    Peak rates are `config.peak_lr`'s (AdamH at the MuonH rate). The router bias
+    (`config.FROZEN_PARAMS`) receives no update at all. A `WeightDecayChange` adds decoupled weight
+    decay on its groups, scaled by each parameter's own learning rate.
     """
-    from keel.train.config import AdamWConfig, GroupedOptimizerConfig
+    from keel.train.config import AdamWConfig, GroupedOptimizerConfig, peak_lr
 
-    sched = train.schedule
+    sched, opt = train.schedule, train.optimizer
 
-    def schedule(peak: float) -> Schedule:
-        return lr_schedule(peak, train.num_steps, sched.warmup_fraction, sched.decay_to_fraction)
+    def schedule(group: str) -> Schedule:
+        return lr_schedule(peak_lr(opt, group), train.num_steps, sched.warmup_fraction, sched.decay_to_fraction)
 
-    opt = train.optimizer
     if isinstance(opt, AdamWConfig):
-        groups, metrics = _adamw_groups(opt, schedule(opt.lr)), {"lr": schedule(opt.lr)}
+        groups = _adamw_groups(opt, schedule("adamw"))
     elif isinstance(opt, GroupedOptimizerConfig):
-        groups = _hero_groups(opt, schedule(opt.muon_lr), schedule(opt.adam_lr))
-        metrics = {"lr/muonh": groups.lr["muonh"], "lr/adam": groups.lr["adam"]}
+        groups = _hero_groups(opt, {group: schedule(group) for group in ("muonh", "adamh", "adam")})
     else:
         raise TypeError(f"TrainConfig.optimizer: unsupported {type(opt).__name__}; use AdamWConfig or GroupedOptimizerConfig")
 
     labels = optimizer_labels(opt, params)
+    present = set(jax.tree.leaves(labels))
     transform = grouped({**groups.transforms, "frozen": optax.set_to_zero()}, labels)
     change = train.weight_decay_change
     if change is not None:
@@ -157,7 +150,7 @@ def build_optimizer(train, params) -> tuple[optax.GradientTransformation, dict[s
             for name, lr in groups.lr.items()
         ]
         transform = optax.chain(transform, *decays)
-    return transform, metrics
+    return transform, {group: lr for group, lr in groups.lr.items() if group in present}
 
 
 def _adamw_groups(opt, lr: Schedule) -> _Groups:
@@ -168,12 +161,11 @@ def _adamw_groups(opt, lr: Schedule) -> _Groups:
     return _Groups({"adamw": adamw}, {"adamw": lr})
 
 
-def _hero_groups(opt, muon_lr: Schedule, adam_lr: Schedule) -> _Groups:
+def _hero_groups(opt, lr: dict[str, Schedule]) -> _Groups:
     transforms = {
-        "muonh": scale_by_muonh(
-            muon_lr, momentum=opt.muon_momentum, nesterov=opt.muon_nesterov, ns_steps=opt.muon_ns_steps, eps=1e-7
-        ),
-        "adamh": scale_by_adamh(adam_lr, b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
-        "adam": adam(adam_lr, b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
+        "muonh": scale_by_muonh(lr["muonh"], momentum=opt.muon_momentum, nesterov=opt.muon_nesterov,
+                                ns_steps=opt.muon_ns_steps, eps=opt.muon_eps, dtype=jnp.dtype(opt.newton_schulz_dtype)),
+        "adamh": scale_by_adamh(lr["adamh"], b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
+        "adam": optax.adam(lr["adam"], b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
     }
-    return _Groups(transforms, {"muonh": muon_lr, "adamh": adam_lr, "adam": adam_lr})
+    return _Groups(transforms, lr)

@@ -2,17 +2,19 @@
 
 It first resolves the run exactly as `keel plan` does (`keel.plan.resolved`: the same checks, the
 same parameter table and transport timeline), then checks what only the running process can see
-(its devices and platform), all before any data is read or anything compiled.
+(its devices and platform), all before any data is read or anything compiled. The training loop
+is handed that resolved run and lays out, types and schedules the state from it alone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from keel.mesh.topology import BATCH_AXES, RackTopology
 from keel.plan.checks import mixture_phases
-from keel.plan.resolved import resolve
-from keel.train.config import TrainStepConfig, TransportPhase
+from keel.plan.resolved import ResolvedRun, resolve
+from keel.train.config import TrainStepConfig
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +30,13 @@ def train_step(config: TrainStepConfig) -> None:
     from keel.train.loop import LoopInputs, train
 
     join_replicas(config.coordinator)  # a multi-host step: its replicas become one jax.distributed world (no-op alone)
-    resolve(config)
+    if config.topology is None:  # the run's mesh is every local device, as one rack
+        config = dataclasses.replace(config, topology=RackTopology(racks=1, gpus_per_rack=len(jax.devices())))
+    plan = resolve(config)
     if config.train.compilation_cache:
         use_compilation_cache(config.output_path)
-    topology = config.topology or RackTopology(racks=1, gpus_per_rack=len(jax.devices()))
-    check_step_config(config, topology, num_devices=len(jax.devices()), platform=jax.default_backend())
+    topology = config.topology
+    check_step_config(plan, num_devices=len(jax.devices()), platform=jax.default_backend())
     mesh = build_mesh(topology)
     train_data, val_data = training_datasets(
         config.data, seq_len=config.train.seq_len, batch_size=config.train.batch_size, seed=config.train.seed
@@ -43,7 +47,7 @@ def train_step(config: TrainStepConfig) -> None:
         batch_axes=BATCH_AXES,
         train_data=train_data,
         val_data=val_data,
-        default_transport=default_transport(topology),
+        plan=plan,
         phase_starts={start: f"phase {i}" for i, (start, _) in enumerate(mixture_phases(config.data))},
     )
     train(config.train, inputs, config.output_path)
@@ -69,19 +73,15 @@ def use_compilation_cache(output_path: str) -> None:
           "they cover are skipped)" if found else "empty (the first attempt compiles everything)"), flush=True)
 
 
-def default_transport(topology: RackTopology) -> TransportPhase:
-    """Without a declared timeline: the dropless ring across an expert axis, else local experts."""
-    return TransportPhase(0, "ring" if topology.expert_parallel > 1 else "local")
-
-
-def check_step_config(config: TrainStepConfig, topology: RackTopology, *, num_devices: int, platform: str) -> None:
+def check_step_config(plan: ResolvedRun, *, num_devices: int, platform: str) -> None:
     """What only the running process can check (the declaration itself is `resolve`'s): its device
     count against the topology, each transport against its platform, and the token caches it
     reads against the model and the run (`data_checks.check_token_caches`)."""
     from keel.model.transport_spec import check_transport_supported
     from keel.train.data_checks import check_token_caches
 
-    topology.validate(config.model, config.train.batch_size, num_devices=num_devices)
-    for phase in config.train.transports or (default_transport(topology),):
+    config = plan.config
+    config.topology.validate(config.model, config.train.batch_size, num_devices=num_devices)
+    for phase in plan.transports:
         check_transport_supported(phase.transport, platform)
     check_token_caches(config)

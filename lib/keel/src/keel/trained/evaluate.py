@@ -34,18 +34,18 @@ def eval_step(config: EvalConfig) -> None:
             raise ValueError(f"EvalConfig.data[{label!r}]: the {config.split} split of {root} is empty")
     loaded = load_model(config.model)
     with jax.set_mesh(loaded.mesh):
-        evaluate = eval_loss_fn(loaded.lm, loaded.static, loaded.shardings, loaded.phase, loaded.compute_dtype)
-        losses = validation_losses(evaluate, loaded.arrays, datasets, batch_size=config.batch_size,
-                                   num_batches=config.num_batches, mesh=loaded.mesh, batch_axes=BATCH_AXES)
-    results = {}
-    for label, loss in losses.items():
-        sequences = min(len(datasets[label]), config.batch_size * config.num_batches)
-        results[label] = dataset_result(loss, config.data[label], config.split, sequences, seq_len)
+        evaluate = eval_loss_fn(loaded.lm, loaded.static, loaded.shardings, loaded.transport, loaded.compute_dtype)
+        sampled = validation_losses(evaluate, loaded.arrays, datasets, batch_size=config.batch_size,
+                                    num_batches=config.num_batches, mesh=loaded.mesh, batch_axes=BATCH_AXES,
+                                    seed=config.model.train.seed)
+    results = {label: dataset_result(loss, config.data[label], config.split, rows, seq_len)
+               for label, (loss, rows) in sampled.items()}
+    losses = {label: loss for label, (loss, _) in sampled.items()}
     report = {
         "run": config.model.run,
         "checkpoint": checkpoint_path(config.model),
         "step": config.model.step,
-        "transport": loaded.phase.transport,
+        "transport": loaded.transport.name,
         "split": config.split,
         "loss": sum(losses.values()) / len(losses),
         "datasets": results,
@@ -56,13 +56,14 @@ def eval_step(config: EvalConfig) -> None:
               f"{'n/a' if r['bits_per_byte'] is None else format(r['bits_per_byte'], '.4f')}")
 
 
-def dataset_result(loss: float, cache_root: str, split: str, sequences: int, seq_len: int) -> dict:
-    """Loss, perplexity and bits per byte over the first `sequences` sequences of a cache split
-    (bits per byte is None for a cache written without per-sequence byte counts)."""
+def dataset_result(loss: float, cache_root: str, split: str, rows, seq_len: int) -> dict:
+    """Loss, perplexity and bits per byte over the sequences `rows` of a cache split (the sample the
+    loss was taken on; bits per byte is None for a cache written without per-sequence byte counts)."""
     from keel.data.tokenize import read_sequence_bytes
 
     counts = read_sequence_bytes(cache_root, split)
-    num_bytes = int(counts[:sequences].sum()) if counts is not None else None
+    num_bytes = int(counts[rows].sum()) if counts is not None else None
+    sequences = len(rows)
     tokens = sequences * seq_len
     return {
         "loss": loss,

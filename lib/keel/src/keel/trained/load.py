@@ -1,8 +1,8 @@
 """Load one checkpoint of a training step: the model alone, as the training loop held it.
 
-The exemplar is what the loop starts from (a freshly initialised model on the run's mesh, cast to
-its master dtype), and `keel.train.checkpoint.restore_like` reads the checkpoint's `model` subtree
-into it. The checkpoint format has no device layout in it, so a checkpoint written by several
+The exemplar is what the loop starts from (a freshly initialised model cast to its master dtype,
+laid out as the run's resolved plan says), and `keel.train.checkpoint.restore_like` reads the
+checkpoint's `model` subtree into it. The checkpoint format has no device layout in it, so a checkpoint written by several
 processes (say 2 x 4 devices) loads in one process holding the same 8 devices.
 """
 
@@ -27,8 +27,9 @@ class LoadedModel:
     """The model's arrays (its float arrays in the run's master dtype)."""
     static: Any
     shardings: Any
-    phase: Any
-    """The `TransportPhase` in force when the checkpoint was written (the loop's last evaluation used it)."""
+    transport: Any
+    """The `TransportSpec` in force when the checkpoint was written (the loop's last evaluation used
+    it), with the resolved run's capacity."""
     compute_dtype: Any
 
 
@@ -53,22 +54,35 @@ def load_model(ref: TrainedModel) -> LoadedModel:
     import jax
     import jax.numpy as jnp
 
+    from keel.executor.step import External
     from keel.mesh.mesh import build_mesh
     from keel.mesh.topology import RackTopology
+    from keel.plan.resolved import resolve
     from keel.train.checkpoint import restore_like
+    from keel.train.config import TrainStepConfig
+    from keel.train.layout import planned_shardings
     from keel.train.lm import KeelLM
-    from keel.train.step import default_transport
 
     path = checkpoint_path(ref)
     topology = ref.topology or RackTopology(racks=1, gpus_per_rack=len(jax.devices()))
+    plan = resolve(TrainStepConfig(model=ref.model, data=External(f"trained/{ref.run}", ref.run, version="checkpoint"),
+                                   train=ref.train, topology=topology))
     mesh = build_mesh(topology)
     lm = KeelLM(ref.model, mesh, remat=False)
+
+    def initial(key):
+        model = lm.init(key)
+        return eqx.filter(jax.tree.map(lambda x: x.astype(ref.train.master_dtype) if eqx.is_inexact_array(x) else x,
+                                       model), eqx.is_array)
+
+    key = jax.random.PRNGKey(ref.train.seed)
     with jax.set_mesh(mesh):
-        model = lm.init(jax.random.PRNGKey(ref.train.seed))
-        model = jax.tree.map(lambda x: x.astype(ref.train.master_dtype) if eqx.is_inexact_array(x) else x, model)
-    arrays, static = eqx.partition(model, eqx.is_array)
+        shapes = eqx.filter_eval_shape(initial, key)
+        state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "model": shapes, "opt_state": ()}
+        shardings = planned_shardings(plan, state, mesh)["model"]
+        arrays = jax.jit(initial, out_shardings=shardings)(key)
+    static = eqx.partition(eqx.filter_eval_shape(lm.init, key), lambda x: isinstance(x, jax.ShapeDtypeStruct))[1]
     arrays = restore_like({"model": arrays}, path)["model"]  # the loop saves {"step", "model", "opt_state"}
-    phase = ref.train.transport_at(ref.step - 1) or default_transport(topology)
-    return LoadedModel(lm=lm, mesh=mesh, topology=topology, arrays=arrays, static=static,
-                       shardings=jax.tree.map(lambda x: x.sharding, arrays), phase=phase,
+    return LoadedModel(lm=lm, mesh=mesh, topology=topology, arrays=arrays, static=static, shardings=shardings,
+                       transport=plan.transport_at(ref.step - 1).spec,
                        compute_dtype=jnp.dtype(ref.train.compute_dtype))

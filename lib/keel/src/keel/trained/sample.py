@@ -117,7 +117,7 @@ def _next_token_logits(loaded):
     from keel.mesh.mesh import compute_axis_mapping
     from keel.model.axes import BATCH, POS
     from keel.model.transport_spec import TransportSpec
-    from keel.train.step import default_transport
+    from keel.plan.resolved import default_transport
 
     static, dtype = loaded.static, loaded.compute_dtype
     transport = TransportSpec(default_transport(loaded.topology).transport)

@@ -1,0 +1,147 @@
+"""The train state as the resolved run lays it out, and the proof that the live state is that.
+
+The resolved run (`keel.plan.resolved`) says where every array of the train state lives: its
+`StateLeaf` table gives each one's path, shape, dtype, partition spec, memory kind and bytes per
+device. This module is the runtime's only source of placements:
+
+- `state_paths(state)` names each array of a live (or abstract) train state the way the table
+  does: `step`, `model/<parameter path>`, `opt_state/<parameter path>/<i>`; optax's scalar
+  counters (step counts, injected hyperparameters) are `opt_state/counter/<optax path>`;
+- `planned_shardings(run, paths, mesh)` turns the table into the NamedSharding of every array
+  (device memory; `keel.train.offload` then gives each part its memory kind at a step);
+- `record(state, paths, ...)` writes down the live state as jax reports it, in the table's form,
+  and `check(record, run, step)` compares the two leaf by leaf and raises `LayoutMismatch` naming
+  the first difference. The training loop writes the record to `.keel/layout.json` and checks it
+  when it starts, resumes and changes phase (transport or host-offload switch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import haliax as hax
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from keel.plan.resolved import DEVICE, ResolvedRun, spec_json
+
+LAYOUT_FILE = "layout.json"
+COUNTER = "opt_state/counter/"
+
+
+class LayoutMismatch(RuntimeError):
+    """The live train state is not laid out, typed or scheduled as the resolved run says."""
+
+
+def state_paths(state) -> list[str]:
+    """The path of every array of `state` ({"step", "model", "opt_state"}, arrays or their
+    ShapeDtypeStructs), in the order of `jax.tree.leaves(state)`."""
+    from levanter.utils.jax_utils import leaf_key_paths
+
+    params = jax.tree.leaves(leaf_key_paths(state["model"], is_leaf=_is_named))
+    by_length = sorted(params, key=len, reverse=True)  # `a.b.c` matches before `b.c`
+    seen: dict[str, int] = {}
+
+    def opt_path(path: str, leaf) -> str:
+        param = next((p for p in by_length if path == p or path.endswith("." + p)), None)
+        if param is None or not leaf.shape:
+            return COUNTER + path
+        seen[param] = seen.get(param, 0) + 1
+        return f"opt_state/{param}/{seen[param] - 1}"
+
+    opt_paths = jax.tree.leaves(leaf_key_paths(state["opt_state"], is_leaf=_is_named))
+    opt_leaves = jax.tree.leaves(state["opt_state"])
+    parts = {"step": ["step"], "model": [f"model/{p}" for p in params],
+             "opt_state": [opt_path(p, x) for p, x in zip(opt_paths, opt_leaves)]}
+    return jax.tree.leaves({key: parts[key] for key in state})  # flattened in the order jax flattens `state`
+
+
+def planned_shardings(run: ResolvedRun, state, mesh) -> Any:
+    """A tree shaped like `state` holding the device-memory NamedSharding of each array, from the
+    run's state table; counters are replicated. An array the table does not know is refused."""
+    planned = {leaf.path: leaf for leaf in run.state_at(0)}
+
+    def sharding(path: str) -> NamedSharding:
+        if path.startswith(COUNTER):
+            return NamedSharding(mesh, P(), memory_kind=DEVICE)
+        if path not in planned:
+            raise LayoutMismatch(f"the train state has an array {path!r} that the resolved run does not list: "
+                                 "the optimizer keeps state the plan does not count (train.config.MOMENTS)")
+        return NamedSharding(mesh, P(*planned[path].spec), memory_kind=DEVICE)
+
+    return jax.tree.unflatten(jax.tree.structure(state), [sharding(p) for p in state_paths(state)])
+
+
+def record(state, *, step: int, reason: str, transport: dict, learning_rates: dict[str, float],
+           peak_learning_rates: dict[str, float]) -> dict:
+    """The live state as jax reports it: per array its path, shape, dtype, spec (null, a mesh axis
+    or a list of axes per dim), memory kind and the bytes of one device's shard; plus the phase
+    (transport and capacity) and each group's learning rate at `step` and at its peak (the end of
+    warmup), read from the schedules the optimizer steps with."""
+    leaves = []
+    for path, array in zip(state_paths(state), jax.tree.leaves(state)):
+        sharding = array.sharding
+        spec = tuple(sharding.spec) + (None,) * (array.ndim - len(sharding.spec))
+        shard = sharding.shard_shape(array.shape)
+        leaves.append({"path": path, "shape": list(array.shape), "dtype": str(array.dtype), "spec": spec_json(spec),
+                       "memory_kind": sharding.memory_kind,
+                       "bytes_per_device": int(array.dtype.itemsize * _prod(shard))})
+    return {"step": step, "reason": reason, "transport": transport, "learning_rates": learning_rates,
+            "peak_learning_rates": peak_learning_rates, "leaves": leaves}
+
+
+def check(live: dict, run: ResolvedRun) -> None:
+    """Raise `LayoutMismatch` at the first leaf (or phase figure) where `live` differs from the
+    resolved run at the live record's step; counters must be replicated int/float scalars."""
+    step = live["step"]
+    planned = {leaf.path: leaf.record() for leaf in run.state_at(step)}
+    arrays = {leaf["path"]: leaf for leaf in live["leaves"] if not leaf["path"].startswith(COUNTER)}
+    for path in planned.keys() | arrays.keys():
+        if path not in arrays:
+            raise LayoutMismatch(f"step {step}: the plan lists {path} but the live train state has no such array")
+        if path not in planned:
+            raise LayoutMismatch(f"step {step}: the live train state has {path}, which the plan does not list")
+    for path, want in planned.items():
+        got = arrays[path]
+        for field in ("shape", "dtype", "spec", "memory_kind", "bytes_per_device"):
+            if got[field] != want[field]:
+                raise LayoutMismatch(f"step {step}: {path}.{field} is {got[field]!r} live but {want[field]!r} in the "
+                                     "resolved run (keel plan --json lists it)")
+    for leaf in live["leaves"]:
+        if leaf["path"].startswith(COUNTER) and (leaf["shape"] or any(leaf["spec"])):
+            raise LayoutMismatch(f"step {step}: optimizer counter {leaf['path']} should be a replicated scalar, "
+                                 f"is shape {leaf['shape']} spec {leaf['spec']}")
+    want_phase = run.transport_at(step)
+    for field, value in (("transport", want_phase.transport), ("capacity_factor", want_phase.capacity_factor)):
+        if live["transport"][field] != value:
+            raise LayoutMismatch(f"step {step}: {field} is {live['transport'][field]!r} live but {value!r} in the "
+                                 "resolved run")
+    for key, at in (("learning_rates", step), ("peak_learning_rates", run.warmup_steps)):
+        for group, want in run.lr_at(at).items():
+            got = live[key].get(group)
+            if got is None or abs(got - want) > 1e-6 * abs(want) + 1e-12:
+                raise LayoutMismatch(f"step {step}: the {group} learning rate at step {at} is {got!r} live but "
+                                     f"{want!r} in the resolved run")
+
+
+def append_record(output_path: str, entry: dict) -> None:
+    """Add `entry` to the step's `.keel/layout.json` ({"records": [...]}, newest last)."""
+    from keel.executor import storage
+    from keel.executor.status import keel_path
+
+    path = keel_path(output_path, LAYOUT_FILE)
+    previous = storage.read_json(path)
+    records = previous.get("records", []) if isinstance(previous, dict) else []
+    storage.write_json(path, {"records": [*records, entry]}, indent=None)
+
+
+def _is_named(x) -> bool:
+    return isinstance(x, hax.NamedArray)
+
+
+def _prod(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out

@@ -1,0 +1,134 @@
+"""The running step is the plan: the train state the loop builds is laid out, typed and scheduled
+exactly as the resolved run says, and the loop refuses to train when it is not.
+
+Each case builds the loop's own state in a fresh process with a clean environment (the devices
+are the ones the declared hardware gives a training step) through `layout_driver.py`, which runs
+the loop's own check and leaves `.keel/layout.json`; the tests read that record, the state the
+loop trains, and compare it with `keel plan --json` and the resolved run.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from keel.plan.resolved import resolve
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+
+
+def _drive(tmp_path, which: str, *extra: str) -> subprocess.CompletedProcess:
+    out = tmp_path / f"layout_{which}-0123abcd89"
+    return subprocess.run([sys.executable, os.path.join(HERE, "layout_driver.py"), str(out), which, *extra],
+                          cwd=ROOT, env=CLEAN_ENV, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def record(tmp_path_factory):
+    """`record(which)`: the loop's layout record of a case, built once per module."""
+    made: dict[str, dict] = {}
+
+    def get(which: str) -> dict:
+        if which not in made:
+            tmp_path = tmp_path_factory.mktemp(which)
+            done = _drive(tmp_path, which)
+            assert done.returncode == 0, done.stderr[-3000:]
+            with open(tmp_path / f"layout_{which}-0123abcd89" / ".keel" / "layout.json") as f:
+                records = json.load(f)["records"]
+            assert len(records) == 1 and records[0]["reason"] == "start"
+            made[which] = records[0]
+        return made[which]
+
+    return get
+
+
+def _planned_json(experiment: str, *args: str) -> list[dict]:
+    """The state layout `keel plan --json` prints for the experiment's training step, at step 0."""
+    done = subprocess.run([sys.executable, "-m", "keel.cli_entry", "plan", experiment, "--json", *args], cwd=ROOT,
+                          env=CLEAN_ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    sheet = next(s for s in json.loads(done.stdout)["fact_sheets"] if s.get("state_layout"))
+    return sheet["state_layout"][0]["leaves"]
+
+
+def _arrays(record: dict) -> list[dict]:
+    return [leaf for leaf in record["leaves"] if not leaf["path"].startswith("opt_state/counter/")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which,experiment,args", [("tiny_moe", "experiments/tutorials/tiny_moe.py", ()),
+                                                   ("twin", "experiments/hero_535b.py", ("--scale", "tiny"))])
+def test_the_live_layout_of_a_tutorial_and_the_twin_is_keel_plan_json_leaf_by_leaf(record, which, experiment, args):
+    live = _arrays(record(which))
+    planned = _planned_json(experiment, *args)
+    assert [leaf["path"] for leaf in live] == [leaf["path"] for leaf in planned]
+    for got, want in zip(live, planned):
+        assert got == want, got["path"]
+    by_path = {leaf["path"]: leaf for leaf in live}
+    experts = by_path["model/layers.stacked.moe.experts.gate"]
+    assert experts["spec"][1] == "expert", "routed experts split over the rack's expert axis"
+    assert by_path["model/layers.stacked.attn.q"]["spec"][1] == ["data", "expert"], "the rest FSDP over the rack"
+    assert by_path["opt_state/layers.stacked.attn.q/0"]["spec"] == by_path["model/layers.stacked.attn.q"]["spec"]
+    total = sum(leaf["bytes_per_device"] * _shards(leaf["spec"]) for leaf in live)
+    assert sum(leaf["bytes_per_device"] for leaf in live) < total / 2, "no device holds the whole state"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which,experiment,args", [("tiny_moe", "experiments/tutorials/tiny_moe.py", ()),
+                                                   ("twin", "experiments/hero_535b.py", ("--scale", "tiny"))])
+def test_the_fact_sheets_bytes_per_device_are_the_live_states_to_the_byte(record, which, experiment, args):
+    done = subprocess.run([sys.executable, "-m", "keel.cli_entry", "plan", experiment, "--json", *args], cwd=ROOT,
+                          env=CLEAN_ENV, capture_output=True, text=True, timeout=300)
+    sheet = next(s for s in json.loads(done.stdout)["fact_sheets"] if s.get("state_layout"))
+    parts = sheet["memory"]["parts_gb"]
+    live = _arrays(record(which))
+    trained = {f"model/{p['path']}" for p in sheet["parameter_table"] if p["trained"]}
+
+    def live_bytes(keep) -> int:
+        return sum(leaf["bytes_per_device"] for leaf in live if keep(leaf["path"]))
+
+    assert round(parts["master_weights"] * 1e9) == live_bytes(lambda p: p.startswith("model/"))
+    assert round(parts["gradients"] * 1e9) == live_bytes(lambda p: p in trained)
+    assert round(parts["optimizer_state"] * 1e9) == live_bytes(lambda p: p.startswith("opt_state/"))
+    first = sheet["memory"]["phases"][0]
+    on_host = [leaf for leaf in live if leaf["memory_kind"] == "pinned_host"]
+    assert round(first["host_gb"] * 1e9) == sum(leaf["bytes_per_device"] for leaf in on_host)
+
+
+def _shards(spec) -> int:
+    sizes = {"replica_dcn": 2, "data": 1, "expert": 4, "model": 1}
+    out = 1
+    for entry in spec:
+        for axis in [entry] if isinstance(entry, str) else entry or []:
+            out *= sizes[axis]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["random0", "random1", "random2"])
+def test_the_live_layout_of_random_models_is_the_resolved_runs(record, which):
+    sys.path.insert(0, HERE)
+    from layout_driver import step_config
+
+    live = record(which)
+    plan = resolve(step_config(which))
+    assert _arrays(live) == [leaf.record() for leaf in plan.state_at(0)]
+    assert live["transport"] == {"transport": "fixed_all_to_all", "capacity_factor": plan.config.model.capacity_factor}
+
+
+@pytest.mark.slow
+def test_adamh_steps_at_the_muonh_learning_rate_in_the_running_loop(record):
+    peaks = record("tiny_moe")["peak_learning_rates"]
+    assert peaks["adamh"] == pytest.approx(peaks["muonh"], rel=1e-6)
+    assert peaks["adam"] < peaks["muonh"] / 2, "Adam keeps its own, lower rate"
+
+
+@pytest.mark.slow
+def test_a_wrong_placement_stops_the_step_naming_the_leaf(tmp_path):
+    done = _drive(tmp_path, "random1", "--misplace", "model/layers.stacked.attn.q")
+    assert done.returncode != 0
+    assert "LayoutMismatch" in done.stderr and "model/layers.stacked.attn.q.spec" in done.stderr, done.stderr[-2000:]
