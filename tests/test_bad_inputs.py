@@ -77,6 +77,8 @@ CATALOGUE = [
              'b = Step("train/hero", train, C(1))\ntwin = Step("train/twin", write, C(1))\n'
              'if __name__ == "__main__":\n    main([b], scales={"tiny": lambda: [twin]})\n',
              ("run", "EXP"), "failed", "--scale tiny`"),
+    BadInput("a literal output path", 'a = Step("x/a", write, C(1, output_path="/tmp/elsewhere"))\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN,
+             ("plan", "EXP"), "error", "config.output_path='/tmp/elsewhere', but the field is where keel puts the step's outputs"),
     # --- mistakes in the experiment file
     BadInput("invalid TrainConfig value", 'from keel.train import TrainConfig\nTrainConfig(batch_size=8, seq_len=16, num_steps=0)\n' + GOOD + MAIN,
              ("plan", "EXP"), "error", "num_steps=0 must be positive"),

@@ -104,7 +104,7 @@ _RECORDED_RUNS = textwrap.dedent(
 
     def run(lr):
         train = TrainConfig(batch_size=8, seq_len=128, num_steps=4, optimizer=AdamWConfig(lr=lr))
-        step = default_train(f"fake/lr{lr}", data=External("cache", "/nowhere"), model=tiny_moe, train=train)
+        step = default_train(f"fake/lr{lr}", data=External("cache", "/nowhere", version="fake"), model=tiny_moe, train=train)
         return step.__class__(step.name, pretend_to_train, step.config)
 
     runs = [run(0.5), run(0.25)]

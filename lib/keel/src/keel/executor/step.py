@@ -248,7 +248,8 @@ def _admits(hint: Any, value: Any) -> bool | None:
 
 def check_types(config: Any, step_name: str) -> None:
     """Refuse a config value of the wrong scalar type (`n="100"` for `n: int`) when the step is
-    declared, naming the field: inside the step it would fail far from the mistake, or not at all."""
+    declared, naming the field: inside the step it would fail far from the mistake, or not at all;
+    and a path given to a field declared `this_output()`: the step would write outside keel's reach."""
     stack: list[tuple[str, Any]] = [("config", config)]
     while stack:
         where, obj = stack.pop()
@@ -257,6 +258,10 @@ def check_types(config: Any, step_name: str) -> None:
             value = getattr(obj, f.name)
             if isinstance(value, (Step, External, OutputOf, ThisOutput)):
                 continue
+            if isinstance(f.default, ThisOutput):
+                raise StepDeclarationError(f"step {step_name!r}: {where}.{f.name}={value!r}, but the field is where keel puts "
+                                           "the step's outputs (declared this_output()): leave it out, or pass --prefix to "
+                                           "put every output elsewhere")
             if dataclasses.is_dataclass(value) and not isinstance(value, type):
                 stack.append((f"{where}.{f.name}", value))
             elif f.name in hints and _admits(hints[f.name], value) is False:
