@@ -30,6 +30,7 @@ import statistics  # noqa: E402
 import tempfile  # noqa: E402
 
 import numpy as np  # noqa: E402
+from planned import planned  # noqa: E402
 
 from defaults.models import tiny_moe  # noqa: E402
 from keel.mesh import BATCH_AXES, RackTopology  # noqa: E402
@@ -55,9 +56,9 @@ def step_times(host_offload: HostOffload, mesh, steps: int, data) -> list[float]
 
     config = TrainConfig(batch_size=BATCH, seq_len=SEQ, num_steps=steps, optimizer=AdamWConfig(lr=3e-3),
                          eval_batches=0, eval_every=steps, rolling_checkpoint_minutes=None, compute_dtype="bfloat16",
-                         host_offload=host_offload)
+                         host_offload=host_offload, transports=(TransportPhase(0, "fixed_all_to_all"),))
     inputs = LoopInputs(lm=KeelLM(tiny_moe, mesh), mesh=mesh, batch_axes=BATCH_AXES, train_data=data, val_data={},
-                        default_transport=TransportPhase(0, "fixed_all_to_all"), use_wandb=False)
+                        plan=planned(tiny_moe, config, RACKS), use_wandb=False)
     with tempfile.TemporaryDirectory() as out:
         train(config, inputs, out)
         return [config.tokens_per_step / r["throughput/tokens_per_s"]

@@ -29,6 +29,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
+from planned import planned  # noqa: E402
 
 from defaults.models import small_moe, tiny_moe  # noqa: E402
 from keel.mesh import BATCH_AXES, RackTopology  # noqa: E402
@@ -75,9 +76,9 @@ def measure(model: MoELMConfig, steps: int) -> Cost:
     phase = TransportPhase(0, "fixed_all_to_all")
     config = TrainConfig(batch_size=BATCH, seq_len=SEQ, num_steps=steps, optimizer=AdamWConfig(lr=3e-3),
                          eval_batches=0, rolling_checkpoint_minutes=None, compute_dtype="bfloat16",
-                         compilation_cache=False)
+                         compilation_cache=False, transports=(phase,))
     inputs = LoopInputs(lm=KeelLM(model, mesh), mesh=mesh, batch_axes=BATCH_AXES, train_data=None, val_data={},
-                        default_transport=phase, use_wandb=False)
+                        plan=planned(model, config, RACKS), use_wandb=False)
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as out, jax.set_mesh(mesh):
         run = _Run(config, inputs, out)

@@ -32,6 +32,7 @@ import statistics  # noqa: E402
 import tempfile  # noqa: E402
 
 import numpy as np  # noqa: E402
+from planned import planned  # noqa: E402
 
 from defaults.models import small_moe, tiny_moe  # noqa: E402
 from keel.mesh import BATCH_AXES, RackTopology  # noqa: E402
@@ -148,23 +149,50 @@ def matmul_peak() -> float:
 
 
 def tokens_per_second(name: str, lm, mesh, steps: int, transport: TransportPhase, data) -> float:
+    """Train `lm` for `steps` steps; a keel model trains its resolved run (the loop checks the live
+    layout against the plan before the first step and stops on any difference) and the layout it
+    trained is shown; Levanter's model has no plan and trains replicated."""
+    import json
+
+    from keel.train.layout import LAYOUT_FILE
+    from keel.train.lm import KeelLM
     from keel.train.loop import LoopInputs, train
     from keel.train.tracking import METRICS_FILE, read_metrics
 
     config = TrainConfig(batch_size=BATCH, seq_len=SEQ, num_steps=steps, optimizer=AdamWConfig(lr=3e-3),
-                         eval_batches=0, eval_every=steps, rolling_checkpoint_minutes=None, compute_dtype="bfloat16")
-    inputs = LoopInputs(lm=lm, mesh=mesh, batch_axes=BATCH_AXES, train_data=data, val_data={},
+                         eval_batches=0, eval_every=steps, rolling_checkpoint_minutes=None, compute_dtype="bfloat16",
+                         transports=(transport,))
+    plan = planned(lm.config, config, RACKS) if isinstance(lm, KeelLM) else None
+    inputs = LoopInputs(lm=lm, mesh=mesh, batch_axes=BATCH_AXES, train_data=data, val_data={}, plan=plan,
                         default_transport=transport, use_wandb=False)
     with tempfile.TemporaryDirectory() as out:
         train(config, inputs, out)
         all_rates = [r["throughput/tokens_per_s"] for r in read_metrics(os.path.join(out, METRICS_FILE))
                      if "throughput/tokens_per_s" in r]
+        if plan is not None:
+            with open(os.path.join(out, ".keel", LAYOUT_FILE)) as f:
+                leaves = json.load(f)["records"][0]["leaves"]
+            mine, whole = sum(x["bytes_per_device"] for x in leaves), _whole_bytes(leaves, RACKS.axis_sizes)
+            print(f"{'':<52} layout as planned (checked by the loop): one device holds {mine / whole:.1%} of the "
+                  "train state", flush=True)
     rates = all_rates[2:]
     rate = statistics.median(rates)
     first = BATCH * SEQ / all_rates[0]
     print(f"{name:<52} {rate:10.0f} tokens/s  (median of {len(rates)} steps; first step {first:.1f}s with compiling)",
           flush=True)
     return rate
+
+
+def _whole_bytes(leaves: list[dict], axis_sizes: dict[str, int]) -> int:
+    """The train state's bytes on one device if nothing were split."""
+    total = 0
+    for leaf in leaves:
+        pieces = 1
+        for entry in leaf["spec"]:
+            for axis in [entry] if isinstance(entry, str) else entry or []:
+                pieces *= axis_sizes[axis]
+        total += leaf["bytes_per_device"] * pieces
+    return total
 
 
 def main() -> None:

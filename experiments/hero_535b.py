@@ -12,7 +12,6 @@ mixture phases and the transport switch, on 8 simulated CPU devices with the std
 standing in for the external data.
 """
 
-import dataclasses
 import math
 
 from defaults.data import default_tokenize, default_tokenizer, stdlib_corpus
