@@ -410,7 +410,7 @@ class _Run:
         losses = {name: loss for name, (loss, _) in sampled.items()}
         if not self.told_sample:
             self.told_sample = True
-            used = ", ".join(f"{name} {len(rows):,} of {len(self.inputs.val_data[name]):,}"
+            used = ", ".join(f"{name} {len(rows):,} of {len(self.inputs.val_data[name].as_sync_dataset()):,}"
                              for name, (_, rows) in sampled.items())
             self.progress.event(f"validation: a seeded sample of each split, the same every time (sequences: {used})")
         if first_use:
