@@ -295,3 +295,18 @@ def test_force_starts_clean(tmp_path):
     forced = keel(tmp_path, "run", "EXP", "--force", "^x/a$")
     assert forced.returncode == 0 and "1 ran" in forced.stdout, forced.stdout + forced.stderr
     assert not (output / "checkpoints").exists() and (output / "n.txt").read_text() == "1"
+
+
+def test_records_of_the_wrong_shape_neither_block_plan_nor_run(tmp_path):
+    write_experiment(tmp_path, GOOD + 'c = Step("x/c", write, C(3))\nif __name__ == "__main__":\n    main([b, c])\n')
+    assert keel(tmp_path, "run", "EXP").returncode == 0
+    [record] = (tmp_path / "out").glob("x/a-*/.keel/step.json")
+    record.write_text("[1, 2]")  # an earlier run's record, edited: plan cannot diff against it
+    [running] = (tmp_path / "out").glob("x/c-*/.keel")
+    (running / "status").unlink()  # an attempt that never ended ...
+    (running / "lease-00000009").write_text('{"owner": 3}')  # ... holding a lease keel never wrote
+    write_experiment(tmp_path, GOOD.replace("C(1)", "C(5)") + 'c = Step("x/c", write, C(3))\nif __name__ == "__main__":\n    main([b, c])\n')
+    plan = keel(tmp_path, "plan", "EXP")
+    assert plan.returncode == 0 and "Traceback" not in plan.stderr, plan.stderr
+    again = keel(tmp_path, "run", "EXP")
+    assert again.returncode == 0 and "3 ran" in again.stdout, again.stdout + again.stderr

@@ -85,8 +85,11 @@ def current_lease(output_path: str) -> LeaseInfo | None:
     text = storage.read_text(_lease_url(output_path, epoch))
     if not text:  # being written right now (created, still empty, or gone): treat as fresh
         return LeaseInfo(epoch, "?", time.time(), DEFAULT_TIMEOUT_S)
-    record = json.loads(text)
-    return LeaseInfo(epoch, record["owner"], record["heartbeat"], record["timeout"])
+    try:
+        record = json.loads(text)
+        return LeaseInfo(epoch, str(record["owner"]), float(record["heartbeat"]), float(record["timeout"]))
+    except (ValueError, KeyError, TypeError):  # not a lease keel wrote (torn, or edited): expired, so taken over
+        return LeaseInfo(epoch, f"unreadable lease {_lease_url(output_path, epoch)}", 0.0, 0.0)
 
 
 class Lease:

@@ -166,8 +166,13 @@ def plan_graph(graph: Graph, force: re.Pattern | None = None) -> list[StepPlan]:
 def _most_recent_record(paths: list[str]) -> dict | None:
     best = None
     for p in paths:
-        record = storage.read_json(keel_path(p, "step.json"))
-        if record is not None and (best is None or record.get("provenance", {}).get("time", 0) > best.get("provenance", {}).get("time", 0)):
+        try:
+            record = storage.read_json(keel_path(p, "step.json"))
+        except ValueError:  # torn by a machine crash
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("identity"), dict) or not isinstance(record.get("provenance", {}), dict):
+            continue  # not a record keel wrote: it cannot say what changed
+        if best is None or record.get("provenance", {}).get("time", 0) > best.get("provenance", {}).get("time", 0):
             best = record
     return best
 
