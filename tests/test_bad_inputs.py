@@ -107,6 +107,7 @@ CATALOGUE = [
     BadInput("an empty --prefix", GOOD + MAIN, ("plan", "EXP", "--prefix", ""), "error", "--prefix is empty"),
     BadInput("status --yes", GOOD + MAIN, ("status", "EXP", "--yes"), "error", "--yes does nothing for `keel status`"),
     BadInput("gc --force", GOOD + MAIN, ("gc", "EXP", "--force", "x"), "error", "--force does nothing for `keel gc`"),
+    BadInput("run --json", GOOD + MAIN, ("run", "EXP", "--json"), "error", "--json does nothing for `keel run`"),
 ]
 
 

@@ -64,7 +64,8 @@ def _parser(prog: str, with_experiment: bool) -> argparse.ArgumentParser:
 
 
 _OPTION_USERS = {"yes": ("gc",), "force": ("run", "plan", "status"), "only": ("run", "plan", "status", "compare"),
-                 "max_concurrent": ("run",), "cluster": ("run",)}
+                 "max_concurrent": ("run",), "cluster": ("run",), "json": ("plan", "status", "compare"),
+                 "port": ("dashboard",), "out": ("dashboard",)}
 """The commands each option means something to: given to another command, it is refused, not ignored."""
 
 
