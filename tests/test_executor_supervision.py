@@ -5,14 +5,17 @@ SUCCESS with the result of an uninterrupted run, each attempt recorded; spent re
 naming every attempt.
 
 The step here stands in for training (no jax, so each attempt starts in a second): it takes
-`steps` deterministic steps, beats the heartbeat after each (as `keel.train.progress` does),
-checkpoints every other step and, on its first attempt only, meets the fault `KEEL_TEST_FAULT`
-declares (`sigkill@5`, `sigstop@5`, `raise@5`; `raise@always` on every attempt).
+`steps` deterministic steps, beats the heartbeat after each and meets the fault that Levanter's
+`LEVANTER_FAULT_KIND`/`LEVANTER_FAULT_STEP` declare, as `keel.train.progress` does through
+`levanter.recovery.faults` (read here without importing it: it imports jax), and checkpoints every
+other step. The launcher runs retries without those variables, as Levanter's supervisor does, so
+the fault fires once; `KEEL_TEST_FAIL_ALWAYS` raises on every attempt.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,8 +42,7 @@ def train(config):
     checkpoint = os.path.join(config.output_path, "checkpoint.json")
     state = json.load(open(checkpoint)) if os.path.exists(checkpoint) else {"step": 0, "loss": 8.0}
     print(f"resuming at step {state['step']}", flush=True)
-    kind, _, at = os.environ.get("KEEL_TEST_FAULT", "").partition("@")
-    first_attempt = not os.path.exists(os.path.join(config.output_path, "faulted"))
+    kind, at = os.environ.get("LEVANTER_FAULT_KIND", "none"), int(os.environ.get("LEVANTER_FAULT_STEP", "-1"))
     while state["step"] < config.steps:
         state = {"step": state["step"] + 1, "loss": round(state["loss"] * 0.9 + 0.05, 12)}
         heartbeat.beat(state["step"])
@@ -48,8 +50,7 @@ def train(config):
             with open(checkpoint + ".tmp", "w") as f:
                 json.dump(state, f)
             os.replace(checkpoint + ".tmp", checkpoint)
-        if kind and (at == "always" or (first_attempt and state["step"] == int(at))):
-            open(os.path.join(config.output_path, "faulted"), "w").close()
+        if os.environ.get("KEEL_TEST_FAIL_ALWAYS") or (kind != "none" and state["step"] == at):
             if kind == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind == "sigstop":
@@ -74,22 +75,22 @@ def uninterrupted_loss(steps: int) -> float:
     return loss
 
 
-def run_with_fault(tmp_path: Path, fault: str) -> tuple[subprocess.CompletedProcess, Path]:
+def run_with_fault(tmp_path: Path, **fault: str) -> tuple[subprocess.CompletedProcess, Path]:
     (tmp_path / "exp.py").write_text(EXPERIMENT)
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     result = subprocess.run([sys.executable, "-m", "keel.cli_entry", "run", str(tmp_path / "exp.py"), "--prefix", str(tmp_path / "out")],
-                            env={**env, "KEEL_TEST_FAULT": fault}, capture_output=True, text=True, timeout=300)
+                            env={**env, **fault}, capture_output=True, text=True, timeout=300)
     [output] = (tmp_path / "out").glob("train/faulty-*")
     return result, output
 
 
 @pytest.mark.parametrize("fault,kind,why", [
-    ("sigkill@5", "preemption", "killed by SIGKILL"),
-    ("sigstop@5", "preemption", "no progress for"),
-    ("raise@5", "failure", "injected fault at step 5"),
+    ("sigkill", "preemption", "killed by SIGKILL"),
+    ("sigstop", "preemption", "no progress for"),
+    ("sticky", "failure", "injected fault at step 5"),
 ])
 def test_a_fault_is_retried_and_resumes_to_the_uninterrupted_result(tmp_path, fault, kind, why):
-    result, output = run_with_fault(tmp_path, fault)
+    result, output = run_with_fault(tmp_path, LEVANTER_FAULT_KIND=fault, LEVANTER_FAULT_STEP="5")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"[keel] retry train/faulty: attempt 1 ended by {kind}" in result.stdout, result.stdout
     assert json.loads((output / "final.json").read_text()) == {"step": 8, "loss": uninterrupted_loss(8)}
@@ -101,7 +102,7 @@ def test_a_fault_is_retried_and_resumes_to_the_uninterrupted_result(tmp_path, fa
 
 
 def test_spent_retries_fail_the_step_naming_every_attempt(tmp_path):
-    result, output = run_with_fault(tmp_path, "raise@always")
+    result, output = run_with_fault(tmp_path, KEEL_TEST_FAIL_ALWAYS="1")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stdout + result.stderr
     assert "failed after 3 attempts: attempt 1 (failure): RuntimeError: injected fault at step 1; attempt 2 (failure)" in result.stderr
     status = json.loads((output / ".keel/status").read_text())

@@ -25,3 +25,18 @@ def test_a_learning_run_or_an_unfinished_one_gets_no_warning(capsys, monkeypatch
     _run([7.0] * 30, total=100)  # stopped early (interrupted): judged when it finishes
     _run([3.0] * 30, total=300, start=270)  # resumed near the end: a flat tail is no sign
     assert "warning" not in capsys.readouterr().out
+
+
+def test_levanters_fault_injection_fires_at_its_step(monkeypatch):
+    """`LEVANTER_FAULT_KIND`/`LEVANTER_FAULT_STEP` reach every training step through its progress,
+    so a real run can be given a SIGKILL, SIGSTOP or error at a chosen step (here: the error)."""
+    import pytest
+    from levanter.recovery.faults import InjectedStickyFault
+
+    monkeypatch.setenv("LEVANTER_FAULT_KIND", "sticky")
+    monkeypatch.setenv("LEVANTER_FAULT_STEP", "3")
+    progress = Progress("run", 0, 5, enabled=False)
+    progress.step(1, loss=7.0, tokens_per_s=1.0, transport="ring", phase=None)
+    progress.step(2, loss=7.0, tokens_per_s=1.0, transport="ring", phase=None)
+    with pytest.raises(InjectedStickyFault):
+        progress.step(3, loss=7.0, tokens_per_s=1.0, transport="ring", phase=None)

@@ -44,15 +44,16 @@ class ChildOutcome:
     resume: str = ""  # for "interrupted": what the next run resumes from
 
 
-def start_child(fn, resolved_config, output_path: str, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    """Start the child for one step; returns the process and the folder holding its payload/result."""
+def start_child(fn, resolved_config, output_path: str, env: dict[str, str], drop: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """Start the child for one step, in the launcher's environment plus `env`, less the variables
+    named in `drop`; returns the process and the folder holding its payload/result."""
     import cloudpickle
 
     workdir = tempfile.mkdtemp(prefix="keel-step-")
     with open(os.path.join(workdir, "payload"), "wb") as f:
         pickle.dump(list(sys.path), f)
         cloudpickle.dump((fn, resolved_config, output_path), f)
-    child_env = {**os.environ, **env}
+    child_env = {k: v for k, v in {**os.environ, **env}.items() if k not in drop}
     process = subprocess.Popen(
         [sys.executable, "-m", "keel.executor.child", workdir],
         env=child_env, stdin=subprocess.DEVNULL, start_new_session=True,

@@ -291,7 +291,7 @@ class Runner:
             self.echo(f"[keel] start {plan.name} -> {plan.output_path}" + (f" ({how})" if how else ""))
             beside = _Beside.before(plan.output_path)
             try:
-                self._dispatch(step, resolved, plan.output_path, running.attempt)
+                self._dispatch(step, resolved, plan.output_path, running.attempt, retry=bool(earlier))
             except interrupt.StepInterrupted as exc:
                 why = f"{exc}; `keel run` again resumes it" + (f" from {exc.resume}" if exc.resume else "")
                 mark_finished(plan.output_path, running, error=why, interrupted=True, attempts=list(earlier))
@@ -337,7 +337,7 @@ class Runner:
                 folder, _, name = folder.rpartition("/")
         return owned
 
-    def _dispatch(self, step: Step, resolved, output_path: str, attempt: int) -> None:
+    def _dispatch(self, step: Step, resolved, output_path: str, attempt: int, retry: bool = False) -> None:
         from fray.types import Entrypoint, JobRequest, create_environment
 
         # One job per attempt: a retry's log is its own, never the previous attempt's lines too.
@@ -355,7 +355,7 @@ class Runner:
             run_on_cluster(self.cluster, request, step.resources.describe())
             return
         if step.isolated and storage.is_shared_between_processes(output_path):
-            self._run_in_child(step, resolved, output_path)
+            self._run_in_child(step, resolved, output_path, retry)
             return
         with self._lock:
             if self.client is None:
@@ -364,7 +364,7 @@ class Runner:
         entry = Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path), kwargs={"in_launcher": True})
         self.client.submit(JobRequest(name=job_name, entrypoint=entry)).wait(raise_on_failure=True)
 
-    def _run_in_child(self, step: Step, resolved, output_path: str) -> None:
+    def _run_in_child(self, step: Step, resolved, output_path: str, retry: bool) -> None:
         from keel.executor.child import collect, start_child
 
         env = _process_env(resolved, processes=1)
@@ -376,7 +376,9 @@ class Runner:
         with self._lock:
             if self._stopping:
                 raise interrupt.StepInterrupted("the run was interrupted before the step started")
-            process, workdir = start_child(step.fn, resolved, output_path, env)
+            # A retry runs without an injected fault, or the fault would fire again at the same step
+            # forever (as Levanter's supervisor does).
+            process, workdir = start_child(step.fn, resolved, output_path, env, drop=_FAULT_ENV if retry else ())
             self._children.add(process)
         try:
             outcome = collect(process, workdir, beat, step.progress_timeout_s)
@@ -432,6 +434,9 @@ def _log_or_none(output_path: str) -> str:
     url = log_url(output_path)
     return url if storage.exists(url) else f"{url} (no output)"
 
+
+_FAULT_ENV = ("LEVANTER_FAULT_KIND", "LEVANTER_FAULT_STEP")
+"""`levanter.recovery.faults`' fault-injection settings (named here: that module imports jax)."""
 
 _DISK_FULL = ("No space left on device", "Disk quota exceeded")
 

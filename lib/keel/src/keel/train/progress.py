@@ -75,8 +75,14 @@ class Progress:
 
     def step(self, completed: int, *, loss: float, tokens_per_s: float, transport: str, phase: str | None) -> None:
         """After each optimizer step: the heartbeat the launcher may watch (`Step.progress_timeout_s`),
+        the fault `LEVANTER_FAULT_KIND`/`LEVANTER_FAULT_STEP` inject (`levanter.recovery.faults`: a
+        SIGKILL, SIGSTOP, raised error or spin at that step; the launcher drops them on a retry),
         then the bar's postfix, or a plain line now and then."""
         heartbeat.beat(completed)
+        if os.environ.get("LEVANTER_FAULT_KIND", "none") != "none":  # a fault injected on purpose, to test recovery
+            from levanter.recovery.faults import maybe_inject
+
+            maybe_inject(completed)
         self._losses.append(loss)
         self._completed = completed
         if not self.enabled:
