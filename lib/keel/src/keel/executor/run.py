@@ -444,7 +444,7 @@ _DISK_FULL = ("No space left on device", "Disk quota exceeded")
 def _with_hint(error: str) -> str:
     """The error, with what to do when it says the disk is full."""
     if any(text in error for text in _DISK_FULL):
-        return error + "\n  the disk holding the outputs is full: free space there or pass another --prefix, then run again (finished steps stay cached)"
+        return error + "; the disk holding the outputs is full: free space there or pass another --prefix, then run again (finished steps stay cached)"
     return error
 
 
@@ -500,7 +500,10 @@ class _Beside:
     def written(self, owned: dict[str, set[str]]) -> list[str]:
         """Entries created in the folder since the start that no step owns (another step's output,
         `NAME-HASH`, may appear there at any time)."""
-        if self.mtime_ns is None or os.stat(self.folder).st_mtime_ns == self.mtime_ns:
+        try:
+            if self.mtime_ns is None or os.stat(self.folder).st_mtime_ns == self.mtime_ns:
+                return []
+        except FileNotFoundError:  # the folder is gone (deleted by hand meanwhile): nothing to say about it
             return []
         mine = owned.get(self.folder, set())
         found = []
