@@ -25,6 +25,7 @@ def test_racks_are_contiguous_device_blocks():
     assert ids[0].ravel().tolist() == [0, 1, 2, 3] and ids[1].ravel().tolist() == [4, 5, 6, 7]
 
 
+@pytest.mark.slow
 def test_expert_weights_split_inside_a_rack_and_batch_over_all_devices():
     config = hero_like()
     mesh = build_mesh(RACKS_2X4)

@@ -42,6 +42,7 @@ def _convs_and_gates(model):
     return [block.attn.gate, block.attn.conv_key.kernel, block.conv_attention_output.kernel, block.conv_moe_output.kernel]
 
 
+@pytest.mark.slow
 def test_documents_in_one_row_do_not_see_each_other():
     config = hero_like()
     fresh = init_model(config, jax.random.PRNGKey(0))
@@ -87,6 +88,7 @@ def test_the_declared_backend_applies_the_window(backend):
     assert delta[at : at + window].min() > 1e-3  # while every position whose window holds `at` moves
 
 
+@pytest.mark.slow
 def test_xsa_output_is_orthogonal_to_the_own_value():
     config = hero_like()
     attn = init_model(config, jax.random.PRNGKey(0)).layers.get_layer(0).attn
@@ -126,6 +128,7 @@ def test_next_router_bias_is_minus_beta_centred():
     np.testing.assert_allclose(bias, [[1.0, 0.0, -1.0], [1.0, 1.0, -2.0]])
 
 
+@pytest.mark.slow
 def test_forward_reports_per_layer_balance_stats():
     config = hero_like()
     model = init_model(config, jax.random.PRNGKey(0))
@@ -158,6 +161,7 @@ def test_router_bias_steers_selection_but_not_the_combine_weights():
     assert np.all(np.asarray(jax.grad(threshold_sum)(bias).array) == 0)
 
 
+@pytest.mark.slow
 def test_router_bias_moves_only_by_quantile_balancing_under_the_grouped_optimizer():
     """Two real steps in the loop's order (optimizer update, then `apply_router_update`): the
     optimizer's update for the bias is exactly zero and the bias ends as -beta (centred).
@@ -197,6 +201,7 @@ def test_router_bias_moves_only_by_quantile_balancing_under_the_grouped_optimize
         assert np.abs(expected - before).max() > 0  # quantile balancing did move it
 
 
+@pytest.mark.slow
 def test_softmax_routing_with_auxiliary_loss():
     config = hero_like(routing="softmax_topk", balancing="aux_loss", aux_loss_coef=0.01, routing_renorm_sum=1.0)
     model = init_model(config, jax.random.PRNGKey(0))

@@ -139,6 +139,7 @@ def test_muonh_matrices_are_found_from_the_axis_names():
         matrix_axes(model.layers.stacked.attn_norm.norm.weight.axes)  # a gain [layers, embed] is no matrix
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LOGICAL))
 def test_muonh_orthogonalises_each_logical_matrix_and_keeps_its_norm(muonh_step, name):
     params, updates = muonh_step
@@ -153,6 +154,7 @@ def test_muonh_orthogonalises_each_logical_matrix_and_keeps_its_norm(muonh_step,
     np.testing.assert_allclose(norms_after, norms_before, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_muonh_moves_the_norms_of_rows_and_heads(muonh_step):
     """Orthogonalising per [heads, head_size] slice froze each input row of q and each head of o."""
     params, updates = muonh_step
@@ -166,6 +168,7 @@ def test_muonh_moves_the_norms_of_rows_and_heads(muonh_step):
         assert np.abs(norms(moved, axis) / norms(old, axis) - 1).max() > 1e-4  # per-slice: ~1e-7 (rounding)
 
 
+@pytest.mark.slow
 def test_muonh_step_is_the_same_on_the_rack_mesh(muonh_step):
     """FSDP and expert splits gather each logical matrix whole: sharded and unsharded steps agree."""
     from keel.mesh import RackTopology
