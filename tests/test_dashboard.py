@@ -77,7 +77,9 @@ def test_the_page_of_a_finished_experiment_live_and_exported(tmp_path):
     experiment = str(tmp_path / "dash_exp.py")
     Path(experiment).write_text(_EXPERIMENT)
     prefix = str(tmp_path / "out")
-    assert console_main(["run", experiment, "--prefix", prefix]) == 0
+    done = subprocess.run([*keel_command(), "run", experiment, "--prefix", prefix], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)  # a user's run: what the step prints lands in its log.txt
+    assert done.returncode == 0, done.stdout + done.stderr
     graph = _graph(experiment, prefix)
     expected = {p.name: p.state for p in plan_graph(graph)}
     run_a = next(s for s in graph.steps() if s.name == "train/dash/a")
