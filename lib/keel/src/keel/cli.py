@@ -239,6 +239,7 @@ def _act(args, step_lists: list[list]) -> int:
 
 
 def _with_ancestry(steps: list) -> list:
+    """`steps` and every step they depend on, directly or not (what `run --only` looks at)."""
     found: dict[int, object] = {}
     stack = list(steps)
     while stack:
