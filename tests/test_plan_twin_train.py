@@ -8,24 +8,26 @@ from pathlib import Path
 import pytest
 
 from keel.executor.run import run_steps
+from keel.plan.resolved import resolve
 
 HERO = Path(__file__).resolve().parents[1] / "experiments" / "hero_535b.py"
 
 
 @pytest.mark.slow
-def test_the_twin_trains_through_its_phases_and_transport_switch(tmp_path):
+def test_the_twin_trains_through_its_phases_transport_and_offload_switch_as_planned(tmp_path):
     hero = runpy.run_path(str(HERO), run_name="hero_535b")
     (step,) = hero["twin"](num_steps=12, corpus_bytes=600_000, mixture_block=16)
     config = step.config
     assert [p.start_step for p in config.data.phases] == [0, 3, 10]
     assert [(t.transport, t.start_step) for t in config.train.transports] == [("fixed_pooled_all_to_all", 0), ("ring", 3)]
-    # 600 KB of stdlib holds no validation document: no evaluation to declare
-    step = step.with_config(dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=12, eval_batches=0)))
+    assert config.train.host_offload.master_weights_until_step == 3, "the swap step, scaled"
+    assert len({c.step.name for c in config.data.components.values()}) == 13, "13 distinct component caches"
+    step = step.with_config(dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=12, eval_batches=1)))
 
     report = run_steps([step], str(tmp_path), echo=lambda line: None)
     assert not report.failures, report.failures
 
-    (run_dir,) = (tmp_path / "train").iterdir()
+    run_dir = next(p for p in (tmp_path / "train").iterdir() if p.name.startswith("hero_535b-tiny"))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = {r["step"]: r for r in records if "train/loss" in r}
     assert sorted(train) == list(range(12))
@@ -33,3 +35,18 @@ def test_the_twin_trains_through_its_phases_and_transport_switch(tmp_path):
     assert {train[s]["transport"] for s in range(3, 12)} == {"ring"}
     first, last = train[0]["train/loss"], sum(train[s]["train/loss"] for s in (9, 10, 11)) / 3
     assert last < first - 0.3, (first, last)
+    # distinct data per component: their validation losses differ
+    evals = [r for r in records if "eval/loss" in r]
+    per_component = {k: v for k, v in evals[-1].items() if k.startswith("eval/") and k.endswith("/loss") and k != "eval/loss"}
+    assert len(per_component) > 3 and len({round(v, 4) for v in per_component.values()}) == len(per_component)
+
+    # the live layout, as the run recorded it: planned at the start and after the swap at step 3
+    layout = json.loads((run_dir / ".keel" / "layout.json").read_text())["records"]
+    assert [(r["step"], r["reason"]) for r in layout] == [(0, "start"), (3, "phase change")]
+    plan = resolve(step.config)
+    for record in layout:
+        live = [leaf for leaf in record["leaves"] if not leaf["path"].startswith("opt_state/counter/")]
+        assert live == [leaf.record() for leaf in plan.state_at(record["step"])]
+    kinds = [{leaf["memory_kind"] for leaf in r["leaves"] if leaf["path"].startswith("model/")} for r in layout]
+    assert kinds == [{"pinned_host"}, {"device"}], "master weights on the host until the swap, then on the device"
+    assert layout[1]["transport"] == {"transport": "ring", "capacity_factor": None}

@@ -50,6 +50,43 @@ def test_the_readme_main_job_trains_then_everything_is_cached(tmp_path):
     again = keel("run", "experiments/tutorials/tiny_moe.py", "--prefix", str(tmp_path), timeout=120)
     assert again.returncode == 0 and "0 ran, 0 reused, 4 cached" in again.stdout, again.stdout + again.stderr
 
+    # the run's own record of the state it trained is what `keel plan --json` prints, leaf by leaf
+    planned = keel("plan", "experiments/tutorials/tiny_moe.py", "--prefix", str(tmp_path), "--json", timeout=120)
+    sheet = next(s for s in json.loads(planned.stdout)["fact_sheets"] if s["step"] == "train/tiny_moe")
+    layout = json.loads(Path(keel_path(graph.path(train), "layout.json")).read_text())["records"]
+    assert [(r["step"], r["reason"]) for r in layout] == [(0, "start"), (150, "phase change")]
+    for record in layout:
+        live = [leaf for leaf in record["leaves"] if not leaf["path"].startswith("opt_state/counter/")]
+        assert live == sheet["state_layout"][0]["leaves"]
+
+    # the logged validation loss is the whole split's (a representative sample of it)
+    whole = _whole_split_loss(graph, train)
+    assert abs(evals[max(evals)] - whole) < 0.05, (evals[max(evals)], whole)
+
+
+def _whole_split_loss(graph, train) -> float:
+    """The final checkpoint's loss over every sequence of the validation split (in-process, as the eval step does)."""
+    import jax
+
+    from keel.data import load_token_cache
+    from keel.mesh.topology import BATCH_AXES
+    from keel.train.loop import eval_loss_fn, validation_losses
+    from keel.trained.config import TrainedModel
+    from keel.trained.load import load_model
+
+    config = train.config
+    cache = graph.path(next(s for s in graph.steps() if s.name.startswith("tokenized/")))
+    split = load_token_cache(cache, "validation", seq_len=config.train.seq_len)
+    loaded = load_model(TrainedModel(run=graph.path(train), step=config.train.num_steps, model=config.model,
+                                     train=config.train, topology=config.topology))
+    batches = -(-len(split) // config.train.batch_size)
+    with jax.set_mesh(loaded.mesh):
+        evaluate = eval_loss_fn(loaded.lm, loaded.static, loaded.shardings, loaded.transport, loaded.compute_dtype)
+        (loss, rows), = validation_losses(evaluate, loaded.arrays, {"data": split}, batch_size=config.train.batch_size,
+                                          num_batches=batches, mesh=loaded.mesh, batch_axes=BATCH_AXES).values()
+    assert len(rows) == len(split)
+    return loss
+
 
 def test_ctrl_c_stops_training_steps_at_a_step_boundary_and_the_rerun_resumes(tmp_path):
     steps = "100"

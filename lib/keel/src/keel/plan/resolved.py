@@ -150,7 +150,8 @@ class ResolvedRun:
     def state_at(self, step: int) -> tuple[StateLeaf, ...]:
         """Every array of the train state while step `step` runs, as the trainer lays it out: the
         parameters in the master dtype, each optimizer-state array placed and typed like its
-        parameter, in the memory kinds `memory_kinds_at(step)` gives."""
+        parameter, in the memory kinds `memory_kinds_at(step)` gives; sorted by path (as the live
+        record is, so the two files diff line by line)."""
         if self.mesh_axes is None:
             raise ValueError("the run declares no topology, so it has no mesh to lay its state out on")
         kinds, master = self.memory_kinds_at(step), self.config.train.master_dtype
@@ -164,7 +165,7 @@ class ResolvedRun:
                 leaves.append(StateLeaf(f"opt_state/{p.path}/{i}", p.shape, master, p.placement,
                                         kinds["optimizer_state"], bytes_per_device(p.shape, p.placement, master,
                                                                                    self.mesh_axes)))
-        return tuple(leaves)
+        return tuple(sorted(leaves, key=lambda leaf: leaf.path))
 
     def newton_schulz_bytes_per_device(self) -> int:
         """What MuonH's Newton-Schulz holds at once on a device: the largest MuonH parameter with

@@ -78,7 +78,8 @@ def record(state, *, step: int, reason: str, transport: dict, learning_rates: di
     """The live state as jax reports it: per array its path, shape, dtype, spec (null, a mesh axis
     or a list of axes per dim), memory kind and the bytes of one device's shard; plus the phase
     (transport and capacity) and each group's learning rate at `step` and at its peak (the end of
-    warmup), read from the schedules the optimizer steps with."""
+    warmup), read from the schedules the optimizer steps with. Leaves are sorted by path, as the
+    plan's table is."""
     leaves = []
     for path, array in zip(state_paths(state), jax.tree.leaves(state)):
         sharding = array.sharding
@@ -88,7 +89,7 @@ def record(state, *, step: int, reason: str, transport: dict, learning_rates: di
                        "memory_kind": sharding.memory_kind,
                        "bytes_per_device": int(array.dtype.itemsize * _prod(shard))})
     return {"step": step, "reason": reason, "transport": transport, "learning_rates": learning_rates,
-            "peak_learning_rates": peak_learning_rates, "leaves": leaves}
+            "peak_learning_rates": peak_learning_rates, "leaves": sorted(leaves, key=lambda leaf: leaf["path"])}
 
 
 def check(live: dict, run: ResolvedRun) -> None:

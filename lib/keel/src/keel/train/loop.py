@@ -169,7 +169,6 @@ class _Run:
             self.progress.event(f"resumed from {latest} (step {start})")
         if start < config.num_steps:
             self._check_layout(start, "resume" if latest is not None else "start")
-        if start < config.num_steps:
             self.progress.event(f"compiling the {self.transport_at(start).transport} training step ahead, while the run sets up ...")
         metrics_log = MetricsLog(os.path.join(self.output_path, METRICS_FILE), writer=primary, resume_at=start)
         tracker = self._open_tracker()
