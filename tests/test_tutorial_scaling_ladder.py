@@ -1,0 +1,34 @@
+"""The scaling-ladder tutorial as the README runs it: four tiny MoE rungs, the fit, the larger target
+trained after its prediction, and the prediction error printed and kept; `keel compare` sets the
+target's loss against the band."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from keel.cli import load_experiment
+from keel.executor.plan import Graph
+from test_step_isolation import keel
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+TUTORIAL = "experiments/tutorials/scaling_ladder.py"
+
+
+@pytest.mark.timeout(2400)
+def test_the_ladder_fits_four_sizes_and_reports_its_error_on_the_fifth(tmp_path):
+    done = keel("run", TUTORIAL, "--prefix", str(tmp_path), timeout=2300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "fit L(C) = " in done.stdout and "prediction error on hidden 128, 64 steps: actual val loss" in done.stdout
+    graph = Graph(load_experiment(str(REPO / TUTORIAL)), str(tmp_path))
+    steps = {s.name: s for s in graph.steps()}
+    fit = json.loads((Path(graph.path(steps["ladder/tiny"])) / "fit.json").read_text())
+    assert len(fit["rungs"]) == 4 and fit["prediction"]["compute"] > max(r["compute"] for r in fit["rungs"])
+    prediction = fit["prediction"]
+    assert prediction["low"] <= prediction["loss"] <= prediction["high"]
+    check = json.loads((Path(graph.path(steps["ladder/tiny/check"])) / "check.json").read_text())
+    assert check["step"] == 64 and check["error"] == pytest.approx(check["actual"] - prediction["loss"])
+    table = keel("compare", TUTORIAL, "--prefix", str(tmp_path), "--only", "target", timeout=120)
+    assert table.returncode == 0 and "| predicted |" in table.stdout.splitlines()[0], table.stdout + table.stderr
