@@ -62,7 +62,6 @@ def _step(graph: Graph, plan: StepPlan, names: dict[int, str]) -> dict[str, Any]
         "reason": plan.reason,
         "output_path": plan.output_path,
         "deps": [names[id(d)] for d in plan.step.deps if id(d) in names],
-        "kind": "train" if _is_training(plan.step) else "external" if not isinstance(plan.step, Step) else "step",
         "description": getattr(plan.step, "description", None),
         "attempt": status.attempt if status else None,
         "started": status.started if status else None,

@@ -90,7 +90,7 @@ function renderDetails(state) {
   const box = document.getElementById("details");
   const s = state.steps.find((x) => x.name === selected);
   if (!s) return;
-  const facts = [["state", s.state], ["why", s.reason || "-"], ["output", s.output_path], ["attempt", s.attempt ?? "-"],
+  const facts = [["state", s.state], ["why", s.reason || "-"], ["what", s.description || "-"], ["output", s.output_path], ["attempt", s.attempt ?? "-"],
     ["started", s.started ? new Date(s.started * 1000).toISOString() : "-"], ["duration", seconds(s.duration_s)],
     ["depends on", s.deps.join(", ") || "-"]];
   const table = html("table", { class: "facts" }, ...facts.map(([k, v]) => html("tr", {}, html("td", {}, k), html("td", {}, String(v)))));
