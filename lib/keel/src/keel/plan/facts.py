@@ -6,13 +6,14 @@ traffic, observed time, the step-time model (`step_time`), mixture phases, trans
 launch figures (`launch`), the "claims checked" section and the verdict (`verdicts`). Pure
 arithmetic on plain configs: no jax, so `keel plan` on the 535B run is instant.
 
-Memory model (bytes per GPU): every leaf of the resolved run's parameter table (`resolved.py`),
-split as its placement says (`keel.mesh.placement`: routed experts over `expert`, the token
-embedding replicated, `embed`-wide arrays FSDP over the rack, the rest replicated), with its
-optimizer state placed like it. Weights and gradients are held in the compute dtype (bf16), master
-weights in fp32, optimizer moments in fp32 (MuonH: one, Adam/AdamH/AdamW: two, the router bias
-none: it is set, not trained). With per-layer rematerialisation one residual tensor per layer is
-kept for the backward pass.
+Memory model (bytes per GPU): the resolved run's state table (`ResolvedRun.state_at`, the very
+table the running step checks its live state against): every leaf split as its placement says
+(`keel.mesh.placement`: routed experts over `expert`, the token embedding replicated,
+`embed`-wide arrays FSDP over the rack, the rest replicated), in the master dtype, each optimizer
+moment placed and typed like its leaf (MuonH: one, Adam/AdamH/AdamW: two, the router bias none:
+it is set, not trained). Gradients are laid out like the trained leaves, in the master dtype (the
+step takes them of the master weights, casting to the compute dtype inside). With per-layer
+rematerialisation one residual tensor per layer is kept for the backward pass.
 """
 
 from __future__ import annotations

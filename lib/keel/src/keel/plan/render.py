@@ -62,7 +62,7 @@ def _training(t: dict, o: dict) -> list[str]:
         f"{_e(t['flops_with_attention'])} ({_e(t['flops_per_token'])} per token)",
     ]
     if o["kind"] == "GroupedOptimizerConfig":
-        lr = f"MuonH {o['muon_lr']:.6f}, Adam/AdamH {o['adam_lr']:.6f}"
+        lr = f"MuonH/AdamH {o['muon_lr']:.6f}, Adam {o['adam_lr']:.6f}"
     else:
         lr = f"AdamW {o['lr']:g}"
     lines.append(f"optimizer    {lr}; warmup {_n(o['warmup_steps'])} steps, decay to {o['decay_to_fraction']:g} of peak; "

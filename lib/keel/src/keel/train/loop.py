@@ -206,7 +206,8 @@ class _Run:
     def _title(self) -> str:
         """The run's name and the figures that tell it from its neighbours in a sweep."""
         c, opt = self.config, self.config.optimizer
-        lrs = (f"lr muon {opt.muon_lr:.3g} / adam {opt.adam_lr:.3g}" if hasattr(opt, "muon_lr") else f"lr {opt.lr:.3g}")
+        lrs = (f"lr muonh/adamh {opt.muon_lr:.3g} / adam {opt.adam_lr:.3g}" if hasattr(opt, "muon_lr")
+               else f"lr {opt.lr:.3g}")
         return f"{run_name(self.output_path)}: {lrs}, batch {c.batch_size} x {c.seq_len}, {c.num_steps} steps, seed {c.seed}"
 
     def _marks(self) -> dict[int, str]:
