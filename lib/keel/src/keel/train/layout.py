@@ -7,11 +7,11 @@ device. This module is the runtime's only source of placements:
 - `state_paths(state)` names each array of a live (or abstract) train state the way the table
   does: `step`, `model/<parameter path>`, `opt_state/<parameter path>/<i>`; optax's scalar
   counters (step counts, injected hyperparameters) are `opt_state/counter/<optax path>`;
-- `planned_shardings(run, paths, mesh)` turns the table into the NamedSharding of every array
+- `planned_shardings(run, state, mesh)` turns the table into the NamedSharding of every array
   (device memory; `keel.train.offload` then gives each part its memory kind at a step);
-- `record(state, paths, ...)` writes down the live state as jax reports it, in the table's form,
-  and `check(record, run, step)` compares the two leaf by leaf and raises `LayoutMismatch` naming
-  the first difference. The training loop writes the record to `.keel/layout.json` and checks it
+- `record(state, ...)` writes down the live state as jax reports it, in the table's form, and
+  `check(live, run)` compares the two leaf by leaf at the record's step and raises
+  `LayoutMismatch` naming the first difference. The training loop writes the record to `.keel/layout.json` and checks it
   when it starts, resumes and changes phase (transport or host-offload switch).
 """
 
