@@ -12,7 +12,7 @@ from keel.cli import console_main
 from keel.data import iter_documents
 from keel.executor import inputs
 from keel.executor.identity import Identities
-from keel.executor.plan import Graph, plan_graph
+from keel.executor.plan import EMPTY_EXTERNAL, Graph, plan_graph
 from keel.executor.run import run_steps
 
 
@@ -145,7 +145,7 @@ def test_an_external_without_a_version_is_fingerprinted_but_not_its_keel_folder(
     assert ext_hash() != first
     assert ext_hash(version="v1") == ext_hash(version="v1") != ext_hash()
     missing = External("shared/none", str(tmp_path / "none"))
-    assert [p.reason for p in plan_graph(Graph([missing], str(tmp_path / "out")))] == ["no files at this path yet"]
+    assert [p.reason for p in plan_graph(Graph([missing], str(tmp_path / "out")))] == [EMPTY_EXTERNAL]
 
 
 def test_keel_plan_names_a_missing_input_before_anything_runs(tmp_path, capsys):
