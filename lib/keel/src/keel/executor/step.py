@@ -279,7 +279,7 @@ def check_types(config: Any, step_name: str) -> None:
                 if _admits(hint, value) is False:
                     shown = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
                     raise StepDeclarationError(f"step {step_name!r}: {where}.{name}={value!r} is a {type(value).__name__}, "
-                                               f"but the field is declared {shown}: give a {shown} value")
+                                               f"but the field is declared {shown}: give a value of that type")
             elif dataclasses.is_dataclass(value) and not isinstance(value, type):
                 stack.append((f"{where}.{name}", value))
 
