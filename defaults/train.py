@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from keel import Resources, Step
+from keel import Resources, Retries, Step
 from keel.data import Mixture
 from keel.executor.step import External, OutputOf
 from keel.mesh import Hardware, RackTopology
@@ -37,13 +37,17 @@ def default_train(
     predicted_loss: OutputOf | None = None,
     facts: RunFacts | None = None,
     stand_ins: tuple[str, ...] = (),
+    retries: Retries | None = None,
+    progress_timeout_s: float | None = None,
 ) -> Step:
     """A `Step` that trains `model` on `data` (a Mixture, or a tokenize step / External cache).
 
     `predicted_loss` is a scaling ladder's prediction for this run (`default_scaling_ladder(...).prediction`):
     the run trains after it is made, and must have the compute it was made for. `facts` are what is
     known of a real run (speeds, claims); `stand_ins` name what a scaled-down twin plays the real
-    run's part with (`keel.plan.scale_down` says them; `keel plan` prints them)."""
+    run's part with (`keel.plan.scale_down` says them; `keel plan` prints them). `retries` and
+    `progress_timeout_s` are the step's (`keel.Step`): how often a failed or preempted attempt is
+    resumed from its newest checkpoint, and how long the launcher waits for a step's heartbeat."""
     if not isinstance(data, (Mixture, Step, External, OutputOf)):
         raise TypeError(
             f"default_train({name!r}): data is a {type(data).__name__}; give a keel.data.Mixture, a tokenize Step "
@@ -53,7 +57,8 @@ def default_train(
         _check_prediction(name, predicted_loss, model, train)
     config = TrainStepConfig(model=model, data=data, train=train, topology=topology, hardware=hardware,
                              predicted_loss=predicted_loss, facts=facts, stand_ins=stand_ins)
-    return Step(f"train/{name}", train_step, config, resources=resources, description=description, isolated=True)
+    return Step(f"train/{name}", train_step, config, resources=resources, description=description, isolated=True,
+                retries=retries, progress_timeout_s=progress_timeout_s)
 
 
 def _check_prediction(name: str, predicted: Any, model: MoELMConfig, train: TrainConfig) -> None:

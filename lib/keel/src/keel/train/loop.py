@@ -161,12 +161,13 @@ class _Run:
         config, latest = self.config, self.latest
         if latest is not None:  # the exemplar is already in the resume step's layout
             self.state_arrays = self.checkpoints.restore(self.state_arrays, latest)
-            logger.info("Resumed from %s", latest)
         start = int(self.state_arrays["step"])
+        self._place(start)  # an unreadable newest checkpoint may have sent it back to an older step's layout
         primary = jax.process_index() == 0
         self.progress = Progress(run_name(self.output_path), start, config.num_steps, enabled=primary)
         if latest is not None:
-            self.progress.event(f"resumed from {latest} (step {start})")
+            self.progress.event(f"resumed at step {start}" + (f" from {latest}" if start == self.start else
+                                                               " (the newest checkpoint that reads)"))
         if start < config.num_steps:
             self._check_layout(start, "resume" if latest is not None else "start")
             self.progress.event(f"compiling the {self.transport_at(start).transport} training step ahead, while the run sets up ...")
