@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -68,7 +69,13 @@ def make_server(experiment: str, graph, port: int = 0) -> ThreadingHTTPServer:
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
-            path = self.path.split("?", 1)[0]
+            try:
+                self._route(self.path.split("?", 1)[0])
+            except Exception as exc:  # noqa: BLE001 - a prefix mid-write or a record of another version: say so, keep serving
+                print(f"keel dashboard: {self.path}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                self.send_error(500, explain=f"{type(exc).__name__}: {exc}")
+
+        def _route(self, path: str) -> None:
             if path in ("/", "/index.html"):
                 self._send(_static("index.html"), ".html")
             elif path == "/state.js":

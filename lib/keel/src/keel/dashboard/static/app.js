@@ -220,12 +220,16 @@ function render(state) {
 async function poll() {
   try {
     const response = await fetch("state.json", { cache: "no-store" });
-    if (response.ok) render(await response.json());
+    if (response.ok) {
+      window.KEEL_LIVE = true;
+      render(await response.json());
+    }
   } catch (error) {
     document.getElementById("live").textContent = `server unreachable (${error.message}); retrying`;
   }
   setTimeout(poll, POLL_MS);
 }
 
-render(window.KEEL_STATE);
-if (window.KEEL_LIVE) setTimeout(poll, POLL_MS);
+if (window.KEEL_STATE) render(window.KEEL_STATE);
+else document.getElementById("live").textContent = "the state could not be read: the terminal running keel dashboard says why; retrying";
+if (window.KEEL_LIVE || !window.KEEL_STATE) setTimeout(poll, POLL_MS);
