@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from keel.model.transport_spec import TransportSpec
 from keel.train.config import AdamWConfig, TrainConfig, TransportPhase
 from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics, run_id_for
 from keel.train.tracking import main as plot_main
@@ -131,9 +132,9 @@ def test_router_bias_of_step_t_plus_1_comes_from_step_t_and_survives_checkpoints
     batches = batch_loader(loop_inputs(config).train_data, batch_size=16, mesh=mesh, batch_axes=BATCH_AXES).iter_from_step(6)
     batch = next(batches)
     batches.close()
-    phase = TransportPhase(4, "ring")
+    ring = TransportSpec("ring")
     with jax.set_mesh(mesh):
-        _, aux = jax.jit(lambda m, b: lm.loss(m, b, transport=phase, z_loss=1e-4, compute_dtype=jnp.float32))(
+        _, aux = jax.jit(lambda m, b: lm.loss(m, b, transport=ring, z_loss=1e-4, compute_dtype=jnp.float32))(
             before, batch
         )
         expected = lm.apply_router_update(before, aux)
@@ -150,7 +151,7 @@ def test_metrics_lines_and_loss_plot_are_written(switch_run):
     out, _ = switch_run
     records = read_metrics(os.path.join(out, METRICS_FILE))
     train_keys = set().union(*(r for r in records if "train/loss" in r))
-    for key in ("train/loss", "lr", "throughput/tokens_per_s", "moe/dropped_fraction", "moe/router_balance",
+    for key in ("train/loss", "lr/adamw", "throughput/tokens_per_s", "moe/dropped_fraction", "moe/router_balance",
                 "train/grad_norm"):
         assert key in train_keys, key
     evals = latest_by_step(records, "eval/loss")

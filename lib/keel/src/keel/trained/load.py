@@ -65,8 +65,8 @@ def load_model(ref: TrainedModel) -> LoadedModel:
 
     path = checkpoint_path(ref)
     topology = ref.topology or RackTopology(racks=1, gpus_per_rack=len(jax.devices()))
-    plan = resolve(TrainStepConfig(model=ref.model, data=External(f"trained/{ref.run}", ref.run, version="checkpoint"),
-                                   train=ref.train, topology=topology))
+    checkpoint = External("trained/checkpoint", ref.run, version=f"step-{ref.step}")  # resolve needs data; any will do
+    plan = resolve(TrainStepConfig(model=ref.model, data=checkpoint, train=ref.train, topology=topology))
     mesh = build_mesh(topology)
     lm = KeelLM(ref.model, mesh, remat=False)
 
