@@ -11,12 +11,19 @@ Layout under the step's output path:
     .keel/summary.json  the same counts; a train split that fills no sequence fails the step
 
 The caches are written with Levanter's own `SerialCacheWriter`, so `TreeCache.load` and Levanter's
-dataset classes read them. The work runs as a three-stage pipeline: a thread reads and decompresses
-shards, the calling thread encodes batches of `batch_documents` with `tokenizers` (its Rust core
-releases the GIL and encodes the batch's documents on every core) and packs them, and a thread
-writes sequences. (A process pool over shards was measured too: no faster on 2 cores, since the
-tokenizer already keeps them busy, and it pays for moving token arrays between processes.)
-Special-token strings inside a document are encoded as text, so only the step adds bos/eos.
+dataset classes read them. The work runs as a pipeline: a thread reads and decompresses shards; two
+threads encode batches of `batch_documents` with `tokenizers`' `encode_batch_fast` (the same ids as
+`encode_batch`, without character offsets; its Rust core releases the GIL and encodes a batch's
+documents on every core), up to ENCODE_AHEAD batches ahead, so one batch's last long documents
+overlap the next batch rather than leave cores idle; the calling thread packs, counts each
+sequence's bytes from a per-token table (`SequenceBytes`: what decoding would give, without
+decoding) and hands sequences to a thread that writes them. Everything besides encoding (ids to
+arrays, reading, packing, counting, Levanter's writer) then costs about a tenth of the tokenizer's
+own CPU time on the stdlib corpus, measured per thread; `benchmarks/tokenize_throughput.py`
+compares the step with raw calls. (A process pool over
+shards was measured too: no faster on 2 cores, since the tokenizer already keeps them busy, and it
+pays for moving token arrays between processes.) Special-token strings inside a document are
+encoded as text, so only the step adds bos/eos.
 
 Sequences are handed to the writer in fixed groups of `WRITE_ROWS`, so the bytes on disk do not
 depend on the (execution-only) batch size. The step starts by removing whatever an interrupted
@@ -204,7 +211,7 @@ def _encoder(config: TokenizeConfig, loaded):
                 ids.insert(0, bos)
             if eos is not None:
                 ids.append(eos)
-            arrays.append(np.array(ids, dtype=np.int32))
+            arrays.append(np.fromiter(ids, dtype=np.int32, count=len(ids)))
         return arrays
 
     return encode_texts
