@@ -20,10 +20,10 @@ sequence's bytes from a per-token table (`SequenceBytes`: what decoding would gi
 decoding) and hands sequences to a thread that writes them. Everything besides encoding (ids to
 arrays, reading, packing, counting, Levanter's writer) then costs about a tenth of the tokenizer's
 own CPU time on the stdlib corpus, measured per thread; `benchmarks/tokenize_throughput.py`
-compares the step with raw calls. (A process pool over
-shards was measured too: no faster on 2 cores, since the tokenizer already keeps them busy, and it
-pays for moving token arrays between processes.) Special-token strings inside a document are
-encoded as text, so only the step adds bos/eos.
+compares the step with raw calls. (A process pool over shards was measured too: no faster on 2
+cores, since the tokenizer already keeps them busy, and it pays for moving token arrays between
+processes.) Special-token strings inside a document are encoded as text, so only the step adds
+bos/eos.
 
 Sequences are handed to the writer in fixed groups of `WRITE_ROWS`, so the bytes on disk do not
 depend on the (execution-only) batch size. The step starts by removing whatever an interrupted
