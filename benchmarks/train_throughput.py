@@ -41,6 +41,8 @@ from keel.train import AdamWConfig, TrainConfig, TransportPhase  # noqa: E402
 
 BATCH, SEQ = 16, 128
 RACKS = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
+DENSE_RACKS = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=1)
+"""The same 8 devices for the dense twin, which has no experts to split: its rack axis is `data`."""
 
 
 def token_stream(n: int, seed: int = 0):
@@ -148,7 +150,8 @@ def matmul_peak() -> float:
     return 5 * 2 * n**3 / (time.perf_counter() - t0)
 
 
-def tokens_per_second(name: str, lm, mesh, steps: int, transport: TransportPhase, data) -> float:
+def tokens_per_second(name: str, lm, mesh, steps: int, transport: TransportPhase, data,
+                      topology: RackTopology = RACKS) -> float:
     """Train `lm` for `steps` steps; a keel model trains its resolved run (the loop checks the live
     layout against the plan before the first step and stops on any difference) and the layout it
     trained is shown; Levanter's model has no plan and trains replicated."""
@@ -162,7 +165,7 @@ def tokens_per_second(name: str, lm, mesh, steps: int, transport: TransportPhase
     config = TrainConfig(batch_size=BATCH, seq_len=SEQ, num_steps=steps, optimizer=AdamWConfig(lr=3e-3),
                          eval_batches=0, eval_every=steps, rolling_checkpoint_minutes=None, compute_dtype="bfloat16",
                          transports=(transport,))
-    plan = planned(lm.config, config, RACKS) if isinstance(lm, KeelLM) else None
+    plan = planned(lm.config, config, topology) if isinstance(lm, KeelLM) else None
     inputs = LoopInputs(lm=lm, mesh=mesh, batch_axes=BATCH_AXES, train_data=data, val_data={}, plan=plan,
                         default_transport=transport, use_wandb=False)
     with tempfile.TemporaryDirectory() as out:
@@ -172,7 +175,7 @@ def tokens_per_second(name: str, lm, mesh, steps: int, transport: TransportPhase
         if plan is not None:
             with open(os.path.join(out, ".keel", LAYOUT_FILE)) as f:
                 leaves = json.load(f)["records"][0]["leaves"]
-            mine, whole = sum(x["bytes_per_device"] for x in leaves), _whole_bytes(leaves, RACKS.axis_sizes)
+            mine, whole = sum(x["bytes_per_device"] for x in leaves), _whole_bytes(leaves, topology.axis_sizes)
             print(f"{'':<52} layout as planned (checked by the loop): one device holds {mine / whole:.1%} of the "
                   "train state", flush=True)
     rates = all_rates[2:]
@@ -226,8 +229,9 @@ def main() -> None:
                              auto_mesh, args.steps, TransportPhase(0, "local"), data)
     plain = tokens_per_second("keel plain MoE (hero features off), EP 4, " + fastest,
                               KeelLM(plain_twin(model), mesh), mesh, args.steps, TransportPhase(0, fastest), data)
-    dense_rate = tokens_per_second("keel dense twin, same FLOPs/token", KeelLM(dense, mesh), mesh, args.steps,
-                                   TransportPhase(0, "local"), data)
+    dense_mesh = build_mesh(DENSE_RACKS)
+    dense_rate = tokens_per_second("keel dense twin, same FLOPs/token", KeelLM(dense, dense_mesh), dense_mesh,
+                                   args.steps, TransportPhase(0, "local"), data, DENSE_RACKS)
     peak = matmul_peak()  # the simulated devices share this machine's cores, which one large dot already uses
     achieved = keel[fastest] * model.flops_per_token(SEQ)
     print(f"CPU 'MFU': {achieved / 1e9:.2f} GFLOP/s of training against {peak / 1e9:.1f} GFLOP/s of one large bf16 "
