@@ -110,7 +110,16 @@ def test_a_declared_evaluation_with_no_validation_sequences_is_refused(caches):
     with pytest.raises(ValueError, match=r"TrainConfig.eval_batches=4 declares an evaluation, but no token cache has "
                                          r"validation sequences \('data' has 0 validation sequences from 0 documents\).*"
                                          r"or set TrainConfig.eval_batches=0"):
-        check_step_config(_config(bare), racks, num_devices=8, platform="cpu")
-    check_step_config(_config(bare, eval_batches=0), racks, num_devices=8, platform="cpu")
+        check_step_config(_planned(_config(bare), racks), num_devices=8, platform="cpu")
+    check_step_config(_planned(_config(bare, eval_batches=0), racks), num_devices=8, platform="cpu")
     mixed = Mixture.constant({"a": bare, "b": caches["with_validation"]}, {"a": 0.5, "b": 0.5}, block_size=16)
-    check_step_config(_config(mixed), racks, num_devices=8, platform="cpu")  # one component to evaluate on is enough
+    check_step_config(_planned(_config(mixed), racks), num_devices=8, platform="cpu")  # one component is enough
+
+
+def _planned(config, topology):
+    """The resolved run a training step checks before it compiles (train_step resolves it first)."""
+    import dataclasses
+
+    from keel.plan.resolved import resolve
+
+    return resolve(dataclasses.replace(config, topology=topology))

@@ -21,7 +21,7 @@ def test_the_twin_trains_through_its_phases_transport_and_offload_switch_as_plan
     assert [p.start_step for p in config.data.phases] == [0, 3, 10]
     assert [(t.transport, t.start_step) for t in config.train.transports] == [("fixed_pooled_all_to_all", 0), ("ring", 3)]
     assert config.train.host_offload.master_weights_until_step == 3, "the swap step, scaled"
-    assert len({c.step.name for c in config.data.components.values()}) == 13, "13 distinct component caches"
+    assert len({c.name for c in config.data.components.values()}) == 13, "13 distinct component caches"
     step = step.with_config(dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=12, eval_batches=1)))
 
     report = run_steps([step], str(tmp_path), echo=lambda line: None)

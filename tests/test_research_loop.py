@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from keel.cli import load_experiment
@@ -85,9 +86,11 @@ def test_the_eval_step_reproduces_the_runs_last_validation_loss(sweep):
     assert report["step"] == 30 and report["checkpoint"] == f"{run}/checkpoints/step-30"
     assert abs(result["loss"] - evals[30]) < 1e-4, (result["loss"], evals[30])
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
-    sequences = 16 * 4  # the run's batch size x eval_batches
     tokens_path = graph.path(steps["tokenized/stdlib-bpe-1k-128"])
-    num_bytes = int(read_sequence_bytes(tokens_path, "validation")[:sequences].sum())
+    counts = read_sequence_bytes(tokens_path, "validation")
+    sequences = min(16 * 4, len(counts))  # the run's batch size x eval_batches, or the whole (smaller) split
+    rows = np.random.default_rng(steps["train/lr_sweep/lr1.0"].config.train.seed).permutation(len(counts))[:sequences]  # the loop's sample
+    num_bytes = int(counts[rows].sum())
     assert (result["sequences"], result["tokens"], result["bytes"]) == (sequences, sequences * 128, num_bytes)
     assert result["bits_per_byte"] == pytest.approx(result["loss"] / math.log(2) * sequences * 128 / num_bytes)
 

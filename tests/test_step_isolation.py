@@ -46,7 +46,7 @@ def test_the_readme_main_job_trains_then_everything_is_cached(tmp_path):
     graph = Graph(load_experiment(str(REPO / "experiments/tutorials/tiny_moe.py")), str(tmp_path))
     train = next(s for s in graph.steps() if s.name == "train/tiny_moe")
     evals = latest_by_step(read_metrics(os.path.join(graph.path(train), METRICS_FILE)), "eval/loss")
-    assert evals[0] > 6.0 and evals[max(evals)] < 0.6 * evals[0], evals  # it learned
+    assert evals[0] > 6.0 and evals[max(evals)] < 0.7 * evals[0], evals  # it learned (on modules it never saw)
     again = keel("run", "experiments/tutorials/tiny_moe.py", "--prefix", str(tmp_path), timeout=120)
     assert again.returncode == 0 and "0 ran, 0 reused, 4 cached" in again.stdout, again.stdout + again.stderr
 

@@ -114,8 +114,10 @@ def _muonh_step(model, mesh=None):
     grads = jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
     if mesh is not None:
         grads = jax.tree.map(lambda g, p: jax.device_put(g, p.sharding), grads, params)
+    # Newton-Schulz in fp32 here: the sharded and unsharded updates are compared to 1e-4, which bf16
+    # (the hero's, and the default) does not hold across two summation orders.
     train = TrainConfig(batch_size=1, seq_len=1, num_steps=10, schedule=ScheduleConfig(0.0, 1.0),
-                        optimizer=GroupedOptimizerConfig(muon_lr=1e-2, adam_lr=1e-3))
+                        optimizer=GroupedOptimizerConfig(muon_lr=1e-2, adam_lr=1e-3, newton_schulz_dtype="float32"))
     tx, _ = build_optimizer(train, params)
     updates, _ = jax.jit(tx.update)(grads, jax.jit(tx.init)(params), params)
     return params, updates

@@ -11,6 +11,7 @@ from keel import External
 from keel.data import Mixture, MixturePhase
 from keel.executor.identity import Identities
 from keel.mesh import RackTopology, TopologyError
+from keel.plan.resolved import resolve
 from keel.train import AdamWConfig, TrainConfig, TransportPhase
 
 CACHE = External("test/cache", "/nowhere/cache")
@@ -37,14 +38,15 @@ def test_identity_ignores_execution_only_fields_and_tracks_the_rest():
             rolling_checkpoint_minutes=1.0,
             log_every=3,
             eval_batches=9,
+            eval_every=7,
             remat=False,
-            compute_dtype="float32",
         ),
         topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4),
     )
     assert _hash(same) == _hash(base)
     for changed in (_train(seed=4), _train(num_steps=21), _train(batch_size=32), _train(seq_len=128),
-                    _train(optimizer=AdamWConfig(lr=2e-3)), _train(z_loss=1e-4)):
+                    _train(optimizer=AdamWConfig(lr=2e-3)), _train(z_loss=1e-4),
+                    _train(compute_dtype="float32"), _train(master_dtype="bfloat16")):  # precision changes the weights
         assert _hash(default_train("t", data=CACHE, model=tiny_moe, train=changed)) != _hash(base)
     other_model = default_train("t", data=CACHE, model=tiny_moe.replace(num_layers=2), train=_train())
     assert _hash(other_model) != _hash(base)
@@ -89,12 +91,14 @@ def test_transports_the_platform_or_mesh_cannot_run_are_refused():
     racks = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
     ragged = TrainStepConfig(model=tiny_moe, data=CACHE, train=_train(
         transports=(TransportPhase(0, "fixed_all_to_all"), TransportPhase(5, "ragged_all_to_all"))))
+    on_racks = resolve(dataclasses.replace(ragged, topology=racks))
     with pytest.raises(ValueError, match="ragged_all_to_all.*needs a GPU or TPU"):
-        check_step_config(ragged, racks, num_devices=8, platform="cpu")
-    check_step_config(ragged, racks, num_devices=8, platform="gpu")
+        check_step_config(on_racks, num_devices=8, platform="cpu")
+    check_step_config(on_racks, num_devices=8, platform="gpu")
     with pytest.raises(TopologyError, match="8 devices are present but racks=1 x gpus_per_rack=4"):
-        check_step_config(ragged, RackTopology(racks=1, gpus_per_rack=4, expert_parallel=4), num_devices=8,
-                          platform="gpu")
+        check_step_config(resolve(dataclasses.replace(ragged, topology=RackTopology(racks=1, gpus_per_rack=4,
+                                                                                    expert_parallel=4))),
+                          num_devices=8, platform="gpu")
 
 
 def _cache(root, values, seq_len):

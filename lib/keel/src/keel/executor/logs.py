@@ -51,12 +51,15 @@ _installed = False
 
 
 def _install() -> None:
+    """Tee `sys.stdout`/`sys.stderr` (again, if something replaced them since: a test harness's
+    capture, a caller's redirect) and add the log handler once."""
     global _installed
     with _install_lock:
+        for name in ("stdout", "stderr"):
+            if not isinstance(getattr(sys, name), _TeeStream):
+                setattr(sys, name, _TeeStream(getattr(sys, name)))
         if _installed:
             return
-        sys.stdout = _TeeStream(sys.stdout)
-        sys.stderr = _TeeStream(sys.stderr)
         handler = _ThreadLogHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.getLogger().addHandler(handler)

@@ -163,6 +163,9 @@ class _Run:
             self.state_arrays = self.checkpoints.restore(self.state_arrays, latest)
         start = int(self.state_arrays["step"])
         self._place(start)  # an unreadable newest checkpoint may have sent it back to an older step's layout
+        if latest is not None:
+            logger.info("Resumed from %s", latest if start == self.start else
+                        os.path.join(self.checkpoints.root, f"step-{start}"))
         primary = jax.process_index() == 0
         self.progress = Progress(run_name(self.output_path), start, config.num_steps, enabled=primary)
         if latest is not None:

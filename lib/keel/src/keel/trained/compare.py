@@ -246,8 +246,7 @@ def render_table(rows: list[RunSummary]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     lines += [f"- {name}: {COLUMNS[name]}" for name in header if name in COLUMNS]
-    if differing:
-        lines.append(f"- {', '.join(differing)}: identity fields (in the step's config) that differ between these runs")
+    lines += [f"- {name}: an identity field (in the step's config) that differs between these runs" for name in differing]
     for r in rows:
         if r.shared:
             lines.append(f"- {SHARED_MARK} {r.run} shared its host for {r.shared['fraction']:.0%} of its wall time with "
