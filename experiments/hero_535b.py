@@ -173,10 +173,12 @@ hero_train = default_train(
 )
 
 
-def twin(num_steps: int = 120, corpus_bytes: int = 4_000_000, mixture_block: int = 256) -> list:
+def twin(num_steps: int = 120, corpus_bytes: int = 4_000_000, mixture_block: int = 256, files_per_component: int = 24
+         ) -> list:
     """The hero scaled down to this CPU: 8 simulated devices as 2 racks x 4; each of the mixture's
-    components read from its own family of the stdlib's packages (so a phase change moves the
-    per-component validation losses), with the tutorials' tokenizer."""
+    components read from its own family of the stdlib's packages (the first `files_per_component`
+    modules of it, a quarter of them for validation, so a phase change moves the per-component
+    validation losses), with the tutorials' tokenizer."""
     corpus = stdlib_corpus(max_bytes=corpus_bytes)
     bpe = default_tokenizer("stdlib-bpe-1k", corpus, vocab_size=tiny_moe.vocab_size)
     families = stdlib_families(len(mixture.components))
@@ -184,7 +186,7 @@ def twin(num_steps: int = 120, corpus_bytes: int = 4_000_000, mixture_block: int
         component: default_tokenize(
             f"stdlib-{family[0]}-{family[-1]}",
             stdlib_corpus(name=f"stdlib-{family[0]}-{family[-1]}", packages=family, include_tests=False,
-                          max_bytes=corpus_bytes // len(families), validation_fraction=0.1),
+                          max_files=files_per_component, validation_fraction=0.25),
             bpe, seq_len=tiny_moe.max_seq_len)
         for component, family in zip(mixture.components, families)
     }
