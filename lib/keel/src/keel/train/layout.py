@@ -17,6 +17,7 @@ device. This module is the runtime's only source of placements:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import haliax as hax
@@ -87,7 +88,7 @@ def record(state, *, step: int, reason: str, transport: dict, learning_rates: di
         shard = sharding.shard_shape(array.shape)
         leaves.append({"path": path, "shape": list(array.shape), "dtype": str(array.dtype), "spec": spec_json(spec),
                        "memory_kind": sharding.memory_kind,
-                       "bytes_per_device": int(array.dtype.itemsize * _prod(shard))})
+                       "bytes_per_device": int(array.dtype.itemsize * math.prod(shard))})
     return {"step": step, "reason": reason, "transport": transport, "learning_rates": learning_rates,
             "peak_learning_rates": peak_learning_rates, "leaves": sorted(leaves, key=lambda leaf: leaf["path"])}
 
@@ -139,10 +140,3 @@ def append_record(output_path: str, entry: dict) -> None:
 
 def _is_named(x) -> bool:
     return isinstance(x, hax.NamedArray)
-
-
-def _prod(shape) -> int:
-    out = 1
-    for s in shape:
-        out *= s
-    return out
