@@ -1,10 +1,10 @@
 """After training: compare runs, evaluate checkpoints, sample from them, one call each.
 
     table = default_compare("lr_sweep", runs=[run_a, run_b])
-    scores = default_eval("lr_sweep/a", model=run_a, data={"stdlib": tokens})          # checkpoint="final"
-    samples = default_sample("lr_sweep/a", model=run_a, prompts=["def "], max_tokens=48, seed=0)
+    scores = default_eval("lr_sweep/a", run=run_a, data={"stdlib": tokens})            # checkpoint="final"
+    samples = default_sample("lr_sweep/a", run=run_a, prompts=["def "], max_tokens=48, seed=0)
     ladder = default_scaling_ladder("tiny", data=tokens, model=tiny_moe, train=train, sizes=(32, 48, 64, 96),
-                                    steps=(24, 32, 40, 48), target=(128, 64), lr_law=hero_lr_law)
+                                    steps=(24, 32, 40, 48), target=(128, 64))
     big = default_train("big", ..., model=ladder.target_model, train=ladder.target_train, predicted_loss=ladder.prediction)
     check = ladder.check(big)                                                             # the prediction error
 
@@ -27,7 +27,7 @@ from keel.executor.identity import Identities
 from keel.executor.step import External, OutputOf, output_of
 from keel.mesh import Hardware, RackTopology
 from keel.model import MoELMConfig
-from keel.train import LrScalingLaw, TrainConfig
+from keel.train import TrainConfig
 from keel.train import TrainStepConfig
 from keel.trained import CompareConfig, EvalConfig, SampleConfig, TrainedModel
 from keel.trained.compare import compare_step
@@ -77,12 +77,12 @@ class ScalingLadder:
 
 
 def default_scaling_ladder(name: str, *, data: Any, model: MoELMConfig, train: TrainConfig, sizes: Sequence[int],
-                           steps: Sequence[int], target: tuple[int, int], lr_law: LrScalingLaw | None = None,
+                           steps: Sequence[int], target: tuple[int, int],
                            topology: RackTopology | None = None, hardware: Hardware | None = None) -> ScalingLadder:
     """Small runs over a range of compute and a cached fit that predicts a bigger run's loss.
 
-    Rung i trains `model` at hidden_dim `sizes[i]` for `steps[i]` steps (`train` otherwise, its
-    learning rates from `lr_law` at each rung's width and tokens when given); `target` is the
+    Rung i trains `model` at hidden_dim `sizes[i]` for `steps[i]` steps (`train` otherwise: an
+    optimizer whose rates are a law, `LrScalingLaw.optimizer()`, gets each rung's own); `target` is the
     predicted run's (hidden_dim, steps). The fit step `ladder/<name>` fits L(C) = E + A (C/C0)^-alpha
     to the rungs' final validation losses (`keel.trained.ladder`) and writes prediction.json."""
     if len(sizes) != len(steps):
@@ -92,11 +92,7 @@ def default_scaling_ladder(name: str, *, data: Any, model: MoELMConfig, train: T
 
     def rung(hidden: int, num_steps: int) -> tuple[MoELMConfig, TrainConfig]:
         sized = model.replace(hidden_dim=hidden)
-        changes: dict[str, Any] = {"num_steps": num_steps, "eval_every": num_steps}
-        if lr_law is not None:
-            changes["optimizer"] = lr_law.optimizer(sized, batch_size=train.batch_size, seq_len=train.seq_len,
-                                                    num_steps=num_steps)
-        return sized, dataclasses.replace(train, **changes)
+        return sized, dataclasses.replace(train, num_steps=num_steps, eval_every=num_steps)
 
     from defaults.train import default_train
 
@@ -117,52 +113,57 @@ def default_scaling_ladder(name: str, *, data: Any, model: MoELMConfig, train: T
     return ScalingLadder(name, tuple(runs), fit, output_of(fit, PREDICTION_FILE), target_model, target_train, target_compute)
 
 
-def default_eval(name: str, *, model: Step, data: dict[str, Step | External], checkpoint: str | int = "final",
+def default_eval(name: str, *, run: Step | None = None, data: dict[str, Step | External], checkpoint: str | int = "final",
                  split: str = "validation", batch_size: int | None = None, num_batches: int | None = None,
-                 resources: Resources | None = None) -> Step:
-    """A step writing eval.json: loss, perplexity and bits per byte of `model`'s checkpoint on each
-    labelled token cache. Batches default to the run's own validation reads (its batch size and
-    eval_batches), so its validation cache reproduces the run's last eval loss."""
+                 resources: Resources | None = None, **old: Any) -> Step:
+    """A step writing eval.json: loss, perplexity and bits per byte of training step `run`'s
+    checkpoint ("final": its last step, whatever its length) on each labelled token cache. Batches
+    default to the run's own validation reads (its batch size and eval_batches), so its validation
+    cache reproduces the run's last eval loss. The step follows `run`: a `--set` on it reaches here."""
     where = f"default_eval({name!r})"
-    train = _training(where, model).train
-    config = EvalConfig(
-        model=trained_model(where, model, checkpoint),
-        data=dict(data),
-        batch_size=batch_size or train.batch_size,
-        num_batches=num_batches or train.eval_batches,
-        split=split,
-    )
+    _no_old_names(where, run, old)
+    config = EvalConfig(model=trained_model(where, run, checkpoint), data=dict(data), batch_size=batch_size,
+                        num_batches=num_batches, split=split)
     return Step(f"eval/{name}", eval_step, config, resources=resources, isolated=True)
 
 
-def default_sample(name: str, *, model: Step, prompts: Sequence[str], max_tokens: int = 64, temperature: float = 1.0,
+def default_sample(name: str, *, run: Step | None = None, prompts: Sequence[str], max_tokens: int = 64, temperature: float = 1.0,
                    seed: int = 0, checkpoint: str | int = "final", tokenizer: Step | External | str | None = None,
-                   resources: Resources | None = None) -> Step:
-    """A step writing samples.jsonl: a completion per prompt. The tokenizer is the one the run's
-    data was tokenized with (found through its tokenize steps); pass `tokenizer=` for a run on
-    caches keel did not tokenize."""
+                   resources: Resources | None = None, **old: Any) -> Step:
+    """A step writing samples.jsonl: a completion per prompt by training step `run`'s checkpoint.
+    The tokenizer is the one the run's data was tokenized with (found through its tokenize steps);
+    pass `tokenizer=` for a run on caches keel did not tokenize."""
     where = f"default_sample({name!r})"
-    data = _training(where, model).data
+    _no_old_names(where, run, old)
+    data = _training(where, run).data
     if tokenizer is None:
         encoding = _tokenize_config(where, data)
         tokenizer, special = encoding.tokenizer, dict(add_bos=encoding.add_bos, bos_token=encoding.bos_token,
                                                        eos_token=encoding.eos_token)
     else:
         special = {}
-    config = SampleConfig(model=trained_model(where, model, checkpoint), tokenizer=tokenizer, prompts=tuple(prompts),
+    config = SampleConfig(model=trained_model(where, run, checkpoint), tokenizer=tokenizer, prompts=tuple(prompts),
                           max_tokens=max_tokens, temperature=temperature, seed=seed, **special)
     return Step(f"sample/{name}", sample_step, config, resources=resources, isolated=True)
 
 
 def trained_model(where: str, step: Step, checkpoint: str | int) -> TrainedModel:
     """The `TrainedModel` of training step `step` at `checkpoint` ("final": its last step)."""
-    config = _training(where, step)
-    if checkpoint == "final":
-        checkpoint = config.train.num_steps
-    elif isinstance(checkpoint, str):
-        raise ValueError(f"{where}: checkpoint={checkpoint!r}: give 'final' or a step number")
-    return TrainedModel(run=step, step=checkpoint, model=config.model, train=config.train,
-                        topology=config.topology, hardware=config.hardware)
+    _training(where, step)
+    try:
+        return TrainedModel(run=step, checkpoint=checkpoint)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _no_old_names(where: str, run: Any, old: dict) -> None:
+    """`model=` named the training step before `run=` did (a model is a model config everywhere else)."""
+    if "model" in old:
+        raise TypeError(f"{where}: model= is now run=: pass the training step as run=...")
+    if run is None:
+        raise TypeError(f"{where}: pass the training step to read as run=...")
+    if old:
+        raise TypeError(f"{where}: unexpected argument(s) {', '.join(sorted(old))}")
 
 
 def _training(where: str, step: Any) -> TrainStepConfig:

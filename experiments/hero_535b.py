@@ -3,9 +3,9 @@
     uv run keel plan experiments/hero_535b.py                   # step table + fact sheet, no jax, instant
     uv run keel run experiments/hero_535b.py --scale tiny       # its twin trains on this CPU
 
-Numbers that follow from others are computed here (steps from tokens per active parameter,
-learning rates from the scaling law, the cooldown start from the phase token budgets); `keel plan`
-derives the rest (parameters, tokens, FLOPs, memory, all-to-all traffic, dates) and checks the
+Numbers that follow from others are computed here (steps from tokens per active parameter, the
+cooldown start from the phase token budgets); `keel plan` derives the rest (learning rates from the
+scaling law, parameters, tokens, FLOPs, memory, all-to-all traffic, dates) and checks the
 figures quoted about the run. The twin (`--scale tiny`) is the same declaration scaled down by
 `keel.plan.scale_down`: every architecture feature, the optimizer groups, the schedule, the
 mixture phases and the transport switch, on 8 simulated CPU devices with the stdlib corpus
@@ -115,9 +115,7 @@ train = TrainConfig(
     seq_len=SEQ_LEN,
     num_steps=NUM_STEPS,
     seed=0,
-    optimizer=hero_lr_law.optimizer(
-        hero_535b, batch_size=BATCH_SIZE, seq_len=SEQ_LEN, num_steps=NUM_STEPS, beta1=0.9, beta2=0.95, eps=6.04e-15
-    ),
+    optimizer=hero_lr_law.optimizer(beta1=0.9, beta2=0.95, eps=6.04e-15),
     schedule=ScheduleConfig(warmup_fraction=0.01, decay_to_fraction=0.05),
     z_loss=1e-4,
     weight_decay_change=WeightDecayChange(start_step=WEIGHT_DECAY_FROM, peak=0.02, groups=(r"\battn\.gate\b", r"\bmoe\.router\b")),
@@ -190,8 +188,9 @@ def twin(num_steps: int = 120, corpus_bytes: int = 4_000_000, mixture_block: int
             bpe, seq_len=tiny_moe.max_seq_len)
         for component, family in zip(mixture.components, families)
     }
-    small = scale_down(
-        hero_train.config,
+    return [scale_down(
+        hero_train,
+        name="hero_535b-tiny",
         model=tiny_moe,
         data=caches,
         batch_size=16,
@@ -199,15 +198,11 @@ def twin(num_steps: int = 120, corpus_bytes: int = 4_000_000, mixture_block: int
         num_steps=num_steps,
         topology=RackTopology(racks=2, gpus_per_rack=cpu_sim.gpus_per_rack, expert_parallel=4),
         hardware=cpu_sim,
-        lr_law=hero_lr_law,
         mixture_block=mixture_block,
+        description="the hero's CPU twin",
         eval_every=max(1, num_steps // 6),
         eval_batches=1,
-    )
-    step = default_train("hero_535b-tiny", data=small.data, model=small.model, train=small.train,
-                         topology=small.topology, hardware=small.hardware, description="the hero's CPU twin",
-                         stand_ins=small.stand_ins)
-    return [step]
+    )]
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def step_config(which: str):
                           latent_dim=rng.choice([None, 16]), num_shared_experts=rng.choice([0, 1, 2]),
                           hidden_dim=rng.choice([32, 48]), max_seq_len=16)
     train = TrainConfig(batch_size=16, seq_len=16, num_steps=10,
-                        optimizer=hero_lr_law.optimizer(model, batch_size=16, seq_len=16, num_steps=10),
+                        optimizer=hero_lr_law.optimizer(),
                         transports=(TransportPhase(0, "fixed_all_to_all"),))
     return TrainStepConfig(model=model, data=data, train=train, topology=racks, hardware=cpu_sim)
 

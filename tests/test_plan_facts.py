@@ -64,7 +64,7 @@ def hero_config(racks: int = 11, batch: int = 11_264, **train_changes) -> TrainS
         batch_size=batch,
         seq_len=seq,
         num_steps=steps,
-        optimizer=hero_lr_law.optimizer(hero_535b, batch_size=batch, seq_len=seq, num_steps=steps),
+        optimizer=hero_lr_law.optimizer(),
         schedule=ScheduleConfig(warmup_fraction=0.01, decay_to_fraction=0.05),
         z_loss=1e-4,
         weight_decay_change=WeightDecayChange(start_step=54_000, peak=0.02),

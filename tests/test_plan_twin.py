@@ -5,17 +5,25 @@ import pytest
 from defaults.hardware import cpu_sim
 from defaults.models import tiny_moe
 from defaults.optimizers import hero_lr_law
+from keel import Step
 from keel.mesh import RackTopology
-from keel.plan import PlanError, architecture_features, fact_sheet, scale_down
+from keel.plan import PlanError, architecture_features, fact_sheet, resolve, scale_down
+from keel.train.step import train_step
 from test_plan_facts import hero_config
 
-CPU = dict(batch_size=16, seq_len=128, num_steps=60, topology=RackTopology(2, 4, expert_parallel=4), hardware=cpu_sim,
-           lr_law=hero_lr_law)
+CPU = dict(name="hero-tiny", batch_size=16, seq_len=128, num_steps=60, topology=RackTopology(2, 4, expert_parallel=4),
+           hardware=cpu_sim)
+
+
+def hero_step() -> Step:
+    return Step("train/hero", train_step, hero_config(), isolated=True)
 
 
 def test_twin_keeps_the_run_shape_at_scaled_steps():
     hero = hero_config()
-    twin = scale_down(hero, model=tiny_moe, data="/caches/stdlib", **CPU)
+    step = scale_down(hero_step(), model=tiny_moe, data="/caches/stdlib", **CPU)
+    assert step.name == "train/hero-tiny" and step.isolated and step.fn is train_step
+    twin = resolve(step.config).config  # the law's rates, at the twin's size
     assert architecture_features(twin.model) >= architecture_features(hero.model)
     # phases at 60/390,251 of the hero's steps, on blocks of 256 sequences = 16 steps of 16
     assert [p.start_step for p in twin.data.phases] == [0, 16, 48]
@@ -36,7 +44,7 @@ def test_twin_keeps_the_run_shape_at_scaled_steps():
 
 
 def test_twin_passes_plan_on_cpu_hardware():
-    sheet = fact_sheet(scale_down(hero_config(), model=tiny_moe, data="/caches/stdlib", **CPU), "hero/train-tiny")
+    sheet = fact_sheet(scale_down(hero_step(), model=tiny_moe, data="/caches/stdlib", **CPU).config, "hero/train-tiny")
     assert sheet["mesh"]["axes"] == {"replica_dcn": 2, "data": 1, "expert": 4, "model": 1}
     assert sheet["training"]["num_steps"] == 60
     assert [t["transport"] for t in sheet["transports"]] == ["fixed_pooled_all_to_all", "ring"]
@@ -44,4 +52,4 @@ def test_twin_passes_plan_on_cpu_hardware():
 
 def test_twin_must_keep_every_feature():
     with pytest.raises(PlanError, match="switches off qk_norm, xsa"):
-        scale_down(hero_config(), model=tiny_moe.replace(xsa=False, qk_norm=False), data="/c", **CPU)
+        scale_down(hero_step(), model=tiny_moe.replace(xsa=False, qk_norm=False), data="/c", **CPU)

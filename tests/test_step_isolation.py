@@ -71,14 +71,14 @@ def _whole_split_loss(graph, train) -> float:
     from keel.data import load_token_cache
     from keel.mesh.topology import BATCH_AXES
     from keel.train.loop import eval_loss_fn, validation_losses
+    from keel.executor.resolve import resolve_config
     from keel.trained.config import TrainedModel
     from keel.trained.load import load_model
 
     config = train.config
     cache = graph.path(next(s for s in graph.steps() if s.name.startswith("tokenized/")))
     split = load_token_cache(cache, "validation", seq_len=config.train.seq_len)
-    loaded = load_model(TrainedModel(run=graph.path(train), step=config.train.num_steps, model=config.model,
-                                     train=config.train, topology=config.topology))
+    loaded = load_model(resolve_config(TrainedModel(run=train), "", graph.path))  # its final checkpoint
     batches = -(-len(split) // config.train.batch_size)
     with jax.set_mesh(loaded.mesh):
         evaluate = eval_loss_fn(loaded.lm, loaded.static, loaded.shardings, loaded.transport, loaded.compute_dtype)

@@ -42,48 +42,69 @@ def test_an_eval_is_keyed_by_its_run_data_and_checkpoint():
     run, other = _run("a"), _run("b", lr=2e-3)
     tokens = _chain()[1]
     graph = Graph([
-        final := default_eval("e", model=run, data={"stdlib": tokens}),
-        by_number := default_eval("e", model=run, data={"stdlib": tokens}, checkpoint=20),
+        final := default_eval("e", run=run, data={"stdlib": tokens}),
+        by_number := default_eval("e", run=run, data={"stdlib": tokens}, checkpoint=20),
     ], "/tmp/keel-test")
     assert graph.path(final) == graph.path(by_number)  # "final" is the run's last step
     paths = {Graph([s], "/tmp/keel-test").path(s) for s in (
         final,
-        default_eval("e", model=run, data={"stdlib": tokens}, checkpoint=10),
-        default_eval("e", model=other, data={"stdlib": tokens}),
-        default_eval("e", model=run, data={"other": tokens}),
+        default_eval("e", run=run, data={"stdlib": tokens}, checkpoint=10),
+        default_eval("e", run=other, data={"stdlib": tokens}),
+        default_eval("e", run=run, data={"other": tokens}),
     )}
     assert len(paths) == 4
     assert final.isolated and final.deps == (run, tokens)
-    assert (final.config.batch_size, final.config.num_batches) == (8, 3)  # the run's own validation reads
+    assert final.config.batches == (8, 3)  # the run's own validation reads
     assert final.config.process_env() == run.config.process_env() != {}  # the run's 8 simulated devices
+
+
+def test_eval_and_sample_follow_their_run_under_set():
+    """A `--set` on the run reaches the steps that read it: "final" is its new last step, and the
+    checkpoint is loaded with the run's new shapes and batches (not copies made at declaration)."""
+    from keel.executor.overrides import apply_overrides
+    from keel.executor.graph import topological_order
+
+    run = _run("a")
+    evaluation = default_eval("e", run=run, data={"stdlib": _chain()[1]})
+    sample = default_sample("s", run=run, prompts=["def "])
+    targets = [evaluation, sample]
+    sets = ["train/a.train.num_steps=80", "train/a.train.batch_size=16", "train/a.model.num_experts=16"]
+    evaluation, sample = apply_overrides(targets, topological_order(targets), sets)
+    for step in (evaluation, sample):
+        trained = step.config.model
+        assert trained.run.config.train.num_steps == 80 and trained.step == 80
+        assert trained.model.num_experts == 16 and trained.train.batch_size == 16
+    assert evaluation.config.batches == (16, 3)
+    with pytest.raises(TypeError, match="model= is now run="):
+        default_eval("e", model=run, data={"stdlib": _chain()[1]})
 
 
 def test_a_sample_uses_the_tokenizer_the_runs_data_was_tokenized_with():
     tokenizer, tokens = _chain()
-    sample = default_sample("s", model=_run(data=tokens), prompts=["def "], seed=3)
+    sample = default_sample("s", run=_run(data=tokens), prompts=["def "], seed=3)
     assert sample.config.tokenizer is tokenizer and sample.config.add_bos is False and sample.isolated
     mixture = Mixture.constant({"x": tokens, "y": tokens}, {"x": 0.5, "y": 0.5})
-    assert default_sample("s", model=_run(data=mixture), prompts=["a"]).config.tokenizer is tokenizer
+    assert default_sample("s", run=_run(data=mixture), prompts=["a"]).config.tokenizer is tokenizer
     cache = External("cache", "/data/cache")
     with pytest.raises(ValueError, match=r"not a keel tokenize step.*pass tokenizer="):
-        default_sample("s", model=_run(data=cache), prompts=["a"])
-    assert default_sample("s", model=_run(data=cache), prompts=["a"], tokenizer="/tok").config.tokenizer == "/tok"
+        default_sample("s", run=_run(data=cache), prompts=["a"])
+    assert default_sample("s", run=_run(data=cache), prompts=["a"], tokenizer="/tok").config.tokenizer == "/tok"
 
 
 def test_declaration_mistakes_name_the_fix():
     run, tokens = _run(), _chain()[1]
     with pytest.raises(TypeError, match="not a training step"):
-        default_eval("e", model=tokens, data={"x": tokens})
-    with pytest.raises(ValueError, match="give 'final' or a step number"):
-        default_eval("e", model=run, data={"x": tokens}, checkpoint="last")
+        default_eval("e", run=tokens, data={"x": tokens})
+    with pytest.raises(ValueError, match="give 'final' or a checkpoint step"):
+        default_eval("e", run=run, data={"x": tokens}, checkpoint="last")
     with pytest.raises(ValueError, match=r"checkpoint step in 1\.\.20"):
-        default_eval("e", model=run, data={"x": tokens}, checkpoint=21)
+        default_eval("e", run=run, data={"x": tokens}, checkpoint=21)
     with pytest.raises(ValueError, match="data is empty"):
-        default_eval("e", model=run, data={})
+        default_eval("e", run=run, data={})
     with pytest.raises(ValueError, match="name one step twice"):
         default_compare("c", runs=[run, run])
     with pytest.raises(ValueError, match="temperature"):
-        default_sample("s", model=run, prompts=["a"], temperature=-1.0)
+        default_sample("s", run=run, prompts=["a"], temperature=-1.0)
 
 
 _RECORDED_RUNS = textwrap.dedent(

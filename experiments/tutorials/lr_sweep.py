@@ -15,8 +15,6 @@ quick look that CI can afford; raise it for a real sweep, every step below follo
 - `sample/lr_sweep/lr1.0` completes two prompts with it -> samples.jsonl (and the log).
 """
 
-import dataclasses
-
 from defaults import (
     default_compare,
     default_eval,
@@ -40,16 +38,13 @@ corpus = stdlib_corpus(max_bytes=4_000_000)
 tokenizer = default_tokenizer("stdlib-bpe-1k", corpus, vocab_size=tiny_moe.vocab_size)
 tokens = default_tokenize("stdlib-bpe-1k-128", corpus, tokenizer, seq_len=SEQ)
 
-law = hero_lr_law.optimizer(tiny_moe, batch_size=BATCH, seq_len=SEQ, num_steps=STEPS)
-
-
 def point(scale: float):
     """The tiny MoE trained at `scale` x the scaling-law learning rates."""
     train = TrainConfig(
         batch_size=BATCH,
         seq_len=SEQ,
         num_steps=STEPS,
-        optimizer=dataclasses.replace(law, muon_lr=law.muon_lr * scale, adam_lr=law.adam_lr * scale),
+        optimizer=hero_lr_law.optimizer(scale=scale),
         schedule=ScheduleConfig(warmup_fraction=0.1, decay_to_fraction=0.05),
         z_loss=1e-4,
         eval_every=max(1, STEPS // 3),
@@ -64,8 +59,8 @@ def point(scale: float):
 
 runs = {scale: point(scale) for scale in SCALES}
 comparison = default_compare("lr_sweep", runs=list(runs.values()))
-evaluation = default_eval("lr_sweep/lr1.0", model=runs[1.0], data={"stdlib": tokens})
-samples = default_sample("lr_sweep/lr1.0", model=runs[1.0], prompts=("def ", "import os\n"), max_tokens=48,
+evaluation = default_eval("lr_sweep/lr1.0", run=runs[1.0], data={"stdlib": tokens})
+samples = default_sample("lr_sweep/lr1.0", run=runs[1.0], prompts=("def ", "import os\n"), max_tokens=48,
                          temperature=0.8, seed=0)
 
 if __name__ == "__main__":

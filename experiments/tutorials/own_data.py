@@ -37,7 +37,7 @@ train = TrainConfig(
     batch_size=BATCH,
     seq_len=SEQ,  # the cache's seq_len
     num_steps=STEPS,
-    optimizer=hero_lr_law.optimizer(model_config, batch_size=BATCH, seq_len=SEQ, num_steps=STEPS),
+    optimizer=hero_lr_law.optimizer(),
     eval_every=20,
     eval_batches=2,
     rolling_checkpoint_minutes=None,

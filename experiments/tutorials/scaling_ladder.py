@@ -32,7 +32,8 @@ topology = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
 train = TrainConfig(
     batch_size=BATCH,
     seq_len=SEQ,
-    num_steps=STEPS[0],  # each rung sets its own steps and learning rates
+    num_steps=STEPS[0],  # each rung sets its own steps; the law gives each its learning rates
+    optimizer=hero_lr_law.optimizer(),
     schedule=ScheduleConfig(warmup_fraction=0.1, decay_to_fraction=0.05),
     z_loss=1e-4,
     eval_batches=8,
@@ -40,7 +41,7 @@ train = TrainConfig(
     transports=(TransportPhase(0, "fixed_all_to_all"),),
 )
 ladder = default_scaling_ladder("tiny", data=tokens, model=tiny_moe, train=train, sizes=SIZES, steps=STEPS,
-                                target=TARGET, lr_law=hero_lr_law, topology=topology, hardware=cpu_sim)
+                                target=TARGET, topology=topology, hardware=cpu_sim)
 target = default_train("ladder/tiny/target", data=tokens, model=ladder.target_model, train=ladder.target_train,
                        topology=topology, hardware=cpu_sim, predicted_loss=ladder.prediction,
                        description=f"hidden {TARGET[0]}, {TARGET[1]} steps: the run the ladder predicts")

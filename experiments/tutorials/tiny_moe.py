@@ -37,7 +37,7 @@ train = TrainConfig(
     batch_size=BATCH,
     seq_len=SEQ,
     num_steps=STEPS,
-    optimizer=hero_lr_law.optimizer(tiny_moe, batch_size=BATCH, seq_len=SEQ, num_steps=STEPS),
+    optimizer=hero_lr_law.optimizer(),
     schedule=ScheduleConfig(warmup_fraction=0.01, decay_to_fraction=0.05),
     z_loss=1e-4,
     weight_decay_change=WeightDecayChange(start_step=200, peak=0.02),

@@ -4,7 +4,6 @@ Both training steps run at once under default options (each in its own process);
 XLA flags: the declared hardware decides each step's devices.
 """
 
-import dataclasses
 import os
 
 from defaults import default_tokenize, default_tokenizer, default_train, stdlib_corpus
@@ -21,11 +20,8 @@ STEPS = int(os.environ.get("SWEEP_STEPS", "6"))
 corpus = stdlib_corpus(max_bytes=400_000)
 tokenizer = default_tokenizer("stdlib-bpe-1k", corpus, vocab_size=tiny_moe.vocab_size)
 tokens = default_tokenize("stdlib-bpe-1k-64", corpus, tokenizer, seq_len=SEQ)
-law = hero_lr_law.optimizer(tiny_moe, batch_size=BATCH, seq_len=SEQ, num_steps=STEPS)
-
-
 def point(scale: float):
-    optimizer = dataclasses.replace(law, muon_lr=law.muon_lr * scale, adam_lr=law.adam_lr * scale)
+    optimizer = hero_lr_law.optimizer(scale=scale)
     train = TrainConfig(batch_size=BATCH, seq_len=SEQ, num_steps=STEPS, optimizer=optimizer, eval_every=STEPS,
                         eval_batches=0, rolling_checkpoint_minutes=None)  # 400 KB of stdlib: no validation split
     return default_train(f"sweep/lr{scale}", data=tokens, model=tiny_moe, train=train,

@@ -49,14 +49,15 @@ def topological_order(targets: list[Step | External], done: Container[int] = ())
 
 def substitute(value: Any, new: dict[int, Any]) -> Any:
     """`value` with every step (or `output_of` target) whose id is in `new` swapped for its
-    replacement; unchanged parts are kept as they are, so untouched configs stay the same objects."""
+    replacement; unchanged parts are kept as they are, so untouched configs stay the same objects.
+    Fields a dataclass derives itself (`init=False`) are left to its `__post_init__`."""
     if isinstance(value, (Step, External)):
         return new.get(id(value), value)
     if isinstance(value, OutputOf):
         target = new.get(id(value.step), value.step)
         return value if target is value.step else OutputOf(target, value.subpath)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {f.name: substitute(getattr(value, f.name), new) for f in dataclasses.fields(value)}
+        changes = {f.name: substitute(getattr(value, f.name), new) for f in dataclasses.fields(value) if f.init}
         if all(changes[k] is getattr(value, k) for k in changes):
             return value
         return dataclasses.replace(value, **{k: v for k, v in changes.items() if v is not getattr(value, k)})

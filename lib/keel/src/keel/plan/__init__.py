@@ -9,6 +9,7 @@ from keel.executor.step import Step
 from keel.plan.checks import PlanError, check_train_step
 from keel.plan.facts import fact_sheet
 from keel.plan.render import render_fact_sheet
+from keel.plan.resolved import ResolvedRun, resolve
 from keel.plan.twin import architecture_features, scale_down
 from keel.plan.variants import render_variants, variant_row
 from keel.plan.verdicts import check_fits
@@ -24,6 +25,8 @@ __all__ = [
     "fact_sheets_for",
     "render_fact_sheet",
     "render_variants",
+    "resolve",
+    "ResolvedRun",
     "variant_row",
     "scale_down",
 ]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+from typing import Any
 
 from keel.model.transport_spec import TRANSPORTS
 from keel.plan.checks import PlanError, mixture_phases
@@ -68,10 +69,15 @@ def training(config: TrainStepConfig) -> dict:
     }
 
 
-def optimizer(config: TrainStepConfig) -> dict:
+def optimizer(config: TrainStepConfig, declared: Any) -> dict:
+    """The resolved optimizer; `rates_from` says whether its peak rates were declared or derived
+    by a law (`lr_scale` x the law's at this run's size)."""
     train = config.train
     opt = train.optimizer
-    out = {"kind": type(opt).__name__, **{k: getattr(opt, k) for k in opt.__dataclass_fields__ if not k.endswith("_params")}}
+    out = {"kind": type(opt).__name__, **{k: getattr(opt, k) for k in opt.__dataclass_fields__
+                                          if not k.endswith("_params") and k not in ("lr_law", "lr_scale")}}
+    law = getattr(declared, "lr_law", None)
+    out["rates_from"] = "declared" if law is None else f"LR law x {declared.lr_scale:g}"
     out["warmup_steps"] = math.floor(train.schedule.warmup_fraction * train.num_steps)
     out["decay_to_fraction"] = train.schedule.decay_to_fraction
     out["z_loss"] = train.z_loss
@@ -450,7 +456,8 @@ def fact_sheet(config: TrainStepConfig, name: str = "") -> dict:
     """Every derived figure of a training step, after checking the declaration (PlanError names the field)."""
     if not isinstance(config, TrainStepConfig):
         raise PlanError(f"fact_sheet needs a TrainStepConfig, got {type(config).__name__}")
-    run = resolve(config, name)
+    declared, run = config, resolve(config, name)
+    config = run.config  # the declaration with its derived values (a law's rates) resolved
     sheet: dict = {"step": name, "hardware": config.hardware.name if config.hardware else None,
                    "parameters": config.model.param_counts()}
     sheet["parameter_table"] = parameter_table(run)
@@ -458,7 +465,7 @@ def fact_sheet(config: TrainStepConfig, name: str = "") -> dict:
     sheet["stand_ins"] = list(config.stand_ins)
     sheet["mesh"] = mesh(config)
     sheet["training"] = training(config)
-    sheet["optimizer"] = optimizer(config)
+    sheet["optimizer"] = optimizer(config, declared.train.optimizer)
     sheet["all_to_all"] = all_to_all(run)
     sheet["memory"] = memory(run, sheet["all_to_all"])
     sheet["cross_rack"] = cross_rack(config, sheet["memory"])

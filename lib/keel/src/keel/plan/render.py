@@ -63,6 +63,8 @@ def _training(t: dict, o: dict) -> list[str]:
     ]
     if o["kind"] == "GroupedOptimizerConfig":
         lr = f"MuonH/AdamH {o['muon_lr']:.6f}, Adam {o['adam_lr']:.6f}"
+        if o["rates_from"] != "declared":
+            lr += f" ({o['rates_from']} at this size)"
     else:
         lr = f"AdamW {o['lr']:g}"
     lines.append(f"optimizer    {lr}; warmup {_n(o['warmup_steps'])} steps, decay to {o['decay_to_fraction']:g} of peak; "

@@ -21,6 +21,7 @@ Plain data and arithmetic, no jax: the 535B run resolves in milliseconds.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -210,6 +211,8 @@ class ResolvedRun:
 def resolve(config: TrainStepConfig, name: str = "") -> ResolvedRun:
     """Check the declaration (a `PlanError` names the field) and resolve the run."""
     check_train_step(config, name)
+    rates = config.train.optimizer.at(config.model, config.train)  # a law's rates, at this run's final size
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, optimizer=rates))
     model, train, topo = config.model, config.train, config.topology
     mesh_axes = topo.axis_sizes if topo is not None else None
     parameters = []

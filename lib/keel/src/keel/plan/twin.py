@@ -1,7 +1,7 @@
 """The scaled-down twin of a training step: the same run in shape, small enough for a laptop.
 
 A twin keeps what makes the run the run: every architecture feature that is switched on, the
-optimizer's groups and learning-rate law, the schedule's shape, the mixture's phase structure and
+optimizer's groups and learning-rate law (a law's rates resolve at the twin's size), the schedule's shape, the mixture's phase structure and
 weights, the weight-decay change and the transport switch, all at proportionally scaled steps.
 It swaps what only sizes it: model widths, batch, sequence length, step count, the data (a small
 token cache per mixture component, or one for all), the hardware, and what must follow them (a
@@ -20,7 +20,8 @@ from keel.mesh.topology import RackTopology
 from keel.model.config import Balancing, MoELMConfig, Routing
 from keel.model.transport_spec import TRANSPORTS
 from keel.plan.checks import PlanError
-from keel.train.config import GroupedOptimizerConfig, LrScalingLaw, TrainConfig, TrainStepConfig
+from keel.executor.step import Step
+from keel.train.config import TrainStepConfig
 
 
 
@@ -48,8 +49,9 @@ def architecture_features(model: MoELMConfig) -> set[str]:
 
 
 def scale_down(
-    config: TrainStepConfig,
+    run: Step,
     *,
+    name: str,
     model: MoELMConfig,
     data: Any,
     batch_size: int,
@@ -57,15 +59,20 @@ def scale_down(
     num_steps: int,
     topology: RackTopology,
     hardware: Hardware,
-    lr_law: LrScalingLaw | None = None,
     mixture_block: int = 256,
+    description: str | None = None,
     **train_overrides: Any,
-) -> TrainStepConfig:
-    """The twin of `config` on `model` (which must keep every feature `config.model` has on),
-    reading `data`: a token cache for every mixture component, or {component: cache}. A grouped optimizer's peak LRs come
-    from `lr_law` (the run's own) at the twin's size; without a law they stay as declared. Mixture
-    blocks hold at least `mixture_block` sequences (whole batches), so small components still get
-    rows in every block, and phases start on block boundaries. `train_overrides` are set last."""
+) -> Step:
+    """The twin of training step `run`, named `train/<name>`: on `model` (which must keep every
+    feature the run's model has on), reading `data`: a token cache for every mixture component, or
+    {component: cache}. An optimizer whose rates are a law (`LrScalingLaw.optimizer`) gets them at
+    the twin's size; given rates stay as declared. Mixture blocks hold at least `mixture_block`
+    sequences (whole batches), so small components still get rows in every block, and phases start
+    on block boundaries. `train_overrides` are set last. The twin runs as its run would (its own
+    process, the same retries), on the devices `hardware` and `topology` declare."""
+    if not isinstance(run, Step) or not isinstance(run.config, TrainStepConfig):
+        raise PlanError(f"scale_down({run!r}): give the training step to scale down (what default_train returns)")
+    config = run.config
     missing = architecture_features(config.model) - architecture_features(model)
     if missing:
         raise PlanError(f"scale_down(model=...): the twin's model switches off {', '.join(sorted(missing))}; "
@@ -86,7 +93,6 @@ def scale_down(
         batch_size=batch_size,
         seq_len=seq_len,
         num_steps=num_steps,
-        optimizer=_optimizer(train, model, batch_size, seq_len, num_steps, lr_law),
         weight_decay_change=train.weight_decay_change and dataclasses.replace(
             train.weight_decay_change, start_step=step(train.weight_decay_change.start_step)),
         eval_every=max(1, round(train.eval_every * ratio)),
@@ -112,7 +118,7 @@ def scale_down(
                              f"plays {original.transport}, which {hardware.name} cannot run "
                              f"({TRANSPORTS[transport(original.transport)].description})")
     stand_ins.append(f"data: {_data_stand_in(config.data, data)}")
-    return dataclasses.replace(
+    twin = dataclasses.replace(
         config,
         model=model,
         data=_data(config.data, data, step, batch_size, -(-mixture_block // batch_size)),
@@ -122,6 +128,8 @@ def scale_down(
         facts=None,
         stand_ins=tuple(stand_ins),
     )
+    return Step(f"train/{name}", run.fn, twin, description=description or f"the scaled-down twin of {run.name}",
+                isolated=run.isolated, retries=run.retries, progress_timeout_s=run.progress_timeout_s)
 
 
 def _data_stand_in(original: Any, stand_in: Any) -> str:
@@ -137,16 +145,6 @@ def _data_stand_in(original: Any, stand_in: Any) -> str:
 def _name(value: Any) -> str:
     step = getattr(value, "step", value)
     return getattr(step, "name", type(value).__name__)
-
-
-def _optimizer(train: TrainConfig, model: MoELMConfig, batch_size: int, seq_len: int, num_steps: int,
-               lr_law: LrScalingLaw | None):
-    """The same optimizer; a grouped one gets its peak LRs from the run's law at the twin's size."""
-    opt = train.optimizer
-    if not isinstance(opt, GroupedOptimizerConfig) or lr_law is None:
-        return opt
-    law = lr_law.optimizer(model, batch_size=batch_size, seq_len=seq_len, num_steps=num_steps)
-    return dataclasses.replace(opt, muon_lr=law.muon_lr, adam_lr=law.adam_lr)
 
 
 def _waves(declared: int, local_experts: int) -> int:

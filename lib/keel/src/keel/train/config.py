@@ -12,6 +12,7 @@ call it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -45,6 +46,10 @@ class AdamWConfig:
         if self.weight_decay < 0:
             raise ValueError(f"AdamWConfig.weight_decay={self.weight_decay} must be >= 0")
 
+    def at(self, model: MoELMConfig, train: TrainConfig) -> AdamWConfig:
+        """Its rate is given, not derived: the same config at any size."""
+        return self
+
 
 MUONH_PARAMS = (
     r"\battn\.(q|k|v|o)\b",
@@ -61,6 +66,34 @@ gains, conv kernels) is trained by plain Adam."""
 
 
 @dataclass(frozen=True)
+class LrScalingLaw:
+    """Peak learning rates from a fitted law: adam_lr = coefficient x T^tokens_exponent x
+    D^width_exponent x sqrt(tokens per step) (T = total training tokens, D = hidden_dim), and
+    muon_lr = muon_to_adam x adam_lr. A run's own law is declared with it (the hero's is
+    `defaults.optimizers.hero_lr_law`); `optimizer()` puts it in a run's optimizer as a rule, so
+    the rates follow the run's final model, batch, length and steps (after `--set`, in a twin, on a
+    ladder's rungs) and `keel plan` prints what they resolve to."""
+
+    coefficient: float
+    tokens_exponent: float
+    width_exponent: float
+    muon_to_adam: float
+
+    def adam_lr(self, hidden_dim: int, total_tokens: int, tokens_per_step: int) -> float:
+        return (self.coefficient * total_tokens**self.tokens_exponent * hidden_dim**self.width_exponent
+                * math.sqrt(tokens_per_step))
+
+    def optimizer(self, *args: Any, scale: float = 1.0, **settings: Any) -> GroupedOptimizerConfig:
+        """The grouped optimizer whose peak LRs are `scale` x this law's at the run's own size;
+        `settings` are the other GroupedOptimizerConfig fields (betas, eps, ...)."""
+        if args or {"batch_size", "seq_len", "num_steps"} & settings.keys():
+            raise TypeError("LrScalingLaw.optimizer() takes no model, batch_size, seq_len or num_steps: the rates are "
+                            "resolved from the training step's own model and TrainConfig; write law.optimizer(scale=..., "
+                            "beta1=...)")
+        return GroupedOptimizerConfig(lr_law=self, lr_scale=scale, **settings)
+
+
+@dataclass(frozen=True)
 class GroupedOptimizerConfig:
     """The hero's optimizer: MuonH / AdamH / Adam groups, with no gradient clipping.
 
@@ -68,10 +101,16 @@ class GroupedOptimizerConfig:
     hyperball projection) use `muon_lr`; Adam uses `adam_lr` (`peak_lr` is the one rule). A
     parameter goes to the first group whose patterns match its path, else to Adam. Newton-Schulz
     runs in `newton_schulz_dtype` (the hero's: bf16) with `muon_eps` guarding its normalisation.
+
+    The peak rates are either given (`muon_lr`, `adam_lr`) or a rule: `lr_law` x `lr_scale`,
+    resolved for the run's model and TrainConfig by `at`, which `keel.plan.resolve` calls: the
+    trainer, the planner and the fact sheet read the one set of rates it gives.
     """
 
-    muon_lr: float
-    adam_lr: float
+    muon_lr: float | None = None
+    adam_lr: float | None = None
+    lr_law: LrScalingLaw | None = None
+    lr_scale: float = 1.0
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 6.04e-15
@@ -84,36 +123,25 @@ class GroupedOptimizerConfig:
     adamh_params: tuple[str, ...] = ADAMH_PARAMS
 
     def __post_init__(self):
-        _positive("GroupedOptimizerConfig", muon_lr=self.muon_lr, adam_lr=self.adam_lr, eps=self.eps,
-                  muon_ns_steps=self.muon_ns_steps, muon_eps=self.muon_eps)
+        rates = (self.muon_lr is not None, self.adam_lr is not None)
+        if self.lr_law is None and rates != (True, True):
+            raise ValueError("GroupedOptimizerConfig: give muon_lr and adam_lr, or lr_law (e.g. "
+                             "hero_lr_law.optimizer()) to derive both from the run's size")
+        if self.lr_law is not None and any(rates):
+            raise ValueError("GroupedOptimizerConfig: lr_law derives muon_lr and adam_lr; give the law or the rates, "
+                             "not both (scale the law's rates with lr_scale)")
+        _positive("GroupedOptimizerConfig", lr_scale=self.lr_scale, eps=self.eps, muon_ns_steps=self.muon_ns_steps,
+                  muon_eps=self.muon_eps, **({} if self.lr_law else {"muon_lr": self.muon_lr, "adam_lr": self.adam_lr}))
         if self.newton_schulz_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"GroupedOptimizerConfig.newton_schulz_dtype={self.newton_schulz_dtype!r}: use "
                              "'bfloat16' (the hero's) or 'float32'")
 
-
-
-@dataclass(frozen=True)
-class LrScalingLaw:
-    """Peak learning rates from a fitted law: adam_lr = coefficient x T^tokens_exponent x
-    D^width_exponent x sqrt(tokens per step) (T = total training tokens, D = hidden_dim), and
-    muon_lr = muon_to_adam x adam_lr. A run's own law is declared with it (the hero's is
-    `defaults.optimizers.hero_lr_law`), so scaled-down twins and sweeps derive their LRs the same way."""
-
-    coefficient: float
-    tokens_exponent: float
-    width_exponent: float
-    muon_to_adam: float
-
-    def adam_lr(self, hidden_dim: int, total_tokens: int, tokens_per_step: int) -> float:
-        return (self.coefficient * total_tokens**self.tokens_exponent * hidden_dim**self.width_exponent
-                * math.sqrt(tokens_per_step))
-
-    def optimizer(self, model: MoELMConfig, *, batch_size: int, seq_len: int, num_steps: int,
-                  **overrides: Any) -> GroupedOptimizerConfig:
-        """The grouped optimizer with this law's peak LRs for `model` trained at this size."""
-        tokens_per_step = batch_size * seq_len
-        adam_lr = self.adam_lr(model.hidden_dim, tokens_per_step * num_steps, tokens_per_step)
-        return GroupedOptimizerConfig(muon_lr=adam_lr * self.muon_to_adam, adam_lr=adam_lr, **overrides)
+    def at(self, model: MoELMConfig, train: TrainConfig) -> GroupedOptimizerConfig:
+        """This optimizer with its peak rates resolved for `model` trained as `train` says."""
+        if self.lr_law is None:
+            return self
+        adam = self.lr_law.adam_lr(model.hidden_dim, train.total_tokens, train.tokens_per_step) * self.lr_scale
+        return dataclasses.replace(self, lr_law=None, lr_scale=1.0, muon_lr=adam * self.lr_law.muon_to_adam, adam_lr=adam)
 
 
 STACK_AXES = frozenset({"layers", "experts", "shared_experts"})
@@ -133,6 +161,9 @@ def peak_lr(optimizer: "AdamWConfig | GroupedOptimizerConfig", group: str) -> fl
         return 0.0
     if isinstance(optimizer, AdamWConfig):
         return optimizer.lr
+    if optimizer.lr_law is not None:
+        raise ValueError("peak_lr: the optimizer's rates are a rule (lr_law); read them from the resolved run "
+                         "(keel.plan.resolve(...).config.train.optimizer)")
     return optimizer.muon_lr if group in ("muonh", "adamh") else optimizer.adam_lr
 
 
@@ -234,6 +265,46 @@ class HostOffload:
 
 
 @dataclass(frozen=True)
+class SpikeGuardConfig:
+    """Roll a run back past a loss spike and skip the batch that caused it (`keel.train.spike_guard`).
+
+    A step's training loss is a spike when it (or the gradient norm) is not finite, or, once
+    `min_history` good steps are known, when it lies more than `threshold` robust deviations
+    (1.4826 x the median absolute deviation) above the median of the last `window` good steps and
+    at least `min_rise` (a fraction of that median) above it. The spiking step's update is thrown
+    away: the run goes back to its newest snapshot of the train state (kept in host memory every
+    `snapshot_every` steps), replays the batches after it (each of which passed), skips the
+    spiking batch (that step makes no update) and goes on. The spike after `max_rollbacks`
+    rollbacks fails the step naming every spike. Skipped batches are recorded in
+    `spike_guard.json` beside the metrics, so a resumed run skips the same ones.
+
+    Identity: the detection fields decide which batches are skipped, so they count toward the
+    run's identity (a run that never spikes trains the same weights with or without the guard, but
+    that is known only once it has run). `snapshot_every` and `max_rollbacks` are execution-only:
+    a replay from any snapshot gives the same weights (the step is bit-exact), and the rollback
+    budget only decides whether the run fails, so it can be raised to finish a run that gave up.
+    """
+
+    threshold: float = 6.0
+    window: int = 50
+    min_history: int = 20
+    min_rise: float = 0.05
+    snapshot_every: int = execution_only(default=10)
+    max_rollbacks: int = execution_only(default=3)
+
+    def __post_init__(self):
+        _positive("SpikeGuardConfig", threshold=self.threshold, window=self.window, min_history=self.min_history,
+                  snapshot_every=self.snapshot_every)
+        if self.min_history > self.window:
+            raise ValueError(f"SpikeGuardConfig.min_history={self.min_history} exceeds window={self.window}: the "
+                             "window never holds that many steps")
+        if self.min_rise < 0:
+            raise ValueError(f"SpikeGuardConfig.min_rise={self.min_rise} must be >= 0")
+        if self.max_rollbacks < 0:
+            raise ValueError(f"SpikeGuardConfig.max_rollbacks={self.max_rollbacks} must be >= 0")
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """One training run: identity fields first, then how it runs (execution-only)."""
 
@@ -249,6 +320,9 @@ class TrainConfig:
     compute_dtype: str = "bfloat16"
     master_dtype: str = "float32"
     """Precision changes the weights, so both count toward the run's identity."""
+    spike_guard: SpikeGuardConfig | None = None
+    """Roll back past loss spikes, skipping the batches that caused them (`SpikeGuardConfig`); None:
+    off, and a non-finite loss fails the run."""
 
     eval_every: int = execution_only(default=100)
     """Evaluation cadence: how often the run is looked at, not what it trains."""

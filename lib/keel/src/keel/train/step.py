@@ -50,7 +50,7 @@ def train_step(config: TrainStepConfig) -> None:
         plan=plan,
         phase_starts={start: f"phase {i}" for i, (start, _) in enumerate(mixture_phases(config.data))},
     )
-    train(config.train, inputs, config.output_path)
+    train(plan.config.train, inputs, config.output_path)
 
 
 def use_compilation_cache(output_path: str) -> None:

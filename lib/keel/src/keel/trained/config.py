@@ -8,36 +8,52 @@ so its process sees the devices a training step with that hardware and topology 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from keel.executor.step import execution_only, this_output
 from keel.mesh.hardware import Hardware
 from keel.mesh.topology import RackTopology
 from keel.model.config import MoELMConfig
-from keel.train.config import TrainConfig, declared_process_env
+from keel.train.config import TrainConfig, TrainStepConfig, declared_process_env
 
 
 @dataclass(frozen=True)
 class TrainedModel:
-    """One checkpoint of a training step and what loading it takes.
+    """One checkpoint of a training step, read from the step itself.
 
-    `run` is the training step's output directory (declare it as the step, which makes the step
-    a dependency), `step` the checkpoint's completed optimizer steps: a different checkpoint is a
-    different identity. `model` and `train` are the run's own declarations (the checkpoint's
-    transport and dtypes come from `train`); the device layout is execution-only, as in training.
+    `run` is the training step (`default_train`'s Step; its output directory when this step runs),
+    `checkpoint` "final" (the run's last step, whatever its length) or a step number. The step it
+    resolves to counts toward identity: another checkpoint is another result. The run's model,
+    TrainConfig and device layout are derived from `run` whenever it is given or replaced, never
+    copied at declaration: a `--set` on the run reaches its eval and sample steps.
     """
 
-    run: str
-    step: int
-    model: MoELMConfig
-    train: TrainConfig
-    topology: RackTopology | None = execution_only(default=None)
-    hardware: Hardware | None = execution_only(default=None)
+    run: Any
+    checkpoint: int | str = execution_only(default="final")
+    """How the checkpoint was named; the step it resolves to is what counts."""
+    step: int = field(init=False)
+    model: MoELMConfig = execution_only(init=False)
+    train: TrainConfig = execution_only(init=False)
+    topology: RackTopology | None = execution_only(init=False)
+    hardware: Hardware | None = execution_only(init=False)
 
     def __post_init__(self):
-        if isinstance(self.step, bool) or not isinstance(self.step, int) or not 0 < self.step <= self.train.num_steps:
-            raise ValueError(f"TrainedModel.step={self.step!r}: give a checkpoint step in 1..{self.train.num_steps} "
-                             "(num_steps) or 'final'")
+        config = getattr(self.run, "config", None)
+        if not isinstance(config, TrainStepConfig):
+            raise TypeError(f"TrainedModel.run={self.run!r} is not a training step: pass the Step that default_train "
+                            "returned")
+        if self.checkpoint == "final":
+            step = config.train.num_steps
+        elif isinstance(self.checkpoint, bool) or not isinstance(self.checkpoint, int) \
+                or not 0 < self.checkpoint <= config.train.num_steps:
+            raise ValueError(f"TrainedModel.checkpoint={self.checkpoint!r}: give 'final' or a checkpoint step in "
+                             f"1..{config.train.num_steps} (the run's num_steps)")
+        else:
+            step = self.checkpoint
+        for name, value in (("step", step), ("model", config.model), ("train", config.train),
+                            ("topology", config.topology), ("hardware", config.hardware)):
+            object.__setattr__(self, name, value)
 
     def process_env(self, processes: int = 1) -> dict[str, str]:
         return declared_process_env(self.hardware, self.topology, processes)
@@ -54,16 +70,24 @@ class EvalConfig:
 
     model: TrainedModel
     data: dict[str, str]
-    batch_size: int
-    num_batches: int
+    batch_size: int | None = None
+    """None: the run's own batch size (read when the step runs, so it follows the run)."""
+    num_batches: int | None = None
+    """None: the run's own `eval_batches`."""
     split: str = "validation"
     output_path: str = this_output()
 
     def __post_init__(self):
         if not self.data:
             raise ValueError("EvalConfig.data is empty: name at least one token cache, e.g. {'validation': tokens}")
-        if self.batch_size <= 0 or self.num_batches <= 0:
-            raise ValueError(f"EvalConfig: batch_size={self.batch_size} and num_batches={self.num_batches} must be positive")
+        for name in ("batch_size", "num_batches"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"EvalConfig.{name}={getattr(self, name)} must be positive (or None: the run's own)")
+
+    @property
+    def batches(self) -> tuple[int, int]:
+        """(batch size, number of batches): the declared ones, else the run's validation reads."""
+        return (self.batch_size or self.model.train.batch_size, self.num_batches or self.model.train.eval_batches)
 
     def process_env(self, processes: int = 1) -> dict[str, str]:
         return self.model.process_env(processes)

@@ -33,10 +33,11 @@ def eval_step(config: EvalConfig) -> None:
         if len(datasets[label]) == 0:
             raise ValueError(f"EvalConfig.data[{label!r}]: the {config.split} split of {root} is empty")
     loaded = load_model(config.model)
+    batch_size, num_batches = config.batches
     with jax.set_mesh(loaded.mesh):
         evaluate = eval_loss_fn(loaded.lm, loaded.static, loaded.shardings, loaded.transport, loaded.compute_dtype)
-        sampled = validation_losses(evaluate, loaded.arrays, datasets, batch_size=config.batch_size,
-                                    num_batches=config.num_batches, mesh=loaded.mesh, batch_axes=BATCH_AXES,
+        sampled = validation_losses(evaluate, loaded.arrays, datasets, batch_size=batch_size,
+                                    num_batches=num_batches, mesh=loaded.mesh, batch_axes=BATCH_AXES,
                                     seed=config.model.train.seed)
     results = {label: dataset_result(loss, config.data[label], config.split, rows, seq_len)
                for label, (loss, rows) in sampled.items()}

@@ -1,0 +1,49 @@
+"""The declaration layer: values derived from others resolve from the final config (after `--set`),
+and the steps that read a run follow it."""
+
+from __future__ import annotations
+
+import pytest
+
+from keel.cli import load_experiment
+from keel.executor.graph import topological_order
+from keel.executor.overrides import apply_overrides
+from keel.plan import fact_sheet, render_fact_sheet
+
+SWEEP = "experiments/tutorials/lr_sweep.py"
+
+
+def _step(steps, name):
+    return next(s for s in topological_order(steps) if s.name == name)
+
+
+def test_set_num_steps_changes_the_learning_rates_the_plan_prints():
+    """The LR law is a rule in the optimizer: 100x the steps gives the law's rate at 100x the tokens."""
+    from defaults.models import tiny_moe
+    from defaults.optimizers import hero_lr_law
+
+    targets = load_experiment(SWEEP)
+    before = fact_sheet(_step(targets, "train/lr_sweep/lr1.0").config, "lr1.0")
+    after_targets = apply_overrides(targets, topological_order(targets), ["train/lr_sweep/lr1.0.train.num_steps=3000"])
+    after = fact_sheet(_step(after_targets, "train/lr_sweep/lr1.0").config, "lr1.0")
+    tokens_per_step = 16 * 128
+    for sheet, steps in ((before, 30), (after, 3000)):
+        adam = hero_lr_law.adam_lr(tiny_moe.hidden_dim, tokens_per_step * steps, tokens_per_step)
+        assert sheet["optimizer"]["adam_lr"] == pytest.approx(adam)
+        assert sheet["optimizer"]["muon_lr"] == pytest.approx(adam * 13 / 3)
+        assert sheet["optimizer"]["rates_from"] == "LR law x 1"
+    assert round(after["optimizer"]["adam_lr"], 5) == 0.00422  # the law at 3,000 steps, not the declared 30
+    assert "Adam 0.004224 (LR law x 1 at this size)" in render_fact_sheet(after)
+    # the sweep's other points keep theirs, scaled
+    half = fact_sheet(_step(after_targets, "train/lr_sweep/lr0.5").config, "lr0.5")
+    assert half["optimizer"]["adam_lr"] == pytest.approx(before["optimizer"]["adam_lr"] / 2)
+
+
+def test_the_twin_derives_its_rates_from_the_heros_law_at_its_own_size():
+    from defaults.optimizers import hero_lr_law
+
+    (twin,) = load_experiment("experiments/hero_535b.py", scale="tiny")
+    sheet = fact_sheet(twin.config, twin.name)
+    t = sheet["training"]
+    assert sheet["optimizer"]["adam_lr"] == pytest.approx(
+        hero_lr_law.adam_lr(twin.config.model.hidden_dim, t["total_tokens"], t["tokens_per_step"]))
