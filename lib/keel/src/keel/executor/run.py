@@ -32,10 +32,10 @@ import traceback
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Callable
 
-from keel.executor import code, heartbeat, interrupt, storage
+from keel.executor import code, heartbeat, interrupt, reuse, storage
 from keel.executor import lease as leases
 from keel.executor.job import guard_process_exit, log_url, run_step_job
-from keel.executor.plan import Graph, StepPlan, plan_graph, select
+from keel.executor.plan import CACHED, Graph, StepPlan, plan_graph, select
 from keel.executor.provenance import _secret_values, provenance, scrub
 from keel.executor.resolve import resolve_config
 from keel.executor.identity import HASH_CHARS
@@ -143,6 +143,7 @@ class Runner:
 
     def run(self, only: re.Pattern | None = None) -> RunReport:
         plans = plan_graph(self.graph, self.force)
+        self._index_cached(plans)
         report = RunReport(plans)
         chosen = select(plans, only)
         if not chosen:
@@ -154,6 +155,15 @@ class Runner:
             return self._schedule(plans, chosen, report)
         finally:
             restore()
+
+    def _index_cached(self, plans: list[StepPlan]) -> None:
+        """Index the finished outputs this graph holds under their content hashes, so the same work
+        under another name finds them (outputs made before the index existed, or by another prefix's
+        copy); one listing of the index, a write only for what it lacks."""
+        known = reuse.indexed(self.graph.prefix)
+        for p in plans:
+            if p.state == CACHED and p.reused_from is None and isinstance(p.step, Step):
+                reuse.record(self.graph.prefix, self.graph.identities.content_hash(p.step), p.step, p.output_path, known)
 
     def _schedule(self, plans: list[StepPlan], chosen: set[int], report: RunReport) -> RunReport:
         """Start each chosen step, in plan order and at most `max_concurrent` at a time, once its
@@ -271,6 +281,7 @@ class Runner:
             if previous is not None and self.force and self.force.search(plan.name):
                 storage.delete_contents(plan.output_path, keep=KEEL_DIR)  # --force starts clean (no old checkpoint resumes)
             status = self._attempts(plan, step, resolved, record, previous, lease)
+            reuse.record(self.graph.prefix, self.graph.identities.content_hash(step), step, plan.output_path)
             self.echo(f"[keel] done  {plan.name} in {status.duration:.2f}s")
             return "ran"
         finally:
@@ -508,7 +519,7 @@ class _Beside:
         mine = owned.get(self.folder, set())
         found = []
         for entry in os.scandir(self.folder):
-            if entry.name in mine or _OUTPUT_NAME.fullmatch(entry.name) or entry.name.startswith(".keel-probe-"):
+            if entry.name in mine or _OUTPUT_NAME.fullmatch(entry.name) or entry.name.startswith(".keel-probe-") or entry.name == KEEL_DIR:
                 continue
             if entry.stat(follow_symlinks=False).st_ctime_ns >= self.started_ns:
                 found.append(entry.name)

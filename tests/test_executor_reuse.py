@@ -1,0 +1,80 @@
+"""Content addressing across names: the same work declared under two names runs once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import fsspec
+
+from keel import Step, output_of, this_output
+from keel.executor.plan import CACHED, RUN, Graph, plan_graph
+from keel.executor.run import run_steps
+
+CALLS: list[str] = []
+
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+    source: str | None = None
+    output_path: str = this_output()
+
+
+def write(config: Text) -> None:
+    CALLS.append(config.text)
+    prefix = ""
+    if config.source:
+        with fsspec.open(config.source) as f:
+            prefix = f.read().decode()
+    os.makedirs(config.output_path, exist_ok=True)
+    with open(os.path.join(config.output_path, "out.txt"), "w") as f:
+        f.write(prefix + config.text)
+
+
+def shout(config: Text) -> None:  # the same config type, another function: other work
+    write(Text(config.text.upper(), config.source, config.output_path))
+
+
+def chain(first: str, second: str, fn=write) -> Step:
+    a = Step(first, fn, Text("a"))
+    return Step(second, write, Text("b", source=output_of(a, "out.txt")))
+
+
+def test_the_same_work_under_another_name_is_cached_at_the_first_output(tmp_path):
+    prefix = str(tmp_path)
+    CALLS.clear()
+    report = run_steps([chain("exp1/a", "exp1/b")], prefix, echo=lambda _: None)
+    assert report.ok and CALLS == ["a", "b"]
+
+    # a second experiment names the same two steps differently: nothing is computed again
+    second = chain("exp2/renamed-a", "exp2/renamed-b")
+    graph = Graph([second], prefix)
+    plans = {p.name: p for p in plan_graph(graph)}
+    assert plans["exp2/renamed-a"].state == CACHED and plans["exp2/renamed-a"].reused_from == "exp1/a"
+    assert plans["exp2/renamed-a"].reason == "the same work as exp1/a: its output is reused"
+    assert plans["exp2/renamed-a"].output_path.rsplit("/", 1)[-1].startswith("a-")  # exp1/a's folder
+    assert plans["exp2/renamed-b"].reused_from == "exp1/b"  # its dependency is the same work, so it is too
+    CALLS.clear()
+    assert run_steps([second], prefix, echo=lambda _: None).ok and CALLS == []
+
+    # other work (another function, or another config) under a name never seen is not reused
+    other = {p.name: p for p in plan_graph(Graph([chain("exp3/a", "exp3/b", fn=shout)], prefix))}
+    assert other["exp3/a"].state == RUN and other["exp3/a"].reused_from is None
+    assert other["exp3/b"].state == RUN  # its input is another output
+
+
+def test_a_damaged_or_deleted_original_is_not_reused(tmp_path):
+    prefix = str(tmp_path)
+    run_steps([chain("exp1/a", "exp1/b")], prefix, echo=lambda _: None)
+    original = next(p for p in plan_graph(Graph([chain("exp1/a", "exp1/b")], prefix)) if p.name == "exp1/a").output_path
+    with open(os.path.join(original, "out.txt"), "w") as f:
+        f.write("damaged in place")
+    plans = {p.name: p for p in plan_graph(Graph([chain("x/a", "x/b")], prefix))}
+    assert plans["x/a"].state == RUN and plans["x/a"].reused_from is None
+    assert plans["x/b"].reused_from == "exp1/b"  # intact, and the same work: reading x/a's output would make it again
+    CALLS.clear()
+    assert run_steps([chain("x/a", "x/b")], prefix, echo=lambda _: None).ok and CALLS == ["a"]
+    # x/a's fresh output is what the index names now; the damaged one is left as it was
+    again = {p.name: p for p in plan_graph(Graph([chain("y/a", "y/b")], prefix))}
+    assert again["y/a"].reused_from == "x/a"
