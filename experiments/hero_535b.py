@@ -173,21 +173,23 @@ hero_train = default_train(
 
 def twin(num_steps: int = 120, corpus_bytes: int = 4_000_000, mixture_block: int = 256, files_per_component: int = 24
          ) -> list:
-    """The hero scaled down to this CPU: 8 simulated devices as 2 racks x 4; each of the mixture's
-    components read from its own family of the stdlib's packages (the first `files_per_component`
-    modules of it, a quarter of them for validation, so a phase change moves the per-component
-    validation losses), with the tutorials' tokenizer."""
+    """The hero scaled down to this CPU: 8 simulated devices as 2 racks x 4, with the tutorials'
+    tokenizer. Each topic component reads its own family of the stdlib's packages (the first
+    `files_per_component` modules of it, a quarter of them for validation, so a phase change moves
+    the per-component validation losses); each phase's "other" component reads the stdlib as a
+    whole: the same work as tiny_moe.py's token cache, so either experiment finds it cached."""
     corpus = stdlib_corpus(max_bytes=corpus_bytes)
     bpe = default_tokenizer("stdlib-bpe-1k", corpus, vocab_size=tiny_moe.vocab_size)
-    families = stdlib_families(len(mixture.components))
-    caches = {
-        component: default_tokenize(
-            f"stdlib-{family[0]}-{family[-1]}",
-            stdlib_corpus(name=f"stdlib-{family[0]}-{family[-1]}", packages=family, include_tests=False,
-                          max_files=files_per_component, validation_fraction=0.25),
-            bpe, seq_len=tiny_moe.max_seq_len)
-        for component, family in zip(mixture.components, families)
+    general = default_tokenize("hero-twin-general", corpus, bpe, seq_len=tiny_moe.max_seq_len)
+    topics = {
+        topic: default_tokenize(f"stdlib-{family[0]}-{family[-1]}",
+                                stdlib_corpus(name=f"stdlib-{family[0]}-{family[-1]}", packages=family,
+                                              include_tests=False, max_files=files_per_component,
+                                              validation_fraction=0.25),
+                                bpe, seq_len=tiny_moe.max_seq_len)
+        for topic, family in zip(TOPIC_SHARES, stdlib_families(len(TOPIC_SHARES)))
     }
+    caches = {component: topics.get(component, general) for component in mixture.components}
     return [scale_down(
         hero_train,
         name="hero_535b-tiny",

@@ -47,3 +47,17 @@ def test_the_twin_derives_its_rates_from_the_heros_law_at_its_own_size():
     t = sheet["training"]
     assert sheet["optimizer"]["adam_lr"] == pytest.approx(
         hero_lr_law.adam_lr(twin.config.model.hidden_dim, t["total_tokens"], t["tokens_per_step"]))
+
+
+def test_the_twin_and_tiny_moe_declare_one_token_cache_under_two_names():
+    """The twin's 'other' components are tiny_moe.py's cache: one content hash, so one output."""
+    from keel.executor.identity import Identities
+
+    (twin,) = load_experiment("experiments/hero_535b.py", scale="tiny")
+    tiny = _step(load_experiment("experiments/tutorials/tiny_moe.py"), "tokenized/stdlib-bpe-1k-128")
+    general = twin.config.data.components["other-main"]
+    ids = Identities()
+    assert general.name == "tokenized/hero-twin-general" and ids.hash(general) != ids.hash(tiny)
+    assert ids.content_hash(general) == ids.content_hash(tiny)
+    topics = [c for name, c in twin.config.data.components.items() if not name.startswith("other-")]
+    assert all(ids.content_hash(c) != ids.content_hash(tiny) for c in topics)

@@ -213,7 +213,8 @@ def test_plan_writes_nothing_and_run_leaves_no_probe(tmp_path, capsys, counter):
     prefix = tmp_path / "out"
     assert console_main(["plan", exp, "--prefix", str(prefix)]) == 0 and not prefix.exists()
     assert console_main(["run", exp, "--prefix", str(prefix)]) == 0
-    assert sorted(os.listdir(prefix)) == ["x"] and sorted(ran(counter)) == ["0", "1"]
+    assert sorted(os.listdir(prefix)) == [".keel", "x"] and sorted(ran(counter)) == ["0", "1"]
+    assert len(os.listdir(prefix / ".keel" / "content")) == 2  # the content index: one entry per finished step
 
 
 class HangingFS(MemoryFileSystem):

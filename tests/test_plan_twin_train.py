@@ -21,7 +21,9 @@ def test_the_twin_trains_through_its_phases_transport_and_offload_switch_as_plan
     assert [p.start_step for p in config.data.phases] == [0, 3, 10]
     assert [(t.transport, t.start_step) for t in config.train.transports] == [("fixed_pooled_all_to_all", 0), ("ring", 3)]
     assert config.train.host_offload.master_weights_until_step == 3, "the swap step, scaled"
-    assert len({c.name for c in config.data.components.values()}) == 13, "13 distinct component caches"
+    caches = {name: c.name for name, c in config.data.components.items()}
+    assert len(set(caches.values())) == 11, "a cache per topic, and the general stdlib for every phase's 'other'"
+    assert {caches[f"other-{p}"] for p in ("initial", "main", "cooldown")} == {"tokenized/hero-twin-general"}
     step = step.with_config(dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=12, eval_batches=1)))
 
     report = run_steps([step], str(tmp_path), echo=lambda line: None)
@@ -35,10 +37,11 @@ def test_the_twin_trains_through_its_phases_transport_and_offload_switch_as_plan
     assert {train[s]["transport"] for s in range(3, 12)} == {"ring"}
     first, last = train[0]["train/loss"], sum(train[s]["train/loss"] for s in (9, 10, 11)) / 3
     assert last < first - 0.3, (first, last)
-    # distinct data per component: their validation losses differ
+    # distinct data per topic component: their validation losses differ
     evals = [r for r in records if "eval/loss" in r]
-    per_component = {k: v for k, v in evals[-1].items() if k.startswith("eval/") and k.endswith("/loss") and k != "eval/loss"}
-    assert len(per_component) > 3 and len({round(v, 4) for v in per_component.values()}) == len(per_component)
+    per_topic = {k: v for k, v in evals[-1].items() if k.startswith("eval/") and k.endswith("/loss")
+                 and k != "eval/loss" and not k.startswith("eval/other-")}
+    assert len(per_topic) == 10 and len({round(v, 4) for v in per_topic.values()}) == len(per_topic)
 
     # the live layout, as the run recorded it: planned at the start and after the swap at step 3
     layout = json.loads((run_dir / ".keel" / "layout.json").read_text())["records"]

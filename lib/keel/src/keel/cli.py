@@ -24,7 +24,7 @@ from keel.executor import storage
 from keel.executor.overrides import apply_overrides
 from keel.executor.plan import EMPTY_EXTERNAL, Graph, StepPlan, plan_graph, select
 from keel.executor.status import KEEL_DIR, RECORD
-from keel.executor.step import StepDeclarationError
+from keel.executor.step import Step, StepDeclarationError
 
 COMMANDS = ("run", "plan", "status", "gc", "compare", "dashboard")
 _collecting: list[tuple[list, dict]] | None = None
@@ -363,8 +363,8 @@ def _gc(args, graphs: list[Graph]) -> int:
     prefix = _prefix(args)
     fs, root = storage.split(prefix)
     reached = set()
-    for graph in graphs:
-        reached.update(storage.split(graph.path(s))[1] for s in graph.steps())
+    for graph in graphs:  # a step that reuses another name's output reaches that output
+        reached.update(storage.split(p.output_path)[1] for p in plan_graph(graph) if isinstance(p.step, Step))
     found = sorted({p.rsplit(f"/{KEEL_DIR}/", 1)[0] for p in fs.glob(f"{root.rstrip('/')}/**/{KEEL_DIR}/{RECORD}")})
     unreached, kept = [], []
     for path in (p for p in found if p not in reached):

@@ -5,6 +5,11 @@ dependencies + the fingerprints of the files it reads from outside keel (those i
 `input_files()` names, an External's files; see `inputs.py`). Everything counts unless declared
 otherwise, so a changed config or an edited input file can never silently reuse a stale output. The encoding is canonical JSON: stable across processes, hash seeds and
 machines. Changing it re-keys every output, so `tests/test_executor_identity.py` pins golden hashes.
+
+The identity hash names the output path (`{name}-{hash}`). The *content* hash leaves the name out:
+the step's function, its config and input files, and its dependencies' content hashes. Two steps
+that do the same work under different names (in two experiment files, say) have one content
+hash, so the second finds the first's finished output and reuses it (`plan.py`).
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ class Identities:
     def __init__(self) -> None:
         self._hashes: dict[int, str] = {}
         self._payloads: dict[int, dict] = {}
+        self._contents: dict[int, str] = {}
         self._local = threading.local()  # .encoding: steps whose payload this thread is encoding, outermost first
         self._keep: list[Any] = []  # keep ids stable while memoised
 
@@ -121,6 +127,24 @@ class Identities:
             self._payloads[key] = payload
             self._keep.append(step)
         return self._payloads[key]
+
+    def content_hash(self, step: Step | External) -> str:
+        """The hash of the work a step does, whatever its name: its function, config (with each
+        dependency by its content hash) and input files; an External by its path, version and files."""
+        found = self._contents.get(id(step))
+        if found is None:
+            self.hash(step)  # encodes every payload once, refusing cycles and unencodable values
+            for node in topological_order([step], done=self._contents):
+                payload = self.payload(node)
+                if isinstance(node, External):
+                    content = {k: v for k, v in payload.items() if k != "external"}
+                else:
+                    content = {"fn": f"{node.fn.__module__}.{node.fn.__qualname__}",
+                               "config": encode(node.config, f"{node.name}.config", self.content_hash),
+                               "inputs": payload.get("inputs")}
+                self._contents[id(node)] = hashlib.sha256(canonical_json(content).encode()).hexdigest()[:2 * HASH_CHARS]
+            found = self._contents[id(step)]
+        return found
 
     def _encoding(self) -> dict[int, Step]:
         return self._local.__dict__.setdefault("encoding", {})

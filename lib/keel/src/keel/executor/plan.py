@@ -1,6 +1,7 @@
 """What a run would do, step by step, without doing it: the heart of `keel plan` and `keel status`.
 
-States: `cached` (finished, manifest verified), `run` (never ran, or must rerun: the reason says
+States: `cached` (finished, manifest verified; or the same work finished under another name, whose
+output it reuses: `reuse.py`), `run` (never ran, or must rerun: the reason says
 why), `stale` (an earlier run of the same step name exists with another identity; the reason names
 the input files that changed, then gives a field-level diff), `failed` (the last attempt failed;
 the next run retries it), `interrupted` (stopped on request, e.g. Ctrl-C; the next run resumes it),
@@ -14,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from keel.executor import code, storage
+from keel.executor import code, reuse, storage
 from keel.executor import lease as leases
 from keel.executor.graph import substitute, topological_order
 from keel.executor.identity import Identities, output_path
@@ -35,6 +36,8 @@ class StepPlan:
     reason: str = ""
     deps: list[str] = field(default_factory=list)
     status: Status | None = None
+    reused_from: str | None = None
+    """The step name whose finished output this one reuses (the same work under another name)."""
 
     @property
     def name(self) -> str:
@@ -42,6 +45,8 @@ class StepPlan:
 
     def to_json(self) -> dict:
         out = {"name": self.name, "output_path": self.output_path, "state": self.state, "reason": self.reason, "deps": self.deps}
+        if self.reused_from is not None:
+            out["reused_from"] = self.reused_from
         if isinstance(self.step, Step) and self.step.resources is not None:
             out["resources"] = self.step.resources.describe()
         if self.status is not None and self.status.duration is not None:
@@ -98,6 +103,10 @@ class Graph:
             found = self._paths[key] = output_path(self.prefix, step, self.identities)
         return found
 
+    def reuse(self, step: Step, path: str) -> None:
+        """Point `step` (and the configs of its dependents) at another finished output of the same work."""
+        self._paths[id(step)] = path
+
     def steps(self) -> list[Step]:
         return [s for s in self.order if isinstance(s, Step)]
 
@@ -108,12 +117,15 @@ class _Listings:
     def __init__(self) -> None:
         self._names: dict[str, set[str]] = {}
 
+    def names(self, folder: str) -> set[str]:
+        names = self._names.get(folder)
+        if names is None:
+            names = self._names[folder] = set(storage.list_names(folder))
+        return names
+
     def exists(self, url: str) -> bool:
         parent, _, base = url.rpartition("/")
-        names = self._names.get(parent)
-        if names is None:
-            names = self._names[parent] = set(storage.list_names(parent))
-        return base in names
+        return base in self.names(parent)
 
     def earlier_runs(self, url: str) -> list[str]:
         parent, _, base = url.rpartition("/")
@@ -135,6 +147,13 @@ def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = No
         return StepPlan(step, path, EXTERNAL, described, deps)
     status = read_status(path) if listings.exists(path) else None
     forced = bool(force and force.search(step.name))
+    if status is None and not forced and not step.no_outputs and listings.names(reuse.index(graph.prefix)):
+        entry = reuse.entry(graph.prefix, graph.identities.content_hash(step))
+        same = reuse.find(graph.prefix, entry, path) if listings.exists(entry) else None
+        if same is not None:
+            graph.reuse(step, same.output_path)
+            return StepPlan(step, same.output_path, CACHED, f"the same work as {same.name}: its output is reused", deps,
+                            same.status, reused_from=same.name)
     if status is None:
         earlier = _most_recent_record(listings.earlier_runs(path))
         if earlier is not None:
