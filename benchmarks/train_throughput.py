@@ -34,7 +34,7 @@ import tempfile  # noqa: E402
 import numpy as np  # noqa: E402
 from planned import planned  # noqa: E402
 
-from defaults.models import small_moe, tiny_moe  # noqa: E402
+from defaults.models import dense_baseline, small_moe, tiny_moe  # noqa: E402
 from keel.mesh import BATCH_AXES, RackTopology  # noqa: E402
 from keel.model import Balancing, MoELMConfig  # noqa: E402
 from keel.train import AdamWConfig, TrainConfig, TransportPhase  # noqa: E402
@@ -62,16 +62,8 @@ def plain_twin(model: MoELMConfig) -> MoELMConfig:
 
 
 def dense_twin(model: MoELMConfig) -> MoELMConfig:
-    """No routed experts; shared experts widened until training FLOPs per token match `model`'s."""
-    target = model.flops_per_token(SEQ)
-    shared = max(model.num_shared_experts, 1)
-
-    def dense(width: int) -> MoELMConfig:
-        return model.replace(num_experts=0, experts_per_token=0, latent_dim=None, balancing=Balancing.NONE,
-                             num_shared_experts=shared, shared_expert_dim=width)
-
-    width = min(range(1, 64 * model.hidden_dim), key=lambda w: abs(dense(w).flops_per_token(SEQ) - target))
-    return dense(width)
+    """No routed experts; the shared MLP widened until training FLOPs per token match `model`'s."""
+    return dense_baseline(model, match=lambda m: m.flops_per_token(SEQ))
 
 
 class LevanterQwen3Moe:

@@ -1,5 +1,8 @@
-"""Model presets: the 535B-A23B hero architecture, its tiny CPU-sized twin, and a small one for
-speed measurements where matmuls, not per-feature overheads, dominate."""
+"""Model presets: the 535B-A23B hero architecture, its tiny CPU-sized twin, a small one for
+speed measurements where matmuls, not per-feature overheads, dominate, and `dense_baseline`: the
+dense model a MoE is compared with at equal active parameters."""
+
+from collections.abc import Callable
 
 from keel.model import AttentionBackend, Balancing, ConvSite, MoELMConfig, Routing
 
@@ -92,3 +95,25 @@ small_moe = tiny_moe.replace(
 )
 """Every hero feature at hidden 256: 4 layers, 16 experts top-4 on a 128-wide latent, 2 shared
 experts; sized so that benchmarks on 8 simulated CPU devices measure matmuls, not overheads."""
+
+
+def dense_baseline(model: MoELMConfig, match: Callable[[MoELMConfig], float] | None = None) -> MoELMConfig:
+    """The dense model to compare `model` with: no routed experts (so no router, no balancing and
+    no MoE metrics), its shared MLP widened until `match` (default: active parameters per token)
+    equals the MoE's. Everything else (attention, norms, vocabulary) is the same. A dense model has
+    no experts to split: train it on a topology with `expert_parallel=1`.
+
+        base = default_train("dense", model=dense_baseline(tiny_moe), ..., topology=RackTopology(2, 4))
+        flops = dense_baseline(small_moe, match=lambda m: m.flops_per_token(seq_len))  # same FLOPs instead
+    """
+    match = match or (lambda m: m.param_counts()["active"])
+    shared = max(model.num_shared_experts, 1)
+
+    def dense(width: int) -> MoELMConfig:
+        return model.replace(num_experts=0, experts_per_token=0, latent_dim=None, balancing=Balancing.NONE,
+                             num_shared_experts=shared, shared_expert_dim=width)
+
+    # the matched figure grows linearly with the MLP's width: solve for it, then take the nearest width
+    base, slope = match(dense(1)), match(dense(2)) - match(dense(1))
+    guess = max(1, round(1 + (match(model) - base) / slope))
+    return min((dense(w) for w in range(max(1, guess - 2), guess + 3)), key=lambda m: abs(match(m) - match(model)))

@@ -5,6 +5,7 @@ step to the next and through checkpoints, metrics / PNG / wandb outputs.
 """
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -215,6 +216,25 @@ def test_a_non_finite_loss_fails_the_run_naming_the_step(tmp_path):
     config = TrainConfig(num_steps=6, optimizer=AdamWConfig(lr=1e30), compute_dtype="float32", **BASE)
     with pytest.raises(NonFiniteTraining, match=r"training diverged at step [1-5]: train/(loss|grad_norm) = (nan|inf)"):
         train(config, loop_inputs(config, use_wandb=False), str(tmp_path / "tiny_nan-0123abcd89"))
+
+
+def test_a_dense_baseline_trains_on_the_plan_and_logs_no_moe_metrics(tmp_path):
+    """`defaults.models.dense_baseline`: the MoE's active parameters in a dense MLP, no router to report on."""
+    from train_standin import MICRO, loop_inputs
+
+    from defaults.models import dense_baseline
+    from keel.train.loop import train
+
+    dense = dense_baseline(MICRO)
+    assert dense.num_experts == 0 and dense.param_counts()["active"] == pytest.approx(MICRO.param_counts()["active"],
+                                                                                     rel=0.01)
+    config = TrainConfig(num_steps=3, optimizer=AdamWConfig(lr=1e-2), **BASE)
+    out = tmp_path / "dense-0123abcd89"
+    train(config, loop_inputs(config, use_wandb=False, model=dense, expert_parallel=1), str(out))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/loss" in r]
+    assert len(steps) == 3 and all(math.isfinite(r["train/loss"]) for r in steps)
+    assert not [k for r in rows for k in r if k.startswith("moe/")]
 
 
 def test_progress_lines_name_compiles_validation_checkpoints_and_the_switch(tmp_path, capsys):

@@ -42,10 +42,10 @@ MICRO = MoELMConfig(
 """Capacity 4x the even share: the fixed-capacity transport drops nothing, so transports agree."""
 
 
-def micro_lm(mesh):
+def micro_lm(mesh, model: MoELMConfig = MICRO):
     from keel.train.lm import KeelLM
 
-    return KeelLM(MICRO, mesh)
+    return KeelLM(model, mesh)
 
 
 BATCH_AXES = ("replica_dcn", "data", "expert")
@@ -86,31 +86,33 @@ def arithmetic_sequences(n: int, *, seq_len: int, vocab: int, seed: int, delay_p
     return Throttled(items) if delay_per_item else ListAsyncDataset(items)
 
 
-def micro_plan(config):
-    """The resolved run of `MICRO` trained with `config` on 2 racks x 4 (expert parallel 4)."""
+def micro_plan(config, model: MoELMConfig = MICRO, expert_parallel: int = 4):
+    """The resolved run of `model` (`MICRO`) trained with `config` on 2 racks x 4 (expert parallel 4)."""
     from keel import External
     from keel.mesh import RackTopology
     from keel.plan.resolved import resolve
     from keel.train.config import TrainStepConfig
 
-    topology = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
-    return resolve(TrainStepConfig(model=MICRO, data=External("test/arithmetic", "memory://arithmetic", version="1"),
+    topology = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=expert_parallel)
+    return resolve(TrainStepConfig(model=model, data=External("test/arithmetic", "memory://arithmetic", version="1"),
                                    train=config, topology=topology))
 
 
-def loop_inputs(config, *, delay_per_item: float = 0.0, use_wandb: bool = True):
-    """What `keel.train.loop.train(config, ...)` needs to train `MICRO` with `config` (its resolved run included)."""
+def loop_inputs(config, *, delay_per_item: float = 0.0, use_wandb: bool = True, model: MoELMConfig = MICRO,
+                expert_parallel: int = 4):
+    """What `keel.train.loop.train(config, ...)` needs to train `model` (`MICRO`) with `config` (its
+    resolved run included)."""
     from keel.train.loop import LoopInputs
 
     mesh = rack_mesh()
     return LoopInputs(
-        lm=micro_lm(mesh),
+        lm=micro_lm(mesh, model),
         mesh=mesh,
         batch_axes=BATCH_AXES,
         train_data=arithmetic_sequences(512, seq_len=config.seq_len, vocab=MICRO.vocab_size, seed=0,
                                         delay_per_item=delay_per_item),
         val_data={"held_out": arithmetic_sequences(32, seq_len=config.seq_len, vocab=MICRO.vocab_size, seed=1)},
-        plan=micro_plan(config),
+        plan=micro_plan(config, model, expert_parallel),
         use_wandb=use_wandb,
         fetch_batches=1 if delay_per_item else 8,
     )
