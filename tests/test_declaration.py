@@ -24,7 +24,7 @@ def test_set_num_steps_changes_the_learning_rates_the_plan_prints():
 
     targets = load_experiment(SWEEP)
     before = fact_sheet(_step(targets, "train/lr_sweep/lr1.0").config, "lr1.0")
-    after_targets = apply_overrides(targets, topological_order(targets), ["train/lr_sweep/lr1.0.train.num_steps=3000"])
+    after_targets = apply_overrides(targets, topological_order(targets), ["train/lr_sweep/lr1.0:train.num_steps=3000"])
     after = fact_sheet(_step(after_targets, "train/lr_sweep/lr1.0").config, "lr1.0")
     tokens_per_step = 16 * 128
     for sheet, steps in ((before, 30), (after, 3000)):
@@ -37,6 +37,22 @@ def test_set_num_steps_changes_the_learning_rates_the_plan_prints():
     # the sweep's other points keep theirs, scaled
     half = fact_sheet(_step(after_targets, "train/lr_sweep/lr0.5").config, "lr0.5")
     assert half["optimizer"]["adam_lr"] == pytest.approx(before["optimizer"]["adam_lr"] / 2)
+
+
+def test_set_names_the_step_before_a_colon_and_refuses_an_ambiguous_dotted_key():
+    from keel.executor.overrides import OverrideError
+
+    targets = load_experiment(SWEEP)
+    order = topological_order(targets)
+    with pytest.raises(OverrideError, match=r"write the step name, a colon, then the field: --set "
+                                            r"train/lr_sweep/lr1\.0:train\.num_steps=3000"):
+        apply_overrides(targets, order, ["train/lr_sweep/lr1.0.train.num_steps=3000"])
+    # a dot-free name that alone prefixes the key is still read the old way
+    (done,) = [s for s in topological_order(apply_overrides(targets, order, ["documents/stdlib.max_bytes=1000"]))
+               if s.name == "documents/stdlib"]
+    assert done.config.max_bytes == 1000
+    with pytest.raises(OverrideError, match="given twice"):
+        apply_overrides(targets, order, ["documents/stdlib.max_bytes=1000", "documents/stdlib:max_bytes=2000"])
 
 
 def test_the_twin_derives_its_rates_from_the_heros_law_at_its_own_size():

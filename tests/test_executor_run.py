@@ -246,7 +246,7 @@ def test_set_override_runs_and_errors(tmp_path, capsys):
     assert len(stats) == 1 and json.loads(stats[0].read_text())["count"] == 5
     assert console_main(["plan", HELLO, "--prefix", prefix, "--set", "tutorial/numbers.nn=5"]) == 2
     err = capsys.readouterr().err
-    assert "no config field 'nn'" in err and "closest: tutorial/numbers.n" in err
+    assert "no config field 'nn'" in err and "closest: tutorial/numbers:n" in err
     assert console_main(["plan", HELLO, "--prefix", prefix, "--set", "tutorial/numbers.n=abc"]) == 2
     assert "cannot read 'abc' as a int" in capsys.readouterr().err
     assert console_main(["plan", HELLO, "--prefix", prefix, "--set", "tutorial/nope.n=1"]) == 2

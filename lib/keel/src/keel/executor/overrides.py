@@ -1,4 +1,8 @@
-"""`--set STEP_NAME.field.sub=value`: change a config field from the command line.
+"""`--set STEP_NAME:field.sub=value`: change a config field from the command line.
+
+The step name ends at the colon, so names holding dots (`train/lr_sweep/lr1.0`) are unambiguous.
+The older `STEP_NAME.field=value` is read where it can mean one thing only: a step name without
+dots that is the only name prefixing the key; otherwise it is an error that gives the colon form.
 
 The value is decoded as the field's declared type by draccus; the override rebuilds the step (and
 every step that depends on it, since their configs refer to it) with `dataclasses.replace`, so
@@ -97,8 +101,8 @@ def _set_one(step: Step, parts: list[str], text: str, key: str) -> Step:
     obj = step.config
     for i, part in enumerate(parts):
         if not (dataclasses.is_dataclass(obj) and part in {f.name for f in dataclasses.fields(obj)}):
-            known = _field_paths(step.config, step.name)
-            close = difflib.get_close_matches(key.split("=")[0], known, n=3, cutoff=0.5)
+            known = [f"{step.name}:{p[1:]}" for p in _field_paths(step.config, "")]
+            close = difflib.get_close_matches(f"{step.name}:{'.'.join(parts)}", known, n=3, cutoff=0.5)
             hint = f"; closest: {', '.join(close)}" if close else f"; fields of {step.name}: {', '.join(known[:12])}"
             raise OverrideError(f"--set {key}: step {step.name!r} has no config field {'.'.join(parts[: i + 1])!r}{hint}")
         obj = getattr(obj, part)
@@ -120,7 +124,7 @@ def _placeholder(value: Any) -> str:
 
 
 def apply_overrides(targets: list[Step | External], order: list[Step | External], assignments: list[str]) -> list[Step | External]:
-    """The targets with every `STEP.field.sub=value` applied and dependents rebuilt."""
+    """The targets with every `STEP:field.sub=value` applied and dependents rebuilt."""
     if not assignments:
         return targets
     by_name: dict[str, list[Step]] = {}
@@ -132,24 +136,40 @@ def apply_overrides(targets: list[Step | External], order: list[Step | External]
     for assignment in assignments:
         key, eq, text = assignment.partition("=")
         if not eq:
-            raise OverrideError(f"--set {assignment!r}: expected STEP_NAME.field=value")
-        if key in seen:
-            raise OverrideError(f"--set {key} is given twice ({seen[key]!r} and {assignment!r}): keep the one you mean")
-        seen[key] = assignment
-        # Step names contain '.' and '/': the longest name that prefixes the key wins.
-        names = [n for n in by_name if key.startswith(n + ".")]
-        if not names:
-            close = difflib.get_close_matches(key, [f"{n}.{p}" for n in by_name for p in [""]], n=3, cutoff=0.3)
-            raise OverrideError(
-                f"--set {assignment!r}: no step named like the start of {key!r}; steps: {', '.join(sorted(by_name))}"
-                + (f" (closest: {', '.join(c.rstrip('.') for c in close)})" if close else "")
-            )
-        name = max(names, key=len)
-        parts = key[len(name) + 1 :].split(".")
+            raise OverrideError(f"--set {assignment!r}: expected STEP_NAME:field=value")
+        name, parts = _split_key(key, assignment, by_name)
+        target = f"{name}:{'.'.join(parts)}"
+        if target in seen:
+            raise OverrideError(f"--set {target} is given twice ({seen[target]!r} and {assignment!r}): keep the one you mean")
+        seen[target] = assignment
         for step in by_name[name]:
             current = replaced.get(id(step), step)
             replaced[id(step)] = _set_one(current, parts, text, assignment)
     return _rebuild(targets, order, replaced)
+
+
+def _split_key(key: str, assignment: str, by_name: dict[str, list[Step]]) -> tuple[str, list[str]]:
+    """(step name, field path) of `STEP:field.sub`, or of an unambiguous `STEP.field.sub`."""
+    if ":" in key:
+        name, _, path = key.partition(":")
+        if name not in by_name:
+            close = difflib.get_close_matches(name, list(by_name), n=3, cutoff=0.3)
+            raise OverrideError(f"--set {assignment!r}: no step named {name!r}; steps: {', '.join(sorted(by_name))}"
+                                + (f" (closest: {', '.join(close)})" if close else ""))
+        if not path:
+            raise OverrideError(f"--set {assignment!r}: name a field after the colon, e.g. {name}:train.num_steps=100")
+        return name, path.split(".")
+    names = [n for n in by_name if key.startswith(n + ".")]
+    if not names:
+        close = difflib.get_close_matches(key, list(by_name), n=3, cutoff=0.3)
+        raise OverrideError(
+            f"--set {assignment!r}: expected STEP_NAME:field=value; no step named like the start of {key!r}; "
+            f"steps: {', '.join(sorted(by_name))}" + (f" (closest: {', '.join(close)})" if close else ""))
+    if len(names) > 1 or "." in names[0]:
+        name = max(names, key=len)
+        raise OverrideError(f"--set {assignment!r}: {' and '.join(sorted(names))} could each start this key; write the "
+                            f"step name, a colon, then the field: --set {name}:{key[len(name) + 1:]}={assignment.partition('=')[2]}")
+    return names[0], key[len(names[0]) + 1:].split(".")
 
 
 def _rebuild(targets, order, replaced: dict[int, Step]):
