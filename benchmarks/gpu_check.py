@@ -4,7 +4,7 @@
 
 Three checks, each a row of the summary table printed at the end (exit status 1 if any fails):
 
-1. transports: every expert transport of `keel.model.transport_spec.TRANSPORTS` this platform
+1. transports: every expert transport of `keel.spec.transports.TRANSPORTS` this platform
    runs (`ragged_all_to_all` on GPU/TPU; skipped with the reason on XLA:CPU) against the `dense`
    all-experts reference, on a mesh of every device (expert parallel inside a rack): outputs and
    the gradients of every parameter and of the input agree (max |diff| / max |reference| within a
@@ -101,12 +101,12 @@ from fray.device_flops import device_flops_for_jax_device  # noqa: E402
 
 from defaults.models import hero_535b  # noqa: E402
 from keel.mesh.mesh import build_mesh, shard_batch, tree_shardings, use_mesh  # noqa: E402
-from keel.mesh.topology import RackTopology  # noqa: E402
+from keel.spec.topology import RackTopology  # noqa: E402
 from keel.model.attention import Attention  # noqa: E402
-from keel.model.config import MoELMConfig, select_attention_backend  # noqa: E402
+from keel.spec.model import MoELMConfig, select_attention_backend  # noqa: E402
 from keel.model.layout import gathered  # noqa: E402
 from keel.model.moe import LatentMoE, SharedExperts  # noqa: E402
-from keel.model.transport_spec import TRANSPORTS, TransportSpec, check_transport_supported  # noqa: E402
+from keel.spec.transports import TRANSPORTS, TransportSpec, check_transport_supported  # noqa: E402
 
 
 @dataclass

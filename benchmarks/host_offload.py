@@ -33,8 +33,7 @@ import numpy as np  # noqa: E402
 from planned import planned  # noqa: E402
 
 from defaults.models import tiny_moe  # noqa: E402
-from keel.mesh import BATCH_AXES, RackTopology  # noqa: E402
-from keel.train import AdamWConfig, HostOffload, TrainConfig, TransportPhase  # noqa: E402
+from keel.spec import BATCH_AXES, AdamWConfig, HostOffload, RackTopology, TrainConfig, TransportPhase
 
 BATCH, SEQ = 16, 128
 RACKS = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
@@ -52,7 +51,7 @@ def step_times(host_offload: HostOffload, mesh, steps: int, data) -> list[float]
     """Seconds per step of one fresh run, its first two steps dropped."""
     from keel.train.lm import KeelLM
     from keel.train.loop import LoopInputs, train
-    from keel.train.tracking import METRICS_FILE, read_metrics
+    from keel.spec.metrics import METRICS_FILE, read_metrics
 
     config = TrainConfig(batch_size=BATCH, seq_len=SEQ, num_steps=steps, optimizer=AdamWConfig(lr=3e-3),
                          eval_batches=0, eval_every=steps, rolling_checkpoint_minutes=None, compute_dtype="bfloat16",

@@ -32,9 +32,16 @@ import numpy as np  # noqa: E402
 from planned import planned  # noqa: E402
 
 from defaults.models import small_moe, tiny_moe  # noqa: E402
-from keel.mesh import BATCH_AXES, RackTopology  # noqa: E402
-from keel.model import Balancing, MoELMConfig, Routing  # noqa: E402
-from keel.train import AdamWConfig, TrainConfig, TransportPhase  # noqa: E402
+from keel.spec import (
+    BATCH_AXES,
+    AdamWConfig,
+    Balancing,
+    MoELMConfig,
+    RackTopology,
+    Routing,
+    TrainConfig,
+    TransportPhase,
+)
 
 BATCH, SEQ = 16, 128
 RACKS = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)

@@ -33,11 +33,11 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from keel.mesh.mesh import build_mesh, shard_batch, tree_shardings, use_mesh  # noqa: E402
-from keel.mesh.topology import MESH_AXES, RackTopology  # noqa: E402
-from keel.model.config import MoELMConfig  # noqa: E402
+from keel.spec.topology import MESH_AXES, RackTopology  # noqa: E402
+from keel.spec.model import MoELMConfig  # noqa: E402
 from keel.model.layout import gathered  # noqa: E402
 from keel.model.moe import LatentMoE  # noqa: E402
-from keel.model.transport_spec import TransportSpec  # noqa: E402
+from keel.spec.transports import TransportSpec  # noqa: E402
 
 TRANSPORTS = {
     "local": TransportSpec("local"),

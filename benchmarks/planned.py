@@ -1,11 +1,9 @@
 """The resolved run of a benchmark's keel model: what the training loop lays its state out from."""
 
 from keel import External
-from keel.mesh import RackTopology
-from keel.model import MoELMConfig
-from keel.plan.resolved import ResolvedRun, resolve
-from keel.train import TrainConfig
-from keel.train.config import TrainStepConfig
+from keel.spec import MoELMConfig, RackTopology, TrainConfig
+from keel.spec.resolved import ResolvedRun, resolve
+from keel.spec.train import TrainStepConfig
 
 
 def planned(model: MoELMConfig, train: TrainConfig, topology: RackTopology) -> ResolvedRun:

@@ -21,15 +21,14 @@ import tempfile
 import time
 
 from keel.data import (
-    StdlibCorpusConfig,
-    TokenizeConfig,
-    TrainTokenizerConfig,
     build_stdlib_corpus,
     iter_documents,
     load_tokenizer,
+    StdlibCorpusConfig,
     tokenize_documents,
     train_tokenizer,
 )
+from keel.spec import TokenizeConfig, TrainTokenizerConfig
 from keel.data.tokenize import STATS_FILE
 from keel.executor import storage
 

@@ -35,9 +35,7 @@ import numpy as np  # noqa: E402
 from planned import planned  # noqa: E402
 
 from defaults.models import dense_baseline, small_moe, tiny_moe  # noqa: E402
-from keel.mesh import BATCH_AXES, RackTopology  # noqa: E402
-from keel.model import Balancing, MoELMConfig  # noqa: E402
-from keel.train import AdamWConfig, TrainConfig, TransportPhase  # noqa: E402
+from keel.spec import BATCH_AXES, AdamWConfig, Balancing, MoELMConfig, RackTopology, TrainConfig, TransportPhase
 
 BATCH, SEQ = 16, 128
 RACKS = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
@@ -152,7 +150,7 @@ def tokens_per_second(name: str, lm, mesh, steps: int, transport: TransportPhase
     from keel.train.layout import LAYOUT_FILE
     from keel.train.lm import KeelLM
     from keel.train.loop import LoopInputs, train
-    from keel.train.tracking import METRICS_FILE, read_metrics
+    from keel.spec.metrics import METRICS_FILE, read_metrics
 
     config = TrainConfig(batch_size=BATCH, seq_len=SEQ, num_steps=steps, optimizer=AdamWConfig(lr=3e-3),
                          eval_batches=0, eval_every=steps, rolling_checkpoint_minutes=None, compute_dtype="bfloat16",

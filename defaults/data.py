@@ -12,16 +12,15 @@ from __future__ import annotations
 
 from keel import Step
 from keel.data import (
+    build_stdlib_corpus,
     HfDatasetSpec,
+    ingest_documents,
     IngestConfig,
     StdlibCorpusConfig,
-    TokenizeConfig,
-    TrainTokenizerConfig,
-    build_stdlib_corpus,
-    ingest_documents,
     tokenize_documents,
     train_tokenizer,
 )
+from keel.spec import TokenizeConfig, TrainTokenizerConfig
 
 
 def stdlib_corpus(*, max_bytes: int | None = None, max_files: int | None = None, include_tests: bool = True,

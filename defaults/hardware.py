@@ -13,7 +13,7 @@ measured.
 
 import dataclasses
 
-from keel.mesh import Hardware, StepTimeCalibration
+from keel.spec import Hardware, StepTimeCalibration
 
 hero_calibration = StepTimeCalibration(
     compute_efficiency=0.3610,

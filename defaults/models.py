@@ -4,7 +4,7 @@ dense model a MoE is compared with at equal active parameters."""
 
 from collections.abc import Callable
 
-from keel.model import AttentionBackend, Balancing, ConvSite, MoELMConfig, Routing
+from keel.spec import AttentionBackend, Balancing, ConvSite, MoELMConfig, Routing
 
 ALL_CONV_SITES = (ConvSite.KEY, ConvSite.ATTENTION_OUTPUT, ConvSite.MOE_OUTPUT)
 

@@ -22,14 +22,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from keel import Resources, Step
-from keel.data import Mixture, TokenizeConfig
+from keel.spec import (
+    CompareConfig,
+    EvalConfig,
+    Hardware,
+    Mixture,
+    MoELMConfig,
+    RackTopology,
+    SampleConfig,
+    TokenizeConfig,
+    TrainConfig,
+    TrainedModel,
+    TrainStepConfig,
+)
 from keel.executor.identity import Identities
 from keel.executor.step import External, OutputOf, output_of
-from keel.mesh import Hardware, RackTopology
-from keel.model import MoELMConfig
-from keel.train import TrainConfig
-from keel.train import TrainStepConfig
-from keel.trained import CompareConfig, EvalConfig, SampleConfig, TrainedModel
 from keel.trained.compare import compare_step
 from keel.trained.evaluate import eval_step
 from keel.trained.ladder import (
@@ -172,9 +179,9 @@ def _training(where: str, step: Any) -> TrainStepConfig:
     return step.config
 
 
-def _tokenize_config(where: str, data: Any) -> TokenizeConfig:
-    """The one TokenizeConfig behind a run's data (a tokenize step, or a mixture of them)."""
-    caches = list(data.components.values()) if isinstance(data, Mixture) else [data]
+def _tokenize_config(where: str, data: Mixture) -> TokenizeConfig:
+    """The one TokenizeConfig behind a run's data (its mixture's tokenize steps)."""
+    caches = list(data.components.values())
     identities = Identities()
     found: dict[tuple, TokenizeConfig] = {}
     for cache in caches:

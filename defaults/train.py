@@ -7,7 +7,7 @@ The step is named `train/<name>`; its identity is the model, the data (and throu
 upstream step), the optimizer, schedule, seed, batch size, sequence length and step count.
 Topology, hardware, transports, checkpoint/log cadence, eval batch counts, precision and remat are
 execution-only: changing them resumes the same run under the same output path. The declaration is
-checked once, by `keel.plan.resolved.resolve`, when `keel plan` or `keel run` starts (and again by
+checked once, by `keel.spec.resolved.resolve`, when `keel plan` or `keel run` starts (and again by
 the step itself): a mistake is a `keel: error:` naming the field before any step runs.
 """
 
@@ -16,11 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from keel import Resources, Retries, Step
-from keel.data import Mixture
+from keel.spec import Hardware, Mixture, MoELMConfig, RackTopology, RunFacts, TrainConfig, TrainStepConfig
 from keel.executor.step import External, OutputOf
-from keel.mesh import Hardware, RackTopology
-from keel.model import MoELMConfig
-from keel.train import RunFacts, TrainConfig, TrainStepConfig
 from keel.train.step import train_step
 
 
@@ -50,7 +47,7 @@ def default_train(
     resumed from its newest checkpoint, and how long the launcher waits for a step's heartbeat."""
     if not isinstance(data, (Mixture, Step, External, OutputOf)):
         raise TypeError(
-            f"default_train({name!r}): data is a {type(data).__name__}; give a keel.data.Mixture, a tokenize Step "
+            f"default_train({name!r}): data is a {type(data).__name__}; give a keel.spec.Mixture, a tokenize Step "
             "or an External token cache"
         )
     if predicted_loss is not None:

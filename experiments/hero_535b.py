@@ -20,21 +20,23 @@ from defaults.models import hero_535b, tiny_moe
 from defaults.optimizers import hero_lr_law
 from defaults.train import default_train
 from keel import External, Resources, main
-from keel.data import Mixture, MixturePhase, stdlib_families
-from keel.mesh import RackTopology
-from keel.plan import scale_down
-from keel.plan.positions import steps_at
-from keel.train import (
+from keel.data import stdlib_families
+from keel.spec import (
     Claim,
     HostOffload,
+    Mixture,
+    MixturePhase,
+    RackTopology,
     RunFacts,
     ScheduleConfig,
     SpeedObservation,
+    steps_for_tokens_per_param,
     TrainConfig,
     TransportPhase,
     WeightDecayChange,
-    steps_for_tokens_per_param,
 )
+from keel.plan import scale_down
+from keel.plan.positions import steps_at
 
 BUCKET = "gs://hero-535b"
 

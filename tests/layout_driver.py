@@ -27,10 +27,10 @@ def step_config(which: str):
     from defaults.hardware import cpu_sim
     from defaults.optimizers import hero_lr_law
     from keel import External
-    from keel.mesh import RackTopology
-    from keel.model import ConvSite
-    from keel.train import TrainConfig, TransportPhase
-    from keel.train.config import TrainStepConfig
+    from keel.spec import RackTopology
+    from keel.spec import ConvSite
+    from keel.spec import TrainConfig, TransportPhase
+    from keel.spec.train import TrainStepConfig
     from model_tiny import hero_like
 
     racks = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
@@ -61,8 +61,8 @@ def main(out: str, which: str, misplace: str | None) -> None:
     import jax
 
     from keel.mesh.mesh import build_mesh
-    from keel.mesh.topology import BATCH_AXES
-    from keel.plan.resolved import resolve
+    from keel.spec.topology import BATCH_AXES
+    from keel.spec.resolved import resolve
     from keel.train import layout
     from keel.train.lm import KeelLM
     from keel.train.loop import LoopInputs, _Run

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from keel.model.config import MoELMConfig
+from keel.spec.model import MoELMConfig
 
 BATCH, POS = "batch", "position"
 

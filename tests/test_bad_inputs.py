@@ -72,7 +72,7 @@ CATALOGUE = [
     BadInput("--set of the output path", GOOD + MAIN, ("run", "EXP", "--set", "x/a.output_path=/tmp/elsewhere"), "error",
              "is a path keel fills in"),
     BadInput("a topology this machine lacks",
-             'from keel.mesh import RackTopology, TopologyError\n'
+             'from keel.spec import RackTopology, TopologyError\n'
              'def train(config):\n    raise TopologyError("RackTopology: 1 devices are present but racks=11 x gpus_per_rack=64 = 704")\n'
              'b = Step("train/hero", train, C(1))\ntwin = Step("train/twin", write, C(1))\n'
              'if __name__ == "__main__":\n    main([b], scales={"tiny": lambda: [twin]})\n',
@@ -80,7 +80,7 @@ CATALOGUE = [
     BadInput("a literal output path", 'a = Step("x/a", write, C(1, output_path="/tmp/elsewhere"))\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN,
              ("plan", "EXP"), "error", "config.output_path='/tmp/elsewhere', but the field is where keel puts the step's outputs"),
     # --- mistakes in the experiment file
-    BadInput("invalid TrainConfig value", 'from keel.train import TrainConfig\nTrainConfig(batch_size=8, seq_len=16, num_steps=0)\n' + GOOD + MAIN,
+    BadInput("invalid TrainConfig value", 'from keel.spec import TrainConfig\nTrainConfig(batch_size=8, seq_len=16, num_steps=0)\n' + GOOD + MAIN,
              ("plan", "EXP"), "error", "num_steps=0 must be positive"),
     BadInput("zero batch size in the LR law",
              'from defaults.models import tiny_moe\nfrom defaults.optimizers import hero_lr_law\n'

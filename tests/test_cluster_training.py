@@ -18,7 +18,7 @@ from keel.executor.plan import Graph
 from keel.executor.replicas import join_replicas
 from keel.executor.run import run_steps
 from keel.executor.status import keel_path, read_status
-from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics
+from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ def train_micro_moe(config: MicroTrainConfig) -> None:
     sys.path.insert(0, config.support_dir)
     from train_standin import loop_inputs
 
-    from keel.train.config import AdamWConfig, TrainConfig
+    from keel.spec.train import AdamWConfig, TrainConfig
     from keel.train.loop import train
 
     train_config = TrainConfig(num_steps=config.num_steps, batch_size=16, seq_len=64, eval_every=100, eval_batches=0,
@@ -95,7 +95,7 @@ def _tiny_experiment_training(num_steps: int, **execution):
     import dataclasses
 
     from keel.cli import load_experiment
-    from keel.train import TransportPhase
+    from keel.spec import TransportPhase
 
     step = next(s for s in load_experiment(str(Path(HERE).parent / "experiments/tutorials/tiny_moe.py"))
                 if s.name == "train/tiny_moe")

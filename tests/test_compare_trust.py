@@ -14,7 +14,7 @@ _EXPERIMENT = textwrap.dedent(
     from defaults import default_train
     from defaults.models import tiny_moe
     from keel import External, main
-    from keel.train import AdamWConfig, TrainConfig
+    from keel.spec import AdamWConfig, TrainConfig
 
     def pretend_to_train(config):
         # 4 steps, the transport switching at step 2: steps 0 and 2 compile (slow), 1 and 3 do not.
@@ -33,8 +33,8 @@ _EXPERIMENT = textwrap.dedent(
                 time.sleep(0.05)
         print("[train] x: done: steps 0->4 in 9.9s (compiling 3.0s, waited for 1.5s), final validation loss 5.0")
 
-    def run(name, lr):
-        train = TrainConfig(batch_size=2, seq_len=8, num_steps=4, optimizer=AdamWConfig(lr=lr))
+    def run(name, lr, seed=0):
+        train = TrainConfig(batch_size=2, seq_len=8, num_steps=4, optimizer=AdamWConfig(lr=lr), seed=seed)
         step = default_train(name, data=External("cache", "/nowhere", version="v1"), model=tiny_moe, train=train)
         return step.__class__(step.name, pretend_to_train, step.config)
 
@@ -53,7 +53,8 @@ def test_compare_across_experiments_with_columns_defined_and_shared_runs_marked(
     prefix = str(tmp_path / "out")
     dense = _experiment(tmp_path / "dense.py", '[run("dense", 1.0)]')
     moe = _experiment(tmp_path / "moe.py", '[run("moe", 0.5)]')
-    together = _experiment(tmp_path / "together.py", '[run("pair/a", 1.0), run("pair/b", 2.0)]')
+    # (another seed than "dense": the same work under another name would reuse dense's output, not run)
+    together = _experiment(tmp_path / "together.py", '[run("pair/a", 1.0, seed=1), run("pair/b", 2.0, seed=1)]')
     for experiment in (dense, moe):  # one after the other: neither shares the host
         assert console_main(["run", experiment, "--prefix", prefix]) == 0
     capsys.readouterr()

@@ -15,7 +15,7 @@ from pathlib import Path
 from dashboard_browser import browser_page, keel_command, local_only, node_states, points, serving
 from keel.cli import console_main, load_experiment
 from keel.executor.plan import Graph, plan_graph
-from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics
+from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 12
@@ -26,7 +26,7 @@ _EXPERIMENT = textwrap.dedent(
     from defaults import default_compare, default_train
     from defaults.models import tiny_moe
     from keel import External, main
-    from keel.train import AdamWConfig, TrainConfig
+    from keel.spec import AdamWConfig, TrainConfig
 
     SECONDS_PER_STEP = float(os.environ.get("FAKE_SECONDS_PER_STEP", "0"))
     LR = float(os.environ.get("FAKE_LR_A", "0.5"))

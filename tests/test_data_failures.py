@@ -8,15 +8,14 @@ import pytest
 from keel.data import (
     BadRecordError,
     EmptyDataError,
-    IngestConfig,
-    TokenizeConfig,
-    TrainTokenizerConfig,
     ingest_documents,
+    IngestConfig,
     iter_documents,
     read_summary,
     tokenize_documents,
     train_tokenizer,
 )
+from keel.spec import TokenizeConfig, TrainTokenizerConfig
 
 
 def _lines(path, good: int, bad_at=()):

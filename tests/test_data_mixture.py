@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from keel import External, Step
-from keel.data import Mixture, MixtureError, MixturePhase, build_train_dataset, build_validation_datasets
+from keel.data import build_train_dataset, build_validation_datasets
+from keel.spec import Mixture, MixtureError, MixturePhase
 from keel.executor.plan import EXTERNAL, Graph, plan_graph
 
 SEQ_LEN = 8

@@ -12,16 +12,15 @@ import numpy as np
 import pytest
 
 from keel.data import (
-    StdlibCorpusConfig,
-    TokenizeConfig,
-    TrainTokenizerConfig,
     build_stdlib_corpus,
     iter_documents,
     load_token_cache,
     load_tokenizer,
+    StdlibCorpusConfig,
     tokenize_documents,
     train_tokenizer,
 )
+from keel.spec import TokenizeConfig, TrainTokenizerConfig
 from keel.data.packing import SequencePacker
 from keel.executor import storage
 
@@ -138,7 +137,8 @@ _KILLED_RUN = textwrap.dedent(
     """
     import sys, time
     from levanter.store.cache import SerialCacheWriter
-    from keel.data import TokenizeConfig, tokenize_documents
+    from keel.data import tokenize_documents
+    from keel.spec import TokenizeConfig
 
     original = SerialCacheWriter.write_batch
     def write_then_stall(self, batch):  # the first batch of sequences reaches the disk, then the kill comes

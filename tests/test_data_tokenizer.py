@@ -5,16 +5,16 @@ import json
 import pytest
 
 from keel.data import (
-    IngestConfig,
-    StdlibCorpusConfig,
-    TrainTokenizerConfig,
     build_stdlib_corpus,
     ingest_documents,
+    IngestConfig,
     iter_documents,
     load_tokenizer,
     split_of,
+    StdlibCorpusConfig,
     train_tokenizer,
 )
+from keel.spec import TrainTokenizerConfig
 
 
 @pytest.fixture(scope="module")

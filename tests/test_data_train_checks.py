@@ -9,15 +9,15 @@ import pytest
 
 from defaults.models import tiny_moe
 from keel.cli import console_main
-from keel.data import IngestConfig, TokenizeConfig, TrainTokenizerConfig, ingest_documents, tokenize_documents, train_tokenizer
-from keel.train import AdamWConfig, TrainConfig
-from keel.train.config import TrainStepConfig
+from keel.data import ingest_documents, IngestConfig, tokenize_documents, train_tokenizer
+from keel.spec import AdamWConfig, TokenizeConfig, TrainConfig, TrainTokenizerConfig
+from keel.spec.train import TrainStepConfig
 
 _EXPERIMENT = """
     from defaults import default_tokenize, default_tokenizer, default_train, ingest
     from defaults.models import tiny_moe
     from keel import main
-    from keel.train import AdamWConfig, TrainConfig
+    from keel.spec import AdamWConfig, TrainConfig
 
     docs = ingest("mine", ({corpus!r},), validation_fraction={validation_fraction})
     tokenizer = default_tokenizer("mine-bpe", docs, vocab_size={tokenizer_vocab})
@@ -101,9 +101,9 @@ def test_the_training_step_refuses_caches_that_do_not_fit_before_it_compiles(cac
 
 
 def test_a_declared_evaluation_with_no_validation_sequences_is_refused(caches):
-    from keel.data import Mixture
+    from keel.spec import Mixture
     from keel.train.step import check_step_config
-    from keel.mesh import RackTopology
+    from keel.spec import RackTopology
 
     racks = RackTopology(racks=1, gpus_per_rack=8)
     bare = caches["no_validation"]
@@ -120,6 +120,6 @@ def _planned(config, topology):
     """The resolved run a training step checks before it compiles (train_step resolves it first)."""
     import dataclasses
 
-    from keel.plan.resolved import resolve
+    from keel.spec.resolved import resolve
 
     return resolve(dataclasses.replace(config, topology=topology))

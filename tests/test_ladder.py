@@ -51,7 +51,7 @@ _EXPERIMENT = textwrap.dedent(
     from defaults import default_scaling_ladder, default_train
     from defaults.models import tiny_moe
     from keel import External, Step, main, output_of
-    from keel.train import AdamWConfig, TrainConfig
+    from keel.spec import AdamWConfig, TrainConfig
     from keel.trained.ladder import training_compute
 
     def pretend_to_train(config):  # the validation losses a known law gives (the target: plus an offset)

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 from model_tiny import hero_like, packed_batch
 
-from keel.mesh import RackTopology, TopologyError
+from keel.spec import RackTopology, TopologyError
 from keel.mesh.mesh import build_mesh, shard_batch, shard_model, use_mesh
 from keel.model.loss import TokenBatch, loss_fn
 from keel.model.transformer import init_model
-from keel.model.transport_spec import TransportSpec
+from keel.spec.transports import TransportSpec
 
 RACKS_2X4 = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
 
@@ -91,7 +91,7 @@ def test_the_training_step_keeps_activations_split_over_the_batch():
 
     from train_standin import loop_inputs
 
-    from keel.train.config import AdamWConfig, TrainConfig, TransportPhase
+    from keel.spec.train import AdamWConfig, TrainConfig, TransportPhase
     from keel.train.loop import _Run
 
     config = TrainConfig(batch_size=16, seq_len=64, num_steps=2, optimizer=AdamWConfig(lr=1e-2), eval_batches=0,

@@ -4,7 +4,7 @@ import pytest
 
 from defaults.hardware import cpu_sim, gb200_nvl72
 from defaults.models import hero_535b, tiny_moe
-from keel.mesh import Hardware, RackTopology, TopologyError
+from keel.spec import Hardware, RackTopology, TopologyError
 
 
 def test_hero_topology_axes_and_per_gpu_shares():

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from defaults.models import hero_535b, tiny_moe
-from keel.model import AttentionBackend, Balancing, ConvSite, MoELMConfig, Routing
-from keel.model.config import select_attention_backend
+from keel.spec import AttentionBackend, Balancing, ConvSite, MoELMConfig, Routing
+from keel.spec.model import select_attention_backend
 
 
 def test_hero_counts_match_the_reference_exactly():

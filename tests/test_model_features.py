@@ -9,13 +9,13 @@ import pytest
 from model_tiny import hero_like, packed_batch
 
 from keel.mesh.mesh import build_mesh, use_mesh
-from keel.mesh.topology import RackTopology
+from keel.spec.topology import RackTopology
 from keel.model.attention import Attention
 from keel.model.loss import TokenBatch, loss_fn
 from keel.model.routing import Routes, next_router_bias, quantile_beta, route
 from keel.model.transformer import init_model
-from keel.model.transport_spec import TransportSpec
-from keel.train import GroupedOptimizerConfig, ScheduleConfig, TrainConfig
+from keel.spec.transports import TransportSpec
+from keel.spec import GroupedOptimizerConfig, ScheduleConfig, TrainConfig
 from keel.train.lm import KeelLM
 from keel.train.optimizer import build_optimizer
 

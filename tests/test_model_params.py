@@ -6,7 +6,7 @@ import jax
 import pytest
 from model_tiny import hero_like, leaf_size
 
-from keel.model.config import Balancing, ConvSite, MoELMConfig, Routing
+from keel.spec.model import Balancing, ConvSite, MoELMConfig, Routing
 from keel.model.transformer import init_model
 
 

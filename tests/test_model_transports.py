@@ -12,9 +12,9 @@ from model_tiny import hero_like
 
 from keel.mesh.mesh import build_mesh, shard_batch, tree_shardings, use_mesh
 from keel.model.layout import gathered
-from keel.mesh.topology import RackTopology
+from keel.spec.topology import RackTopology
 from keel.model.moe import LatentMoE
-from keel.model.transport_spec import TRANSPORTS, TransportSpec, check_transport_supported
+from keel.spec.transports import TRANSPORTS, TransportSpec, check_transport_supported
 from keel.model.transports import dispatch
 
 RACKS_2X4 = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)

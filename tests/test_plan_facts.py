@@ -11,21 +11,23 @@ from defaults.hardware import cpu_sim, gb200_nvl72
 from defaults.models import hero_535b, tiny_moe
 from defaults.optimizers import hero_lr_law
 from keel import External, Step
-from keel.data import Mixture, MixturePhase
-from keel.mesh import RackTopology
-from keel.plan import PlanError, fact_sheet, fact_sheets_for, render_fact_sheet
-from keel.train import (
+from keel.spec import (
     Claim,
     HostOffload,
+    Mixture,
+    MixturePhase,
+    PlanError,
+    RackTopology,
     RunFacts,
     ScheduleConfig,
     SpeedObservation,
+    steps_for_tokens_per_param,
     TrainConfig,
     TrainStepConfig,
     TransportPhase,
     WeightDecayChange,
-    steps_for_tokens_per_param,
 )
+from keel.plan import fact_sheet, fact_sheets_for, render_fact_sheet
 
 TOPICS = {  # public topic shares per phase (initial, main, cooldown); the rest of each phase is "other"
     "perf-logs-low-level-code": (9.0, 10.6, 11.4),

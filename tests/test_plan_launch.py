@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from keel.plan import PlanError, fact_sheet, render_fact_sheet
+from keel.plan import fact_sheet, render_fact_sheet
+from keel.spec import LaunchPlan, PlanError
 from keel.plan.positions import steps_at
-from keel.train import LaunchPlan
-from keel.train.config import MOMENTS
+from keel.spec.train import MOMENTS
 from test_plan_facts import hero_config
 from test_plan_hero import HERO, _keel
 

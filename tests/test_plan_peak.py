@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from defaults.hardware import gb200_nvl72
-from keel.plan import PlanError, check_fits, fact_sheet, render_fact_sheet
+from keel.plan import check_fits, fact_sheet, render_fact_sheet
+from keel.spec import PlanError
 from test_plan_facts import hero_config
 from test_plan_hero import HERO, _keel
 

@@ -1,7 +1,7 @@
 """The resolved run is the run: the planner's parameter table, placements, optimizer groups and
 transport capacities are what the trainer instantiates, places, optimizes and dispatches with.
 
-Each check compares the jax-free `keel.plan.resolved.resolve` against live objects on the 2 x 4
+Each check compares the jax-free `keel.spec.resolved.resolve` against live objects on the 2 x 4
 rack mesh: the model's real leaves, the arrays' shardings, the optimizer's own state, and the
 capacity the MoE kernel is called with.
 """
@@ -17,12 +17,10 @@ from model_tiny import hero_like
 
 from defaults.models import tiny_moe
 from keel import External
-from keel.mesh import RackTopology
+from keel.spec import AdamWConfig, ConvSite, GroupedOptimizerConfig, RackTopology, TrainConfig, TransportPhase
 from keel.mesh.mesh import build_mesh
-from keel.model import ConvSite
-from keel.plan.resolved import resolve
-from keel.train import AdamWConfig, GroupedOptimizerConfig, TrainConfig, TransportPhase
-from keel.train.config import TrainStepConfig
+from keel.spec.resolved import resolve
+from keel.spec.train import TrainStepConfig
 from keel.train.lm import KeelLM
 from keel.train.optimizer import build_optimizer, param_paths
 

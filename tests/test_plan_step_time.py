@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from defaults.hardware import gb200_nvl72, h100_sxm
-from keel.mesh import RackTopology
+from keel.spec import RackTopology
 from keel.plan import fact_sheet, render_fact_sheet
 from keel.plan.step_time import speed_key
 from test_plan_facts import hero_config

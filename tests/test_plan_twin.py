@@ -6,8 +6,8 @@ from defaults.hardware import cpu_sim
 from defaults.models import tiny_moe
 from defaults.optimizers import hero_lr_law
 from keel import Step
-from keel.mesh import RackTopology
-from keel.plan import PlanError, architecture_features, fact_sheet, resolve, scale_down
+from keel.spec import PlanError, RackTopology, resolve
+from keel.plan import architecture_features, fact_sheet, scale_down
 from keel.train.step import train_step
 from test_plan_facts import hero_config
 

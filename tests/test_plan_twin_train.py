@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from keel.executor.run import run_steps
-from keel.plan.resolved import resolve
+from keel.spec.resolved import resolve
 
 HERO = Path(__file__).resolve().parents[1] / "experiments" / "hero_535b.py"
 

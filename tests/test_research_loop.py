@@ -20,7 +20,7 @@ from keel.data.tokenize import read_sequence_bytes
 from keel.executor.plan import Graph
 from keel.executor.resolve import resolve_config
 from keel.executor.status import read_status
-from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics
+from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
 from test_step_isolation import keel, user_env
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ import pytest
 from keel.cli import load_experiment
 from keel.executor.plan import Graph, plan_graph
 from keel.executor.status import keel_path, read_status, verify_manifest
-from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics
+from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -69,10 +69,10 @@ def _whole_split_loss(graph, train) -> float:
     import jax
 
     from keel.data import load_token_cache
-    from keel.mesh.topology import BATCH_AXES
+    from keel.spec.topology import BATCH_AXES
     from keel.train.loop import eval_loss_fn, validation_losses
     from keel.executor.resolve import resolve_config
-    from keel.trained.config import TrainedModel
+    from keel.spec.trained import TrainedModel
     from keel.trained.load import load_model
 
     config = train.config

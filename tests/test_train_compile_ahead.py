@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from keel.train.config import AdamWConfig, HostOffload, TrainConfig, TransportPhase
+from keel.spec.train import AdamWConfig, HostOffload, TrainConfig, TransportPhase
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from keel.plan.resolved import resolve
+from keel.spec.resolved import resolve
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -14,9 +14,10 @@ import time
 
 import pytest
 
-from keel.model.transport_spec import TransportSpec
-from keel.train.config import AdamWConfig, TrainConfig, TransportPhase
-from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics, run_id_for
+from keel.spec.transports import TransportSpec
+from keel.spec.train import AdamWConfig, TrainConfig, TransportPhase
+from keel.train.tracking import run_id_for
+from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
 from keel.train.tracking import main as plot_main
 
 HERE = os.path.dirname(__file__)
@@ -275,7 +276,7 @@ def test_the_loss_plot_says_what_it_shows(switch_run):
 
 def test_status_reads_a_running_steps_progress_from_its_metrics(tmp_path):
     from keel import External
-    from keel.train.config import TrainStepConfig
+    from keel.spec.train import TrainStepConfig
     from keel.train.tracking import MetricsLog
     from train_standin import MICRO
 

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from keel.train import offload
-from keel.train.config import GroupedOptimizerConfig, HostOffload, TrainConfig
-from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics
+from keel.spec.train import GroupedOptimizerConfig, HostOffload, TrainConfig
+from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
 
 SWITCH = 10
 OFFLOAD = HostOffload(master_weights_until_step=SWITCH, optimizer_state=True)

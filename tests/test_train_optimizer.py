@@ -10,7 +10,7 @@ import pytest
 from model_tiny import hero_like
 
 from defaults.models import tiny_moe
-from keel.train import GroupedOptimizerConfig, ScheduleConfig, TrainConfig, WeightDecayChange
+from keel.spec import GroupedOptimizerConfig, ScheduleConfig, TrainConfig, WeightDecayChange
 from keel.train.muonh import matrix_axes
 from keel.train.optimizer import build_optimizer, lr_schedule, optimizer_labels, param_paths
 
@@ -173,7 +173,7 @@ def test_muonh_moves_the_norms_of_rows_and_heads(muonh_step):
 @pytest.mark.slow
 def test_muonh_step_is_the_same_on_the_rack_mesh(muonh_step):
     """FSDP and expert splits gather each logical matrix whole: sharded and unsharded steps agree."""
-    from keel.mesh import RackTopology
+    from keel.spec import RackTopology
     from keel.mesh.mesh import build_mesh, shard_model, use_mesh
     from keel.model.transformer import init_model
 

@@ -8,11 +8,9 @@ import pytest
 from defaults import default_train
 from defaults.models import tiny_moe
 from keel import External
-from keel.data import Mixture, MixturePhase
+from keel.spec import AdamWConfig, Mixture, MixturePhase, RackTopology, TopologyError, TrainConfig, TransportPhase
 from keel.executor.identity import Identities
-from keel.mesh import RackTopology, TopologyError
-from keel.plan.resolved import resolve
-from keel.train import AdamWConfig, TrainConfig, TransportPhase
+from keel.spec.resolved import resolve
 
 CACHE = External("test/cache", "/nowhere/cache")
 
@@ -53,20 +51,20 @@ def test_identity_ignores_execution_only_fields_and_tracks_the_rest():
 
 
 def _resolve(step):
-    from keel.plan.resolved import resolve
+    from keel.spec.resolved import resolve
 
     return resolve(step.config, step.name)
 
 
 def test_bad_declarations_are_refused_by_the_one_validator_before_any_compute():
-    from keel.plan import PlanError
+    from keel.spec import PlanError
 
     with pytest.raises(PlanError, match="train.seq_len=256 exceeds model.max_seq_len=128"):
         _resolve(default_train("t", data=CACHE, model=tiny_moe, train=_train(seq_len=256)))
     with pytest.raises(PlanError, match="batch_size=12 is not divisible by the 8 batch shards"):
         _resolve(default_train("t", data=CACHE, model=tiny_moe, train=_train(batch_size=12),
                                topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)))
-    with pytest.raises(TypeError, match="give a keel.data.Mixture"):
+    with pytest.raises(TypeError, match="give a keel.spec.Mixture"):
         default_train("t", data="/some/path", model=tiny_moe, train=_train())
     phased = Mixture({"a": CACHE}, (MixturePhase(0, {"a": 1.0}), MixturePhase(3, {"a": 1.0})), block_size=64)
     with pytest.raises(PlanError, match="not a multiple of block_size=64"):
@@ -79,13 +77,13 @@ def test_bad_declarations_are_refused_by_the_one_validator_before_any_compute():
 
 def test_transports_the_platform_or_mesh_cannot_run_are_refused():
     from defaults.hardware import cpu_sim
-    from keel.plan import PlanError
+    from keel.spec import PlanError
 
     with pytest.raises(PlanError, match="'ragged_all_to_all' is not supported by hardware 'simulated CPU racks'"):
         _resolve(default_train("t", data=CACHE, model=tiny_moe, hardware=cpu_sim, train=_train(
             transports=(TransportPhase(0, "fixed_all_to_all"), TransportPhase(5, "ragged_all_to_all"))),
             topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)))
-    from keel.train.config import TrainStepConfig
+    from keel.spec.train import TrainStepConfig
     from keel.train.step import check_step_config
 
     racks = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)

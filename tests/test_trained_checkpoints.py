@@ -18,8 +18,8 @@ from keel.cli import load_experiment
 from keel.executor.plan import Graph
 from keel.executor.run import run_steps
 from keel.executor.status import keel_path
-from keel.train import TransportPhase
-from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics
+from keel.spec import TransportPhase
+from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -16,10 +16,8 @@ from defaults.hardware import cpu_sim
 from defaults.models import tiny_moe
 from keel import External
 from keel.cli import console_main
-from keel.data import Mixture
+from keel.spec import Mixture, RackTopology, TrainConfig
 from keel.executor.plan import Graph
-from keel.mesh import RackTopology
-from keel.train import TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,7 +29,7 @@ def _chain():
 
 
 def _run(name="a", data=None, lr=1e-3, steps=20):
-    from keel.train import AdamWConfig
+    from keel.spec import AdamWConfig
 
     train = TrainConfig(batch_size=8, seq_len=128, num_steps=steps, optimizer=AdamWConfig(lr=lr), eval_batches=3)
     return default_train(name, data=data if data is not None else _chain()[1], model=tiny_moe, train=train,
@@ -113,7 +111,7 @@ _RECORDED_RUNS = textwrap.dedent(
     from defaults import default_compare, default_train
     from defaults.models import tiny_moe
     from keel import External, main
-    from keel.train import AdamWConfig, TrainConfig
+    from keel.spec import AdamWConfig, TrainConfig
 
     def pretend_to_train(config):  # writes what a training step records, in a second
         rows = [{"step": 0, "eval/loss": 7.0}]
@@ -172,7 +170,8 @@ def test_the_comparison_table_shows_what_each_run_recorded(tmp_path, capsys):
 
 
 def test_the_tokenize_step_records_each_sequences_utf8_bytes(tmp_path):
-    from keel.data import IngestConfig, TokenizeConfig, TrainTokenizerConfig, ingest_documents, load_token_cache
+    from keel.data import ingest_documents, IngestConfig, load_token_cache
+    from keel.spec import TokenizeConfig, TrainTokenizerConfig
     from keel.data import load_tokenizer, tokenize_documents, train_tokenizer
     from keel.data.tokenize import read_sequence_bytes
 

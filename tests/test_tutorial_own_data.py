@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from keel.data import read_summary
-from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics
+from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
 TUTORIAL = "experiments/tutorials/own_data.py"

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 def main(output_path: str, config_json: str) -> None:
     from train_standin import loop_inputs
 
-    from keel.train.config import AdamWConfig, TrainConfig
+    from keel.spec.train import AdamWConfig, TrainConfig
     from keel.train.loop import train
 
     fields = json.loads(config_json)

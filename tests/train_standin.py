@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax
 
-from keel.model import Balancing, ConvSite, MoELMConfig, Routing
+from keel.spec import Balancing, ConvSite, MoELMConfig, Routing
 
 MICRO = MoELMConfig(
     hidden_dim=32,
@@ -89,9 +89,9 @@ def arithmetic_sequences(n: int, *, seq_len: int, vocab: int, seed: int, delay_p
 def micro_plan(config, model: MoELMConfig = MICRO, expert_parallel: int = 4):
     """The resolved run of `model` (`MICRO`) trained with `config` on 2 racks x 4 (expert parallel 4)."""
     from keel import External
-    from keel.mesh import RackTopology
-    from keel.plan.resolved import resolve
-    from keel.train.config import TrainStepConfig
+    from keel.spec import RackTopology
+    from keel.spec.resolved import resolve
+    from keel.spec.train import TrainStepConfig
 
     topology = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=expert_parallel)
     return resolve(TrainStepConfig(model=model, data=External("test/arithmetic", "memory://arithmetic", version="1"),

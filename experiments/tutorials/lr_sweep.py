@@ -28,8 +28,7 @@ from defaults.hardware import cpu_sim
 from defaults.models import tiny_moe
 from defaults.optimizers import hero_lr_law
 from keel import main
-from keel.mesh import RackTopology
-from keel.train import ScheduleConfig, TrainConfig, TransportPhase
+from keel.spec import RackTopology, ScheduleConfig, TrainConfig, TransportPhase
 
 BATCH, SEQ, STEPS = 16, 128, 30
 SCALES = (0.5, 1.0, 2.0)

@@ -23,7 +23,7 @@ from defaults import default_tokenize, default_tokenizer, default_train, ingest
 from defaults.models import tiny_moe
 from defaults.optimizers import hero_lr_law
 from keel import main
-from keel.train import TrainConfig
+from keel.spec import TrainConfig
 
 CORPUS = "experiments/tutorials/data/own_corpus.jsonl"
 VOCAB, SEQ, BATCH, STEPS = 384, 64, 16, 60

@@ -17,8 +17,7 @@ from defaults.hardware import cpu_sim
 from defaults.models import tiny_moe
 from defaults.optimizers import hero_lr_law
 from keel import main
-from keel.mesh import RackTopology
-from keel.train import ScheduleConfig, TrainConfig, TransportPhase
+from keel.spec import RackTopology, ScheduleConfig, TrainConfig, TransportPhase
 
 BATCH, SEQ = 8, 128
 SIZES, STEPS = (32, 48, 64, 96), (24, 32, 40, 48)

@@ -19,13 +19,7 @@ from defaults.hardware import cpu_sim
 from defaults.models import tiny_moe
 from defaults.optimizers import hero_lr_law
 from keel import main
-from keel.mesh import RackTopology
-from keel.train import (
-    ScheduleConfig,
-    TrainConfig,
-    TransportPhase,
-    WeightDecayChange,
-)
+from keel.spec import RackTopology, ScheduleConfig, TrainConfig, TransportPhase, WeightDecayChange
 
 BATCH, SEQ, STEPS = 16, 128, 300
 

@@ -11,8 +11,7 @@ from defaults.hardware import cpu_sim
 from defaults.models import tiny_moe
 from defaults.optimizers import hero_lr_law
 from keel import main
-from keel.mesh import RackTopology
-from keel.train import TrainConfig
+from keel.spec import RackTopology, TrainConfig
 
 BATCH, SEQ = 16, 64
 STEPS = int(os.environ.get("SWEEP_STEPS", "6"))

@@ -24,7 +24,7 @@ from keel.executor import storage
 from keel.executor.overrides import apply_overrides
 from keel.executor.plan import EMPTY_EXTERNAL, Graph, StepPlan, plan_graph, select
 from keel.executor.status import KEEL_DIR, RECORD
-from keel.executor.step import Step, StepDeclarationError
+from keel.executor.step import ReportsProgress, Step, StepDeclarationError
 
 COMMANDS = ("run", "plan", "status", "gc", "compare", "dashboard")
 _collecting: list[tuple[list, dict]] | None = None
@@ -307,8 +307,8 @@ def render_table(plans: list[StepPlan], timings: bool = False) -> str:
         reason = f"  <- {p.reason}" if p.reason else ""
         rows.append(f"{p.state:<17} {p.name}{res}\n{'':<17}   {p.output_path}{extra}{reason}")
         if timings and p.state in ("running-elsewhere", "interrupted", "failed"):
-            progress = getattr(getattr(p.step, "config", None), "progress", None)
-            shown = progress(p.output_path) if callable(progress) else None
+            config = getattr(p.step, "config", None)
+            shown = config.progress(p.output_path) if isinstance(config, ReportsProgress) else None
             if shown:
                 rows.append(f"{'':<17}   {shown}")
         if timings and p.status is not None and getattr(getattr(p.step, "config", None), "predicted_loss", None):

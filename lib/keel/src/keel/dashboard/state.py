@@ -17,7 +17,7 @@ from keel.executor import storage
 from keel.executor.plan import Graph, StepPlan, plan_graph
 from keel.executor.status import keel_path
 from keel.executor.step import Step
-from keel.train.tracking import METRICS_FILE, read_metrics
+from keel.spec.metrics import METRICS_FILE, read_metrics
 from keel.trained import compare, ladder
 
 LOG_TAIL_LINES = 80
@@ -46,7 +46,7 @@ def build_state(experiment: str, graph: Graph) -> dict[str, Any]:
 
 
 def _is_training(step) -> bool:
-    from keel.train.config import TrainStepConfig
+    from keel.spec.train import TrainStepConfig
 
     return isinstance(step, Step) and isinstance(step.config, TrainStepConfig)
 
@@ -111,7 +111,7 @@ def _run(graph: Graph, plan: StepPlan) -> dict[str, Any]:
 
 def _marks(path: str, transports: dict[int, str], config) -> list[dict[str, Any]]:
     """Checkpoints kept, transport switches and mixture phase starts, by step."""
-    from keel.plan.checks import mixture_phases
+    from keel.spec.checks import mixture_phases
 
     marks = [{"step": int(m.group(1)), "kind": "checkpoint", "label": f"checkpoint {m.group(1)}"}
              for name in storage.list_names(storage.join(path, "checkpoints")) if (m := re.fullmatch(r"step-(\d+)", name))]
@@ -127,7 +127,8 @@ def _marks(path: str, transports: dict[int, str], config) -> list[dict[str, Any]
 
 def _fact_sheets(graph: Graph, runs: dict[str, dict]) -> list[dict[str, Any]]:
     """Each training step's fact sheet text, with its end projected from the measured step time."""
-    from keel.plan import PlanError, fact_sheets_for
+    from keel.plan import fact_sheets_for
+    from keel.spec import PlanError
 
     try:
         sheets = fact_sheets_for(graph)

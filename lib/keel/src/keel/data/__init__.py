@@ -1,27 +1,28 @@
 """keel.data: documents -> tokenizer -> Levanter token caches -> phased mixtures.
 
-Configs here are plain frozen dataclasses; every heavy import (tokenizers, Levanter, jax,
-datasets, pyarrow) happens inside the step and build functions, so declaring a graph stays instant.
+The configs of the steps the planner checks (`TokenizeConfig`, `TrainTokenizerConfig`) and
+mixtures (`Mixture`, `MixturePhase`) are declarations in `keel.spec`; every heavy import
+(tokenizers, Levanter, datasets, pyarrow) happens inside the step and build functions, so
+declaring a graph stays instant.
 
 Steps (function, config):
     ingest_documents      IngestConfig          local files/globs or a HF dataset -> document set
     build_stdlib_corpus   StdlibCorpusConfig    the running Python's stdlib sources -> document set
     train_tokenizer       TrainTokenizerConfig  document set -> byte-level BPE tokenizer.json
     tokenize_documents    TokenizeConfig        document set + tokenizer -> packed Levanter caches
-Declarations: Mixture / MixturePhase (phased weights over caches), External (a cache keel does not make).
+External: a cache keel does not make.
 Training side: build_train_dataset / build_validation_datasets over a resolved Mixture.
 Each data step writes `.keel/summary.json` (read_summary): counts, and what was skipped or repaired.
 """
 
 from keel.data.datasets import build_train_dataset, build_validation_datasets, load_token_cache
 from keel.data.documents import Document, EmptyDataError, iter_documents, read_index, split_of
-from keel.data.ingest import HfDatasetSpec, IngestConfig, ingest_documents
-from keel.data.mixture import Mixture, MixtureError, MixturePhase
+from keel.data.ingest import HfDatasetSpec, IngestConfig, OnBadRecord, OnDecodeError, ingest_documents
 from keel.data.quality import BadRecordError
 from keel.data.stdlib_corpus import StdlibCorpusConfig, build_stdlib_corpus, stdlib_families
 from keel.data.summary import read_summary
-from keel.data.tokenize import TokenizeConfig, tokenize_documents
-from keel.data.tokenizer import LoadedTokenizer, TrainTokenizerConfig, load_tokenizer, train_tokenizer
+from keel.data.tokenize import tokenize_documents
+from keel.data.tokenizer import LoadedTokenizer, load_tokenizer, train_tokenizer
 from keel.executor.step import External
 
 __all__ = [
@@ -31,13 +32,10 @@ __all__ = [
     "External",
     "HfDatasetSpec",
     "IngestConfig",
+    "OnBadRecord",
+    "OnDecodeError",
     "LoadedTokenizer",
-    "Mixture",
-    "MixtureError",
-    "MixturePhase",
     "StdlibCorpusConfig",
-    "TokenizeConfig",
-    "TrainTokenizerConfig",
     "build_stdlib_corpus",
     "stdlib_families",
     "build_train_dataset",
@@ -52,3 +50,12 @@ __all__ = [
     "tokenize_documents",
     "train_tokenizer",
 ]
+
+
+def __getattr__(name: str):
+    """A declaration that moved to `keel.spec` says so, instead of a bare ImportError."""
+    import keel.spec
+
+    if name in keel.spec.__all__:
+        raise ImportError(f"{__name__}.{name} is a declaration: import it from keel.spec (from keel.spec import {name})")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import zlib
 
-from keel.data.mixture import Mixture
+from keel.spec.mixture import Mixture
 from keel.data.tokenize import STATS_FILE
 from keel.executor import storage
 

@@ -25,6 +25,7 @@ import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 
 from keel.data.documents import Document, check_validation_fraction, write_documents
 from keel.data.quality import BadRecord, RecordLog, not_text
@@ -32,8 +33,28 @@ from keel.executor import storage
 from keel.executor.step import execution_only, this_output
 
 FORMATS = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
-BAD_RECORD_POLICIES = ("skip", "fail")
-DECODE_ERROR_POLICIES = ("replace", "skip")
+
+
+class OnBadRecord(StrEnum):
+    """What to do with a record that cannot be read: skip and count it, or fail the step."""
+
+    SKIP = "skip"
+    FAIL = "fail"
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+class OnDecodeError(StrEnum):
+    """What to do with a line holding bytes that are not UTF-8: replace them (U+FFFD) or skip the line."""
+
+    REPLACE = "replace"
+    SKIP = "skip"
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 DEFAULT_SHARD_BYTES = 32 * 2**20
 HF_FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
 """`datasets` builders that read `data_files` (fingerprinted); any other path is a hub dataset."""
@@ -74,8 +95,8 @@ class IngestConfig:
     hf_dataset: HfDatasetSpec | None = None
     text_field: str = "text"
     validation_fraction: float = 0.01
-    on_bad_record: str = "skip"
-    on_decode_error: str = "replace"
+    on_bad_record: OnBadRecord = OnBadRecord.SKIP
+    on_decode_error: OnDecodeError = OnDecodeError.REPLACE
     shard_bytes: int = DEFAULT_SHARD_BYTES
     input_version: str | None = None
     output_path: str = this_output()
@@ -86,10 +107,12 @@ class IngestConfig:
             raise ValueError("IngestConfig: set exactly one of `inputs` (files or globs) and `hf_dataset`")
         if isinstance(self.inputs, str):
             raise ValueError("IngestConfig.inputs must be a tuple of paths or globs, not one string: use (path,)")
-        if self.on_bad_record not in BAD_RECORD_POLICIES:
-            raise ValueError(f"IngestConfig.on_bad_record must be one of {BAD_RECORD_POLICIES}, got {self.on_bad_record!r}")
-        if self.on_decode_error not in DECODE_ERROR_POLICIES:
-            raise ValueError(f"IngestConfig.on_decode_error must be one of {DECODE_ERROR_POLICIES}, got {self.on_decode_error!r}")
+        for name, kind in (("on_bad_record", OnBadRecord), ("on_decode_error", OnDecodeError)):
+            try:
+                object.__setattr__(self, name, kind(getattr(self, name)))
+            except ValueError:
+                raise ValueError(f"IngestConfig.{name} must be one of {tuple(k.value for k in kind)}, got "
+                                 f"{getattr(self, name)!r}") from None
         if not 0 <= self.max_bad_fraction <= 1:
             raise ValueError(f"IngestConfig.max_bad_fraction must be in [0, 1], got {self.max_bad_fraction}")
         if self.shard_bytes <= 0:
@@ -185,7 +208,7 @@ def _decode(raw: bytes, url: str, line: int, config: IngestConfig, log: RecordLo
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         detail = f"{e.reason} at byte {e.start}"
-        if config.on_decode_error == "skip":
+        if config.on_decode_error is OnDecodeError.SKIP:
             log.skip(BadRecord(url, line, "not valid UTF-8", detail + "; skipped, as on_decode_error='skip' says"))
             return None
         log.repair(BadRecord(url, line, "not valid UTF-8, bytes replaced with U+FFFD", detail))
@@ -301,7 +324,7 @@ def _read_hf(spec: HfDatasetSpec, text_field: str, log: RecordLog) -> Iterator[D
 
 def ingest_documents(config: IngestConfig) -> None:
     """Step function: read every input record, write the split, sharded document set."""
-    log = RecordLog(fail_fast=config.on_bad_record == "fail", max_fraction=config.max_bad_fraction,
+    log = RecordLog(fail_fast=config.on_bad_record is OnBadRecord.FAIL, max_fraction=config.max_bad_fraction,
                     limit="IngestConfig.max_bad_fraction")
     if config.hf_dataset is not None:
         documents = _read_hf(config.hf_dataset, config.text_field, log)

@@ -39,12 +39,11 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import closing
-from dataclasses import dataclass
 
 from keel.data.documents import SPLITS, EmptyDataError, read_index, read_shard, shard_urls
 from keel.data.summary import write_summary
 from keel.executor import storage
-from keel.executor.step import execution_only, this_output
+from keel.spec.data import TokenizeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -55,32 +54,6 @@ WRITE_ROWS = 1024
 _QUEUE_DEPTH = 4
 ENCODE_THREADS = 2  # batches encoding at once: one's last long documents overlap the next one's start
 ENCODE_AHEAD = 3  # batches handed to the encoding threads ahead of the one being packed
-
-
-@dataclass(frozen=True)
-class TokenizeConfig:
-    """Tokenize the document set at `documents` with `tokenizer` (a tokenizer directory,
-    a tokenizer.json path or a hub name) into `seq_len`-token packed sequences.
-
-    `bos_token`/`eos_token` name the special tokens for a tokenizer that does not carry a
-    tokenizer_config.json; each document gets bos/eos added as `add_bos`/`add_eos` say.
-    """
-
-    documents: str
-    tokenizer: str
-    seq_len: int = 1024
-    add_bos: bool = False
-    add_eos: bool = True
-    bos_token: str | None = None
-    eos_token: str | None = None
-    output_path: str = this_output()
-    batch_documents: int = execution_only(default=64)
-
-    def __post_init__(self):
-        if self.seq_len <= 0:
-            raise ValueError(f"TokenizeConfig.seq_len must be positive, got {self.seq_len}")
-        if self.batch_documents <= 0:
-            raise ValueError(f"TokenizeConfig.batch_documents must be positive, got {self.batch_documents}")
 
 
 def _exemplar():

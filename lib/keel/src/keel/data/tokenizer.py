@@ -17,40 +17,12 @@ from typing import Any
 from keel.data.documents import EmptyDataError, iter_documents, read_index
 from keel.data.summary import write_summary
 from keel.executor import storage
-from keel.executor.step import this_output
+from keel.spec.data import TrainTokenizerConfig
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-
-
-@dataclass(frozen=True)
-class TrainTokenizerConfig:
-    """Train a byte-level BPE on the train split of the document set at `documents`."""
-
-    documents: str
-    vocab_size: int = 1024
-    bos_token: str | None = "<|bos|>"
-    eos_token: str = "<|endoftext|>"
-    pad_token: str | None = "<|pad|>"
-    min_frequency: int = 2
-    max_training_bytes: int | None = None
-    output_path: str = this_output()
-
-    def __post_init__(self):
-        specials = self.special_tokens
-        if len(set(specials)) != len(specials):
-            raise ValueError(f"TrainTokenizerConfig: bos/eos/pad tokens must differ, got {specials}")
-        if self.vocab_size < 256 + len(specials):
-            raise ValueError(
-                f"TrainTokenizerConfig.vocab_size={self.vocab_size} is too small: a byte-level BPE needs "
-                f"256 byte tokens plus {len(specials)} special tokens"
-            )
-
-    @property
-    def special_tokens(self) -> tuple[str, ...]:
-        return tuple(t for t in (self.eos_token, self.bos_token, self.pad_token) if t is not None)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 from keel.executor.graph import CycleError, topological_order
 from keel.executor.inputs import InputError, fingerprint_files, fingerprint_tree
-from keel.executor.step import External, OutputOf, Step, StepDeclarationError, ThisOutput, is_execution_only
+from keel.executor.step import External, OutputOf, ReadsFiles, Step, StepDeclarationError, ThisOutput, is_execution_only
 
 HASH_CHARS = 10
 
@@ -120,7 +120,7 @@ class Identities:
                     payload = {"name": step.name, "config": encode(step.config, f"{step.name}.config", self.hash)}
                 finally:
                     del encoding[key]
-                if callable(getattr(type(step.config), "input_files", None)):  # a config that reads outside files
+                if isinstance(step.config, ReadsFiles):  # a config that reads outside files
                     files = _fingerprinted(step.name, lambda: fingerprint_files(step.config.input_files()))
                     if files:
                         payload["inputs"] = files

@@ -40,7 +40,7 @@ from keel.executor.provenance import _secret_values, provenance, scrub
 from keel.executor.resolve import resolve_config
 from keel.executor.identity import HASH_CHARS
 from keel.executor.status import KEEL_DIR, SUCCESS, Status, keel_path, mark_finished, mark_running, read_status, verify_manifest
-from keel.executor.step import Step
+from keel.executor.step import DeclaresDevices, Step
 
 _MAX_WAIT_POLL_S = 1.0
 _SIGNAL_POLL_S = 0.2
@@ -471,7 +471,7 @@ def _heartbeat_file(output_path: str) -> str:
 
 def _process_env(resolved, processes: int) -> dict[str, str]:
     """What each of the step's `processes` needs in its environment, as its config declares."""
-    return resolved.process_env(processes=processes) if hasattr(resolved, "process_env") else {}
+    return resolved.process_env(processes=processes) if isinstance(resolved, DeclaresDevices) else {}
 
 
 class ChildStepError(RuntimeError):

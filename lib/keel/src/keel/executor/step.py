@@ -15,7 +15,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Protocol, runtime_checkable
 
 from keel.executor.resources import Resources
 
@@ -63,6 +63,30 @@ def execution_only(*, default: Any = dataclasses.MISSING, default_factory: Any =
     metadata = dict(kwargs.pop("metadata", None) or {})
     metadata[EXECUTION_ONLY] = True
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata, **kwargs)
+
+
+@runtime_checkable
+class ReadsFiles(Protocol):
+    """A config whose step reads files keel does not make: their fingerprints join its identity
+    (`keel.executor.inputs`), so an edited input makes the step stale."""
+
+    def input_files(self) -> dict[str, str]:
+        """{name in the identity: url} of every outside file the step reads."""
+
+
+@runtime_checkable
+class DeclaresDevices(Protocol):
+    """A config whose step must see particular devices (a training step's racks): the environment
+    each of its processes starts with."""
+
+    def process_env(self, processes: int = 1) -> dict[str, str]: ...
+
+
+@runtime_checkable
+class ReportsProgress(Protocol):
+    """A config whose step can say how far it got, read from its output while it runs (`keel status`)."""
+
+    def progress(self, output_path: str) -> str | None: ...
 
 
 def is_execution_only(field: dataclasses.Field) -> bool:

@@ -1,6 +1,13 @@
-"""keel.mesh: rack topology and hardware, as plain configs (the JAX mesh is built where a step runs)."""
+"""keel.mesh: the JAX device mesh a step runs on (`keel.mesh.mesh.build_mesh`).
 
-from keel.mesh.hardware import Hardware, StepTimeCalibration
-from keel.mesh.topology import BATCH_AXES, MESH_AXES, RackTopology, TopologyError
+Runtime: the racks, hardware and placement rules it is built from are declarations in `keel.spec`.
+"""
 
-__all__ = ["BATCH_AXES", "MESH_AXES", "Hardware", "RackTopology", "StepTimeCalibration", "TopologyError"]
+
+def __getattr__(name: str):
+    """A declaration that moved to `keel.spec` says so, instead of a bare ImportError."""
+    import keel.spec
+
+    if name in keel.spec.__all__:
+        raise ImportError(f"{__name__}.{name} is a declaration: import it from keel.spec (from keel.spec import {name})")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,7 +1,7 @@
 """From a `RackTopology` to a JAX mesh, and the partition spec of every named array on it.
 
 Axes (all Explicit): `replica_dcn` (racks) x `data` x `expert` x `model` (inside a rack). Where
-each parameter lives is `keel.mesh.placement`'s rule table (the planner counts bytes from the very
+each parameter lives is `keel.spec.placement`'s rule table (the planner counts bytes from the very
 same table); activations put `batch` over (`replica_dcn`, `data`, `expert`) and name `vocab` to
 `model` in the compute mapping so Levanter's fused cross-entropy shard_map sees the lm_head's
 layout.
@@ -21,8 +21,8 @@ from haliax import NamedArray
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from keel.mesh.placement import place
-from keel.mesh.topology import BATCH_AXES, MESH_AXES, RackTopology, TopologyError
+from keel.spec.placement import place
+from keel.spec.topology import BATCH_AXES, MESH_AXES, RackTopology, TopologyError
 
 
 def build_mesh(topology: RackTopology, devices=None) -> Mesh:

@@ -1,6 +1,14 @@
-"""keel.model: the MoE language model's config and accounting (no jax here; the Haliax model
-lives in its own modules and is imported only where it runs)."""
+"""keel.model: the Haliax MoE language model (attention, routing, expert transports, norms).
 
-from keel.model.config import AttentionBackend, Balancing, ConvSite, MoELMConfig, Routing
+Runtime: imported where a step trains or evaluates. Its config, `MoELMConfig`, and the transport
+registry are declarations in `keel.spec`.
+"""
 
-__all__ = ["AttentionBackend", "Balancing", "ConvSite", "MoELMConfig", "Routing"]
+
+def __getattr__(name: str):
+    """A declaration that moved to `keel.spec` says so, instead of a bare ImportError."""
+    import keel.spec
+
+    if name in keel.spec.__all__:
+        raise ImportError(f"{__name__}.{name} is a declaration: import it from keel.spec (from keel.spec import {name})")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

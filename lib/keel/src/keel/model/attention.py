@@ -20,7 +20,7 @@ from levanter.layers import attention as levanter_attention
 from levanter.layers.attention import AttentionMask, dot_product_attention
 
 from keel.model.axes import KEY_POS, ModelAxes, init_matrix
-from keel.model.config import ConvSite, MoELMConfig, select_attention_backend
+from keel.spec.model import ConvSite, MoELMConfig, select_attention_backend
 from keel.model.conv import CausalDepthwiseConv
 from keel.model.norms import rms_normalize
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from haliax import Axis
 
-from keel.model.config import MoELMConfig
+from keel.spec.model import MoELMConfig
 
 BATCH = "batch"
 POS = "position"

@@ -9,7 +9,7 @@ from levanter.models.loss import maybe_fused_next_token_loss
 from keel.model.axes import POS, ModelAxes
 from keel.model.layout import gathered
 from keel.model.transformer import MoELM
-from keel.model.transport_spec import TransportSpec
+from keel.spec.transports import TransportSpec
 
 
 class TokenBatch(eqx.Module):

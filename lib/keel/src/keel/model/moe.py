@@ -8,11 +8,11 @@ import jax.numpy as jnp
 from haliax import NamedArray
 
 from keel.model.axes import TOKEN, ModelAxes, init_matrix
-from keel.model.config import Balancing, MoELMConfig
+from keel.spec.model import Balancing, MoELMConfig
 from keel.model.layout import flatten_tokens, unflatten_tokens
 from keel.model.norms import apply_rms_norm, rms_norm
 from keel.model.routing import quantile_beta, route, routing_stats
-from keel.model.transport_spec import TransportSpec
+from keel.spec.transports import TransportSpec
 from keel.model.transports import dispatch
 
 

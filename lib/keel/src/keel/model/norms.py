@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from haliax import Axis, NamedArray
 
 from keel.model.axes import ModelAxes, init_matrix
-from keel.model.config import MoELMConfig
+from keel.spec.model import MoELMConfig
 from keel.model.layout import times
 
 

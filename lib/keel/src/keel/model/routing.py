@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jax.sharding import get_abstract_mesh, reshard
 
 from keel.model.axes import TOP_K
-from keel.model.config import MoELMConfig, Routing
+from keel.spec.model import MoELMConfig, Routing
 from keel.model.layout import plus, token_axes
 
 

@@ -20,12 +20,12 @@ from haliax.nn.scan import Stacked
 
 from keel.model.attention import Attention
 from keel.model.axes import POS, ModelAxes, init_matrix
-from keel.model.config import Balancing, ConvSite, MoELMConfig
+from keel.spec.model import Balancing, ConvSite, MoELMConfig
 from keel.model.conv import CausalDepthwiseConv
 from keel.model.layout import gathered
 from keel.model.moe import LatentMoE, SharedExperts
 from keel.model.norms import NormSite
-from keel.model.transport_spec import TransportSpec
+from keel.spec.transports import TransportSpec
 
 
 class Block(eqx.Module):

@@ -26,7 +26,7 @@ from levanter.grug.grug_moe import moe_mlp
 from keel.model.axes import TOP_K
 from keel.model.layout import split_tokens, token_axes
 from keel.model.tiled_experts import tiled_expert_mlp
-from keel.model.transport_spec import TransportSpec, check_transport_supported
+from keel.spec.transports import TransportSpec, check_transport_supported
 
 _GRUG_NAMES = {
     "fixed_all_to_all": "fixed_all_to_all",

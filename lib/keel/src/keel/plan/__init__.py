@@ -6,14 +6,14 @@
 from __future__ import annotations
 
 from keel.executor.step import Step
-from keel.plan.checks import PlanError, check_train_step
+from keel.spec.checks import PlanError, check_train_step
 from keel.plan.facts import fact_sheet
 from keel.plan.render import render_fact_sheet
-from keel.plan.resolved import ResolvedRun, resolve
+from keel.spec.resolved import ResolvedRun, resolve
 from keel.plan.twin import architecture_features, scale_down
 from keel.plan.variants import render_variants, variant_row
 from keel.plan.verdicts import check_fits
-from keel.train.config import TrainStepConfig
+from keel.spec.train import TrainStepConfig
 from keel.trained.ladder import plan_line
 
 __all__ = [

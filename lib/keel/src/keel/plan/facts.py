@@ -8,7 +8,7 @@ arithmetic on plain configs: no jax, so `keel plan` on the 535B run is instant.
 
 Memory model (bytes per GPU): the resolved run's state table (`ResolvedRun.state_at`, the very
 table the running step checks its live state against): every leaf split as its placement says
-(`keel.mesh.placement`: routed experts over `expert`, the token embedding replicated,
+(`keel.spec.placement`: routed experts over `expert`, the token embedding replicated,
 `embed`-wide arrays FSDP over the rack, the rest replicated), in the master dtype, each optimizer
 moment placed and typed like its leaf (MuonH: one, Adam/AdamH/AdamW: two, the router bias none:
 it is set, not trained). Gradients are laid out like the trained leaves, in the master dtype (the
@@ -22,15 +22,15 @@ import datetime as dt
 import math
 from typing import Any
 
-from keel.model.transport_spec import TRANSPORTS
-from keel.plan.checks import PlanError, mixture_phases
-from keel.plan.resolved import ResolvedRun, resolve
-from keel.plan.dtypes import bytes_of
+from keel.spec.transports import TRANSPORTS
+from keel.spec.checks import PlanError, mixture_phases
+from keel.spec.resolved import ResolvedRun, resolve
+from keel.spec.dtypes import bytes_of
 from keel.plan.launch import launch
 from keel.plan.peak import transients
 from keel.plan.step_time import observed_here, step_time, stretches, transport_at
 from keel.plan.verdicts import verdict
-from keel.train.config import TrainStepConfig
+from keel.spec.train import CLAIM_FIGURES, TrainStepConfig
 
 GB = 1e9
 TOKEN_ID_BYTES = 4  # int32 ids: uint16 cannot hold a vocabulary above 65,536
@@ -436,6 +436,9 @@ FIGURES = {
 }
 """Figures a declared `Claim` can name: each derives (value, finding) from the declaration and the
 sheet so far, or None when the declaration does not determine it (e.g. no speed declared)."""
+if FIGURES.keys() != set(CLAIM_FIGURES):  # the declaration names what a claim may cite; this derives each
+    raise ImportError(f"keel.plan.facts.FIGURES {sorted(FIGURES)} and keel.spec.train.CLAIM_FIGURES "
+                      f"{sorted(CLAIM_FIGURES)} must name the same figures")
 
 
 def claims(config: TrainStepConfig, sheet: dict) -> list[dict]:

@@ -11,9 +11,9 @@
 
 from __future__ import annotations
 
-from keel.plan.checks import PlanError
-from keel.plan.dtypes import bytes_of
-from keel.plan.resolved import ResolvedRun
+from keel.spec.checks import PlanError
+from keel.spec.dtypes import bytes_of
+from keel.spec.resolved import ResolvedRun
 
 GB = 1e9
 

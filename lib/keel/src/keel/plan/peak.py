@@ -14,7 +14,7 @@ Each is a named part, so a verdict says what the peak is made of.
 
 from __future__ import annotations
 
-from keel.plan.resolved import Parameter, ResolvedRun
+from keel.spec.resolved import Parameter, ResolvedRun
 
 GB = 1e9
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from keel.plan.checks import PlanError
+from keel.spec.checks import PlanError
 
 
 def steps_at(fractions: dict[str, float], num_steps: int, *, field: str,

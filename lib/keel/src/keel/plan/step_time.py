@@ -1,6 +1,6 @@
 """The step-time model: how long a training step takes on the declared hardware, term by term.
 
-Per GPU and step, each term is priced on what it uses (`keel.mesh.Hardware`):
+Per GPU and step, each term is priced on what it uses (`keel.spec.Hardware`):
 
 | term | what | priced on | overlaps |
 |---|---|---|---|
@@ -24,11 +24,11 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from keel.mesh.hardware import Hardware, StepTimeCalibration
-from keel.plan.dtypes import bytes_of
+from keel.spec.hardware import Hardware, StepTimeCalibration
+from keel.spec.dtypes import bytes_of
 from keel.plan.peak import fsdp_shards
-from keel.plan.resolved import ResolvedRun
-from keel.train.config import TrainStepConfig
+from keel.spec.resolved import ResolvedRun
+from keel.spec.train import TrainStepConfig
 
 GB = 1e9
 HIDDEN_BY_WAVES = frozenset({"fixed_pooled_all_to_all"})

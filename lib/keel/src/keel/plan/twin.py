@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from keel.mesh.hardware import Hardware
-from keel.mesh.topology import RackTopology
-from keel.model.config import Balancing, MoELMConfig, Routing
-from keel.model.transport_spec import TRANSPORTS
-from keel.plan.checks import PlanError
+from keel.spec.hardware import Hardware
+from keel.spec.topology import RackTopology
+from keel.spec.model import Balancing, MoELMConfig, Routing
+from keel.spec.transports import TRANSPORTS
+from keel.spec.checks import PlanError
 from keel.executor.step import Step
-from keel.train.config import TrainStepConfig
+from keel.spec.mixture import Mixture
+from keel.spec.train import TrainStepConfig
 
 
 
@@ -132,11 +133,11 @@ def scale_down(
                 isolated=run.isolated, retries=run.retries, progress_timeout_s=run.progress_timeout_s)
 
 
-def _data_stand_in(original: Any, stand_in: Any) -> str:
+def _data_stand_in(original: Mixture, stand_in: Any) -> str:
     """One line saying which data plays the run's."""
-    components = getattr(original, "components", None)
-    if components is None:
-        return f"{_name(stand_in)} plays {_name(original)}"
+    components = original.components
+    if original.is_single:
+        return f"{_name(stand_in)} plays {_name(next(iter(components.values())))}"
     if isinstance(stand_in, dict):
         return f"{len(set(map(_name, stand_in.values())))} distinct caches play the {len(components)} components"
     return f"{_name(stand_in)} plays every one of the {len(components)} components"
@@ -158,11 +159,11 @@ def _distinct_starts(phases: tuple) -> tuple:
     return tuple(p for i, p in enumerate(phases) if i + 1 == len(phases) or phases[i + 1].start_step > p.start_step)
 
 
-def _data(original: Any, stand_in: Any, step, batch_size: int, block_steps: int) -> Any:
+def _data(original: Mixture, stand_in: Any, step, batch_size: int, block_steps: int) -> Any:
     """A mixture keeps its components' names, phases and weights, each component reading its
     stand-in (`stand_in[name]`, or `stand_in` for all); phase starts are rounded to whole blocks of
-    `block_steps` steps. Other data is replaced."""
-    if not hasattr(original, "phases"):
+    `block_steps` steps. A single cache is replaced."""
+    if original.is_single:
         return stand_in
     if isinstance(stand_in, dict) and set(stand_in) != set(original.components):
         raise PlanError(f"scale_down(data=...): stand-ins for {sorted(stand_in)} but the mixture's components are "

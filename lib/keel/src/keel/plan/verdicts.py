@@ -3,7 +3,7 @@ non-zero on and `keel run` refuses (unless the step declares `train.refuse_unfit
 
 from __future__ import annotations
 
-from keel.plan.checks import PlanError
+from keel.spec.checks import PlanError
 
 
 def verdict(sheet: dict, enforced: bool) -> dict:

@@ -1,39 +1,14 @@
-"""keel.train: training configs (plain dataclasses, no jax) and, by import path, the step function.
+"""keel.train: the training step (`keel.train.step.train_step`), its loop, optimizers, checkpoints
+and live-layout checks.
 
-Only configs are imported here so that declaring and planning a run stays instant; the training
-loop and optimizers live in their own modules and import jax when they run.
+Runtime: `TrainConfig` and the rest of what a training step declares live in `keel.spec`.
 """
 
-from keel.train.config import (
-    AdamWConfig,
-    Claim,
-    GroupedOptimizerConfig,
-    HostOffload,
-    LaunchPlan,
-    LrScalingLaw,
-    RunFacts,
-    ScheduleConfig,
-    SpeedObservation,
-    TrainConfig,
-    TrainStepConfig,
-    TransportPhase,
-    WeightDecayChange,
-    steps_for_tokens_per_param,
-)
 
-__all__ = [
-    "AdamWConfig",
-    "Claim",
-    "GroupedOptimizerConfig",
-    "HostOffload",
-    "LaunchPlan",
-    "LrScalingLaw",
-    "RunFacts",
-    "ScheduleConfig",
-    "SpeedObservation",
-    "TrainConfig",
-    "TrainStepConfig",
-    "TransportPhase",
-    "WeightDecayChange",
-    "steps_for_tokens_per_param",
-]
+def __getattr__(name: str):
+    """A declaration that moved to `keel.spec` says so, instead of a bare ImportError."""
+    import keel.spec
+
+    if name in keel.spec.__all__:
+        raise ImportError(f"{__name__}.{name} is a declaration: import it from keel.spec (from keel.spec import {name})")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,25 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 
-def as_mixture(data: Any):
-    """A `Mixture` as is; a tokenize step's output path as a one-component mixture."""
-    from keel.data import Mixture
-
-    if isinstance(data, Mixture):
-        return data
-    if isinstance(data, str):
-        return Mixture.constant({"data": data}, {"data": 1.0})
-    raise TypeError(
-        f"TrainStepConfig.data is a {type(data).__name__}: give a keel.data.Mixture or a tokenize step "
-        "(its output path)"
-    )
-
-
-def training_datasets(data: Any, *, seq_len: int, batch_size: int, seed: int):
-    """(train dataset, {component: validation dataset}) for a mixture or a single token cache."""
+def training_datasets(mixture: Any, *, seq_len: int, batch_size: int, seed: int):
+    """(train dataset, {component: validation dataset}) of a training step's mixture."""
     from keel.data import build_train_dataset, build_validation_datasets
 
-    mixture = as_mixture(data)
     train = build_train_dataset(mixture, seq_len=seq_len, batch_size=batch_size, seed=seed)
     return train, build_validation_datasets(mixture, seq_len=seq_len)
 

@@ -11,24 +11,22 @@ checked against the training step here, in the step's process, before any comput
   cache would silently never run.
 
 Where the producing steps' configs already say it, `keel plan` refuses the same mistakes first
-(`keel.plan.checks`). Caches keel did not make (no `tokenize.json`) are left to Levanter's checks.
+(`keel.spec.checks`). Caches keel did not make (no `tokenize.json`) are left to Levanter's checks.
 """
 
 from __future__ import annotations
 
-from typing import Any
 
 from keel.executor import storage
-from keel.train.config import TrainStepConfig
+from keel.spec.mixture import Mixture
+from keel.spec.train import TrainStepConfig
 
 STATS_FILE = "tokenize.json"  # keel.data.tokenize.STATS_FILE, without importing the data side here
 
 
-def cache_components(data: Any) -> dict[str, str]:
-    """{component name: cache root} of a resolved `data` (a Mixture or one cache path); only paths."""
-    components = getattr(data, "components", None)
-    items = components.items() if components is not None else [("data", data)]
-    return {name: root for name, root in items if isinstance(root, str)}
+def cache_components(data: Mixture) -> dict[str, str]:
+    """{component name: cache root} of a resolved mixture; only paths."""
+    return {name: root for name, root in data.components.items() if isinstance(root, str)}
 
 
 def check_token_caches(config: TrainStepConfig) -> None:

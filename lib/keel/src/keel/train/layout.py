@@ -1,6 +1,6 @@
 """The train state as the resolved run lays it out, and the proof that the live state is that.
 
-The resolved run (`keel.plan.resolved`) says where every array of the train state lives: its
+The resolved run (`keel.spec.resolved`) says where every array of the train state lives: its
 `StateLeaf` table gives each one's path, shape, dtype, partition spec, memory kind and bytes per
 device. This module is the runtime's only source of placements:
 
@@ -25,7 +25,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from keel.plan.resolved import DEVICE, ResolvedRun, spec_json
+from keel.spec.resolved import DEVICE, ResolvedRun, spec_json
 
 LAYOUT_FILE = "layout.json"
 COUNTER = "opt_state/counter/"

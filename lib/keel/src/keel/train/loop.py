@@ -48,25 +48,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from keel.executor import interrupt
-from keel.model.transport_spec import TransportSpec
-from keel.plan.resolved import ResolvedRun
+from keel.spec.transports import TransportSpec
+from keel.spec.resolved import ResolvedRun
 from keel.train import compile_ahead, layout, offload
 from keel.train.batches import batch_loader, batch_shapes, batch_sharding
 from keel.train.checkpoint import TrainCheckpoints
-from keel.train.config import TrainConfig, TransportPhase
+from keel.spec.train import TrainConfig, TransportPhase
 from keel.train.lm import TrainableLM
 from keel.train.progress import Progress
-from keel.train.tracking import (
-    LOSS_PLOT_FILE,
-    METRICS_FILE,
-    MetricsLog,
-    close_wandb,
-    latest_by_step,
-    open_wandb,
-    plot_loss_curves,
-    read_metrics,
-    run_name,
-)
+from keel.train.tracking import close_wandb, LOSS_PLOT_FILE, MetricsLog, open_wandb, plot_loss_curves, run_name
+from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +75,7 @@ class LoopInputs:
     val_data: dict[str, Any]
     """Validation datasets by name; `eval/loss` is their mean, `eval/<name>/loss` each one's."""
     plan: ResolvedRun | None
-    """The resolved run (`keel.plan.resolved.resolve`): where every array lives, the transport
+    """The resolved run (`keel.spec.resolved.resolve`): where every array lives, the transport
     timeline with its capacities, each group's learning rate. None only for a model the planner
     does not describe (a benchmark's Levanter baseline): its state is then replicated, unchecked."""
     default_transport: TransportPhase = TransportPhase(0, "local")

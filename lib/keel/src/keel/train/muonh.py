@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from keel.train.config import STACK_AXES
+from keel.spec.train import STACK_AXES
 
 Schedule = Callable[[jax.Array], jax.Array]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from keel.train.config import HostOffload
+from keel.spec.train import HostOffload
 
 DEVICE = "device"
 HOST = "pinned_host"

@@ -110,7 +110,7 @@ class _Groups(NamedTuple):
 
 def optimizer_labels(optimizer, params):
     """A tree shaped like `params` holding each parameter's group (`config.optimizer_group`)."""
-    from keel.train.config import optimizer_group
+    from keel.spec.train import optimizer_group
 
     return jax.tree.map(lambda path: optimizer_group(optimizer, path), param_paths(params))
 
@@ -124,7 +124,7 @@ def build_optimizer(train, params) -> tuple[optax.GradientTransformation, dict[s
     (`config.FROZEN_PARAMS`) receives no update at all. A `WeightDecayChange` adds decoupled weight
     decay on its groups, scaled by each parameter's own learning rate.
     """
-    from keel.train.config import AdamWConfig, GroupedOptimizerConfig, peak_lr
+    from keel.spec.train import AdamWConfig, GroupedOptimizerConfig, peak_lr
 
     sched, opt = train.schedule, train.optimizer
 

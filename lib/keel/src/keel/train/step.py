@@ -1,6 +1,6 @@
 """The training step function: `train_step(TrainStepConfig)` trains keel's MoE LM under the output path.
 
-It first resolves the run exactly as `keel plan` does (`keel.plan.resolved`: the same checks, the
+It first resolves the run exactly as `keel plan` does (`keel.spec.resolved`: the same checks, the
 same parameter table and transport timeline), then checks what only the running process can see
 (its devices and platform), all before any data is read or anything compiled. The training loop
 is handed that resolved run and lays out, types and schedules the state from it alone.
@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from keel.mesh.topology import BATCH_AXES, RackTopology
-from keel.plan.checks import mixture_phases
-from keel.plan.resolved import ResolvedRun, resolve
-from keel.train.config import TrainStepConfig
+from keel.spec.topology import BATCH_AXES, RackTopology
+from keel.spec.checks import mixture_phases
+from keel.spec.resolved import ResolvedRun, resolve
+from keel.spec.train import TrainStepConfig
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def check_step_config(plan: ResolvedRun, *, num_devices: int, platform: str) -> 
     """What only the running process can check (the declaration itself is `resolve`'s): its device
     count against the topology, each transport against its platform, and the token caches it
     reads against the model and the run (`data_checks.check_token_caches`)."""
-    from keel.model.transport_spec import check_transport_supported
+    from keel.spec.transports import check_transport_supported
     from keel.train.data_checks import check_token_caches
 
     config = plan.config

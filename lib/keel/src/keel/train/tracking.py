@@ -16,9 +16,10 @@ from typing import Any, Mapping
 
 import fsspec
 
+from keel.spec.metrics import METRICS_FILE, latest_by_step, read_metrics
+
 logger = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
 LOSS_PLOT_FILE = "loss.png"
 
 
@@ -98,27 +99,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (str, bool, int)) or value is None:
         return value
     return float(value)
-
-
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    """All records of a metrics file, in the order written (a torn last line is skipped)."""
-    records = []
-    with fsspec.open(path, "r") as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
-
-
-def latest_by_step(records: list[dict[str, Any]], key: str) -> dict[int, float]:
-    """`{step: value}` of `key`, the last record written for each step winning (resumed runs)."""
-    out: dict[int, float] = {}
-    for record in records:
-        if key in record:
-            out[record["step"]] = record[key]
-    return dict(sorted(out.items()))
 
 
 def run_name(output_path: str) -> str:

@@ -26,9 +26,9 @@ from typing import Any
 from keel.executor import storage
 from keel.executor.status import KEEL_DIR, RECORD, keel_path, read_status
 from keel.executor.step import Step
-from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics
+from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
 from keel.trained import ladder
-from keel.trained.config import CompareConfig
+from keel.spec.trained import CompareConfig
 
 TABLE_FILE, JSON_FILE, PLOT_FILE = "comparison.md", "comparison.json", "comparison.png"
 SHARED_MARK = "*"
@@ -320,7 +320,7 @@ def training_plans(experiments: list[tuple[str | None, Any]], only: re.Pattern |
     """(experiment, plan) of every training step of the (experiment file, graph) pairs whose name
     matches `only`, each output once (a step two experiments share is listed under the first)."""
     from keel.executor.plan import plan_graph
-    from keel.train.config import TrainStepConfig
+    from keel.spec.train import TrainStepConfig
 
     seen, out = set(), []
     for source, graph in experiments:

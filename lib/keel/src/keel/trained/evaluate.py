@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from keel.executor import storage
-from keel.trained.config import EvalConfig
+from keel.spec.trained import EvalConfig
 
 EVAL_FILE = "eval.json"
 
@@ -22,7 +22,7 @@ def eval_step(config: EvalConfig) -> None:
     import jax
 
     from keel.data import load_token_cache
-    from keel.mesh.topology import BATCH_AXES
+    from keel.spec.topology import BATCH_AXES
     from keel.train.loop import eval_loss_fn, validation_losses
     from keel.trained.load import checkpoint_path, load_model
 

@@ -119,7 +119,7 @@ def _curve_fit(x, y):
 
 def final_val_loss(run_path: str) -> tuple[int, float] | None:
     """(step, eval/loss) of the run's last evaluation, or None before its first."""
-    from keel.train.tracking import METRICS_FILE, latest_by_step, read_metrics
+    from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
 
     try:
         evals = latest_by_step(read_metrics(storage.join(run_path, METRICS_FILE)), "eval/loss")

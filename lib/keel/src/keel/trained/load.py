@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 from keel.executor import storage
-from keel.trained.config import TrainedModel
+from keel.spec.trained import TrainedModel
 
 
 @dataclasses.dataclass
@@ -56,10 +56,10 @@ def load_model(ref: TrainedModel) -> LoadedModel:
 
     from keel.executor.step import External
     from keel.mesh.mesh import build_mesh
-    from keel.mesh.topology import RackTopology
-    from keel.plan.resolved import resolve
+    from keel.spec.topology import RackTopology
+    from keel.spec.resolved import resolve
     from keel.train.checkpoint import restore_like
-    from keel.train.config import TrainStepConfig
+    from keel.spec.train import TrainStepConfig
     from keel.train.layout import planned_shardings
     from keel.train.lm import KeelLM
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 
 from keel.executor import storage
-from keel.trained.config import SampleConfig
+from keel.spec.trained import SampleConfig
 
 SAMPLES_FILE = "samples.jsonl"
 
@@ -53,7 +53,7 @@ def generate(loaded, prompts: list[list[int]], *, context: int, max_tokens: int,
     import jax
     import numpy as np
 
-    from keel.mesh.topology import BATCH_AXES
+    from keel.spec.topology import BATCH_AXES
 
     shards = loaded.topology.batch_shards
     rows = -(-len(prompts) // shards) * shards
@@ -116,8 +116,8 @@ def _next_token_logits(loaded):
 
     from keel.mesh.mesh import compute_axis_mapping
     from keel.model.axes import BATCH, POS
-    from keel.model.transport_spec import TransportSpec
-    from keel.plan.resolved import default_transport
+    from keel.spec.transports import TransportSpec
+    from keel.spec.resolved import default_transport
 
     static, dtype = loaded.static, loaded.compute_dtype
     transport = TransportSpec(default_transport(loaded.topology).transport)

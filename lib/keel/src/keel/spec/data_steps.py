@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from keel.data.tokenize import TokenizeConfig
-from keel.data.tokenizer import TrainTokenizerConfig
+from keel.spec.data import TokenizeConfig, TrainTokenizerConfig
 from keel.executor.step import OutputOf, Step
-from keel.train.config import TrainStepConfig
+from keel.spec.train import TrainStepConfig
 
 
 def _producer(value: Any) -> Step | None:
@@ -29,9 +28,8 @@ def data_step_problem(config: TrainStepConfig) -> str | None:
     """The first mismatch between the training step and its declared data steps, as a message
     naming both fields and the fix; None when they agree (or the data steps are not declared here)."""
     model, train = config.model, config.train
-    components = getattr(config.data, "components", None)
     tokenizes = []
-    for name, value in (components.items() if components is not None else [("data", config.data)]):
+    for name, value in config.data.components.items():
         step = _producer(value)
         tokenizes.append(step if step is not None and isinstance(step.config, TokenizeConfig) else None)
         if tokenizes[-1] is None:

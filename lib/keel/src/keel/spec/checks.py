@@ -8,9 +8,10 @@ how to fix it: a declaration that cannot run should fail in `keel plan`, not on 
 from __future__ import annotations
 
 from keel.executor.step import StepDeclarationError
-from keel.mesh.topology import TopologyError
-from keel.plan.data_steps import data_step_problem
-from keel.train.config import TrainStepConfig
+from keel.spec.topology import TopologyError
+from keel.spec.data_steps import data_step_problem
+from keel.spec.mixture import Mixture
+from keel.spec.train import CLAIM_FIGURES, TrainStepConfig
 
 
 class PlanError(StepDeclarationError):
@@ -18,17 +19,12 @@ class PlanError(StepDeclarationError):
     reports it as a declaration error)."""
 
 
-def mixture_phases(data) -> list[tuple[int, dict[str, float]]]:
-    """(start_step, {component: weight}) per phase of a mixture; [] when `data` has no phases."""
-    phases = getattr(data, "phases", None)
-    if not phases:
+def mixture_phases(data: Mixture) -> list[tuple[int, dict[str, float]]]:
+    """(start_step, {component: weight}) per phase of a training step's mixture; [] for a single
+    cache (`Mixture.is_single`), which has no phases to tell apart."""
+    if data.is_single:
         return []
-    out = []
-    for phase in phases:
-        weights = phase.weights
-        weights = dict(weights.items() if hasattr(weights, "items") else weights)
-        out.append((int(phase.start_step), {str(k): float(v) for k, v in weights.items()}))
-    return out
+    return [(int(p.start_step), {str(k): float(v) for k, v in p.weights.items()}) for p in data.phases]
 
 
 def check_train_step(config: TrainStepConfig, where: str = "") -> None:
@@ -75,11 +71,10 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
                  "move the phase earlier or train longer")
     if starts and (starts[0] != 0 or starts != sorted(set(starts))):
         fail(f"data.phases start at steps {starts}: the first must start at 0 and the rest strictly later")
-    if hasattr(config.data, "check_batch_size"):  # a keel.data.Mixture: phases on mixture-block boundaries
-        try:
-            config.data.check_batch_size(train.batch_size)
-        except ValueError as e:
-            fail(f"data.block_size / train.batch_size: {e}")
+    try:  # phases on mixture-block boundaries
+        config.data.check_batch_size(train.batch_size)
+    except ValueError as e:
+        fail(f"data.block_size / train.batch_size: {e}")
     wd = train.weight_decay_change
     if wd is not None and wd.start_step >= train.num_steps:
         fail(f"train.weight_decay_change.start_step={wd.start_step} is not before train.num_steps={train.num_steps}")
@@ -96,9 +91,7 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
             fail(f"facts.projected_steps_per_day={facts.projected_steps_per_day} must be positive")
         if facts.projected_steps_per_day is not None and not facts.observed:
             fail("facts.projected_steps_per_day needs an observed speed to project from: declare facts.observed")
-        from keel.plan.facts import FIGURES
-
         for i, claim in enumerate(facts.claims):
-            if claim.figure not in FIGURES:
+            if claim.figure not in CLAIM_FIGURES:
                 fail(f"facts.claims[{i}].figure={claim.figure!r} is not a figure the planner derives: use one of "
-                     f"{', '.join(sorted(FIGURES))}")
+                     f"{', '.join(sorted(CLAIM_FIGURES))}")

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keel.executor.step import execution_only, this_output
-from keel.mesh.hardware import Hardware
-from keel.mesh.topology import RackTopology
-from keel.model.config import MoELMConfig
-from keel.train.config import TrainConfig, TrainStepConfig, declared_process_env
+from keel.spec.hardware import Hardware
+from keel.spec.topology import RackTopology
+from keel.spec.model import MoELMConfig
+from keel.spec.train import TrainConfig, TrainStepConfig, declared_process_env
 
 
 @dataclass(frozen=True)

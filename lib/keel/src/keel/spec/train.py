@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keel.executor.step import execution_only, this_output
-from keel.mesh.hardware import Hardware
-from keel.mesh.topology import RackTopology
-from keel.model.config import MoELMConfig
-from keel.model.transport_spec import TRANSPORTS
+from keel.spec.hardware import Hardware
+from keel.spec.metrics import METRICS_FILE, read_metrics
+from keel.spec.mixture import Mixture
+from keel.spec.topology import RackTopology
+from keel.spec.model import MoELMConfig
+from keel.spec.transports import TRANSPORTS, TransportName, transport_name
 
 
 def _positive(owner: str, **values: float) -> None:
@@ -226,7 +228,7 @@ class TransportPhase:
     """
 
     start_step: int
-    transport: str
+    transport: TransportName
     capacity_factor: float | None = None
     num_waves: int = 1
 
@@ -239,8 +241,7 @@ class TransportPhase:
         return self.capacity_factor if self.capacity_factor is not None else model.capacity_factor
 
     def __post_init__(self):
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"TransportPhase.transport={self.transport!r} is unknown: use one of {', '.join(sorted(TRANSPORTS))}")
+        object.__setattr__(self, "transport", transport_name(self.transport, "TransportPhase.transport"))
         if self.start_step < 0:
             raise ValueError(f"TransportPhase.start_step={self.start_step} must be >= 0")
         if self.capacity_factor is not None:
@@ -424,6 +425,11 @@ class Claim:
     quoted: float
 
 
+CLAIM_FIGURES = ("run_days", "one_rack_days", "batch_bytes", "activation_bytes_per_layer",
+                 "activation_bytes_all_layers", "moe_to_dense_flops")
+"""The figures a `Claim` can name; `keel.plan.facts.FIGURES` derives each one."""
+
+
 @dataclass(frozen=True)
 class RunFacts:
     """Facts about a real run declared next to it: when it started, how fast it went, what is said of it.
@@ -462,11 +468,13 @@ class LaunchPlan:
 class TrainStepConfig:
     """The config of a training step: what to train on what, and (execution-only) where and how fast.
 
-    `data` is a `keel.data.Mixture` (components with phase weights) or a tokenize step's output.
+    `data` is always a `Mixture` (components with phase weights): a single token cache (a tokenize
+    step, its output, an `External`) is kept as the one-component mixture `Mixture.single(cache)`,
+    so everything downstream reads one shape.
     """
 
     model: MoELMConfig
-    data: Any
+    data: Mixture
     train: TrainConfig
     topology: RackTopology | None = execution_only(default=None)
     hardware: Hardware | None = execution_only(default=None)
@@ -485,11 +493,13 @@ class TrainStepConfig:
     `default_train(..., predicted_loss=ladder.prediction)`), so the run trains after its prediction
     is made and `keel plan`, `status`, `compare` and the dashboard set its loss against the band."""
 
+    def __post_init__(self):
+        if not isinstance(self.data, Mixture):
+            object.__setattr__(self, "data", Mixture.single(self.data))
+
     def progress(self, output_path: str) -> str | None:
         """How far a running (or stopped) training step got, from its metrics: for `keel status`
         in a second terminal, wherever the step runs (the prefix is shared storage)."""
-        from keel.train.tracking import METRICS_FILE, read_metrics
-
         try:
             records = [r for r in read_metrics(f"{output_path.rstrip('/')}/{METRICS_FILE}") if "train/loss" in r]
         except (FileNotFoundError, OSError):

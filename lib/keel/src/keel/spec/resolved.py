@@ -4,7 +4,7 @@
 what both `keel plan` and the trainer read, so that the fact sheet and the run cannot drift:
 
 - the parameter table: every leaf of the model by its real path (`MoELMConfig.parameter_axes`),
-  with its named axes, master dtype, placement on the rack mesh (`keel.mesh.placement`'s rule
+  with its named axes, master dtype, placement on the rack mesh (`keel.spec.placement`'s rule
   table, from which the runtime builds its partition specs), optimizer group
   (`train.config.optimizer_group`, which the optimizer calls too) and optimizer-state arrays;
 - the transport timeline, each phase with the capacity factor its transport will run with.
@@ -25,12 +25,12 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from keel.mesh.placement import Axes, Placement, place, shards
-from keel.mesh.topology import RackTopology
-from keel.model.transport_spec import TransportSpec
-from keel.plan.checks import check_train_step
-from keel.plan.dtypes import DTYPE_BYTES
-from keel.train.config import MOMENTS, STACK_AXES, TrainStepConfig, TransportPhase, optimizer_group, peak_lr
+from keel.spec.placement import Axes, Placement, place, shards
+from keel.spec.topology import RackTopology
+from keel.spec.transports import TransportSpec
+from keel.spec.checks import check_train_step
+from keel.spec.dtypes import DTYPE_BYTES
+from keel.spec.train import MOMENTS, STACK_AXES, TrainStepConfig, TransportPhase, optimizer_group, peak_lr
 
 DEVICE, HOST = "device", "pinned_host"
 """Memory kinds: HBM, and the host memory that offloaded state lives in between steps."""

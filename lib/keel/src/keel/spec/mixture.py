@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 _SUM_TOLERANCE = 1e-6
+SINGLE = "data"
+"""The component name of a single token cache (`Mixture.single`): `eval/data/loss` in its metrics."""
 
 
 class MixtureError(ValueError):
@@ -74,6 +76,16 @@ class Mixture:
     def constant(components: dict[str, Any], weights: dict[str, float], **kwargs) -> "Mixture":
         """A single-phase mixture."""
         return Mixture(components, (MixturePhase(0, weights),), **kwargs)
+
+    @staticmethod
+    def single(cache: Any) -> "Mixture":
+        """One token cache as a mixture: the component "data", always drawn."""
+        return Mixture.constant({SINGLE: cache}, {SINGLE: 1.0})
+
+    @property
+    def is_single(self) -> bool:
+        """One component in one phase: a plain token cache, with no mixture to describe."""
+        return len(self.components) == 1 and len(self.phases) == 1
 
     def phase_weights(self) -> list[tuple[int, dict[str, float]]]:
         """(start_step, weights summing to 1) per phase, every component listed."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from keel.model.config import MoELMConfig
+from keel.spec.model import MoELMConfig
 
 MESH_AXES = ("replica_dcn", "data", "expert", "model")
 BATCH_AXES = ("replica_dcn", "data", "expert")

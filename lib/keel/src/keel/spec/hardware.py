@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from keel.model.transport_spec import ACCELERATOR_ONLY
+from keel.spec.transports import ACCELERATOR_ONLY
 
 PLATFORMS = ("gpu", "tpu", "cpu")
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"

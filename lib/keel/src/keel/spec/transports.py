@@ -10,6 +10,22 @@ the target platform cannot run before any compute is spent.
 """
 
 from dataclasses import dataclass
+from enum import StrEnum
+
+
+class TransportName(StrEnum):
+    """The closed set of transports (`TRANSPORTS` says what each one is). A member equals its
+    string, so configs may be written either way: `TransportPhase(0, "ring")`."""
+
+    DENSE = "dense"
+    LOCAL = "local"
+    FIXED_ALL_TO_ALL = "fixed_all_to_all"
+    RING = "ring"
+    FIXED_POOLED_ALL_TO_ALL = "fixed_pooled_all_to_all"
+    RAGGED_ALL_TO_ALL = "ragged_all_to_all"
+
+    def __repr__(self) -> str:  # in messages, as the user wrote it: 'ring'
+        return repr(self.value)
 
 
 @dataclass(frozen=True)
@@ -26,7 +42,7 @@ class Transport:
     moves_tokens: bool = True
     accelerator_only: bool = False
     """XLA:CPU answers `UNIMPLEMENTED: HLO opcode 'ragged-all-to-all' is not supported by XLA:CPU ThunkEmitter`."""
-    cpu_stand_in: str | None = None
+    cpu_stand_in: TransportName | None = None
     """The CPU-capable transport that plays its part on a simulated rack (same drop behaviour where possible)."""
 
     @property
@@ -35,20 +51,30 @@ class Transport:
         return self.capacity is not None
 
 
-TRANSPORTS: dict[str, Transport] = {
-    "dense": Transport("every expert on every token, masked by the routing weights (the reference; tests only)",
+TRANSPORTS: dict[TransportName, Transport] = {
+    TransportName.DENSE: Transport("every expert on every token, masked by the routing weights (the reference; tests only)",
                        moves_tokens=False),
-    "local": Transport("grouped expert matmuls on each device's own tokens with every expert gathered "
+    TransportName.LOCAL: Transport("grouped expert matmuls on each device's own tokens with every expert gathered "
                        "(no expert parallelism)", moves_tokens=False),
-    "fixed_all_to_all": Transport("expert parallel over `expert`: fixed (sender, expert) capacity cells, overflow "
+    TransportName.FIXED_ALL_TO_ALL: Transport("expert parallel over `expert`: fixed (sender, expert) capacity cells, overflow "
                                   "dropped and counted", capacity="sender cell", pads_sends=True),
-    "ring": Transport("expert parallel over `expert`: all-gather tokens, psum-scatter outputs; dropless"),
-    "fixed_pooled_all_to_all": Transport("expert parallel over `expert`: destination-pooled fixed buffers sent in "
+    TransportName.RING: Transport("expert parallel over `expert`: all-gather tokens, psum-scatter outputs; dropless"),
+    TransportName.FIXED_POOLED_ALL_TO_ALL: Transport("expert parallel over `expert`: destination-pooled fixed buffers sent in "
                                          "static waves", capacity="destination pool", pads_sends=True),
-    "ragged_all_to_all": Transport("expert parallel over `expert`: ragged all-to-all, rows grouped by expert, "
+    TransportName.RAGGED_ALL_TO_ALL: Transport("expert parallel over `expert`: ragged all-to-all, rows grouped by expert, "
                                    "a receiver buffer of capacity x the even share (GPU/TPU only)",
-                                   capacity="receiver buffer", accelerator_only=True, cpu_stand_in="ring"),
+                                   capacity="receiver buffer", accelerator_only=True,
+                                                     cpu_stand_in=TransportName.RING),
 }
+
+def transport_name(value: str, field: str) -> TransportName:
+    """`value` as a TransportName; a ValueError naming `field` and the choices when it is none."""
+    try:
+        return TransportName(value)
+    except ValueError:
+        raise ValueError(f"{field}={value!r} is not a transport: use one of "
+                         f"{', '.join(sorted(t.value for t in TransportName))}") from None
+
 
 ACCELERATOR_ONLY = frozenset(name for name, t in TRANSPORTS.items() if t.accelerator_only)
 
@@ -57,7 +83,7 @@ ACCELERATOR_ONLY = frozenset(name for name, t in TRANSPORTS.items() if t.acceler
 class TransportSpec:
     """A transport and the knobs only some transports read."""
 
-    name: str = "local"
+    name: TransportName = TransportName.LOCAL
     capacity_factor: float | None = None
     """Capacity (see `Transport.capacity`) as a multiple of the even share; None: the model's
     `capacity_factor` when the transport has a capacity. The trainer always passes the resolved
@@ -66,8 +92,7 @@ class TransportSpec:
     """Static waves of the pooled transport (fixed_pooled_all_to_all only; the hero used 3)."""
 
     def __post_init__(self):
-        if self.name not in TRANSPORTS:
-            raise ValueError(f"TransportSpec.name={self.name!r} is not a transport: use one of {sorted(TRANSPORTS)}")
+        object.__setattr__(self, "name", transport_name(self.name, "TransportSpec.name"))
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ValueError(f"TransportSpec.capacity_factor={self.capacity_factor} must be positive")
         if self.num_waves < 1:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from keel.plan.checks import PlanError
+from keel.spec.checks import PlanError
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4}
 

@@ -1,0 +1,66 @@
+"""The data steps the planner reads: tokenizer training and tokenization, as plain configs.
+
+`keel.spec.data_steps` checks a training step's data against them (vocabulary, sequence length)
+before anything runs; the step functions that execute them are `keel.data.tokenizer.train_tokenizer`
+and `keel.data.tokenize.tokenize_documents`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from keel.executor.step import execution_only, this_output
+
+
+@dataclass(frozen=True)
+class TrainTokenizerConfig:
+    """Train a byte-level BPE on the train split of the document set at `documents`."""
+
+    documents: str
+    vocab_size: int = 1024
+    bos_token: str | None = "<|bos|>"
+    eos_token: str = "<|endoftext|>"
+    pad_token: str | None = "<|pad|>"
+    min_frequency: int = 2
+    max_training_bytes: int | None = None
+    output_path: str = this_output()
+
+    def __post_init__(self):
+        specials = self.special_tokens
+        if len(set(specials)) != len(specials):
+            raise ValueError(f"TrainTokenizerConfig: bos/eos/pad tokens must differ, got {specials}")
+        if self.vocab_size < 256 + len(specials):
+            raise ValueError(
+                f"TrainTokenizerConfig.vocab_size={self.vocab_size} is too small: a byte-level BPE needs "
+                f"256 byte tokens plus {len(specials)} special tokens"
+            )
+
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        return tuple(t for t in (self.eos_token, self.bos_token, self.pad_token) if t is not None)
+
+
+@dataclass(frozen=True)
+class TokenizeConfig:
+    """Tokenize the document set at `documents` with `tokenizer` (a tokenizer directory,
+    a tokenizer.json path or a hub name) into `seq_len`-token packed sequences.
+
+    `bos_token`/`eos_token` name the special tokens for a tokenizer that does not carry a
+    tokenizer_config.json; each document gets bos/eos added as `add_bos`/`add_eos` say.
+    """
+
+    documents: str
+    tokenizer: str
+    seq_len: int = 1024
+    add_bos: bool = False
+    add_eos: bool = True
+    bos_token: str | None = None
+    eos_token: str | None = None
+    output_path: str = this_output()
+    batch_documents: int = execution_only(default=64)
+
+    def __post_init__(self):
+        if self.seq_len <= 0:
+            raise ValueError(f"TokenizeConfig.seq_len must be positive, got {self.seq_len}")
+        if self.batch_documents <= 0:
+            raise ValueError(f"TokenizeConfig.batch_documents must be positive, got {self.batch_documents}")

@@ -1,0 +1,131 @@
+"""The house's layers: every package imports only the ones under it, and nothing imports in a circle.
+
+    keel.executor          steps, identity, paths, status, plan, run (no jax, no keel package above it)
+    keel.spec              the declaration layer: what an experiment states and `keel plan` reads
+    keel.data  keel.model  keel.mesh     runtime on the declarations
+    keel.train             the training step, on the model, mesh and data
+    keel.trained           what reads a finished run (eval, sample, compare, ladder)
+    keel.plan              the planner's fact sheet, render and twin
+    keel.dashboard, keel.cli, then the `keel` package itself (Step, main, ...) and the console script
+
+An AST scan, so it sees imports inside functions too (a lazy import is still a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "lib" / "keel" / "src"
+LAYERS = [
+    {"keel.executor"},
+    {"keel.spec"},
+    {"keel.data", "keel.model", "keel.mesh"},
+    {"keel.train"},
+    {"keel.trained"},
+    {"keel.plan"},
+    {"keel.dashboard"},
+    {"keel.cli"},
+    {"keel.cli_entry", "keel"},
+]
+SPEC_MAY_IMPORT = {"fsspec"}  # besides the standard library and keel.executor
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> tuple[set[str], set[str]]:
+    """(modules imported at module level, everything imported anywhere), keel's by module name."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+    def targets(node) -> list[str]:
+        if isinstance(node, ast.Import):
+            return [a.name for a in node.names]
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            return [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        return []
+
+    top = {t for node in tree.body for t in targets(node)}
+    anywhere = {t for node in ast.walk(tree) for t in targets(node)}
+    return top, anywhere
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return module if len(parts) == 1 else ".".join(parts[:2])
+
+
+def _graph():
+    modules = _modules()
+    top, anywhere = {}, {}
+    for name, path in modules.items():
+        top[name], anywhere[name] = _imports(name, path, modules)
+    return modules, top, anywhere
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph`, or None."""
+    state: dict[str, int] = {}
+    for root in sorted(graph):
+        if root in state:
+            continue
+        stack, path = [(root, iter(sorted(graph[root])))], [root]
+        state[root] = 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[node] = 2
+                stack.pop()
+                path.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif nxt not in state and nxt in graph:
+                state[nxt] = 1
+                stack.append((nxt, iter(sorted(graph[nxt]))))
+                path.append(nxt)
+    return None
+
+
+def test_every_package_imports_only_the_layers_under_it():
+    modules, _, anywhere = _graph()
+    level = {package: i for i, layer in enumerate(LAYERS) for package in layer}
+    wrong = []
+    for name, imported in anywhere.items():
+        mine = _package(name)
+        assert mine in level, f"{mine} is in no layer of {__name__}.LAYERS: place it"
+        for target in imported:
+            if target.startswith("keel") and _package(target) != mine and level[_package(target)] >= level[mine]:
+                wrong.append(f"{name} imports {target}")
+    assert not wrong, "imports that go up or sideways:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_module_imports_in_a_circle():
+    modules, top, anywhere = _graph()
+    keel_only = {name: {t for t in imported if t in modules and t != name} for name, imported in anywhere.items()}
+    assert _cycle({n: {t for t in top[n] if t in modules and t != n} for n in modules}) is None
+    # lazy imports too: a function-level import that closes a circle is still a circle
+    assert (found := _cycle(keel_only)) is None, " -> ".join(found)
+
+
+def test_the_declaration_layer_imports_no_runtime():
+    _, _, anywhere = _graph()
+    stdlib = set(sys.stdlib_module_names)
+    for name, imported in anywhere.items():
+        if _package(name) != "keel.spec":
+            continue
+        for target in imported:
+            root = target.split(".")[0]
+            assert root in stdlib or root in SPEC_MAY_IMPORT or target.startswith(("keel.spec", "keel.executor")), \
+                f"{name} imports {target}: the declaration layer imports the standard library and keel.executor only"
