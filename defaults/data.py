@@ -4,6 +4,8 @@
     tokenizer = default_tokenizer("stdlib-bpe-1k", corpus, vocab_size=1024)
     cache = default_tokenize("stdlib", corpus, tokenizer, seq_len=128)
 
+`stdlib_tokens()` is the tutorials' chain of the three, declared once.
+
 Step names are `documents/<name>`, `tokenizers/<name>` and `tokenized/<name>`. Two experiment files
 that declare the same chain get the same identities, hence one shared output.
 """
@@ -51,3 +53,12 @@ def default_tokenize(name: str, dataset: Step, tokenizer: Step | str, *, seq_len
     path or a hub name); `kwargs` are TokenizeConfig fields."""
     config = TokenizeConfig(documents=dataset, tokenizer=tokenizer, seq_len=seq_len, **kwargs)
     return Step(f"tokenized/{name}", tokenize_documents, config)
+
+
+def stdlib_tokens(*, seq_len: int = 128, vocab_size: int = 1024, max_bytes: int = 4_000_000) -> Step:
+    """The tutorials' data chain, declared once: the running Python's standard library (its first
+    `max_bytes`) -> a byte-level BPE of `vocab_size` tokens -> packed `seq_len`-token sequences.
+    Every tutorial that calls it names the same three steps, so the second one finds them cached."""
+    corpus = stdlib_corpus(max_bytes=max_bytes)
+    tokenizer = default_tokenizer(f"stdlib-bpe-{vocab_size // 1024}k", corpus, vocab_size=vocab_size)
+    return default_tokenize(f"stdlib-bpe-{vocab_size // 1024}k-{seq_len}", corpus, tokenizer, seq_len=seq_len)

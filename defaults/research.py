@@ -96,6 +96,9 @@ def default_scaling_ladder(name: str, *, data: Any, model: MoELMConfig, train: T
         raise ValueError(f"default_scaling_ladder({name!r}): {len(sizes)} sizes but {len(steps)} step counts: give one each")
     if train.eval_batches <= 0:
         raise ValueError(f"default_scaling_ladder({name!r}): train.eval_batches=0 leaves nothing to fit: evaluate the rungs")
+    if train.seq_len is None:  # the length the data was tokenized at, as default_train takes it
+        train = dataclasses.replace(train, seq_len=(data if isinstance(data, Mixture) else Mixture.single(data))
+                                    .tokenized_seq_len())
 
     def rung(hidden: int, num_steps: int) -> tuple[MoELMConfig, TrainConfig]:
         sized = model.replace(hidden_dim=hidden)

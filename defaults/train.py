@@ -50,10 +50,10 @@ def default_train(
             f"default_train({name!r}): data is a {type(data).__name__}; give a keel.spec.Mixture, a tokenize Step "
             "or an External token cache"
         )
-    if predicted_loss is not None:
-        _check_prediction(name, predicted_loss, model, train)
     config = TrainStepConfig(model=model, data=data, train=train, topology=topology, hardware=hardware,
                              predicted_loss=predicted_loss, facts=facts, stand_ins=stand_ins)
+    if predicted_loss is not None:
+        _check_prediction(name, predicted_loss, model, config.train)
     return Step(f"train/{name}", train_step, config, resources=resources, description=description, isolated=True,
                 retries=retries, progress_timeout_s=progress_timeout_s)
 

@@ -54,7 +54,6 @@ NUM_STEPS = steps_for_tokens_per_param(hero_535b, BATCH_SIZE, SEQ_LEN, tokens_pe
 # Data: a Llama-3-style 128,256-token vocabulary; topic caches from the 200-cell pool (40 topic
 # clusters x 5 quality levels, 23.1T tokens after dedup and decontamination).
 tokenizer = External("hero/tokenizer/llama3-128k", f"{BUCKET}/tokenizer", version="v1")
-assert hero_535b.vocab_size == 128_256
 
 TOPIC_SHARES = {  # percent of each phase: initial, main, cooldown (the public part)
     "perf-logs-low-level-code": (9.0, 10.6, 11.4),
@@ -198,7 +197,6 @@ def twin(num_steps: int = 120, corpus_bytes: int = 4_000_000, mixture_block: int
         model=tiny_moe,
         data=caches,
         batch_size=16,
-        seq_len=tiny_moe.max_seq_len,
         num_steps=num_steps,
         topology=RackTopology(racks=2, gpus_per_rack=cpu_sim.gpus_per_rack, expert_parallel=4),
         hardware=cpu_sim,

@@ -3,8 +3,8 @@
     uv run keel run experiments/tutorials/lr_sweep.py       # 3 short runs, then the steps below
     uv run keel compare experiments/tutorials/lr_sweep.py   # the table of finished runs; runs nothing
 
-The data chain is tiny_moe.py's (the same three declarations, hence the same identities), so after
-either tutorial the other finds its corpus, tokenizer and token cache cached. Each point scales
+The data chain is tiny_moe.py's (`defaults.stdlib_tokens()`: the same three steps, hence the same
+identities), so after either tutorial the other finds its corpus, tokenizer and token cache cached. Each point scales
 the scaling-law learning rates (MuonH's and Adam's together) and trains for STEPS steps (30: a
 quick look that CI can afford; raise it for a real sweep, every step below follows). Then:
 
@@ -15,33 +15,20 @@ quick look that CI can afford; raise it for a real sweep, every step below follo
 - `sample/lr_sweep/lr1.0` completes two prompts with it -> samples.jsonl (and the log).
 """
 
-from defaults import (
-    default_compare,
-    default_eval,
-    default_sample,
-    default_tokenize,
-    default_tokenizer,
-    default_train,
-    stdlib_corpus,
-)
+from defaults import default_compare, default_eval, default_sample, default_train, stdlib_tokens
 from defaults.hardware import cpu_sim
 from defaults.models import tiny_moe
 from defaults.optimizers import hero_lr_law
 from keel import main
 from keel.spec import RackTopology, ScheduleConfig, TrainConfig, TransportPhase
 
-BATCH, SEQ, STEPS = 16, 128, 30
-SCALES = (0.5, 1.0, 2.0)
-
-corpus = stdlib_corpus(max_bytes=4_000_000)
-tokenizer = default_tokenizer("stdlib-bpe-1k", corpus, vocab_size=tiny_moe.vocab_size)
-tokens = default_tokenize("stdlib-bpe-1k-128", corpus, tokenizer, seq_len=SEQ)
+STEPS, SCALES = 30, (0.5, 1.0, 2.0)
+tokens = stdlib_tokens()
 
 def point(scale: float):
     """The tiny MoE trained at `scale` x the scaling-law learning rates."""
     train = TrainConfig(
-        batch_size=BATCH,
-        seq_len=SEQ,
+        batch_size=16,
         num_steps=STEPS,
         optimizer=hero_lr_law.optimizer(scale=scale),
         schedule=ScheduleConfig(warmup_fraction=0.1, decay_to_fraction=0.05),

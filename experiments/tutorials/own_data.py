@@ -15,8 +15,8 @@ validation split. A record it cannot read is skipped and counted (the console li
 than `max_bad_fraction` (1%) skipped fails the step, and so does an empty corpus. Edit the corpus
 and `keel plan` shows this step and everything after it stale, naming the file.
 
-The tokenizer's vocabulary and the cache's sequence length must match the model and the training
-run: `keel plan` refuses a mismatch before anything runs.
+The training run takes its sequence length from the cache; the model's vocabulary must hold the
+tokenizer's: `keel plan` refuses a model that cannot, before anything runs.
 """
 
 from defaults import default_tokenize, default_tokenizer, default_train, ingest
@@ -26,17 +26,16 @@ from keel import main
 from keel.spec import TrainConfig
 
 CORPUS = "experiments/tutorials/data/own_corpus.jsonl"
-VOCAB, SEQ, BATCH, STEPS = 384, 64, 16, 60
+VOCAB = 384
 
 documents = ingest("own-notes", (CORPUS,), text_field="body", validation_fraction=0.05)
 tokenizer = default_tokenizer("own-notes-bpe-384", documents, vocab_size=VOCAB)
-tokens = default_tokenize("own-notes-bpe-384-64", documents, tokenizer, seq_len=SEQ)
+tokens = default_tokenize("own-notes-bpe-384-64", documents, tokenizer, seq_len=64)
 
 model_config = tiny_moe.replace(vocab_size=VOCAB)  # the tokenizer's vocabulary, not more or less
 train = TrainConfig(
-    batch_size=BATCH,
-    seq_len=SEQ,  # the cache's seq_len
-    num_steps=STEPS,
+    batch_size=16,
+    num_steps=60,
     optimizer=hero_lr_law.optimizer(),
     eval_every=20,
     eval_batches=2,

@@ -12,25 +12,19 @@ compute). The target declares that prediction (`predicted_loss=`), so it trains 
 rates follow the scaling law at each rung's width and tokens. The data chain is tiny_moe.py's.
 """
 
-from defaults import default_scaling_ladder, default_tokenize, default_tokenizer, default_train, stdlib_corpus
+from defaults import default_scaling_ladder, default_train, stdlib_tokens
 from defaults.hardware import cpu_sim
 from defaults.models import tiny_moe
 from defaults.optimizers import hero_lr_law
 from keel import main
 from keel.spec import RackTopology, ScheduleConfig, TrainConfig, TransportPhase
 
-BATCH, SEQ = 8, 128
-SIZES, STEPS = (32, 48, 64, 96), (24, 32, 40, 48)
-TARGET = (128, 64)
-
-corpus = stdlib_corpus(max_bytes=4_000_000)
-tokenizer = default_tokenizer("stdlib-bpe-1k", corpus, vocab_size=tiny_moe.vocab_size)
-tokens = default_tokenize("stdlib-bpe-1k-128", corpus, tokenizer, seq_len=SEQ)
+SIZES, STEPS, TARGET = (32, 48, 64, 96), (24, 32, 40, 48), (128, 64)
+tokens = stdlib_tokens()
 
 topology = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
 train = TrainConfig(
-    batch_size=BATCH,
-    seq_len=SEQ,
+    batch_size=8,
     num_steps=STEPS[0],  # each rung sets its own steps; the law gives each its learning rates
     optimizer=hero_lr_law.optimizer(),
     schedule=ScheduleConfig(warmup_fraction=0.1, decay_to_fraction=0.05),

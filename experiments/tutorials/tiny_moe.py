@@ -14,22 +14,17 @@ under the training step's output directory. The training step runs in its own pr
 sees the 8 devices that `cpu_sim` with this topology declares; nothing here sets XLA flags.
 """
 
-from defaults import default_tokenize, default_tokenizer, default_train, stdlib_corpus
+from defaults import default_train, stdlib_tokens
 from defaults.hardware import cpu_sim
 from defaults.models import tiny_moe
 from defaults.optimizers import hero_lr_law
 from keel import main
 from keel.spec import RackTopology, ScheduleConfig, TrainConfig, TransportPhase, WeightDecayChange
 
-BATCH, SEQ, STEPS = 16, 128, 300
-
-corpus = stdlib_corpus(max_bytes=4_000_000)
-tokenizer = default_tokenizer("stdlib-bpe-1k", corpus, vocab_size=tiny_moe.vocab_size)
-tokens = default_tokenize("stdlib-bpe-1k-128", corpus, tokenizer, seq_len=SEQ)
+STEPS = 300
 
 train = TrainConfig(
-    batch_size=BATCH,
-    seq_len=SEQ,
+    batch_size=16,
     num_steps=STEPS,
     optimizer=hero_lr_law.optimizer(),
     schedule=ScheduleConfig(warmup_fraction=0.01, decay_to_fraction=0.05),
@@ -44,7 +39,7 @@ train = TrainConfig(
 
 model = default_train(
     "tiny_moe",
-    data=tokens,
+    data=stdlib_tokens(),  # 4 MB of stdlib -> a 1,024-token BPE -> 128-token sequences
     model=tiny_moe,
     train=train,
     topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4),

@@ -56,8 +56,8 @@ def scale_down(
     model: MoELMConfig,
     data: Any,
     batch_size: int,
-    seq_len: int,
     num_steps: int,
+    seq_len: int | None = None,
     topology: RackTopology,
     hardware: Hardware,
     mixture_block: int = 256,
@@ -69,7 +69,8 @@ def scale_down(
     {component: cache}. An optimizer whose rates are a law (`LrScalingLaw.optimizer`) gets them at
     the twin's size; given rates stay as declared. Mixture blocks hold at least `mixture_block`
     sequences (whole batches), so small components still get rows in every block, and phases start
-    on block boundaries. `train_overrides` are set last. The twin runs as its run would (its own
+    on block boundaries. `seq_len` None: the length `data` was tokenized at. `train_overrides` are
+    set last. The twin runs as its run would (its own
     process, the same retries), on the devices `hardware` and `topology` declare."""
     if not isinstance(run, Step) or not isinstance(run.config, TrainStepConfig):
         raise PlanError(f"scale_down({run!r}): give the training step to scale down (what default_train returns)")

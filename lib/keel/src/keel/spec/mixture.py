@@ -13,6 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from keel.executor.step import OutputOf, Step
+from keel.spec.data import TokenizeConfig
+
 _SUM_TOLERANCE = 1e-6
 SINGLE = "data"
 """The component name of a single token cache (`Mixture.single`): `eval/data/loss` in its metrics."""
@@ -81,6 +84,19 @@ class Mixture:
     def single(cache: Any) -> "Mixture":
         """One token cache as a mixture: the component "data", always drawn."""
         return Mixture.constant({SINGLE: cache}, {SINGLE: 1.0})
+
+    def tokenized_seq_len(self) -> int | None:
+        """The sequence length its components were tokenized at, read from their keel tokenize steps;
+        None when none of them is one (an External cache). Components that disagree are an error."""
+        lengths = {}
+        for name, cache in self.components.items():
+            step = cache.step if isinstance(cache, OutputOf) else cache
+            if isinstance(step, Step) and isinstance(step.config, TokenizeConfig):
+                lengths[name] = step.config.seq_len
+        if len(set(lengths.values())) > 1:
+            raise MixtureError(f"Mixture components were tokenized at different lengths ({lengths}): tokenize them at "
+                               "one seq_len")
+        return next(iter(lengths.values()), None)
 
     @property
     def is_single(self) -> bool:

@@ -311,8 +311,10 @@ class TrainConfig:
 
     batch_size: int
     """Global batch in sequences."""
-    seq_len: int
     num_steps: int
+    seq_len: int | None = None
+    """Tokens per sequence; None: the length the data was tokenized at (`default_train` fills it
+    in from the data's tokenize steps). Declare it for caches keel did not tokenize."""
     optimizer: AdamWConfig | GroupedOptimizerConfig = field(default_factory=AdamWConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     seed: int = 0
@@ -351,8 +353,9 @@ class TrainConfig:
     same step skips compiling (JAX's persistent compilation cache)."""
 
     def __post_init__(self):
-        _positive("TrainConfig", batch_size=self.batch_size, seq_len=self.seq_len, num_steps=self.num_steps,
-                  eval_every=self.eval_every, log_every=self.log_every)
+        _positive("TrainConfig", batch_size=self.batch_size, num_steps=self.num_steps,
+                  eval_every=self.eval_every, log_every=self.log_every,
+                  **({} if self.seq_len is None else {"seq_len": self.seq_len}))
         if self.z_loss < 0:
             raise ValueError(f"TrainConfig.z_loss={self.z_loss} must be >= 0")
         for name in ("permanent_checkpoint_every", "rolling_checkpoint_every", "rolling_checkpoint_minutes"):
@@ -380,6 +383,9 @@ class TrainConfig:
 
     @property
     def tokens_per_step(self) -> int:
+        if self.seq_len is None:
+            raise ValueError("TrainConfig.seq_len is not known yet: declare it, or build the step with default_train, "
+                             "which takes it from the data's tokenize steps")
         return self.batch_size * self.seq_len
 
     @property
@@ -496,6 +502,12 @@ class TrainStepConfig:
     def __post_init__(self):
         if not isinstance(self.data, Mixture):
             object.__setattr__(self, "data", Mixture.single(self.data))
+        if self.train.seq_len is None:  # the length the data was tokenized at
+            seq_len = self.data.tokenized_seq_len()
+            if seq_len is None:
+                raise ValueError("TrainConfig.seq_len is not declared and the data are not keel tokenize steps (an "
+                                 "External cache): declare train.seq_len")
+            object.__setattr__(self, "train", dataclasses.replace(self.train, seq_len=seq_len))
 
     def progress(self, output_path: str) -> str | None:
         """How far a running (or stopped) training step got, from its metrics: for `keel status`
