@@ -16,6 +16,8 @@ from typing import Any, Mapping
 
 import fsspec
 
+from keel.executor import storage
+
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
@@ -82,15 +84,7 @@ def _drop_records_after(path: str, resume_at: int) -> None:
     kept = [r for r in records if r["step"] < resume_at or (0 < r["step"] == resume_at and _is_eval(r))]
     if len(kept) == len(records):
         return
-    text = "".join(json.dumps(r) + "\n" for r in kept)
-    fs, plain = fsspec.core.url_to_fs(path)
-    if "://" in path:
-        fs.pipe_file(plain, text.encode())
-    else:
-        tmp = f"{plain}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, plain)
+    storage.write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     logger.info("Resuming at step %d: dropped %d metric records past the checkpoint", resume_at, len(records) - len(kept))
 
 
