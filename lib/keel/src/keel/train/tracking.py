@@ -205,6 +205,8 @@ def close_wandb(tracker) -> None:
 
     Levanter defers the service teardown to an exit hook that starts a thread, which Python
     refuses at interpreter shutdown (a traceback after every run); doing it here is clean.
+    `WandbConfig.init` registers that hook unconditionally and Levanter has no public switch or
+    handle for it, so it is unregistered by its (private) name.
     """
     import atexit
 
