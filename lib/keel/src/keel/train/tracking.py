@@ -47,7 +47,8 @@ class MetricsLog:
     A record is `{"step": int, <metric>: float, ...}`; a train record's step is the index of the
     update (0-based), an evaluation's the number of updates done before it. A run resumed from the
     checkpoint after `resume_at` updates first drops what the attempt that died wrote past it (train
-    records of step >= resume_at, evaluations after it), so every step has exactly one record.
+    records of step >= resume_at, evaluations after it), so every step has exactly one record. A
+    spike guard's rollback is a record at its spike step (`spike/...`, no `train/loss`), always kept.
     """
 
     def __init__(self, path: str, *, writer: bool = True, resume_at: int = 0):
@@ -80,8 +81,10 @@ def _is_eval(record: Mapping[str, Any]) -> bool:
 def _drop_records_after(path: str, resume_at: int) -> None:
     """Rewrite the file without the records a resume at `resume_at` will write again."""
     records = read_metrics(path)
-    # The evaluation at the checkpoint's own step is not repeated on resume, except at step 0.
-    kept = [r for r in records if r["step"] < resume_at or (0 < r["step"] == resume_at and _is_eval(r))]
+    # The evaluation at the checkpoint's own step is not repeated on resume, except at step 0; nor is
+    # a spike guard's rollback (keel.train.spike_guard: the resumed run skips its batch by the record).
+    kept = [r for r in records if r["step"] < resume_at or (0 < r["step"] == resume_at and _is_eval(r))
+            or "spike/rollback_from" in r]
     if len(kept) == len(records):
         return
     storage.write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
