@@ -388,6 +388,7 @@ class _Run:
         transport = self._transport_spec(phase)
         # Gradients are laid out like their parameters (the plan's spec, the master dtype).
         grad_shardings = jax.tree.map(lambda s: s.with_memory_kind(offload.DEVICE), shardings["model"])
+        routed = self.plan is None or self.plan.config.model.num_experts > 0
 
         def step(arrays, batch):
             state = eqx.combine(offload.to_device(arrays, shardings), static)
@@ -402,12 +403,10 @@ class _Run:
             model = eqx.apply_updates(model, updates)
             model = lm.apply_router_update(model, aux)
             new_state = {"step": state["step"] + 1, "model": model, "opt_state": opt_state}
-            metrics = {
-                "train/loss": loss,
-                "train/grad_norm": _global_norm(grads),
-                "moe/dropped_fraction": aux.get("dropped_fraction", jnp.zeros(())),
-                "moe/router_balance": aux.get("router_balance", jnp.ones(())),
-            }
+            metrics = {"train/loss": loss, "train/grad_norm": _global_norm(grads)}
+            if routed:  # a dense model has no router: it logs no MoE metrics
+                metrics["moe/dropped_fraction"] = aux.get("dropped_fraction", jnp.zeros(()))
+                metrics["moe/router_balance"] = aux.get("router_balance", jnp.ones(()))
             metrics.update({f"lr/{group}": fn(state["step"]) for group, fn in lrs.items()})
             return eqx.filter(new_state, eqx.is_array), metrics
 
