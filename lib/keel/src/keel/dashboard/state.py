@@ -86,12 +86,15 @@ def _run(graph: Graph, plan: StepPlan) -> dict[str, Any]:
         records = []
     series: dict[str, dict[int, float]] = {}
     transports: dict[int, str] = {}
+    rollbacks: dict[int, int | None] = {}
     for record in records:  # the last record of a step wins (a resumed run rewrites its tail)
         for key, value in record.items():
             if CHART_KEYS.match(key) and isinstance(value, (int, float)):
                 series.setdefault(key, {})[record["step"]] = value
         if isinstance(record.get("transport"), str):
             transports[record["step"]] = record["transport"]
+        if "spike/rollback_from" in record:  # keel.train.spike_guard
+            rollbacks[record["step"]] = record.get("spike/skipped_batch")
     prediction = ladder.read_prediction(ladder.prediction_location(graph, plan.step))
     evals = series.get("eval/loss", {})
     final = evals[max(evals)] if evals else None
@@ -102,7 +105,9 @@ def _run(graph: Graph, plan: StepPlan) -> dict[str, Any]:
         "num_steps": config.train.num_steps,
         "tokens_per_step": config.train.tokens_per_step,
         "series": {k: sorted(v.items()) for k, v in sorted(series.items())},
-        "marks": _marks(plan.output_path, transports, config),
+        "marks": _marks(plan.output_path, transports, config) + [
+            {"step": step, "kind": "rollback", "label": f"rollback: skipped batch {batch}"} for step, batch in sorted(rollbacks.items())],
+        "rollbacks": len(rollbacks),
         "prediction": prediction,
         "verdict": ladder.judge(final, prediction) if evals and max(evals) == config.train.num_steps else None,
         "tokens_per_s": compare.training_throughput(records),

@@ -20,12 +20,13 @@ no documents at all is an error.
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import io
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
+
+import fsspec
 
 from keel.data.documents import Document, check_validation_fraction, write_documents
 from keel.data.quality import BadRecord, RecordLog, not_text
@@ -190,18 +191,6 @@ def expand_inputs(inputs: tuple[str, ...]) -> list[InputFile]:
     return files
 
 
-def _open_lines(url: str, fmt: str) -> io.BufferedIOBase:
-    fs, path = storage.split(url)
-    raw = fs.open(path, "rb")
-    if fmt == ".jsonl.gz":
-        return gzip.GzipFile(fileobj=raw)
-    if fmt == ".jsonl.zst":
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
-    return raw
-
-
 def _decode(raw: bytes, url: str, line: int, config: IngestConfig, log: RecordLog) -> str | None:
     """One line as text: undecodable bytes replaced (and counted) or the line skipped, as declared."""
     try:
@@ -228,8 +217,10 @@ def _text_of(record, text_field: str) -> tuple[str | None, str, str]:
     return text, "", ""
 
 
-def _read_jsonl(file: InputFile, fmt: str, config: IngestConfig, log: RecordLog) -> Iterator[Document]:
-    with _open_lines(file.url, fmt) as stream:
+def _read_jsonl(file: InputFile, config: IngestConfig, log: RecordLog) -> Iterator[Document]:
+    # fsspec decompresses as the suffix says (gzip for .gz, zstd for .zst); the buffered reader gives
+    # every format's stream line iteration (fsspec's zstd stream, from `zstandard`, has none)
+    with fsspec.open(file.url, "rb", compression="infer") as f, io.BufferedReader(f) as stream:
         for line_number, raw in enumerate(stream, start=1):
             if not raw.strip():
                 continue
@@ -298,7 +289,7 @@ def _read_files(config: IngestConfig, files: list[InputFile], log: RecordLog) ->
         elif fmt == ".parquet":
             yield from _read_parquet(file, config, log)
         else:
-            yield from _read_jsonl(file, fmt, config, log)
+            yield from _read_jsonl(file, config, log)
 
 
 def _read_hf(spec: HfDatasetSpec, text_field: str, log: RecordLog) -> Iterator[Document]:

@@ -32,7 +32,7 @@ import traceback
 from dataclasses import dataclass
 
 from keel.executor import heartbeat as heartbeat_mod
-from keel.executor import interrupt
+from keel.executor import interrupt, storage
 
 _PARENT_POLL_S = 1.0
 
@@ -153,10 +153,7 @@ def main(workdir: str) -> int:
         outcome, code = {"state": "interrupted", "message": str(exc), "resume": exc.resume}, interrupt.EXIT_INTERRUPTED
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher, which marks the step FAILED
         outcome, code = {"state": "failed", "message": "".join(traceback.format_exception_only(type(exc), exc)).strip()}, 1
-    tmp = os.path.join(workdir, "result.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(outcome, f)
-    os.replace(tmp, os.path.join(workdir, "result.json"))
+    storage.replace_local(os.path.join(workdir, "result.json"), json.dumps(outcome).encode())
     return code
 
 

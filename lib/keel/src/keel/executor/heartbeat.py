@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import time
 
+from keel.executor import storage
+
 ENV = "KEEL_HEARTBEAT"
 """Where the step's process writes its heartbeat; set by the launcher when it watches one."""
 
@@ -30,10 +32,7 @@ def beat(step: int) -> None:
     target = path()
     if target is None:
         return
-    tmp = f"{target}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(f"{step} {time.time()}\n")
-    os.replace(tmp, target)
+    storage.replace_local(target, f"{step} {time.time()}\n".encode())
 
 
 def seconds_since(heartbeat: str, started: float, now: float) -> float:

@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import threading
-import uuid
 
 from keel.executor import storage
 from keel.executor.status import KEEL_DIR
@@ -33,7 +32,6 @@ from keel.executor.step import StepDeclarationError
 MEMO_FILE = "fingerprints.json"
 MAX_MEMO_ENTRIES = 200_000
 REMOTE_VERSION_KEYS = ("generation", "VersionId", "ETag", "etag", "md5Hash", "mtime", "LastModified", "updated", "created")
-_CHUNK = 1 << 20
 
 
 class InputError(StepDeclarationError):
@@ -47,11 +45,8 @@ def cache_dir() -> str:
 
 
 def sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class _HashMemo:
@@ -97,10 +92,7 @@ class _HashMemo:
             entries = dict(list(self._entries.items())[-MAX_MEMO_ENTRIES:])
             try:
                 os.makedirs(os.path.dirname(self._where), exist_ok=True)
-                tmp = f"{self._where}.tmp-{uuid.uuid4().hex[:8]}"
-                with open(tmp, "w") as f:
-                    json.dump({"entries": entries}, f)
-                os.replace(tmp, self._where)
+                storage.write_atomic(self._where, json.dumps({"entries": entries}))  # in order: oldest first
                 self._dirty = False
             except OSError:
                 pass

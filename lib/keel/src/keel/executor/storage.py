@@ -133,20 +133,36 @@ _tmp_names = itertools.count()
 _TMP_TAG = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def write_atomic(url: str, text: str) -> None:
-    """Replace the file's content so that readers see the old or the new content, never a part."""
+def _new_tmp_tag() -> None:
+    global _TMP_TAG
+    _TMP_TAG = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+os.register_at_fork(after_in_child=_new_tmp_tag)  # a forked process shares no temporary name with its parent
+
+
+def replace_local(path: str, data: bytes) -> None:
+    """Replace a local file's content (its folder exists) so that readers see the old or the new
+    content, never a part: a temporary file beside it (`{path}.tmp-...`), then `os.replace`. A few
+    system calls and no folder check: cheap enough for a heartbeat at every training step."""
+    tmp = f"{path}.tmp-{_TMP_TAG}-{next(_tmp_names)}"  # unique per process and call, no urandom per write
+    try:
+        _write_local(tmp, data, os.O_TRUNC)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: leave no partial temporary file behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def write_atomic(url: str, data: str | bytes) -> None:
+    """Replace the file's content so that readers see the old or the new content, never a part
+    (object stores replace an object in one PUT); its folder is made when missing."""
     fs, path = split(url)
     _ensure_parent(fs, path)
-    data = text.encode()
+    data = data.encode() if isinstance(data, str) else data
     if isinstance(fs, LocalFileSystem):
-        tmp = f"{path}.tmp-{_TMP_TAG}-{next(_tmp_names)}"  # unique per process and call, no urandom per write
-        try:
-            _write_local(tmp, data, os.O_TRUNC)
-            os.replace(tmp, path)
-        except BaseException:  # a full disk: leave no partial temporary file behind
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise
+        replace_local(path, data)
     else:
         fs.pipe_file(path, data)
 

@@ -270,14 +270,16 @@ class SpikeGuardConfig:
     """Roll a run back past a loss spike and skip the batch that caused it (`keel.train.spike_guard`).
 
     A step's training loss is a spike when it (or the gradient norm) is not finite, or, once
-    `min_history` good steps are known, when it lies more than `threshold` robust deviations
-    (1.4826 x the median absolute deviation) above the median of the last `window` good steps and
-    at least `min_rise` (a fraction of that median) above it. The spiking step's update is thrown
+    `min_history` good steps are known, when it lies more than `threshold` robust deviations (one
+    step's noise, from the median absolute deviation of the window's step-to-step changes) above
+    the median of the last `window` good steps and at least `min_rise` (a fraction of that median)
+    above it; the history starts again at each mixture phase. The spiking step's update is thrown
     away: the run goes back to its newest snapshot of the train state (kept in host memory every
     `snapshot_every` steps), replays the batches after it (each of which passed), skips the
-    spiking batch (that step makes no update) and goes on. The spike after `max_rollbacks`
-    rollbacks fails the step naming every spike. Skipped batches are recorded in
-    `spike_guard.json` beside the metrics, so a resumed run skips the same ones.
+    spiking batch (the step trains on the next one: the run still makes `num_steps` updates) and
+    goes on. The spike after `max_rollbacks` rollbacks fails the step naming every spike. Skipped
+    batches are recorded in `spike_guard.json` beside the metrics, so a resumed run skips the same
+    ones. Default None: no guard, and a non-finite loss fails the run.
 
     Identity: the detection fields decide which batches are skipped, so they count toward the
     run's identity (a run that never spikes trains the same weights with or without the guard, but

@@ -18,6 +18,7 @@ array's memory kind (device or pinned host, `keel.train.offload`): the format ha
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 
@@ -37,13 +38,13 @@ class TrainCheckpoints:
 
     def __init__(self, output_path: str, *, permanent_every: int | None, rolling_every: int | None = None,
                  rolling_minutes: float | None = None, keep_rolling: int = 1):
-        from levanter.checkpoint import CheckpointInterval, Checkpointer
+        from levanter.checkpoint import CheckpointInterval
 
         self.root = checkpoint_root(output_path)
         self.rolling_every = rolling_every
         policies = [CheckpointInterval(every=permanent_every)] if permanent_every else []
         interval = datetime.timedelta(minutes=rolling_minutes) if rolling_minutes else None
-        self._checkpointer = Checkpointer(self.root, interval, policies, keep_last_temporary_checkpoints=keep_rolling)
+        self._checkpointer = _checkpointer_class()(self.root, interval, policies, keep_last_temporary_checkpoints=keep_rolling)
 
     def latest(self) -> str | None:
         from levanter.checkpoint import discover_latest_checkpoint
@@ -89,12 +90,29 @@ class TrainCheckpoints:
 
         if rolling or (self.rolling_every and step % self.rolling_every == 0):
             self._checkpointer.request_checkpoint(CheckpointRetention.TEMPORARY)
-        before = self._checkpointer._last_save_step  # Levanter records the step of every save it starts
+        self._checkpointer.saving_step = None
         self._checkpointer.on_step(tree=state, step=step, force=force)
-        return self._checkpointer._last_save_step == step != before
+        return self._checkpointer.saving_step == step
 
     def wait(self) -> None:
         self._checkpointer.wait_until_finished()
+
+
+@functools.cache
+def _checkpointer_class():
+    """Levanter's `Checkpointer`, noting the step of each save it starts (`saving_step`): its
+    `on_step` decides by its policies, returns nothing and keeps the step it saved private, so the
+    public `save_checkpoint` that `on_step` calls for every save is where keel sees it."""
+    from levanter.checkpoint import Checkpointer
+
+    class SaveNotingCheckpointer(Checkpointer):
+        saving_step: int | None = None
+
+        def save_checkpoint(self, tree, step, destination, commit_callback=None, **kwargs):
+            super().save_checkpoint(tree, step, destination, commit_callback, **kwargs)
+            self.saving_step = step
+
+    return SaveNotingCheckpointer
 
 
 def _not_a_none_leaf(record: logging.LogRecord) -> bool:
@@ -103,11 +121,13 @@ def _not_a_none_leaf(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Unknown leaf type <class 'NoneType'>")
 
 
-def restore_like(exemplar, path: str):
-    """Load a checkpoint into the exact tree, shardings and dtypes of `exemplar`.
+def restore_like(exemplar, path: str, subpath: str | None = None):
+    """Load a checkpoint (its `subpath` subtree, e.g. "model", when given) into the exact tree,
+    shardings and dtypes of `exemplar`.
 
     Named arrays are read as their raw arrays (same checkpoint keys), so each leaf is placed by its
-    exemplar's concrete sharding rather than by an axis mapping.
+    exemplar's concrete sharding rather than by an axis mapping (which Levanter's `load_checkpoint`
+    uses for a named array).
     """
     import haliax as hax
     from levanter.checkpoint import load_checkpoint
@@ -118,5 +138,5 @@ def restore_like(exemplar, path: str):
 
     is_named = lambda x: isinstance(x, hax.NamedArray)  # noqa: E731
     raw = jax.tree.map(lambda x: x.array if is_named(x) else x, exemplar, is_leaf=is_named)
-    loaded = load_checkpoint(raw, path)
+    loaded = load_checkpoint(raw, path, subpath=subpath)
     return jax.tree.unflatten(jax.tree.structure(exemplar), jax.tree.leaves(loaded))

@@ -12,7 +12,10 @@ t+1 is computed from step t's forward pass: state the optimizer does not own. Th
   seeded sample of each whole validation split every time (`validation_losses`);
 - writes metrics as JSON lines and to wandb, and a PNG of the loss curves at the end; after a
   resume the rows of steps past the checkpoint are dropped first, so each step has one row;
-- stops as a failure at the first non-finite loss or gradient norm, naming the step;
+- stops as a failure at the first non-finite loss or gradient norm, naming the step; or, with
+  `TrainConfig.spike_guard`, rolls back past a loss spike (non-finite or far above the recent
+  median) to its newest in-memory snapshot, replays the good batches and skips the spiking one
+  (`keel.train.spike_guard`; every step goes through `SpikeGuard.step`);
 - stops at the next step boundary when the executor asks (Ctrl-C, SIGTERM), after a rolling
   checkpoint there, raising `StepInterrupted` so the step is INTERRUPTED and a rerun resumes.
 
@@ -45,7 +48,6 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from keel.executor import interrupt
 from keel.spec.transports import TransportSpec
@@ -56,8 +58,9 @@ from keel.train.checkpoint import TrainCheckpoints
 from keel.spec.train import TrainConfig, TransportPhase
 from keel.train.lm import TrainableLM
 from keel.train.progress import Progress
-from keel.train.tracking import close_wandb, LOSS_PLOT_FILE, MetricsLog, open_wandb, plot_loss_curves, run_name
-from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
+from keel.train.spike_guard import FINITE_METRICS, NonFiniteTraining, SpikeGuard, check_finite, poison_from_env  # noqa: F401
+from keel.train.tracking import LOSS_PLOT_FILE, MetricsLog, close_wandb, open_wandb, plot_loss_curves, run_name
+from keel.spec.metrics import METRICS_FILE, latest_by_step, read_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +125,7 @@ class _Run:
         self.compile_seconds = 0.0  # the compiles of every step/eval function used
         self.compile_waited = 0.0  # of which the loop stood waiting
         self.told_sample = False  # the first evaluation says how many sequences it samples
+        self.guard: SpikeGuard | None = None  # made when training starts (keel.train.spike_guard)
         if self.start < config.num_steps:  # the loop evaluates first: that compiles on this thread, alongside
             self._compile_ahead(self.start, evaluation=False, announce=False)
 
@@ -174,11 +178,9 @@ class _Run:
                     self.inputs.train_data, batch_size=config.batch_size, mesh=self.inputs.mesh,
                     batch_axes=self.inputs.batch_axes, fetch_batches=self.inputs.fetch_batches,
                 )
-                batches = loader.iter_from_step(start)
                 if start == 0:
                     self._evaluate(0, self.transport_at(0), metrics_log, tracker)
-                last = self._train_steps(start, batches, metrics_log, tracker)
-                batches.close()
+                last = self._train_steps(start, loader, metrics_log, tracker)
                 self.checkpoints.wait()
         finally:
             self.progress.close()
@@ -195,6 +197,8 @@ class _Run:
         records = read_metrics(os.path.join(self.output_path, METRICS_FILE))
         evals = latest_by_step(records, "eval/loss")
         val = f", final validation loss {evals[max(evals)]:.4f}" if evals else ""
+        rollbacks = self.guard.finish() if self.guard is not None else None
+        val += f"; with {rollbacks}" if rollbacks else ""
         self.progress.event(f"done: steps {start}->{self.config.num_steps} in {self.progress.wall_seconds:.1f}s "
                             f"(compiling {self.compile_seconds:.1f}s, waited for {self.compile_waited:.1f}s){val}; outputs in {self.output_path}")
 
@@ -214,12 +218,17 @@ class _Run:
         names = [name for s, name in sorted(self.inputs.phase_starts.items()) if s <= step]
         return names[-1] if names else None
 
-    def _train_steps(self, start: int, batches, metrics_log: MetricsLog, tracker) -> dict[str, float]:
+    def _train_steps(self, start: int, loader, metrics_log: MetricsLog, tracker) -> dict[str, float]:
         config = self.config
         tokens_per_step = config.batch_size * config.seq_len
         last: dict[str, float] = {}
         previous = self.transport_at(start)
-        for step in range(start, config.num_steps):
+        self.guard = SpikeGuard(config.spike_guard, self.output_path, start=start, state=self.state_arrays,
+                                layout=self.layout, event=self.progress.event, write_row=metrics_log.write,
+                                writer=jax.process_index() == 0, restarts=tuple(self.inputs.phase_starts))
+        batches = self.guard.batches(loader, start)  # (batch index, batch): a batch the guard skipped is passed over
+        step = start
+        while step < config.num_steps:
             phase = self.transport_at(step)
             switching = phase != previous
             if switching:
@@ -230,20 +239,27 @@ class _Run:
             t0 = time.perf_counter()
             if self._place(step) or switching:
                 self._check_layout(step, "phase change")
-            batch = self._batch(next(batches))
+            index, batch = next(batches)
+            batch = self._batch(poison_from_env(index, batch))
             step_fn = self._step_fn(phase, step)
             first_use = step_fn.waited is None
             with jax.set_mesh(self.inputs.mesh):  # Levanter's loader leaves its own mesh context
-                self.state_arrays, metrics = step_fn.get()(self.state_arrays, batch)
+                self.state_arrays, metrics, rollback = self.guard.step(
+                    step, index, self.state_arrays, lambda arrays: step_fn.get()(arrays, batch), self.layout)
             completed = step + 1
-            check_finite(step, {k: metrics[k] for k in FINITE_METRICS})
             if first_use:
                 self._compiled(step_fn, f"step {step}")
                 self._compile_ahead(self._next_change(step))
+            if rollback is not None:  # back to the snapshot: read the batches again from there
+                batches.close()
+                batches = self.guard.batches(loader, rollback.to_step)
+                step, self.layout, previous = rollback.to_step, rollback.layout, self.transport_at(max(rollback.to_step - 1, 0))
+                continue
+            replaying = self.guard.replaying(step)  # trained and reported before the rollback: the same again
             self.progress.step(completed, loss=float(metrics["train/loss"]),
                                tokens_per_s=tokens_per_step / (time.perf_counter() - t0), transport=phase.transport,
                                phase=self._mixture_phase(step))
-            if completed % config.log_every == 0 or completed == config.num_steps:
+            if not replaying and (completed % config.log_every == 0 or completed == config.num_steps):
                 values = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 values["throughput/tokens_per_s"] = tokens_per_step / (time.perf_counter() - t0)
                 values["transport"] = phase.transport
@@ -251,19 +267,21 @@ class _Run:
                 if tracker is not None:
                     tracker.log({k: v for k, v in values.items() if k != "transport"}, step=step)
                 last = values
-            if completed % config.eval_every == 0 or completed == config.num_steps:
+            if not replaying and (completed % config.eval_every == 0 or completed == config.num_steps):
                 self._evaluate(completed, phase, metrics_log, tracker)
             # Permanent checkpoints at the end and where the next step switches transport.
             switching = completed < config.num_steps and self.transport_at(completed) != phase
             stopping = interrupt.requested() and completed < config.num_steps
-            if self.checkpoints.on_step(self.state_arrays, completed, force=completed == config.num_steps or switching,
-                                        rolling=stopping):
+            if (not replaying or stopping) and self.checkpoints.on_step(
+                    self.state_arrays, completed, force=completed == config.num_steps or switching, rolling=stopping):
                 self.progress.event(f"step {completed}: checkpoint saved")
             if stopping:
                 self.checkpoints.wait()
                 self.progress.event(f"interrupted: stopped after step {completed} of {config.num_steps}, checkpoint saved")
                 raise interrupt.StepInterrupted(f"training stopped after step {completed} of {config.num_steps}",
                                                 resume=f"its checkpoint at step {completed}")
+            step = completed
+        batches.close()
         return last
 
     # ------------------------------------------------------------------ pieces
@@ -361,6 +379,7 @@ class _Run:
         transport = self._transport_spec(phase)
         # Gradients are laid out like their parameters (the plan's spec, the master dtype).
         grad_shardings = jax.tree.map(lambda s: s.with_memory_kind(offload.DEVICE), shardings["model"])
+        routed = self.plan is None or self.plan.config.model.num_experts > 0
 
         def step(arrays, batch):
             state = eqx.combine(offload.to_device(arrays, shardings), static)
@@ -375,12 +394,10 @@ class _Run:
             model = eqx.apply_updates(model, updates)
             model = lm.apply_router_update(model, aux)
             new_state = {"step": state["step"] + 1, "model": model, "opt_state": opt_state}
-            metrics = {
-                "train/loss": loss,
-                "train/grad_norm": _global_norm(grads),
-                "moe/dropped_fraction": aux.get("dropped_fraction", jnp.zeros(())),
-                "moe/router_balance": aux.get("router_balance", jnp.ones(())),
-            }
+            metrics = {"train/loss": loss, "train/grad_norm": _global_norm(grads)}
+            if routed:  # a dense model has no router: it logs no MoE metrics
+                metrics["moe/dropped_fraction"] = aux.get("dropped_fraction", jnp.zeros(()))
+                metrics["moe/router_balance"] = aux.get("router_balance", jnp.ones(()))
             metrics.update({f"lr/{group}": fn(state["step"]) for group, fn in lrs.items()})
             return eqx.filter(new_state, eqx.is_array), metrics
 
@@ -468,26 +485,6 @@ def validation_losses(evaluate, arrays, datasets: dict[str, Any], *, batch_size:
                 losses.append(float(evaluate(arrays, batch)))
         out[name] = (sum(losses) / len(losses), picked)
     return out
-
-
-FINITE_METRICS = ("train/loss", "train/grad_norm")
-"""Metrics that must stay finite every step; the first NaN or infinity fails the step."""
-
-
-class NonFiniteTraining(FloatingPointError):
-    """The loss or gradient norm stopped being a finite number."""
-
-
-def check_finite(step: int, values: dict[str, Any]) -> None:
-    """Raise `NonFiniteTraining` naming the step and metric (reads the scalars: a sync per step)."""
-    fetched = jax.device_get(values)
-    bad = {k: float(v) for k, v in fetched.items() if not np.isfinite(v)}
-    if bad:
-        shown = ", ".join(f"{k} = {v}" for k, v in bad.items())
-        raise NonFiniteTraining(
-            f"training diverged at step {step}: {shown}; nothing from this attempt is cached. Lower the learning "
-            "rate (TrainConfig.optimizer), raise warmup (TrainConfig.schedule) or check the data, then run again"
-        )
 
 
 def _params(tree):

@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 import fsspec
 
+from keel.executor import storage
 from keel.spec.metrics import METRICS_FILE, latest_by_step, read_metrics
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ class MetricsLog:
     A record is `{"step": int, <metric>: float, ...}`; a train record's step is the index of the
     update (0-based), an evaluation's the number of updates done before it. A run resumed from the
     checkpoint after `resume_at` updates first drops what the attempt that died wrote past it (train
-    records of step >= resume_at, evaluations after it), so every step has exactly one record.
+    records of step >= resume_at, evaluations after it), so every step has exactly one record. A
+    spike guard's rollback is a record at its spike step (`spike/...`, no `train/loss`), always kept.
     """
 
     def __init__(self, path: str, *, writer: bool = True, resume_at: int = 0):
@@ -79,19 +81,13 @@ def _is_eval(record: Mapping[str, Any]) -> bool:
 def _drop_records_after(path: str, resume_at: int) -> None:
     """Rewrite the file without the records a resume at `resume_at` will write again."""
     records = read_metrics(path)
-    # The evaluation at the checkpoint's own step is not repeated on resume, except at step 0.
-    kept = [r for r in records if r["step"] < resume_at or (0 < r["step"] == resume_at and _is_eval(r))]
+    # The evaluation at the checkpoint's own step is not repeated on resume, except at step 0; nor is
+    # a spike guard's rollback (keel.train.spike_guard: the resumed run skips its batch by the record).
+    kept = [r for r in records if r["step"] < resume_at or (0 < r["step"] == resume_at and _is_eval(r))
+            or "spike/rollback_from" in r]
     if len(kept) == len(records):
         return
-    text = "".join(json.dumps(r) + "\n" for r in kept)
-    fs, plain = fsspec.core.url_to_fs(path)
-    if "://" in path:
-        fs.pipe_file(plain, text.encode())
-    else:
-        tmp = f"{plain}.tmp"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, plain)
+    storage.write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     logger.info("Resuming at step %d: dropped %d metric records past the checkpoint", resume_at, len(records) - len(kept))
 
 
@@ -191,6 +187,8 @@ def close_wandb(tracker) -> None:
 
     Levanter defers the service teardown to an exit hook that starts a thread, which Python
     refuses at interpreter shutdown (a traceback after every run); doing it here is clean.
+    `WandbConfig.init` registers that hook unconditionally and Levanter has no public switch or
+    handle for it, so it is unregistered by its (private) name.
     """
     import atexit
 

@@ -2,7 +2,8 @@
 
 The exemplar is what the loop starts from (a freshly initialised model cast to its master dtype,
 laid out as the run's resolved plan says), and `keel.train.checkpoint.restore_like` reads the
-checkpoint's `model` subtree into it. The checkpoint format has no device layout in it, so a checkpoint written by several
+checkpoint's `model` subtree into it (Levanter's `load_checkpoint(..., subpath="model")`, each
+array placed by the exemplar's sharding). The checkpoint format has no device layout in it, so a checkpoint written by several
 processes (say 2 x 4 devices) loads in one process holding the same 8 devices.
 """
 
@@ -82,7 +83,7 @@ def load_model(ref: TrainedModel) -> LoadedModel:
         shardings = planned_shardings(plan, state, mesh)["model"]
         arrays = jax.jit(initial, out_shardings=shardings)(key)
     static = eqx.partition(eqx.filter_eval_shape(lm.init, key), lambda x: isinstance(x, jax.ShapeDtypeStruct))[1]
-    arrays = restore_like({"model": arrays}, path)["model"]  # the loop saves {"step", "model", "opt_state"}
+    arrays = restore_like(arrays, path, subpath="model")  # the loop saves {"step", "model", "opt_state"}
     return LoadedModel(lm=lm, mesh=mesh, topology=topology, arrays=arrays, static=static, shardings=shardings,
                        transport=plan.transport_at(ref.step - 1).spec,
                        compute_dtype=jnp.dtype(ref.train.compute_dtype))

@@ -136,7 +136,7 @@ function chart(key, title, series, { marks = [], band = null, width = 430, heigh
   }
   for (const m of marks) {
     const x = X(m.step);
-    root.append(svg("line", { class: `mark ${m.kind}`, x1: x, x2: x, y1: T, y2: height - B, stroke: m.kind === "checkpoint" ? "#b0bec5" : "#455a64", "stroke-dasharray": "3,3" }));
+    root.append(svg("line", { class: `mark ${m.kind}`, x1: x, x2: x, y1: T, y2: height - B, stroke: { checkpoint: "#b0bec5", rollback: "#c62828" }[m.kind] || "#455a64", "stroke-dasharray": "3,3" }));
     root.append(svg("text", { x: x + 2, y: T + 8, transform: `rotate(90 ${x + 2} ${T + 8})` }, m.label));
   }
   series.forEach((s, i) => {
@@ -170,7 +170,8 @@ function runCharts(run) {
 
 function renderRuns(state) {
   const out = state.runs.map((run) => {
-    const head = html("h3", {}, `${run.name} — ${run.state}` + (run.tokens_per_s ? ` · ${Math.round(run.tokens_per_s).toLocaleString()} tokens/s` : ""));
+    const head = html("h3", {}, `${run.name} — ${run.state}` + (run.tokens_per_s ? ` · ${Math.round(run.tokens_per_s).toLocaleString()} tokens/s` : "")
+      + (run.rollbacks ? ` · ${run.rollbacks} rollback${run.rollbacks > 1 ? "s" : ""} (spike guard)` : ""));
     if (run.prediction) {
       const last = (run.series["eval/loss"] || []).slice(-1)[0];
       const verdict = run.verdict ? (run.verdict === "within" ? "within the band" : `OUTSIDE the band (${run.verdict})`) : "judged at the end";

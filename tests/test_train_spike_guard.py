@@ -1,0 +1,175 @@
+"""The spike guard (`TrainConfig.spike_guard`) through the real training loop, on the micro MoE and
+8 simulated devices, with batches poisoned by the loop's fault injection (`KEEL_POISON_BATCHES`):
+batch 17 marked all padding (a NaN gradient), batch 23's tokens replaced by random ids (a finite
+loss spike).
+
+- without the guard the NaN fails the run naming step 17, and the noise batch alone spikes the loss
+  and leaves the run worse;
+- with it the run rolls back twice (at step 17, and at step 22, which reads batch 23 once batch 17
+  is skipped), skips exactly batches 17 and 23, makes its 30 updates and ends within 0.05 of the
+  clean run's validation loss; the console, metrics.jsonl, spike_guard.json and the closing line
+  say so;
+- with max_rollbacks=1 it gives up at step 22 naming steps 17 and 22; raised to 2 (execution-only:
+  the same run), it resumes from its step-15 checkpoint, skips batch 17 by the record without
+  spiking again, rolls back at 22 and ends with the uninterrupted guarded run's very losses.
+
+The runs share a persistent compilation cache, so only the first compiles the step (about a minute
+on 2 cores); the rest take about 10 s each.
+"""
+
+import contextlib
+import io
+import json
+import os
+
+import pytest
+
+from keel.spec import AdamWConfig, SpikeGuardConfig, TrainConfig
+from keel.spec.metrics import METRICS_FILE, latest_by_step, read_metrics
+
+pytestmark = pytest.mark.slow
+
+POISON = "17:padding,23:noise"
+BASE = dict(num_steps=30, batch_size=16, seq_len=64, eval_every=100, eval_batches=1, z_loss=1e-4,
+            rolling_checkpoint_minutes=None, permanent_checkpoint_every=15, optimizer=AdamWConfig(lr=1e-2))
+GUARD = SpikeGuardConfig(window=16, min_history=8, snapshot_every=5, max_rollbacks=2)
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """One persistent compilation cache for the module's runs, taken down afterwards."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    before = {name: getattr(jax.config, name) for name in names}
+    for name, value in zip(names, (str(tmp_path_factory.mktemp("jax_cache")), 0.0, 0)):
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+    yield
+    for name, value in before.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+
+
+def _train(out, monkeypatch, poison=POISON, **changes):
+    from train_standin import loop_inputs
+
+    from keel.train.loop import train
+
+    if poison:
+        monkeypatch.setenv("KEEL_POISON_BATCHES", poison)
+    else:
+        monkeypatch.delenv("KEEL_POISON_BATCHES", raising=False)
+    config = TrainConfig(**{**BASE, **changes})
+    return train(config, loop_inputs(config, use_wandb=False), str(out))
+
+
+def _records(out):
+    return read_metrics(os.path.join(out, METRICS_FILE))
+
+
+def _final_eval(out):
+    evals = latest_by_step(_records(out), "eval/loss")
+    assert max(evals) == BASE["num_steps"]
+    return evals[BASE["num_steps"]]
+
+
+@pytest.fixture(scope="module")
+def clean(compile_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "clean-0123abcd89"
+    with pytest.MonkeyPatch.context() as mp:
+        _train(out, mp, poison=None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def guarded(compile_cache, tmp_path_factory):
+    """(output path, what the run printed)."""
+    out = tmp_path_factory.mktemp("runs") / "guarded-0123abcd89"
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
+        _train(out, mp, spike_guard=GUARD)
+    return out, printed.getvalue()
+
+
+def test_without_the_guard_the_poisoned_batches_fail_or_damage_the_run(clean, tmp_path, monkeypatch):
+    from keel.train.loop import NonFiniteTraining
+
+    with pytest.raises(NonFiniteTraining, match=r"training diverged at step 17: train/grad_norm = nan"):
+        _train(tmp_path / "nan-0123abcd89", monkeypatch)
+
+    noisy = tmp_path / "noise-0123abcd89"
+    _train(noisy, monkeypatch, poison="23:noise")
+    losses, clean_losses = latest_by_step(_records(noisy), "train/loss"), latest_by_step(_records(clean), "train/loss")
+    assert losses[23] > 2 * losses[22], "the noise batch is a loss spike"
+    assert all(losses[s] > clean_losses[s] for s in range(24, 30)), "the loss stays above the clean run's"
+    print(f"final validation loss: clean {_final_eval(clean):.4f}, trained on the noise batch {_final_eval(noisy):.4f}")
+    assert _final_eval(noisy) > _final_eval(clean) + 0.03, "trained on, it leaves the run worse"
+
+
+def test_the_guard_skips_exactly_the_poisoned_batches_and_ends_like_the_clean_run(clean, guarded):
+    guarded, _ = guarded
+    records = _records(guarded)
+    spikes = [r for r in records if "spike/rollback_from" in r]
+    assert [(r["step"], r["spike/rollback_to"], r["spike/skipped_batch"], r["spike/rollbacks"]) for r in spikes] == [
+        (17, 15, 17, 1), (22, 20, 23, 2)]
+    assert spikes[1]["spike/loss"] > spikes[1]["spike/threshold"]
+    trained = [r["step"] for r in records if "train/loss" in r]
+    assert trained == list(range(30)), "every step trained (on the next batch), one row each"
+    with open(os.path.join(guarded, "spike_guard.json")) as f:
+        rollbacks = json.load(f)["rollbacks"]
+    assert [(r["spike_step"], r["rolled_back_to"], r["skipped_batch"]) for r in rollbacks] == [(17, 15, 17), (22, 20, 23)]
+    assert rollbacks[0]["why"] == "train/grad_norm = nan is not finite" and "is above" in rollbacks[1]["why"]
+
+    clean_loss, guarded_loss = _final_eval(clean), _final_eval(guarded)
+    print(f"final validation loss: clean {clean_loss:.4f}, guarded {guarded_loss:.4f}")
+    assert abs(guarded_loss - clean_loss) < 0.05
+    # Steps before the first spike trained exactly as the clean run did.
+    clean_losses, guarded_losses = latest_by_step(_records(clean), "train/loss"), latest_by_step(records, "train/loss")
+    assert all(guarded_losses[s] == clean_losses[s] for s in range(17))
+
+
+def test_the_rollbacks_are_on_the_console_and_in_the_closing_line(guarded):
+    _, printed = guarded
+    lines = [line for line in printed.splitlines() if line.startswith("[train] guarded: ")]
+    text = "\n".join(lines)
+    assert ("step 17: LOSS SPIKE: train/grad_norm = nan is not finite. Rolled back to step 15, replaying steps 15-16 "
+            "and skipping batch 17 (rollback 1 of at most 2)") in text
+    assert "step 22: LOSS SPIKE: train/loss = " in text
+    assert "Rolled back to step 20, replaying steps 20-21 and skipping batch 23 (rollback 2 of at most 2)" in text
+    assert "batch 17 skipped" in text and "batch 23 skipped" in text
+    assert lines[-1].split("; outputs in")[0].endswith("; with 2 rollbacks (skipped batch 17 at step 17, batch 23 at step 22)")
+
+
+def test_giving_up_names_the_spikes_and_a_raised_budget_resumes_to_the_same_run(guarded, tmp_path, monkeypatch):
+    from keel.train.spike_guard import SpikeGuardGaveUp
+
+    guarded, _ = guarded
+
+    out = tmp_path / "gave_up-0123abcd89"
+    with pytest.raises(SpikeGuardGaveUp, match=r"loss spike at step 22 after 1 rollback \(SpikeGuardConfig.max_rollbacks=1\)"
+                       r".*Spikes at steps 17, 22"):
+        _train(out, monkeypatch, spike_guard=SpikeGuardConfig(window=16, min_history=8, snapshot_every=5, max_rollbacks=1))
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step-15"]
+
+    # The budget is execution-only: the same run resumes at step 15, skips batch 17 by its record
+    # (no second rollback there) and rolls back at 22, as the uninterrupted run did.
+    _train(out, monkeypatch, spike_guard=GUARD)
+    with open(os.path.join(out, "spike_guard.json")) as f:
+        assert [(r["spike_step"], r["skipped_batch"]) for r in json.load(f)["rollbacks"]] == [(17, 17), (22, 23)]
+    records = _records(out)
+    assert [r["step"] for r in records if "spike/rollback_from" in r] == [17, 22]
+    assert latest_by_step(records, "train/loss") == latest_by_step(_records(guarded), "train/loss")
+    assert _final_eval(out) == _final_eval(guarded)
+
+
+def test_the_guard_declares_what_counts_toward_identity():
+    from keel.executor.step import is_execution_only
+
+    fields = {f.name: is_execution_only(f) for f in __import__("dataclasses").fields(SpikeGuardConfig)}
+    assert fields == {"threshold": False, "window": False, "min_history": False, "min_rise": False,
+                      "snapshot_every": True, "max_rollbacks": True}
+    with pytest.raises(ValueError, match="min_history=20 exceeds window=10"):
+        SpikeGuardConfig(window=10)
