@@ -2,7 +2,8 @@
 fray client of it whose jobs see this repository.
 
 The cluster writes credentials under HOME and scratch under TMPDIR, so both point into a scratch
-folder while it is up. It is always stopped: a process that exits with the cluster up hangs.
+folder while it is up; the tests' own ledgers stay in pytest's temp folder, which is then no longer
+the temp dir, so steps may write there (KEEL_WRITABLE, see keel.executor.writes). It is always stopped: a process that exits with the cluster up hangs.
 """
 
 import contextlib
@@ -17,10 +18,11 @@ CONFIG = Path(__file__).parent / "fixtures" / "iris_local.yaml"
 @contextlib.contextmanager
 def local_iris_cluster(scratch: Path):
     """Start the cluster; yield its controller URL; stop it and restore HOME and TMPDIR."""
-    saved = {key: os.environ.get(key) for key in ("HOME", "TMPDIR")}
-    for key in saved:
+    saved = {key: os.environ.get(key) for key in ("HOME", "TMPDIR", "KEEL_WRITABLE")}
+    for key in ("HOME", "TMPDIR"):
         (scratch / key.lower()).mkdir(parents=True, exist_ok=True)
         os.environ[key] = str(scratch / key.lower())
+    os.environ["KEEL_WRITABLE"] = str(scratch.parent)
     tempfile.tempdir = None  # tempfile caches its folder: make it read TMPDIR again
     from iris.cluster.config import load_config, make_local_config
     from iris.cluster.local_cluster import LocalCluster

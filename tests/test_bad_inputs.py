@@ -65,6 +65,11 @@ CATALOGUE = [
              'def beside(config):\n    write(config)\n    open(os.path.join(config.output_path, "..", "stray.txt"), "w").write("x")\n'
              'a = Step("x/a", beside, C(1))\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN,
              ("run", "EXP"), "failed", "wrote stray.txt beside its output folder"),
+    BadInput("isolated step writes to /tmp",
+             'def elsewhere(config):\n    write(config)\n    stray = f"/tmp/keel-elsewhere-{os.getpid()}.txt"\n'
+             '    open(stray, "w").write("x")\n    os.remove(stray)\n'
+             'a = Step("x/a", elsewhere, C(1), isolated=True)\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN,
+             ("run", "EXP"), "failed", "/tmp/keel-elsewhere-"),
     BadInput("step returns a value", 'def answer(config):\n    write(config)\n    return 42\na = Step("x/a", answer, C(1))\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN,
              ("run", "EXP"), "failed", "returned 42, which keel would drop"),
     BadInput("os._exit in a launcher step", 'def bye(config):\n    write(config)\n    os._exit(0)\na = Step("x/a", bye, C(1))\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN,
@@ -82,10 +87,10 @@ CATALOGUE = [
     # --- mistakes in the experiment file
     BadInput("invalid TrainConfig value", 'from keel.spec import TrainConfig\nTrainConfig(batch_size=8, seq_len=16, num_steps=0)\n' + GOOD + MAIN,
              ("plan", "EXP"), "error", "num_steps=0 must be positive"),
-    BadInput("zero batch size in the LR law",
+    BadInput("the LR law given the run's size (the rates resolve from the run itself)",
              'from defaults.models import tiny_moe\nfrom defaults.optimizers import hero_lr_law\n'
              'hero_lr_law.optimizer(tiny_moe, batch_size=0, seq_len=16, num_steps=10)\n' + GOOD + MAIN,
-             ("plan", "EXP"), "error", "hero_lr_law.optimizer(tiny_moe, batch_size=0"),
+             ("plan", "EXP"), "error", "LrScalingLaw.optimizer() takes no model, batch_size, seq_len or num_steps"),
     BadInput("validation fraction above 1", 'from defaults import ingest\ningest("d", ("x.jsonl",), validation_fraction=1.5)\n' + GOOD + MAIN,
              ("plan", "EXP"), "error", "validation_fraction"),
     BadInput("tokenizer vocabulary too small", 'from keel.data.tokenizer import TrainTokenizerConfig\nTrainTokenizerConfig(documents="d", vocab_size=100)\n' + GOOD + MAIN,
@@ -154,6 +159,20 @@ def test_catalogue(tmp_path, case):
     (assert_error if case.outcome == "error" else assert_failed)(result, case.says)
 
 
+SCRIPT_MODE = [c for c in CATALOGUE if c.outcome == "error" and c.name != "syntax error"]
+"""The same mistakes met as `python EXP.py CMD` (the file's own `keel.main`); a syntax error in the
+file itself stops Python before keel runs, so Python reports it (file, line and caret, exit 1)."""
+
+
+@pytest.mark.parametrize("case", SCRIPT_MODE, ids=[c.name for c in SCRIPT_MODE])
+def test_catalogue_as_a_script(tmp_path, case):
+    write_experiment(tmp_path, case.body)
+    args = [str(tmp_path / "exp.py") if a == "EXP" else a for a in case.argv]
+    args = [args[1], args[0], *args[2:]] + ([] if "--prefix" in args else ["--prefix", str(tmp_path / "out")])
+    result = subprocess.run([sys.executable, *args], cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert_error(result, case.says)
+
+
 def status_of(tmp_path: Path, name: str) -> dict:
     [path] = (tmp_path / "out").glob(f"{name}-*/.keel/status")
     return json.loads(path.read_text())
@@ -165,6 +184,127 @@ def test_a_step_that_wrote_nothing_reruns_once_fixed(tmp_path):
     write_experiment(tmp_path, 'a = Step("x/a", write, C(1))\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN)
     again = keel(tmp_path, "run", "EXP")
     assert again.returncode == 0 and "2 ran" in again.stdout, again.stdout + again.stderr
+
+
+def test_a_launcher_step_writing_into_the_working_directory_fails(tmp_path):
+    """In the launcher's threads the system temp dir is shared, so only writes outside it and the
+    output are caught; the test's folder is in /tmp, so the system temp dir is moved away here."""
+    (tmp_path / "systmp").mkdir()
+    write_experiment(tmp_path, 'def here(config):\n    write(config)\n    open("results.json", "w").write("{}")\n'
+                               'a = Step("x/a", here, C(1))\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN)
+    result = keel(tmp_path, "run", "EXP", env={"TMPDIR": str(tmp_path / "systmp")})
+    assert_failed(result, f"the step wrote {tmp_path / 'results.json'} outside its output path: a step writes only under "
+                          "config.output_path")
+    assert (tmp_path / "results.json").exists()  # left where it is, for the user to move
+
+
+def test_writes_libraries_make_on_their_own_are_not_outside(tmp_path):
+    """Temporary files, the user's caches, bytecode and a step declared without outputs are no stray writes."""
+    (tmp_path / "systmp").mkdir()
+    write_experiment(tmp_path, '''
+import tempfile
+
+
+def libraries(config):
+    write(config)
+    fd, name = tempfile.mkstemp()
+    os.write(fd, b"x")
+    os.close(fd)
+    with tempfile.NamedTemporaryFile("w") as f:
+        f.write("x")
+    cache = os.path.join(os.environ["XDG_CACHE_HOME"], "some-library")
+    os.makedirs(cache, exist_ok=True)
+    open(os.path.join(cache, "index.json"), "w").write("{}")
+    import importlib, sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)) if "__file__" in globals() else os.getcwd())
+    importlib.import_module("helper")  # writes __pycache__/helper.cpython-*.pyc beside it
+
+
+def notify(config):
+    open(os.path.join(os.environ["HOME"], "notified"), "w").write("x")
+
+
+a = Step("x/a", libraries, C(1), isolated=True)
+b = Step("x/b", libraries, C(2, (output_of(a),)))
+c = Step("x/c", notify, C(3, (output_of(b),)), no_outputs=True)
+if __name__ == "__main__":
+    main([c])
+''')
+    (tmp_path / "helper.py").write_text("X = 1\n")
+    env = {"TMPDIR": str(tmp_path / "systmp"), "XDG_CACHE_HOME": str(tmp_path / "cache"), "HOME": str(tmp_path / "home"),
+           "PYTHONDONTWRITEBYTECODE": ""}
+    (tmp_path / "home").mkdir()
+    result = keel(tmp_path, "run", "EXP", env=env)
+    assert result.returncode == 0 and "3 ran" in result.stdout, result.stdout + result.stderr
+    assert list((tmp_path / "__pycache__").glob("helper.*.pyc"))
+
+
+def test_a_step_that_warns_is_success_with_its_warnings_in_the_summary_and_status(tmp_path):
+    """`keel.executor.warn` (a flat loss, a rollback): the step is SUCCESS and cached, and both the
+    `keel run` summary and `keel status` say what to look at; from any thread of an isolated step."""
+    write_experiment(tmp_path, '''
+import threading
+
+from keel.executor import warn
+
+
+def flat(config):
+    write(config)
+    warn("loss flat at 6.9315 from step 0 to 30: lower the learning rate")
+
+
+def in_a_thread(config):
+    write(config)
+    thread = threading.Thread(target=warn, args=("rolled back at step 12",))
+    thread.start()
+    thread.join()
+
+
+a = Step("x/a", flat, C(1))
+b = Step("x/b", in_a_thread, C(2, (output_of(a),)), isolated=True)
+''' + MAIN)
+    result = keel(tmp_path, "run", "EXP")
+    assert result.returncode == 0 and "2 ran" in result.stdout, result.stdout + result.stderr
+    assert "[keel] done  x/a in" in result.stdout and "with 1 warning: loss flat at 6.9315" in result.stdout, result.stdout
+    assert "2 finished with warnings (below)" in result.stdout, result.stdout
+    assert "keel: warning: step x/a is SUCCESS with 1 warning:\n  warning: loss flat at 6.9315 from step 0 to 30: lower the " \
+           "learning rate\n  output: " in result.stderr, result.stderr
+    assert "keel: warning: step x/b is SUCCESS with 1 warning:\n  warning: rolled back at step 12" in result.stderr, result.stderr
+    assert status_of(tmp_path, "x/a")["state"] == "SUCCESS"
+    assert status_of(tmp_path, "x/b")["warnings"] == ["rolled back at step 12"]
+    status = keel(tmp_path, "status", "EXP")
+    assert "2 cached" in status.stdout and "warning: loss flat at 6.9315" in status.stdout, status.stdout
+    listed = json.loads(keel(tmp_path, "status", "EXP", "--json").stdout)["steps"]
+    assert [s.get("warnings") for s in listed] == [["loss flat at 6.9315 from step 0 to 30: lower the learning rate"],
+                                                   ["rolled back at step 12"]]
+
+
+@pytest.mark.slow
+def test_a_run_that_never_learns_is_success_with_a_warning_in_the_summary(tmp_path):
+    """A learning rate 1e8 x the law's: the loss stays at ln(vocab); the run says so at its end, not only in its log."""
+    write_experiment(tmp_path, '''
+from defaults import default_tokenize, default_tokenizer, default_train, stdlib_corpus
+from defaults.hardware import cpu_sim
+from defaults.models import tiny_moe
+from defaults.optimizers import hero_lr_law
+from keel.mesh import RackTopology
+from keel.train import TrainConfig
+
+corpus = stdlib_corpus(max_bytes=400_000)
+tokenizer = default_tokenizer("stdlib-bpe-1k", corpus, vocab_size=tiny_moe.vocab_size)
+tokens = default_tokenize("stdlib-bpe-1k-64", corpus, tokenizer, seq_len=64)
+train = TrainConfig(batch_size=16, seq_len=64, num_steps=12, optimizer=hero_lr_law.optimizer(scale=1e8), eval_every=12,
+                    eval_batches=0, rolling_checkpoint_minutes=None)
+b = default_train("sweep/lr-huge", data=tokens, model=tiny_moe, train=train,
+                  topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4), hardware=cpu_sim)
+''' + MAIN)
+    result = keel(tmp_path, "run", "EXP", env={"WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0 and "1 finished with warnings (below)" in result.stdout, result.stdout + result.stderr
+    assert "keel: warning: step train/sweep/lr-huge is SUCCESS with 1 warning:\n  warning: the training loss never went 1% " \
+           "below its first value" in result.stderr, result.stderr
+    assert "lowest 6.93" in result.stderr and "check the learning rate" in result.stderr, result.stderr
+    status = keel(tmp_path, "status", "EXP")
+    assert "warning: the training loss never went 1% below its first value" in status.stdout, status.stdout
 
 
 def test_a_step_declared_without_outputs_succeeds(tmp_path):

@@ -19,6 +19,18 @@ def test_a_flat_loss_is_a_warning_when_the_run_finishes(capsys, monkeypatch):
     assert "warning: the training loss never went 1% below its first value (6.9315" in capsys.readouterr().out
 
 
+def test_the_flat_loss_warning_is_recorded_on_the_running_step(tmp_path, monkeypatch):
+    """Inside a step, the warning also lands in the step's warnings, which `keel run`'s summary and
+    `keel status` show (the step stays SUCCESS)."""
+    from keel.executor import step_warnings
+
+    monkeypatch.setenv("KEEL_PROGRESS", "lines")
+    with step_warnings.running(str(tmp_path), whole_process=False):
+        _run([math.log(1024)] * 30, total=30)
+    [recorded] = step_warnings.read(str(tmp_path))
+    assert recorded.startswith("the training loss never went 1% below its first value (6.9315"), recorded
+
+
 def test_a_learning_run_or_an_unfinished_one_gets_no_warning(capsys, monkeypatch):
     monkeypatch.setenv("KEEL_PROGRESS", "lines")
     _run([7.0 - 0.1 * i for i in range(30)], total=30)

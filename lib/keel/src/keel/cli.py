@@ -142,6 +142,24 @@ def _where_it_failed(path: str, exc: BaseException) -> str:
     return head + f"{type(exc).__name__}: {detail}" + (f"\n    {lineno} | {text}" if text else "")
 
 
+def script_error(exc: BaseException, shown: str, main_file: str) -> str | None:
+    """What `python EXP.py CMD` says of an exception that reached the top of the experiment file
+    `main_file` (shown as `shown`), as `keel CMD EXP.py` says it; None (keep the traceback) for a
+    KeyboardInterrupt and the like, for an exception raised elsewhere, and for one raised while
+    keel acted on the graph (a fault in keel, not in the file: `keel CMD EXP.py` shows it whole)."""
+    if not isinstance(exc, Exception):
+        return None
+    frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    if not any(os.path.abspath(f.f_code.co_filename) == os.path.abspath(main_file) for f in frames):
+        return None
+    if any(f.f_code is _act.__code__ for f in frames):
+        return None
+    if isinstance(exc, StepDeclarationError):
+        return str(exc)
+    path = shown if os.path.abspath(shown) == os.path.abspath(main_file) else main_file
+    return _where_it_failed(path, exc)
+
+
 def _scaled(steps, scales: dict, scale: str | None, where: str) -> list:
     if scale is None:
         return list(steps)
@@ -153,10 +171,11 @@ def _scaled(steps, scales: dict, scale: str | None, where: str) -> list:
 
 
 def experiment_main(steps, argv: list[str] | None = None, scales: dict | None = None) -> int:
-    """What `keel.main(steps)` does: hand the steps to `keel`, or act on this script's own argv."""
-    scales = dict(scales or {})
+    """What `keel.main(steps)` does: hand the steps to `keel`, or act on this script's own argv.
+    Run as a script, a mistake in the file ends in one `keel: error:` block (`script_error`)."""
+    steps, scales = list(steps), dict(scales or {})
     if _collecting is not None:
-        _collecting.append((list(steps), scales))
+        _collecting.append((steps, scales))
         return 0
     own_argv = sys.argv[1:] if argv is None else argv
     args = _parser(os.path.basename(sys.argv[0]) or "experiment", with_experiment=False).parse_args(own_argv)
@@ -284,7 +303,8 @@ def _plan_variants(args, graphs: list[Graph]) -> int:
 def _plan_json(plans: list[StepPlan], sheets: list[dict]) -> str:
     """The `--json` document: one line per step (compact: the indenting encoder is pure Python and
     would be a fifth of a 10,000-step plan's time), the fact sheets indented."""
-    steps = ",\n ".join(json.dumps(p.to_json(), default=str) for p in plans)
+    steps = ",\n ".join(json.dumps({**p.to_json(), **({"warnings": p.status.warnings} if p.status and p.status.warnings else {})},
+                                    default=str) for p in plans)
     return f'{{"steps": [\n {steps}\n],\n"fact_sheets": {json.dumps(sheets, indent=1, default=str)}}}'
 
 
@@ -306,6 +326,8 @@ def render_table(plans: list[StepPlan], timings: bool = False) -> str:
         res = f" ({p.step.resources.describe()})" if getattr(p.step, "resources", None) else ""
         reason = f"  <- {p.reason}" if p.reason else ""
         rows.append(f"{p.state:<17} {p.name}{res}\n{'':<17}   {p.output_path}{extra}{reason}")
+        if timings and p.status is not None and p.status.warnings:
+            rows.extend(f"{'':<17}   warning: {w}" for w in p.status.warnings)
         if timings and p.state in ("running-elsewhere", "interrupted", "failed"):
             config = getattr(p.step, "config", None)
             shown = config.progress(p.output_path) if isinstance(config, ReportsProgress) else None
@@ -340,7 +362,10 @@ def _run(args, graph: Graph) -> int:
     reused = f"{len(report.reused)} reused" + (" (finished by another launcher while this one waited)" if report.reused else "")
     print(f"[keel] {len(report.ran)} ran, {reused}, "
           f"{sum(p.state == 'cached' for p in report.plans)} cached, {len(report.failures)} failed, {len(report.blocked)} skipped"
-          + (f", {len(report.interrupted)} interrupted, {len(report.not_started)} not started" if report.interrupted or report.not_started else ""))
+          + (f", {len(report.interrupted)} interrupted, {len(report.not_started)} not started" if report.interrupted or report.not_started else "")
+          + (f"; {len(report.warned)} finished with warnings (below)" if report.warned else ""))
+    for warned in report.warned:
+        print(f"keel: warning: {warned}", file=sys.stderr)
     for failure in report.failures:
         print(f"keel: {failure}", file=sys.stderr)
         if "TopologyError" in failure.error and args.scale is None and getattr(args, "scales", None):

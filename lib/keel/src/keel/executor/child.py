@@ -6,8 +6,10 @@ An isolated step therefore runs here, in a fresh interpreter whose environment t
 declares (`config.process_env(processes=1)`, e.g. the simulated device count of its hardware).
 
 The launcher and the child speak through two files beside each other: the payload (the launcher's
-`sys.path`, then the cloudpickled `(fn, resolved config, output path)`) and the result (JSON:
-`succeeded`, `interrupted` or `failed` with the error line). Signals: the child runs in its own
+`sys.path`, then the cloudpickled `(fn, resolved config, output path, watch writes)`) and the result
+(JSON: `succeeded`, `interrupted` or `failed` with the error line). The same folder holds the
+child's temporary directory (`TMPDIR`), deleted with it when the step ends: a write to the system
+temp dir (`/tmp/x`) is outside the step's output and its own temp dir, and fails it (`writes.py`). Signals: the child runs in its own
 session, so a terminal's Ctrl-C reaches the launcher only, which forwards it; the first SIGINT or
 SIGTERM asks the step to stop at its next safe point (`keel.executor.interrupt`), a second one
 stops the child at once. A child whose launcher died (kill -9) is asked to stop the same way.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,16 +47,19 @@ class ChildOutcome:
     resume: str = ""  # for "interrupted": what the next run resumes from
 
 
-def start_child(fn, resolved_config, output_path: str, env: dict[str, str], drop: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+def start_child(fn, resolved_config, output_path: str, env: dict[str, str], drop: tuple[str, ...] = (),
+                watch: bool = False) -> tuple[subprocess.Popen, str]:
     """Start the child for one step, in the launcher's environment plus `env`, less the variables
-    named in `drop`; returns the process and the folder holding its payload/result."""
+    named in `drop`, with a temporary directory of its own; returns the process and the folder
+    holding its payload/result. With `watch`, the step fails if it writes outside its output."""
     import cloudpickle
 
     workdir = tempfile.mkdtemp(prefix="keel-step-")
+    os.mkdir(os.path.join(workdir, "tmp"))
     with open(os.path.join(workdir, "payload"), "wb") as f:
         pickle.dump(list(sys.path), f)
-        cloudpickle.dump((fn, resolved_config, output_path), f)
-    child_env = {k: v for k, v in {**os.environ, **env}.items() if k not in drop}
+        cloudpickle.dump((fn, resolved_config, output_path, watch), f)
+    child_env = {k: v for k, v in {**os.environ, **env, "TMPDIR": os.path.join(workdir, "tmp")}.items() if k not in drop}
     process = subprocess.Popen(
         [sys.executable, "-m", "keel.executor.child", workdir],
         env=child_env, stdin=subprocess.DEVNULL, start_new_session=True,
@@ -81,15 +87,7 @@ def collect(process: subprocess.Popen, workdir: str, heartbeat: str | None = Non
             return ChildOutcome("killed", f"the step's process was killed by {signal.Signals(-code).name}")
         return ChildOutcome("failed", f"the step's process exited with code {code} without reporting a result")
     finally:
-        for name in ("payload", "result.json"):
-            try:
-                os.remove(os.path.join(workdir, name))
-            except OSError:
-                pass
-        try:
-            os.rmdir(workdir)
-        except OSError:
-            pass
+        shutil.rmtree(workdir, ignore_errors=True)  # with the step's temporary directory
 
 
 def _wait(process: subprocess.Popen, heartbeat: str, timeout_s: float) -> str | None:
@@ -143,11 +141,11 @@ def main(workdir: str) -> int:
         sys.path[:0] = [p for p in pickle.load(f) if p not in sys.path]
         import cloudpickle  # noqa: F401 - unpickling by-value functions needs it importable
 
-        fn, resolved_config, output_path = pickle.load(f)
+        fn, resolved_config, output_path, watch = pickle.load(f)
     _install_signal_handlers()
     _watch_launcher()
     try:
-        run_step_job(fn, resolved_config, output_path)
+        run_step_job(fn, resolved_config, output_path, watch=watch, whole_process=True)
         outcome, code = {"state": "succeeded"}, 0
     except interrupt.StepInterrupted as exc:
         outcome, code = {"state": "interrupted", "message": str(exc), "resume": exc.resume}, interrupt.EXIT_INTERRUPTED

@@ -8,18 +8,20 @@ see `replicas.py`), and each returns only once every replica has written its out
 keeps `log.txt`, the others log to `log.replica<N>.txt`, so the replicas never race on keel's files.
 
 A step's function returns None: keel keeps files, so a returned value would be dropped unseen and
-fails the step instead. A step running in the launcher's threads that calls `os._exit` would end
-keel itself with that exit code and no summary; there the call raises `StepExited` in the step.
+fails the step instead; so does a step that writes files outside its output path (`writes.py`).
+A step running in the launcher's threads that calls `os._exit` would end keel itself with that exit
+code and no summary; there the call raises `StepExited` in the step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
 import traceback
 
-from keel.executor import logs, storage
+from keel.executor import logs, step_warnings, storage, writes
 from keel.executor.replicas import replica_index, wait_for_replicas
 from keel.executor.status import keel_path
 
@@ -94,13 +96,18 @@ def _call_step(fn, resolved_config, in_launcher: bool) -> None:
                                 "its results as files under config.output_path and returns None")
 
 
-def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = False) -> None:
+def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = False, watch: bool = False,
+                 whole_process: bool = False) -> None:
     """Run one step: its outputs land under `output_path`, its log in `.keel/log.txt`.
 
     With `in_launcher` (in-process steps of a local run) the log file is created on the step's
     first line of output, so a step that prints nothing has none; a failing step always has one
     (its traceback); and `os._exit` raises in the step (`guard_process_exit`). Jobs elsewhere
-    (child processes, cluster tasks) always leave their log file.
+    (child processes, cluster tasks) always leave their log file. With `watch`, a step that wrote
+    files outside its output path raises `writes.StepWroteOutside` once it returns (its own error,
+    if it raised, comes first); `whole_process` watches every thread of this process, which runs
+    only this step (an isolated step's child), not just the calling thread, and lets `warn()`
+    from any of its threads record on this step (`step_warnings.py`).
     """
     fs, path = storage.split(output_path)
     storage.make_folder(output_path)
@@ -114,8 +121,11 @@ def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = Fals
         log._file = open(log_file, "a", buffering=1)
     try:
         try:
-            with logs.capture(log):
-                _call_step(fn, resolved_config, in_launcher=in_launcher)
+            with logs.capture(log), step_warnings.running(output_path, whole_process=whole_process):
+                with writes.watched(output_path, whole_process=whole_process) if watch else contextlib.nullcontext() as watching:
+                    _call_step(fn, resolved_config, in_launcher=in_launcher)
+                if watching is not None:
+                    watching.check()
                 wait_for_replicas(f"keel: outputs of {output_path} written")  # the job ends with every replica's outputs
         except BaseException:
             log.write(traceback.format_exc())

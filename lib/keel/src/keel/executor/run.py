@@ -8,7 +8,10 @@ when one is given, see `cluster.py`; other steps as jobs of fray's in-process cl
 carries the manifest of its outputs (see `status.py`). Bookkeeping per step: the lease (create,
 delete), `step.json` and `status` (each written whole); the log file only if the step prints. A
 failure marks the step FAILED, stops its dependents, lets independent branches finish and is
-reported with the step's name, output path, exception and log.
+reported with the step's name, output path, exception and log. So does a write outside the step's
+output: beside its folder (`_Beside`, seen from here) or anywhere else (`writes.py`, seen in the
+step's own thread or process). A step that recorded warnings (`step_warnings.py`) is SUCCESS, and
+the report lists it with them (`RunReport.warned`).
 
 Ctrl-C (SIGINT) or SIGTERM, the first time: no new step starts, the running ones are asked to stop
 at their next safe point (training steps checkpoint), and each is marked INTERRUPTED, never
@@ -63,6 +66,25 @@ class StepStopped(RuntimeError):
         self.step, self.output_path, self.why = step, output_path, why
 
 
+@dataclasses.dataclass(frozen=True)
+class StepWarned:
+    """A step that finished SUCCESS but recorded warnings (`step_warnings.py`)."""
+
+    step: str
+    output_path: str
+    warnings: list[str]
+    log: str
+
+    def __str__(self) -> str:
+        shown = "\n".join(f"  warning: {w}" for w in self.warnings)
+        return (f"step {self.step} is SUCCESS with {_count(len(self.warnings), 'warning')}:\n{shown}\n"
+                f"  output: {self.output_path}\n  log: {self.log}")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 @dataclasses.dataclass
 class RunReport:
     plans: list[StepPlan]
@@ -73,6 +95,8 @@ class RunReport:
     interrupted: list[StepStopped] = dataclasses.field(default_factory=list)
     not_started: list[str] = dataclasses.field(default_factory=list)
     """Steps left unstarted because the run was interrupted."""
+    warned: list[StepWarned] = dataclasses.field(default_factory=list)
+    """Steps that ran to SUCCESS with warnings (`keel.executor.warn`): done, cached, to look at."""
 
     @property
     def ok(self) -> bool:
@@ -137,6 +161,7 @@ class Runner:
         self._lock = threading.Lock()
         self._children: set = set()  # live child processes of isolated steps
         self._active: dict[str, tuple[Status, leases.Lease]] = {}  # output path -> (RUNNING status, lease)
+        self._warned: dict[str, list[str]] = {}  # output path -> the warnings of its successful attempt
         self._stopping, self._stopping_since = False, 0.0
         self._isolated_in_run = 0
         guard_process_exit()
@@ -229,6 +254,9 @@ class Runner:
                         broken.append(id(plan.step))
                         continue
                     (report.ran if outcome == "ran" else report.reused).append(plan.name)
+                    if outcome == "ran" and self._warned.get(plan.output_path):
+                        report.warned.append(StepWarned(plan.name, plan.output_path, self._warned.pop(plan.output_path),
+                                                        _log_or_none(plan.output_path)))
                     for key in dependents.get(id(plan.step), ()):
                         if key in waiting:
                             waiting[key] -= 1
@@ -282,7 +310,11 @@ class Runner:
                 storage.delete_contents(plan.output_path, keep=KEEL_DIR)  # --force starts clean (no old checkpoint resumes)
             status = self._attempts(plan, step, resolved, record, previous, lease)
             reuse.record(self.graph.prefix, self.graph.identities.content_hash(step), step, plan.output_path)
-            self.echo(f"[keel] done  {plan.name} in {status.duration:.2f}s")
+            warned = f", with {_count(len(status.warnings), 'warning')}: {status.warnings[0]}" if status.warnings else ""
+            self.echo(f"[keel] done  {plan.name} in {status.duration:.2f}s{warned}")
+            if status.warnings:
+                with self._lock:
+                    self._warned[plan.output_path] = list(status.warnings)
             return "ran"
         finally:
             with self._lock:
@@ -312,7 +344,8 @@ class Runner:
                 error = str(exc) if isinstance(exc, (ChildStepError, StepPreempted)) else "".join(traceback.format_exception_only(type(exc), exc)).strip()
                 error = _with_hint(error)
                 previous = mark_finished(plan.output_path, running, error=error, attempts=list(earlier))
-                earlier.append({"attempt": running.attempt, "state": kind, "error": error})
+                earlier.append({"attempt": running.attempt, "state": kind, "error": error,
+                                **({"warnings": previous.warnings} if previous.warnings else {})})
                 if left[kind] > 0 and not self._stopping:
                     left[kind] -= 1
                     self.echo(f"[keel] retry {plan.name}: attempt {running.attempt} ended by {kind} ({error.splitlines()[-1]}); "
@@ -372,7 +405,8 @@ class Runner:
             if self.client is None:
                 self.client = default_client(self.max_concurrent)
         # In the driver a step that prints nothing leaves no log file (one file fewer per step).
-        entry = Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path), kwargs={"in_launcher": True})
+        entry = Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path),
+                                         kwargs={"in_launcher": True, "watch": not step.no_outputs})
         self.client.submit(JobRequest(name=job_name, entrypoint=entry)).wait(raise_on_failure=True)
 
     def _run_in_child(self, step: Step, resolved, output_path: str, retry: bool) -> None:
@@ -389,7 +423,8 @@ class Runner:
                 raise interrupt.StepInterrupted("the run was interrupted before the step started")
             # A retry runs without an injected fault, or the fault would fire again at the same step
             # forever (as Levanter's supervisor does).
-            process, workdir = start_child(step.fn, resolved, output_path, env, drop=_FAULT_ENV if retry else ())
+            process, workdir = start_child(step.fn, resolved, output_path, env, drop=_FAULT_ENV if retry else (),
+                                           watch=not step.no_outputs)
             self._children.add(process)
         try:
             outcome = collect(process, workdir, beat, step.progress_timeout_s)

@@ -26,7 +26,7 @@ import os
 import time
 from dataclasses import dataclass, fields
 
-from keel.executor import storage
+from keel.executor import step_warnings, storage
 
 KEEL_DIR = ".keel"
 RUNNING, SUCCESS, FAILED, INTERRUPTED = "RUNNING", "SUCCESS", "FAILED", "INTERRUPTED"
@@ -51,6 +51,8 @@ class Status:
     ({"attempt", "state", "error"}), oldest first; None when the first attempt is the last."""
     code: str | None = None
     """The fingerprint of the step function's source that made this attempt (`code.py`)."""
+    warnings: list | None = None
+    """What the attempt recorded with `keel.executor.warn` (`step_warnings.py`): a SUCCESS to look at."""
 
     @property
     def duration(self) -> float | None:
@@ -85,6 +87,8 @@ def _status_from(record, where: str) -> Status:
         return _not_keels(where, why)
     if record["state"] == SUCCESS and not isinstance(record.get("manifest"), (dict, type(None))):
         return _not_keels(where, "a manifest that is not an object")
+    if not isinstance(record.get("warnings"), (list, type(None))):
+        return _not_keels(where, "warnings that are not a list")
     return Status(**record)
 
 
@@ -107,6 +111,7 @@ def mark_running(output_path: str, previous: Status | None, record: dict) -> Sta
     _write(output_path, RECORD, {**record, "attempt": status.attempt, "started": status.started})
     if previous is not None:
         storage.delete_file(keel_path(output_path, STATUS))
+        step_warnings.clear(output_path)  # each attempt starts with no warnings
     return status
 
 
@@ -120,13 +125,14 @@ def mark_finished(output_path: str, running: Status, error: str | None = None, *
     INTERRUPTED (stopped on request; `error` says how to resume). A step that wrote no file is
     FAILED unless it declares `no_outputs`: an empty SUCCESS would only fail its dependents later.
     `attempts` lists the earlier attempts of this launch that were retried; `code` fingerprints
-    the step function that ran."""
+    the step function that ran; the warnings the attempt recorded (`step_warnings.warn`) go in too."""
     state = INTERRUPTED if interrupted else FAILED if error else SUCCESS
     manifest = _manifest(output_path) if state == SUCCESS else None
     if manifest is not None and not manifest["files"] and not no_outputs:
         state, error, manifest = FAILED, NO_OUTPUTS_ERROR, None
-    status = Status(state, running.attempt, running.started, time.time(), error, manifest, attempts or None, code)
-    _write(output_path, STATUS, vars(status))
+    status = Status(state, running.attempt, running.started, time.time(), error, manifest, attempts or None, code,
+                    step_warnings.read(output_path) or None)
+    _write(output_path, STATUS, {k: v for k, v in vars(status).items() if v is not None or k != "warnings"})
     return status
 
 

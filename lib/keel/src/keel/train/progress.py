@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from keel.executor import heartbeat
+from keel.executor import heartbeat, step_warnings
 
 LINE_EVERY_S = 15.0
 MIN_LOSS_DROP = 0.01
@@ -111,7 +111,8 @@ class Progress:
 
     def close(self) -> None:
         """Take the bar down; a run that went from its first step to its last here and never
-        learned says so (a resumed run saw only its end, where a small drop is normal)."""
+        learned says so (a resumed run saw only its end, where a small drop is normal), in its log
+        and as a warning of its step (`keel.executor.warn`), which `keel run` and `keel status` show."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -119,6 +120,8 @@ class Progress:
         self._losses = []
         if warning:
             self.event(warning)
+            if self.enabled:  # the primary process: one warning per run, not one per replica
+                step_warnings.warn(warning.removeprefix("warning: "))
 
     @property
     def wall_seconds(self) -> float:

@@ -1,0 +1,152 @@
+"""Where a step writes: under its output path, nowhere else.
+
+While a step's function runs, keel watches the files it opens for writing and the files it renames
+into place, through Python's audit hook (`sys.addaudithook`, events `open` and `os.rename`, which
+`open`, `os.open`, `pathlib`, `tempfile`, `shutil` and `os.replace` all raise): one Python call per
+audited event, with no system call unless the event is a write. Watched are the step's own thread
+in the launcher and every thread of an isolated step's process (not a cluster task: on a remote
+machine, a local file outside the output is lost with the machine anyway). A file written anywhere
+else fails the step (`StepWroteOutside`), naming the files (left where they are) and the fix.
+
+The rule: a step writes only under `config.output_path`. Also allowed, because libraries write
+there on their own:
+- the temporary directory (`tempfile.gettempdir()`): an isolated step's process gets one of its own
+  (`TMPDIR`, beside its payload in the launcher's temp folder), deleted when the step ends, so a
+  write to `/tmp/elsewhere` is caught there; in the launcher's threads the system one is shared;
+- the user's caches, library settings and data: `$XDG_CACHE_HOME` (else `~/.cache`: Hugging Face,
+  matplotlib, keel's own input memo), `$XDG_CONFIG_HOME` (else `~/.config`: wandb's settings),
+  `$XDG_DATA_HOME` (else `~/.local/share`: wandb's artifact staging), `$XDG_STATE_HOME` (else
+  `~/.local/state`), and the folders `HF_HOME`, `MPLCONFIGDIR`, `WANDB_DIR`, `WANDB_CACHE_DIR`,
+  `WANDB_CONFIG_DIR`, `WANDB_DATA_DIR`, `TRITON_CACHE_DIR` and `JAX_COMPILATION_CACHE_DIR` name;
+- Python's bytecode (`__pycache__`), devices and kernel files (`/dev`, `/proc`, `/sys`), and the
+  heartbeat file the launcher watches (`KEEL_HEARTBEAT`);
+- the folders `KEEL_WRITABLE` lists (separated by `os.pathsep`): where every step of a launch may
+  also write, such as a shared registry of runs.
+
+Not seen: writes by native code (XLA, tensorstore) and by other processes the step starts. A name
+opened with a `dir_fd` is judged as if relative to the working directory (the event does not carry
+the folder). A step declared `no_outputs=True` (its effect is elsewhere) is not watched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import threading
+
+from keel.executor import heartbeat
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+_SYSTEM = ("/dev/", "/proc/", "/sys/")
+_CACHE_ENV = ("HF_HOME", "MPLCONFIGDIR", "WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR",
+              "TRITON_CACHE_DIR", "JAX_COMPILATION_CACHE_DIR")
+WRITABLE_ENV = "KEEL_WRITABLE"
+SHOWN = 5
+"""How many of the files written outside a failing step's message names."""
+
+
+class StepWroteOutside(RuntimeError):
+    """The step wrote files outside its output path (and outside the temporary and cache folders)."""
+
+
+class _Watch:
+    """What one step wrote outside the folders it may write to."""
+
+    def __init__(self, local_output: str | None):
+        self.outside: list[str] = []
+        home = os.path.expanduser("~")
+        roots = [*([local_output] if local_output else []), tempfile.gettempdir(),
+                 os.environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache"),
+                 os.environ.get("XDG_CONFIG_HOME") or os.path.join(home, ".config"),
+                 os.environ.get("XDG_DATA_HOME") or os.path.join(home, ".local", "share"),
+                 os.environ.get("XDG_STATE_HOME") or os.path.join(home, ".local", "state"),
+                 *(os.environ[name] for name in _CACHE_ENV if os.environ.get(name)),
+                 *(p for p in os.environ.get(WRITABLE_ENV, "").split(os.pathsep) if p)]
+        roots = [os.path.abspath(r) for r in roots]
+        roots += [os.path.realpath(r) for r in roots]
+        self.roots = tuple(sorted({r.rstrip("/") + "/" for r in roots}))
+        beat = heartbeat.path()
+        self.files = (os.path.abspath(beat),) if beat else ()
+
+    def allowed(self, path: str) -> bool:
+        if (path + "/").startswith(self.roots) or path.startswith(_SYSTEM) or "/__pycache__/" in path:  # a root itself: O_TMPFILE
+            return True
+        return any(path == f or path.startswith(f + ".tmp-") for f in self.files)
+
+    def saw(self, path) -> None:
+        if isinstance(path, int):  # an open file descriptor: opened by a path already seen
+            return
+        try:
+            path = os.path.abspath(os.fsdecode(path))
+        except (TypeError, ValueError, OSError):
+            return
+        if self.allowed(path) or self.allowed(os.path.realpath(path)):
+            return
+        if path not in self.outside:
+            self.outside.append(path)
+
+    def check(self) -> None:
+        """Raise `StepWroteOutside` naming what the step wrote outside its output, if anything."""
+        if not self.outside:
+            return
+        shown = ", ".join(self.outside[:SHOWN]) + (f" and {len(self.outside) - SHOWN} more" if len(self.outside) > SHOWN else "")
+        raise StepWroteOutside(
+            f"the step wrote {shown} outside its output path: a step writes only under config.output_path "
+            "(temporary files in tempfile.gettempdir(), which keel empties when an isolated step ends), or declares "
+            f"Step(..., no_outputs=True) when its effect is elsewhere (a folder every step may share: {WRITABLE_ENV}); "
+            "those files were left where they are")
+
+
+_lock = threading.Lock()
+_hooked = False
+_local = threading.local()
+_process_watch: _Watch | None = None
+
+
+def _current() -> _Watch | None:
+    return getattr(_local, "watch", None) or _process_watch
+
+
+def _hook(event: str, args: tuple) -> None:
+    if event == "open":
+        watch = _current()
+        if watch is not None and args[2] & _WRITE_FLAGS:
+            watch.saw(args[0])
+    elif event == "os.rename":
+        watch = _current()
+        if watch is not None:
+            watch.saw(args[1])
+
+
+def _install() -> None:
+    global _hooked
+    with _lock:
+        if not _hooked:
+            sys.addaudithook(_hook)  # for the rest of the process: an audit hook cannot be removed
+            _hooked = True
+
+
+@contextlib.contextmanager
+def watched(output_path: str, *, whole_process: bool):
+    """Watch the writes of the step whose output is `output_path` while the block runs: this
+    thread's, or (`whole_process`, for a process that runs one step) every thread's; `check()`
+    on the yielded watch raises when some landed outside. A remote output (gs://, memory://)
+    leaves only the temporary and cache folders allowed locally."""
+    global _process_watch
+    from keel.executor import storage
+
+    watch = _Watch(storage.split(output_path)[1] if storage.is_local(output_path) else None)
+    _install()
+    if whole_process:
+        _process_watch = watch
+    else:
+        _local.watch = watch
+    try:
+        yield watch
+    finally:
+        if whole_process:
+            _process_watch = None
+        else:
+            _local.watch = None
