@@ -287,8 +287,7 @@ from defaults import default_tokenize, default_tokenizer, default_train, stdlib_
 from defaults.hardware import cpu_sim
 from defaults.models import tiny_moe
 from defaults.optimizers import hero_lr_law
-from keel.mesh import RackTopology
-from keel.train import TrainConfig
+from keel.spec import RackTopology, TrainConfig
 
 corpus = stdlib_corpus(max_bytes=400_000)
 tokenizer = default_tokenizer("stdlib-bpe-1k", corpus, vocab_size=tiny_moe.vocab_size)
