@@ -77,3 +77,19 @@ def test_the_twin_and_tiny_moe_declare_one_token_cache_under_two_names():
     assert ids.content_hash(general) == ids.content_hash(tiny)
     topics = [c for name, c in twin.config.data.components.items() if not name.startswith("other-")]
     assert all(ids.content_hash(c) != ids.content_hash(tiny) for c in topics)
+
+
+def test_default_train_compares_the_resources_with_the_topology():
+    from defaults import default_train, stdlib_tokens
+    from defaults.models import tiny_moe
+    from keel import Resources
+    from keel.spec import RackTopology, TrainConfig
+
+    racks = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
+    train = TrainConfig(batch_size=16, num_steps=4)
+    ok = default_train("t", data=stdlib_tokens(), model=tiny_moe, train=train, topology=racks,
+                       resources=Resources.with_gpu("H100", 4, replicas=2))
+    assert ok.config.train.seq_len == 128  # the length the data was tokenized at
+    with pytest.raises(ValueError, match=r"4 GPUs x 3 replicas = 12, but the topology lays out 2 racks x 4 = 8"):
+        default_train("t", data=stdlib_tokens(), model=tiny_moe, train=train, topology=racks,
+                      resources=Resources.with_gpu("H100", 4, replicas=3))

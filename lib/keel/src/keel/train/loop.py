@@ -1,7 +1,10 @@
 """The training loop: Levanter's data loader, checkpointer and trackers around a jitted optax step.
 
 A custom loop rather than Levanter's trainer because the quantile-balancing router bias of step
-t+1 is computed from step t's forward pass: state the optimizer does not own. The loop:
+t+1 is computed from step t's forward pass: state the optimizer does not own. `_train_steps` reads
+top to bottom: enter the step's phase, train its batch (through the spike guard), then the
+after-step hooks, each a method that sees a `StepDone`: `_report`, `_evaluate_after`,
+`_checkpoint_or_stop`. The loop:
 
 - restores the newest checkpoint under the output path if there is one (a rerun of a died step
   resumes by itself) and reads batches from the same position, so every later loss equals the
@@ -91,6 +94,22 @@ class LoopInputs:
     """Mixture phases by start step ({0: "phase 0", 108000: "phase 1"}), shown in progress and plots."""
 
 
+@dataclasses.dataclass(frozen=True)
+class StepDone:
+    """What the after-step hooks see of a step that trained: its index, transport phase, the step
+    function's (device) metrics, when it started, and whether it is a replay after a rollback."""
+
+    step: int
+    phase: TransportPhase
+    metrics: dict[str, Any]
+    started: float
+    replaying: bool = False
+
+    @property
+    def completed(self) -> int:
+        return self.step + 1
+
+
 def train(config: TrainConfig, inputs: LoopInputs, output_path: str) -> dict[str, float]:
     """Train to `config.num_steps` (resuming if possible); returns the final metrics."""
     with jax.set_mesh(inputs.mesh):
@@ -169,9 +188,9 @@ class _Run:
         if start < config.num_steps:
             self._check_layout(start, "resume" if latest is not None else "start")
             self.progress.event(f"compiling the {self.transport_at(start).transport} training step ahead, while the run sets up ...")
-        metrics_log = MetricsLog(os.path.join(self.output_path, METRICS_FILE), writer=primary, resume_at=start)
-        tracker = self._open_tracker()
-        last: dict[str, float] = {}
+        self.metrics_log = MetricsLog(os.path.join(self.output_path, METRICS_FILE), writer=primary, resume_at=start)
+        self.tracker = self._open_tracker()
+        self.last: dict[str, float] = {}
         try:
             if start < config.num_steps:
                 loader = batch_loader(
@@ -179,19 +198,19 @@ class _Run:
                     batch_axes=self.inputs.batch_axes, fetch_batches=self.inputs.fetch_batches,
                 )
                 if start == 0:
-                    self._evaluate(0, self.transport_at(0), metrics_log, tracker)
-                last = self._train_steps(start, loader, metrics_log, tracker)
+                    self._evaluate(0, self.transport_at(0))
+                self._train_steps(start, loader)
                 self.checkpoints.wait()
         finally:
             self.progress.close()
-            metrics_log.close()
-            if tracker is not None:
-                close_wandb(tracker)
+            self.metrics_log.close()
+            if self.tracker is not None:
+                close_wandb(self.tracker)
         if primary:
             plot_loss_curves(os.path.join(self.output_path, METRICS_FILE), os.path.join(self.output_path, LOSS_PLOT_FILE),
                              title=self._title(), marks=self._marks())
             self._summary(start)
-        return last
+        return self.last
 
     def _summary(self, start: int) -> None:
         records = read_metrics(os.path.join(self.output_path, METRICS_FILE))
@@ -218,27 +237,20 @@ class _Run:
         names = [name for s, name in sorted(self.inputs.phase_starts.items()) if s <= step]
         return names[-1] if names else None
 
-    def _train_steps(self, start: int, loader, metrics_log: MetricsLog, tracker) -> dict[str, float]:
+    def _train_steps(self, start: int, loader) -> None:
+        """One step after another: enter its phase, train on its batch (the spike guard may roll
+        back), then the after-step hooks: report, evaluate, checkpoint or stop."""
         config = self.config
-        tokens_per_step = config.batch_size * config.seq_len
-        last: dict[str, float] = {}
         previous = self.transport_at(start)
         self.guard = SpikeGuard(config.spike_guard, self.output_path, start=start, state=self.state_arrays,
-                                layout=self.layout, event=self.progress.event, write_row=metrics_log.write,
+                                layout=self.layout, event=self.progress.event, write_row=self.metrics_log.write,
                                 writer=jax.process_index() == 0, restarts=tuple(self.inputs.phase_starts))
         batches = self.guard.batches(loader, start)  # (batch index, batch): a batch the guard skipped is passed over
         step = start
         while step < config.num_steps:
-            phase = self.transport_at(step)
-            switching = phase != previous
-            if switching:
-                self.progress.event(f"step {step}: switching transport {previous.transport} -> {phase.transport}")
-                previous = phase
-            if step in self.inputs.phase_starts and step:
-                self.progress.event(f"step {step}: mixture {self.inputs.phase_starts[step]} starts")
-            t0 = time.perf_counter()
-            if self._place(step) or switching:
-                self._check_layout(step, "phase change")
+            phase = self._enter(step, previous)
+            previous = phase
+            started = time.perf_counter()
             index, batch = next(batches)
             batch = self._batch(poison_from_env(index, batch))
             step_fn = self._step_fn(phase, step)
@@ -246,7 +258,6 @@ class _Run:
             with jax.set_mesh(self.inputs.mesh):  # Levanter's loader leaves its own mesh context
                 self.state_arrays, metrics, rollback = self.guard.step(
                     step, index, self.state_arrays, lambda arrays: step_fn.get()(arrays, batch), self.layout)
-            completed = step + 1
             if first_use:
                 self._compiled(step_fn, f"step {step}")
                 self._compile_ahead(self._next_change(step))
@@ -255,34 +266,63 @@ class _Run:
                 batches = self.guard.batches(loader, rollback.to_step)
                 step, self.layout, previous = rollback.to_step, rollback.layout, self.transport_at(max(rollback.to_step - 1, 0))
                 continue
-            replaying = self.guard.replaying(step)  # trained and reported before the rollback: the same again
-            self.progress.step(completed, loss=float(metrics["train/loss"]),
-                               tokens_per_s=tokens_per_step / (time.perf_counter() - t0), transport=phase.transport,
-                               phase=self._mixture_phase(step))
-            if not replaying and (completed % config.log_every == 0 or completed == config.num_steps):
-                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                values["throughput/tokens_per_s"] = tokens_per_step / (time.perf_counter() - t0)
-                values["transport"] = phase.transport
-                metrics_log.write(step, values)
-                if tracker is not None:
-                    tracker.log({k: v for k, v in values.items() if k != "transport"}, step=step)
-                last = values
-            if not replaying and (completed % config.eval_every == 0 or completed == config.num_steps):
-                self._evaluate(completed, phase, metrics_log, tracker)
-            # Permanent checkpoints at the end and where the next step switches transport.
-            switching = completed < config.num_steps and self.transport_at(completed) != phase
-            stopping = interrupt.requested() and completed < config.num_steps
-            if (not replaying or stopping) and self.checkpoints.on_step(
-                    self.state_arrays, completed, force=completed == config.num_steps or switching, rolling=stopping):
-                self.progress.event(f"step {completed}: checkpoint saved")
-            if stopping:
-                self.checkpoints.wait()
-                self.progress.event(f"interrupted: stopped after step {completed} of {config.num_steps}, checkpoint saved")
-                raise interrupt.StepInterrupted(f"training stopped after step {completed} of {config.num_steps}",
-                                                resume=f"its checkpoint at step {completed}")
-            step = completed
+            done = StepDone(step, phase, metrics, started, replaying=self.guard.replaying(step))
+            for hook in (self._report, self._evaluate_after, self._checkpoint_or_stop):
+                hook(done)
+            step = done.completed
         batches.close()
-        return last
+
+    def _enter(self, step: int, previous: TransportPhase) -> TransportPhase:
+        """The transport phase of `step`; announce a transport switch or a new mixture phase, and
+        check the live state against the plan where its layout changes."""
+        phase = self.transport_at(step)
+        if phase != previous:
+            self.progress.event(f"step {step}: switching transport {previous.transport} -> {phase.transport}")
+        if step in self.inputs.phase_starts and step:
+            self.progress.event(f"step {step}: mixture {self.inputs.phase_starts[step]} starts")
+        if self._place(step) or phase != previous:
+            self._check_layout(step, "phase change")
+        return phase
+
+    # ------------------------------------------------------------------ after-step hooks
+    def _report(self, done: StepDone) -> None:
+        """Progress line every step; a metrics row (and wandb) every `log_every` steps and at the end.
+        A replayed step was reported before the rollback and is not again."""
+        config = self.config
+        loss = float(done.metrics["train/loss"])  # waits for the step
+        tokens_per_s = config.tokens_per_step / (time.perf_counter() - done.started)
+        self.progress.step(done.completed, loss=loss, tokens_per_s=tokens_per_s, transport=done.phase.transport,
+                           phase=self._mixture_phase(done.step))
+        if done.replaying or not (done.completed % config.log_every == 0 or done.completed == config.num_steps):
+            return
+        values = {k: float(v) for k, v in jax.device_get(done.metrics).items()}
+        values["throughput/tokens_per_s"] = config.tokens_per_step / (time.perf_counter() - done.started)
+        values["transport"] = done.phase.transport
+        self.metrics_log.write(done.step, values)
+        if self.tracker is not None:
+            self.tracker.log({k: v for k, v in values.items() if k != "transport"}, step=done.step)
+        self.last = values
+
+    def _evaluate_after(self, done: StepDone) -> None:
+        """Validation every `eval_every` steps and after the last."""
+        if not done.replaying and (done.completed % self.config.eval_every == 0
+                                   or done.completed == self.config.num_steps):
+            self._evaluate(done.completed, done.phase)
+
+    def _checkpoint_or_stop(self, done: StepDone) -> None:
+        """Checkpoints on the cadence, permanent ones at the end and where the next step switches
+        transport; on an interruption (Ctrl-C, SIGTERM) a rolling checkpoint, then `StepInterrupted`."""
+        config, completed = self.config, done.completed
+        switching = completed < config.num_steps and self.transport_at(completed) != done.phase
+        stopping = interrupt.requested() and completed < config.num_steps
+        if (not done.replaying or stopping) and self.checkpoints.on_step(
+                self.state_arrays, completed, force=completed == config.num_steps or switching, rolling=stopping):
+            self.progress.event(f"step {completed}: checkpoint saved")
+        if stopping:
+            self.checkpoints.wait()
+            self.progress.event(f"interrupted: stopped after step {completed} of {config.num_steps}, checkpoint saved")
+            raise interrupt.StepInterrupted(f"training stopped after step {completed} of {config.num_steps}",
+                                            resume=f"its checkpoint at step {completed}")
 
     # ------------------------------------------------------------------ pieces
     def transport_at(self, step: int) -> TransportPhase:
@@ -406,7 +446,7 @@ class _Run:
     def _evaluates(self) -> bool:
         return bool(self.inputs.val_data) and self.config.eval_batches > 0
 
-    def _evaluate(self, step: int, phase: TransportPhase, metrics_log: MetricsLog, tracker) -> None:
+    def _evaluate(self, step: int, phase: TransportPhase) -> None:
         """Mean loss over a seeded sample of `eval_batches` batches of each validation set (the same
         sample every time; all of a set that is smaller)."""
         if not self._evaluates():
@@ -429,9 +469,9 @@ class _Run:
             self._compiled(evaluate, f"step {step}'s evaluation")
         values = {f"eval/{name}/loss": loss for name, loss in losses.items()}
         values["eval/loss"] = sum(values.values()) / len(values)
-        metrics_log.write(step, values)
-        if tracker is not None:
-            tracker.log(values, step=step)
+        self.metrics_log.write(step, values)
+        if self.tracker is not None:
+            self.tracker.log(values, step=step)
         shown = ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in values.items() if k != "eval/loss")
         self.progress.event(f"step {step}: validation loss {values['eval/loss']:.4f}" + (f" ({shown})" if len(losses) > 1 else ""))
 
