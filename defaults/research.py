@@ -102,7 +102,7 @@ def default_scaling_ladder(name: str, *, data: Any, model: MoELMConfig, train: T
 
     def rung(hidden: int, num_steps: int) -> tuple[MoELMConfig, TrainConfig]:
         sized = model.replace(hidden_dim=hidden)
-        return sized, dataclasses.replace(train, num_steps=num_steps, eval_every=num_steps)
+        return sized, dataclasses.replace(train, num_steps=num_steps, eval_every=None, evaluations=1)
 
     from defaults.train import default_train
 

@@ -202,7 +202,7 @@ def twin(num_steps: int = 120, corpus_bytes: int = 4_000_000, mixture_block: int
         hardware=cpu_sim,
         mixture_block=mixture_block,
         description="the hero's CPU twin",
-        eval_every=max(1, num_steps // 6),
+        evaluations=6,
         eval_batches=1,
     )]
 

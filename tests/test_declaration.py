@@ -18,7 +18,9 @@ def _step(steps, name):
 
 
 def test_set_num_steps_changes_the_learning_rates_the_plan_prints():
-    """The LR law is a rule in the optimizer: 100x the steps gives the law's rate at 100x the tokens."""
+    """The LR law is a rule in the optimizer: 100x the steps gives the law's rate at 100x the tokens;
+    the evaluation cadence declared as a count follows too."""
+    from keel.executor.overrides import OverrideError
     from defaults.models import tiny_moe
     from defaults.optimizers import hero_lr_law
 
@@ -33,6 +35,10 @@ def test_set_num_steps_changes_the_learning_rates_the_plan_prints():
         assert sheet["optimizer"]["muon_lr"] == pytest.approx(adam * 13 / 3)
         assert sheet["optimizer"]["rates_from"] == "LR law x 1"
     assert round(after["optimizer"]["adam_lr"], 5) == 0.00422  # the law at 3,000 steps, not the declared 30
+    trains = {s.name: s.config.train for s in topological_order(after_targets) if s.name.startswith("train/")}
+    assert trains["train/lr_sweep/lr1.0"].eval_cadence == 1000 and trains["train/lr_sweep/lr0.5"].eval_cadence == 10
+    with pytest.raises(OverrideError, match="eval_every=5 and evaluations=3 both set the evaluation cadence"):
+        apply_overrides(targets, topological_order(targets), ["train/lr_sweep/lr1.0:train.eval_every=5"])
     assert "Adam 0.004224 (LR law x 1 at this size)" in render_fact_sheet(after)
     # the sweep's other points keep theirs, scaled
     half = fact_sheet(_step(after_targets, "train/lr_sweep/lr0.5").config, "lr0.5")

@@ -24,7 +24,7 @@ def test_the_twin_trains_through_its_phases_transport_and_offload_switch_as_plan
     caches = {name: c.name for name, c in config.data.components.items()}
     assert len(set(caches.values())) == 11, "a cache per topic, and the general stdlib for every phase's 'other'"
     assert {caches[f"other-{p}"] for p in ("initial", "main", "cooldown")} == {"tokenized/hero-twin-general"}
-    step = step.with_config(dataclasses.replace(config, train=dataclasses.replace(config.train, eval_every=12, eval_batches=1)))
+    step = step.with_config(dataclasses.replace(config, train=dataclasses.replace(config.train, evaluations=1, eval_batches=1)))
 
     report = run_steps([step], str(tmp_path), echo=lambda line: None)
     assert not report.failures, report.failures

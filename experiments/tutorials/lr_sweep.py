@@ -33,7 +33,7 @@ def point(scale: float):
         optimizer=hero_lr_law.optimizer(scale=scale),
         schedule=ScheduleConfig(warmup_fraction=0.1, decay_to_fraction=0.05),
         z_loss=1e-4,
-        eval_every=max(1, STEPS // 3),
+        evaluations=3,
         eval_batches=4,
         rolling_checkpoint_minutes=None,
         transports=(TransportPhase(0, "fixed_all_to_all"),),

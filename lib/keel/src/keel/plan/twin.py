@@ -97,7 +97,7 @@ def scale_down(
         num_steps=num_steps,
         weight_decay_change=train.weight_decay_change and dataclasses.replace(
             train.weight_decay_change, start_step=step(train.weight_decay_change.start_step)),
-        eval_every=max(1, round(train.eval_every * ratio)),
+        eval_every=train.eval_every and max(1, round(train.eval_every * ratio)),  # `evaluations` follows by itself
         permanent_checkpoint_every=None,
         transports=_distinct_starts(tuple(
             dataclasses.replace(t, start_step=step(t.start_step),
@@ -108,6 +108,9 @@ def scale_down(
         host_offload=dataclasses.replace(train.host_offload,
                                          master_weights_until_step=offload_until and step(offload_until)),
     )
+    for given, other in (("evaluations", "eval_every"), ("eval_every", "evaluations")):
+        if given in train_overrides:  # an override's cadence replaces the scaled one
+            train_overrides.setdefault(other, None)
     twin_train = dataclasses.replace(twin_train, **train_overrides)
     stand_ins = [f"hardware: {hardware.name} ({topology.racks} racks x {topology.gpus_per_rack}) plays "
                  + (f"{config.hardware.name} ({config.topology.racks} racks x {config.topology.gpus_per_rack})"

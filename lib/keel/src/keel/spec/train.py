@@ -329,8 +329,11 @@ class TrainConfig:
     """Roll back past loss spikes, skipping the batches that caused them (`SpikeGuardConfig`); None:
     off, and a non-finite loss fails the run."""
 
-    eval_every: int = execution_only(default=100)
-    """Evaluation cadence: how often the run is looked at, not what it trains."""
+    eval_every: int | None = execution_only(default=None)
+    """Evaluation cadence in steps: how often the run is looked at, not what it trains."""
+    evaluations: int | None = execution_only(default=None)
+    """Or a cadence that follows the run's length: this many evaluations over it, whatever
+    num_steps becomes (a `--set`, a twin). Neither given: every 100 steps (`eval_cadence`)."""
     eval_batches: int = execution_only(default=4)
     permanent_checkpoint_every: int | None = execution_only(default=None)
     """Permanent checkpoints every N steps, never deleted (the final one and those at transport
@@ -355,8 +358,11 @@ class TrainConfig:
     same step skips compiling (JAX's persistent compilation cache)."""
 
     def __post_init__(self):
-        _positive("TrainConfig", batch_size=self.batch_size, num_steps=self.num_steps,
-                  eval_every=self.eval_every, log_every=self.log_every,
+        if self.eval_every is not None and self.evaluations is not None:
+            raise ValueError(f"TrainConfig: eval_every={self.eval_every} and evaluations={self.evaluations} both set "
+                             "the evaluation cadence: give one (set the other to None)")
+        _positive("TrainConfig", batch_size=self.batch_size, num_steps=self.num_steps, log_every=self.log_every,
+                  **{k: v for k, v in (("eval_every", self.eval_every), ("evaluations", self.evaluations)) if v is not None},
                   **({} if self.seq_len is None else {"seq_len": self.seq_len}))
         if self.z_loss < 0:
             raise ValueError(f"TrainConfig.z_loss={self.z_loss} must be >= 0")
@@ -382,6 +388,13 @@ class TrainConfig:
                 f"TrainConfig.weight_decay_change.start_step={self.weight_decay_change.start_step} is not before "
                 f"num_steps={self.num_steps}"
             )
+
+    @property
+    def eval_cadence(self) -> int:
+        """Steps between evaluations: `eval_every`, else num_steps // `evaluations`, else 100."""
+        if self.eval_every is not None:
+            return self.eval_every
+        return max(1, self.num_steps // self.evaluations) if self.evaluations is not None else 100
 
     @property
     def tokens_per_step(self) -> int:

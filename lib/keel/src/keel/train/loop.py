@@ -305,7 +305,7 @@ class _Run:
 
     def _evaluate_after(self, done: StepDone) -> None:
         """Validation every `eval_every` steps and after the last."""
-        if not done.replaying and (done.completed % self.config.eval_every == 0
+        if not done.replaying and (done.completed % self.config.eval_cadence == 0
                                    or done.completed == self.config.num_steps):
             self._evaluate(done.completed, done.phase)
 
