@@ -2,7 +2,7 @@
 
     uv run keel run experiments/tutorials/hello_world.py     # runs all three steps
     uv run keel run experiments/tutorials/hello_world.py     # again: everything is cached
-    uv run keel plan experiments/tutorials/hello_world.py --set tutorial/numbers.n=200
+    uv run keel plan experiments/tutorials/hello_world.py --set tutorial/numbers:n=200
 
 `numbers` writes n pseudo-random integers, `stats` summarises them, `report` writes a sentence.
 Change `n` and all three re-run under new output paths; change `workers` (execution-only) and
