@@ -123,16 +123,19 @@ def default_scaling_ladder(name: str, *, data: Any, model: MoELMConfig, train: T
     return ScalingLadder(name, tuple(runs), fit, output_of(fit, PREDICTION_FILE), target_model, target_train, target_compute)
 
 
-def default_eval(name: str, *, run: Step | None = None, data: dict[str, Step | External], checkpoint: str | int = "final",
-                 split: str = "validation", batch_size: int | None = None, num_batches: int | None = None,
-                 resources: Resources | None = None, **old: Any) -> Step:
+def default_eval(name: str, *, run: Step | None = None, data: dict[str, Step | External] | Mixture | None = None,
+                 checkpoint: str | int = "final", split: str = "validation", batch_size: int | None = None,
+                 num_batches: int | None = None, resources: Resources | None = None, **old: Any) -> Step:
     """A step writing eval.json: loss, perplexity and bits per byte of training step `run`'s
-    checkpoint ("final": its last step, whatever its length) on each labelled token cache. Batches
-    default to the run's own validation reads (its batch size and eval_batches), so its validation
-    cache reproduces the run's last eval loss. The step follows `run`: a `--set` on it reaches here."""
+    checkpoint ("final": its last step, whatever its length) on each labelled token cache (`data`;
+    a Mixture's components; None: the run's own). Batches default to the run's own validation
+    reads (its batch size and eval_batches), so its validation cache reproduces the run's last eval
+    loss. The step follows `run`: a `--set` on it reaches here."""
     where = f"default_eval({name!r})"
     _no_old_names(where, run, old)
-    config = EvalConfig(model=trained_model(where, run, checkpoint), data=dict(data), batch_size=batch_size,
+    data = _training(where, run).data if data is None else data
+    caches = dict(data.components) if isinstance(data, Mixture) else dict(data)
+    config = EvalConfig(model=trained_model(where, run, checkpoint), data=caches, batch_size=batch_size,
                         num_batches=num_batches, split=split)
     return Step(f"eval/{name}", eval_step, config, resources=resources, isolated=True)
 

@@ -84,7 +84,7 @@ def main(out: str, which: str, misplace: str | None) -> None:
     inputs = LoopInputs(lm=KeelLM(config.model, mesh, remat=config.train.remat), mesh=mesh, batch_axes=BATCH_AXES,
                         train_data=None, val_data={}, plan=plan, use_wandb=False)
     with jax.set_mesh(mesh):
-        run = _Run(config.train, inputs, out)
+        run = _Run(plan.config.train, inputs, out)  # the resolved run's (its law's rates filled in)
         from keel.train.progress import Progress
 
         run.progress = Progress("layout", 0, config.train.num_steps, enabled=False)

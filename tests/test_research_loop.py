@@ -57,10 +57,10 @@ def test_the_comparison_has_one_row_per_run_with_the_values_the_runs_recorded(sw
         assert row["best_loss"] == min(evals.values()) and evals[row["best_step"]] == row["best_loss"]
         assert row["tokens_per_s"] == statistics.median(v for s, v in throughput.items() if s > 0)
         assert row["wall_s"] == pytest.approx(read_status(path).duration)
-        optimizer = run.config.train.optimizer
-        assert row["fields"] == {"train.optimizer.adam_lr": optimizer.adam_lr, "train.optimizer.muon_lr": optimizer.muon_lr}
+        # the declared difference: the scale of the law's rates (the rates themselves follow from it)
+        assert row["fields"] == {"train.optimizer.lr_scale": run.config.train.optimizer.lr_scale}
     table = (out / "comparison.md").read_text().splitlines()
-    assert table[5] == "" and "train.optimizer.adam_lr" in table[0]  # 3 rows, then each column's definition
+    assert table[5] == "" and "train.optimizer.lr_scale" in table[0]  # 3 rows, then each column's definition
     assert all(f"- {column}:" in "\n".join(table[6:]) for column in table[0].strip("| ").split(" | "))
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -40,7 +40,7 @@ def _eval_reproduces_the_last_validation_loss(prefix: str, evaluation: Step) -> 
 @pytest.mark.timeout(900)
 def test_the_hero_twins_final_checkpoint_evaluates_to_its_last_validation_loss(tmp_path):
     [train] = runpy.run_path(str(REPO / "experiments/hero_535b.py"))["twin"](num_steps=12, mixture_block=16)
-    components = dict(train.config.data.components)  # 13 families of the stdlib, one per mixture component
+    components = dict(train.config.data.components)  # 10 stdlib families and the whole stdlib, by component
     evaluation = default_eval("hero_535b-tiny", run=train, data=components)
     report = run_steps([evaluation], str(tmp_path), echo=lambda _: None)
     assert report.ok, report.failures
@@ -65,7 +65,7 @@ def test_a_checkpoint_of_2_processes_x_4_devices_evaluates_in_one_process_of_8(t
                                 compute_dtype="float32", transports=(TransportPhase(0, "fixed_all_to_all"),))
     config = dataclasses.replace(step.config, train=train, coordinator=f"127.0.0.1:{free_port()}")
     multi = Step(step.name, step.fn, config, resources=Resources(cpu=1, replicas=2), isolated=True)
-    evaluation = default_eval("tiny_moe-2x4", run=multi, data={"stdlib": config.data})
+    evaluation = default_eval("tiny_moe-2x4", run=multi)  # on the run's own data
     report = run_steps([evaluation], str(tmp_path), cluster=iris, echo=lambda _: None)
     assert report.ok, report.failures
     run = Graph([evaluation], str(tmp_path)).path(multi)

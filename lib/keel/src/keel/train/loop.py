@@ -218,8 +218,11 @@ class _Run:
         val = f", final validation loss {evals[max(evals)]:.4f}" if evals else ""
         rollbacks = self.guard.finish() if self.guard is not None else None
         val += f"; with {rollbacks}" if rollbacks else ""
+        first = self.progress.first_step_after  # after `(...)`: keel compare reads that part of the line
+        first = f", first step {first:.1f}s after the process started" if first is not None else ""
         self.progress.event(f"done: steps {start}->{self.config.num_steps} in {self.progress.wall_seconds:.1f}s "
-                            f"(compiling {self.compile_seconds:.1f}s, waited for {self.compile_waited:.1f}s){val}; outputs in {self.output_path}")
+                            f"(compiling {self.compile_seconds:.1f}s, waited for {self.compile_waited:.1f}s){first}{val}; "
+                            f"outputs in {self.output_path}")
 
     def _title(self) -> str:
         """The run's name and the figures that tell it from its neighbours in a sweep."""

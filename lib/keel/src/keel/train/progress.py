@@ -37,6 +37,20 @@ def loss_never_moved(losses: list[float], min_drop: float = MIN_LOSS_DROP) -> st
             "or too small) and that the weights are trained")
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (Linux's /proc: its start tick against the uptime), or
+    None where that cannot be read. A training step runs in a process of its own, so this is the
+    step's time from launch: interpreter, imports, setup and compiles."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _eta(seconds: float) -> str:
     seconds = int(max(0, seconds))
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
@@ -58,6 +72,8 @@ class Progress:
         self._timed_from: tuple[int, float] | None = None  # (step, time) after the first compiled step
         self._last_line = 0.0
         self._losses: list[float] = []  # this process's training losses, for `loss_never_moved`
+        self.first_step_after: float | None = None
+        """Seconds from the process's start to its first finished step (`process_age`)."""
         self._completed = start
 
     def event(self, text: str) -> None:
@@ -90,6 +106,9 @@ class Progress:
         now = time.perf_counter()
         if self._timed_from is None:
             self._timed_from = (completed, now)  # the first step includes compilation: time from here
+            self.first_step_after = process_age()
+            if self.first_step_after is not None:
+                self.event(f"first step done {self.first_step_after:.1f}s after the process started")
         eta = self.eta(completed, now)
         fields = {"loss": f"{loss:.4f}", "tok/s": f"{tokens_per_s:,.0f}", "eta": eta, "transport": transport}
         if phase:
