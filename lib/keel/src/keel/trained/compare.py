@@ -78,6 +78,8 @@ class RunSummary:
     """'within', 'above' or 'below' the prediction's band."""
     fields: dict[str, Any]
     """Identity fields that differ between the compared runs (dotted paths into the config)."""
+    rollbacks: tuple[int, ...] = ()
+    """Steps where the spike guard rolled the run back (`keel.train.spike_guard`): its curve is not a plain run's."""
 
 
 def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None) -> list[RunSummary]:
@@ -114,6 +116,7 @@ def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None) -
             prediction=prediction,
             verdict=ladder.judge(final, prediction),
             fields={name: identities[label].get(name) for name in differing},
+            rollbacks=tuple(sorted({int(r["spike/rollback_from"]) for r in metrics if "spike/rollback_from" in r})),
         ))
     return rows
 
@@ -251,6 +254,9 @@ def render_table(rows: list[RunSummary]) -> str:
         if r.shared:
             lines.append(f"- {SHARED_MARK} {r.run} shared its host for {r.shared['fraction']:.0%} of its wall time with "
                          f"{_names(r.shared['steps'])}")
+        if r.rollbacks:
+            lines.append(f"- {r.run} rolled back past {len(r.rollbacks)} loss spike(s), skipping the batch at step(s) "
+                         f"{', '.join(map(str, r.rollbacks))} (its spike_guard.json): not a plain run's curve")
     return "\n".join(lines)
 
 
