@@ -61,7 +61,7 @@ from keel.train.checkpoint import TrainCheckpoints
 from keel.spec.train import TrainConfig, TransportPhase
 from keel.train.lm import TrainableLM
 from keel.train.progress import Progress
-from keel.train.spike_guard import FINITE_METRICS, NonFiniteTraining, SpikeGuard, check_finite, poison_from_env  # noqa: F401
+from keel.train.spike_guard import NonFiniteTraining, SpikeGuard, poison_from_env  # noqa: F401 - NonFiniteTraining: the loop's failure, imported from here
 from keel.train.tracking import LOSS_PLOT_FILE, MetricsLog, close_wandb, open_wandb, plot_loss_curves, run_name
 from keel.spec.metrics import METRICS_FILE, latest_by_step, read_metrics
 
