@@ -12,17 +12,13 @@ that declare the same chain get the same identities, hence one shared output.
 
 from __future__ import annotations
 
-from keel import Step
-from keel.data import (
-    build_stdlib_corpus,
-    HfDatasetSpec,
-    ingest_documents,
-    IngestConfig,
-    StdlibCorpusConfig,
-    tokenize_documents,
-    train_tokenizer,
-)
+from keel import Step, StepFunction
+from keel.data import build_stdlib_corpus, HfDatasetSpec, ingest_documents, IngestConfig, StdlibCorpusConfig
 from keel.spec import TokenizeConfig, TrainTokenizerConfig
+
+# named, not imported: they import tokenizers and Levanter, which declaring a graph must not
+train_tokenizer = StepFunction("keel.data.tokenizer:train_tokenizer")
+tokenize_documents = StepFunction("keel.data.tokenize:tokenize_documents")
 
 
 def stdlib_corpus(*, max_bytes: int | None = None, max_files: int | None = None, include_tests: bool = True,

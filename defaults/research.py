@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from keel import Resources, Step
+from keel import Resources, Step, StepFunction
 from keel.spec import (
     CompareConfig,
     EvalConfig,
@@ -38,7 +38,6 @@ from keel.spec import (
 from keel.executor.identity import Identities
 from keel.executor.step import External, OutputOf, output_of
 from keel.trained.compare import compare_step
-from keel.trained.evaluate import eval_step
 from keel.trained.ladder import (
     PREDICTION_FILE,
     LadderConfig,
@@ -47,7 +46,10 @@ from keel.trained.ladder import (
     ladder_step,
     training_compute,
 )
-from keel.trained.sample import sample_step
+
+# named, not imported: they import jax
+eval_step = StepFunction("keel.trained.evaluate:eval_step")
+sample_step = StepFunction("keel.trained.sample:sample_step")
 
 
 def default_compare(name: str, *, runs: Sequence[Step]) -> Step:

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from keel import Resources, Retries, Step
+from keel import Resources, Retries, Step, StepFunction
 from keel.spec import Hardware, Mixture, MoELMConfig, RackTopology, RunFacts, TrainConfig, TrainStepConfig
 from keel.executor.step import External, OutputOf
-from keel.train.step import train_step
+
+train_step = StepFunction("keel.train.step:train_step")  # named, not imported: it imports jax
 
 
 def default_train(

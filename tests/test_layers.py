@@ -9,6 +9,11 @@
     keel.dashboard, keel.cli, then the `keel` package itself (Step, main, ...) and the console script
 
 An AST scan, so it sees imports inside functions too (a lazy import is still a dependency).
+
+The machine-learning stack (jax, Levanter, Haliax, Equinox, optax, tokenizers) is imported at the
+top of the runtime modules that use it, never inside a function; what `keel plan` imports (the
+experiments' `defaults`, `keel.plan`, `keel.cli`, the dashboard) reaches none of those modules: a
+step whose function needs the stack names it with `keel.StepFunction("module:function")`.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ LAYERS = [
     {"keel.cli_entry", "keel"},
 ]
 SPEC_MAY_IMPORT = {"fsspec"}  # besides the standard library and keel.executor
+ML_STACK = {"jax", "jaxlib", "levanter", "haliax", "equinox", "optax", "tokenizers"}
+RUNTIME = {"keel.data", "keel.model", "keel.mesh", "keel.train", "keel.trained"}
+PLANNER_ROOTS = ["keel", "keel.cli", "keel.plan", "keel.dashboard", "keel.spec"]
+DEFAULTS = Path(__file__).resolve().parents[1] / "defaults"
 
 
 def _modules() -> dict[str, Path]:
@@ -129,3 +138,58 @@ def test_the_declaration_layer_imports_no_runtime():
             root = target.split(".")[0]
             assert root in stdlib or root in SPEC_MAY_IMPORT or target.startswith(("keel.spec", "keel.executor")), \
                 f"{name} imports {target}: the declaration layer imports the standard library and keel.executor only"
+
+
+def _function_level_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of each import statement inside a function or method of `path`."""
+    out = []
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    out += [(node.lineno, a.name) for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and not node.level:
+                    out.append((node.lineno, node.module or ""))
+    return out
+
+
+def test_runtime_modules_import_the_ml_stack_at_their_top():
+    modules = _modules()
+    lazy = [f"{name}:{line} imports {target} inside a function"
+            for name, path in modules.items() if _package(name) in RUNTIME
+            for line, target in _function_level_imports(path) if target.split(".")[0] in ML_STACK]
+    assert not lazy, "move these to the module's top (the planner names the step function instead):\n" + "\n".join(lazy)
+
+
+def test_what_the_planner_imports_reaches_no_module_that_imports_the_ml_stack():
+    modules, top, _ = _graph()
+    for path in DEFAULTS.glob("*.py"):  # the experiments' defaults: keel's modules they import at their top
+        name = "defaults" if path.name == "__init__.py" else f"defaults.{path.stem}"
+        top[name] = {t for t in _imports(name, path, modules)[0] if t in modules or t.startswith("defaults")}
+    heavy = {name for name, path in modules.items()
+             if any(t.split(".")[0] in ML_STACK for t in _imports(name, path, {})[0])}
+    assert heavy & {n for n in modules if _package(n) == "keel.train"}, "the scan finds no heavy module: it is broken"
+
+    def parents(name: str) -> list[str]:  # importing a.b.c runs a/__init__ and a/b/__init__ first
+        parts = name.split(".")
+        return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+    via: dict[str, str] = {}
+    todo = PLANNER_ROOTS + sorted(n for n in top if n.startswith("defaults"))
+    for root in todo:
+        via.setdefault(root, "")
+    while todo:
+        name = todo.pop()
+        for target in [*top.get(name, ()), *parents(name)]:
+            if target not in via and (target in modules or target in top):
+                via[target] = name
+                todo.append(target)
+    reached = sorted(heavy & set(via))
+
+    def chain(name: str) -> str:
+        out = [name]
+        while via.get(out[-1]):
+            out.append(via[out[-1]])
+        return " <- ".join(out)
+
+    assert not reached, "the planner imports the ML stack through:\n" + "\n".join(chain(n) for n in reached)

@@ -1,9 +1,9 @@
 """keel: declare a graph of steps in one Python file; keel plans, caches and runs it."""
 
 from keel.executor.resources import Resources
-from keel.executor.step import External, Retries, Step, execution_only, output_of, this_output
+from keel.executor.step import External, Retries, Step, StepFunction, execution_only, output_of, this_output
 
-__all__ = ["External", "Resources", "Retries", "Step", "execution_only", "main", "output_of", "this_output"]
+__all__ = ["External", "Resources", "Retries", "Step", "StepFunction", "execution_only", "main", "output_of", "this_output"]
 
 
 def _install_script_excepthook() -> None:

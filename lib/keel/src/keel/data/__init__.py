@@ -1,9 +1,9 @@
 """keel.data: documents -> tokenizer -> Levanter token caches -> phased mixtures.
 
 The configs of the steps the planner checks (`TokenizeConfig`, `TrainTokenizerConfig`) and
-mixtures (`Mixture`, `MixturePhase`) are declarations in `keel.spec`; every heavy import
-(tokenizers, Levanter, datasets, pyarrow) happens inside the step and build functions, so
-declaring a graph stays instant.
+mixtures (`Mixture`, `MixturePhase`) are declarations in `keel.spec`; the modules that need
+tokenizers or Levanter (`tokenizer`, `tokenize`, `datasets`) import them at their top and are
+imported here on first use, so declaring a graph stays instant.
 
 Steps (function, config):
     ingest_documents      IngestConfig          local files/globs or a HF dataset -> document set
@@ -15,14 +15,11 @@ Training side: build_train_dataset / build_validation_datasets over a resolved M
 Each data step writes `.keel/summary.json` (read_summary): counts, and what was skipped or repaired.
 """
 
-from keel.data.datasets import build_train_dataset, build_validation_datasets, load_token_cache
 from keel.data.documents import Document, EmptyDataError, iter_documents, read_index, split_of
 from keel.data.ingest import HfDatasetSpec, IngestConfig, OnBadRecord, OnDecodeError, ingest_documents
 from keel.data.quality import BadRecordError
 from keel.data.stdlib_corpus import StdlibCorpusConfig, build_stdlib_corpus, stdlib_families
 from keel.data.summary import read_summary
-from keel.data.tokenize import tokenize_documents
-from keel.data.tokenizer import LoadedTokenizer, load_tokenizer, train_tokenizer
 from keel.executor.step import External
 
 __all__ = [
@@ -52,10 +49,28 @@ __all__ = [
 ]
 
 
+# imported on first use: these modules import tokenizers and Levanter, and declaring a graph
+# (which imports this package for its light steps) must not
+_RUNTIME = {
+    "build_train_dataset": "keel.data.datasets",
+    "build_validation_datasets": "keel.data.datasets",
+    "load_token_cache": "keel.data.datasets",
+    "tokenize_documents": "keel.data.tokenize",
+    "LoadedTokenizer": "keel.data.tokenizer",
+    "load_tokenizer": "keel.data.tokenizer",
+    "train_tokenizer": "keel.data.tokenizer",
+}
+
+
 def __getattr__(name: str):
-    """A declaration that moved to `keel.spec` says so, instead of a bare ImportError."""
+    """The runtime names, imported on first use; a declaration that moved to `keel.spec` says so,
+    instead of a bare ImportError."""
+    import importlib
+
     import keel.spec
 
+    if name in _RUNTIME:
+        return getattr(importlib.import_module(_RUNTIME[name]), name)
     if name in keel.spec.__all__:
         raise ImportError(f"{__name__}.{name} is a declaration: import it from keel.spec (from keel.spec import {name})")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

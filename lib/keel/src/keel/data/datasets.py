@@ -10,29 +10,28 @@ from __future__ import annotations
 
 import zlib
 
-from keel.spec.mixture import Mixture
+import jax
+import numpy as np
+from levanter.data.mixture import MixtureDataset, StopStrategy
+from levanter.store.cache import LEDGER_FILE_NAME, TreeCache
+
 from keel.data.tokenize import STATS_FILE
 from keel.executor import storage
+from keel.spec.mixture import Mixture
 
 FIELDS = ("input_ids", "segment_ids")
 
 
 def _exemplar():
-    import numpy as np
-
     return {field: np.zeros((0,), dtype=np.int32) for field in FIELDS}
 
 
 def has_split(cache_root: str, split: str) -> bool:
-    from levanter.store.cache import LEDGER_FILE_NAME
-
     return storage.exists(storage.join(cache_root, split, LEDGER_FILE_NAME))
 
 
 def load_token_cache(cache_root: str, split: str, *, seq_len: int):
     """The Levanter `TreeCache` of one split of a keel token cache, checked against `seq_len`."""
-    from levanter.store.cache import TreeCache
-
     stats = storage.read_json(storage.join(cache_root, STATS_FILE))
     if stats is not None and stats["seq_len"] != seq_len:
         raise ValueError(f"token cache {cache_root} holds sequences of {stats['seq_len']} tokens, not seq_len={seq_len}")
@@ -50,9 +49,6 @@ def build_train_dataset(mixture: Mixture, *, seq_len: int, batch_size: int, seed
     itself draws exact per-block counts, blocks of `mixture.block_size` sequences, in an order keyed
     by `seed`. Exhausted components restart (Levanter's RESTART strategy).
     """
-    import jax
-    from levanter.data.mixture import MixtureDataset, StopStrategy
-
     schedule = mixture.sequence_schedule(batch_size)
     mix_key, shuffle_key = jax.random.split(jax.random.PRNGKey(seed))
     datasets = {}

@@ -33,15 +33,24 @@ leaves no loadable cache and a rerun rebuilds an identical one.
 
 from __future__ import annotations
 
+import io
 import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 
+import numpy as np
+from levanter.store.cache import SerialCacheWriter
+from tqdm import tqdm
+
 from keel.data.documents import SPLITS, EmptyDataError, read_index, read_shard, shard_urls
+from keel.data.packing import SequencePacker
 from keel.data.summary import write_summary
+from keel.data.tokenizer import SequenceBytes, load_tokenizer
 from keel.executor import storage
 from keel.spec.data import TokenizeConfig
 
@@ -57,8 +66,6 @@ ENCODE_AHEAD = 3  # batches handed to the encoding threads ahead of the one bein
 
 
 def _exemplar():
-    import numpy as np
-
     return {"input_ids": np.zeros((0,), dtype=np.int32), "segment_ids": np.zeros((0,), dtype=np.int32)}
 
 
@@ -101,8 +108,6 @@ class _CacheWriterThread:
     """Feeds a Levanter SerialCacheWriter from a queue, in fixed groups of WRITE_ROWS sequences."""
 
     def __init__(self, cache_dir: str):
-        from levanter.store.cache import SerialCacheWriter
-
         self._writer = SerialCacheWriter(cache_dir, _exemplar())
         self._queue: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
         self._error: BaseException | None = None
@@ -120,8 +125,6 @@ class _CacheWriterThread:
                     self._error = e
 
     def add(self, input_ids, segment_ids) -> None:
-        import numpy as np
-
         if self._error is not None:
             raise self._error
         self._pending.append((input_ids, segment_ids))
@@ -141,8 +144,6 @@ class _CacheWriterThread:
     def __exit__(self, exc_type, exc, tb) -> None:
         """On success write the rest, then the ledger that marks the cache complete; on an error
         stop the thread and leave the cache incomplete (no ledger)."""
-        import numpy as np
-
         if exc_type is None and self._pending_rows:
             ids = np.concatenate([p[0] for p in self._pending])
             segs = np.concatenate([p[1] for p in self._pending])
@@ -169,8 +170,6 @@ def _document_batches(urls: list[str], batch_documents: int) -> Iterator[list[st
 
 def _encoder(config: TokenizeConfig, loaded):
     """texts -> one int32 array per document: bos/eos as configured around its ids."""
-    import numpy as np
-
     # encode_batch_fast: the same ids as encode_batch without computing character offsets
     encode = getattr(loaded.tokenizer, "encode_batch_fast", loaded.tokenizer.encode_batch)
     bos = loaded.bos_id if config.add_bos else None
@@ -193,9 +192,6 @@ def _encoder(config: TokenizeConfig, loaded):
 def _encoded(encode, batches: Iterator[list[str]], threads: int = ENCODE_THREADS,
              ahead: int = ENCODE_AHEAD) -> Iterator[list]:
     """`encode(batch)` of each batch, in order, with up to `ahead` batches submitted to `threads` threads."""
-    from collections import deque
-    from concurrent.futures import ThreadPoolExecutor
-
     pool = ThreadPoolExecutor(threads, thread_name_prefix="keel-tokenize-encode")
     pending: deque = deque()
     try:
@@ -210,10 +206,6 @@ def _encoded(encode, batches: Iterator[list[str]], threads: int = ENCODE_THREADS
 
 
 def _tokenize_split(config: TokenizeConfig, loaded, split: str, total_documents: int, count_bytes) -> dict:
-    import numpy as np
-    from tqdm import tqdm
-
-    from keel.data.packing import SequencePacker
 
     packer = SequencePacker(config.seq_len)
     urls = shard_urls(config.documents, split)
@@ -246,9 +238,6 @@ def _tokenize_split(config: TokenizeConfig, loaded, split: str, total_documents:
 
 
 def _write_array(url: str, array) -> None:
-    import io
-
-    import numpy as np
 
     buffer = io.BytesIO()
     np.save(buffer, array)
@@ -258,9 +247,6 @@ def _write_array(url: str, array) -> None:
 
 def read_sequence_bytes(cache_root: str, split: str):
     """The per-sequence UTF-8 byte counts of a split (None for a cache written without them)."""
-    import io
-
-    import numpy as np
 
     url = storage.join(cache_root, BYTES_FILE.format(split=split))
     if not storage.exists(url):
@@ -279,8 +265,6 @@ def clear_token_cache(output_path: str) -> None:
 
 def tokenize_documents(config: TokenizeConfig) -> None:
     """Step function: write one Levanter cache per split, then `tokenize.json`."""
-    from keel.data.tokenizer import SequenceBytes, load_tokenizer
-
     loaded = load_tokenizer(config.tokenizer, bos_token=config.bos_token, eos_token=config.eos_token)
     loaded.tokenizer.encode_special_tokens = True  # "<|endoftext|>" inside a document is text, not a boundary
     for flag, token_id, name in ((config.add_bos, loaded.bos_id, "bos"), (config.add_eos, loaded.eos_id, "eos")):

@@ -14,6 +14,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from keel.data.documents import EmptyDataError, iter_documents, read_index
 from keel.data.summary import write_summary
 from keel.executor import storage
@@ -60,8 +63,6 @@ def train_tokenizer(config: TrainTokenizerConfig) -> None:
 
     An empty train split is an error; a vocabulary smaller than asked (too little text for that
     many merges) is said on the console and in summary.json."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     if not read_index(config.documents)["splits"]["train"]["documents"]:
         raise EmptyDataError(f"TrainTokenizerConfig.documents: the train split of {config.documents} has no documents "
                              "to train on: give the documents step more data or a smaller validation_fraction")
@@ -96,8 +97,6 @@ def load_tokenizer(
     ref: str, *, bos_token: str | None = None, eos_token: str | None = None, pad_token: str | None = None
 ) -> LoadedTokenizer:
     """Load a tokenizer directory, a tokenizer.json path or a hub name; explicit special tokens win."""
-    from tokenizers import Tokenizer
-
     if ref.endswith(".json"):
         tokenizer_file, config_file = ref, storage.join(ref.rsplit("/", 1)[0] if "/" in ref else ".", TOKENIZER_CONFIG_FILE)
     else:
@@ -151,8 +150,6 @@ class SequenceBytes:
     CHECKED_ROWS = 8
 
     def __init__(self, tokenizer):
-        import numpy as np
-
         self.tokenizer = tokenizer
         self._token_bytes = _token_bytes(tokenizer)
         self._checked = False
@@ -166,8 +163,6 @@ class SequenceBytes:
 
     def __call__(self, input_ids):
         """int64[rows]: the bytes of each row of the int array `input_ids` (rows, seq_len)."""
-        import numpy as np
-
         if self._token_bytes is None:
             return self.decoded(input_ids)
         sums = self._coded[input_ids].sum(axis=1)
@@ -186,8 +181,6 @@ class SequenceBytes:
 
     def decoded(self, input_ids):
         """The same counts, by decoding every row."""
-        import numpy as np
-
         texts = self.tokenizer.decode_batch(np.asarray(input_ids).tolist(), skip_special_tokens=True)
         return np.array([len(t.encode("utf-8")) for t in texts], dtype=np.int64)
 
@@ -196,8 +189,6 @@ def _token_bytes(tokenizer) -> list[bytes] | None:
     """Each id's bytes as `decode(..., skip_special_tokens=True)` emits them, or None where the
     tokenizer's decoding is not a per-token byte map (another decoder, or added tokens that are
     not special, which decode outside the decoder)."""
-    from tokenizers import decoders
-
     if type(tokenizer.decoder) is not decoders.ByteLevel:
         return None
     added = tokenizer.get_added_tokens_decoder()

@@ -13,12 +13,22 @@ import functools
 import hashlib
 import inspect
 
+from keel.executor.step import StepFunction
+
+
+def qualified_name(fn) -> str:
+    """`module.qualname` of a step's function: what its content identity names."""
+    return f"{fn.__module__}.{fn.__qualname__}"
+
 
 @functools.lru_cache(maxsize=None)
 def fingerprint(fn) -> str | None:
-    """BLAKE2b of the function's source, or None when it has none to read (a builtin, a REPL lambda)."""
+    """BLAKE2b of the function's source, or None when it has none to read (a builtin, a REPL lambda).
+
+    A `StepFunction` is read from its module's file without importing it (the planner must not pay
+    for jax), and gives the same text `inspect.getsource` gives for the imported function."""
     try:
-        source = inspect.getsource(fn)
+        source = fn.source() if isinstance(fn, StepFunction) else inspect.getsource(fn)
     except (OSError, TypeError):
         return None
     return hashlib.blake2b(source.encode(), digest_size=8).hexdigest()

@@ -23,6 +23,7 @@ import threading
 from collections import ChainMap
 from typing import Any
 
+from keel.executor.code import qualified_name
 from keel.executor.graph import CycleError, topological_order
 from keel.executor.inputs import InputError, fingerprint_files, fingerprint_tree
 from keel.executor.step import External, OutputOf, ReadsFiles, Step, StepDeclarationError, ThisOutput, is_execution_only
@@ -139,7 +140,7 @@ class Identities:
                 if isinstance(node, External):
                     content = {k: v for k, v in payload.items() if k != "external"}
                 else:
-                    content = {"fn": f"{node.fn.__module__}.{node.fn.__qualname__}",
+                    content = {"fn": qualified_name(node.fn),
                                "config": encode(node.config, f"{node.name}.config", self.content_hash),
                                "inputs": payload.get("inputs")}
                 self._contents[id(node)] = hashlib.sha256(canonical_json(content).encode()).hexdigest()[:2 * HASH_CHARS]

@@ -102,6 +102,56 @@ def validate_name(name: str) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class StepFunction:
+    """A step function named by `"package.module:function"`, imported only when the step runs.
+
+    The runtime packages (`keel.train`, `keel.model`, `keel.data`, `keel.trained`) import jax,
+    Levanter and tokenizers at their top, so declaring a step that runs one of their functions must
+    not import it: `keel plan` would spend seconds on imports for functions it never calls. A step's
+    identity and code fingerprint read the same name and source as for the imported function.
+    """
+
+    target: str
+
+    def __post_init__(self):
+        module, sep, name = self.target.partition(":")
+        if not sep or not module or not name.isidentifier():
+            raise StepDeclarationError(f"StepFunction({self.target!r}): give 'package.module:function'")
+        # what functools.wraps sets on a wrapper: error messages, identity and logs name the function
+        object.__setattr__(self, "__module__", module)
+        object.__setattr__(self, "__qualname__", name)
+
+    def resolve(self) -> Callable[[Any], Any]:
+        """The function itself (imports its module)."""
+        import importlib
+
+        return getattr(importlib.import_module(self.__module__), self.__qualname__)
+
+    def __call__(self, config: Any) -> Any:
+        return self.resolve()(config)
+
+    def source(self) -> str:
+        """The function's source, decorators included, read from its module's file without importing
+        the module or its package."""
+        import ast
+        import importlib.machinery
+
+        spec, search = None, None
+        for part in self.__module__.split("."):
+            spec = importlib.machinery.PathFinder.find_spec(part, search)
+            if spec is None:
+                raise OSError(f"{self.target}: module {self.__module__!r} not found")
+            search = spec.submodule_search_locations
+        with open(spec.origin, encoding="utf-8") as f:
+            text = f.read()
+        for node in ast.parse(text).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == self.__qualname__:
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                return "".join(text.splitlines(keepends=True)[first - 1:node.end_lineno])
+        raise OSError(f"{self.target}: no function {self.__qualname__!r} at the top of {spec.origin}")
+
+
 class Step:
     """One node of the graph: `fn(config)` writes its results under the step's output path.
 

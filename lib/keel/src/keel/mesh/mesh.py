@@ -20,6 +20,7 @@ import numpy as np
 from haliax import NamedArray
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from levanter.utils.jax_utils import leaf_key_paths
 
 from keel.spec.placement import place
 from keel.spec.topology import BATCH_AXES, MESH_AXES, RackTopology, TopologyError
@@ -73,8 +74,6 @@ def tree_shardings(tree, mesh: Mesh):
 
 def model_shardings(model, mesh: Mesh):
     """The NamedSharding of every leaf of a whole model, placed by its path and axes."""
-    from levanter.utils.jax_utils import leaf_key_paths
-
     def is_named(x):
         return isinstance(x, NamedArray)
 

@@ -7,6 +7,7 @@ layout speak the same language as the code: `Experts` is the axis expert paralle
 
 from dataclasses import dataclass
 
+import haliax as hax
 from haliax import Axis
 
 from keel.spec.model import MoELMConfig
@@ -58,6 +59,4 @@ class ModelAxes:
 
 def init_matrix(key, axes, config: MoELMConfig):
     """The hero init for every matrix: normal truncated at +-3 sigma, sigma = init_scale / sqrt(hidden_dim)."""
-    import haliax as hax
-
     return hax.random.truncated_normal(key, axes, -3, 3) * (config.init_scale / config.hidden_dim**0.5)

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+from levanter.data.loader import DataLoader
+
+from keel.data import build_train_dataset, build_validation_datasets
+from keel.data.datasets import FIELDS
+
 
 def training_datasets(mixture: Any, *, seq_len: int, batch_size: int, seed: int):
     """(train dataset, {component: validation dataset}) of a training step's mixture."""
-    from keel.data import build_train_dataset, build_validation_datasets
-
     train = build_train_dataset(mixture, seq_len=seq_len, batch_size=batch_size, seed=seed)
     return train, build_validation_datasets(mixture, seq_len=seq_len)
 
@@ -23,8 +29,6 @@ def batch_loader(
 ):
     """Levanter's DataLoader: whole batches, sharded over `batch_axes`, read `fetch_batches` at a
     time and up to `prefetch` batches ahead on the host."""
-    from levanter.data.loader import DataLoader
-
     return DataLoader(
         dataset,
         batch_size,
@@ -37,17 +41,11 @@ def batch_loader(
 
 def batch_sharding(mesh, batch_axes: tuple[str, ...]):
     """How every batch array [batch, seq] is laid out: rows split over `batch_axes`."""
-    from jax.sharding import NamedSharding, PartitionSpec
-
     return NamedSharding(mesh, PartitionSpec(batch_axes, None))
 
 
 def batch_shapes(*, batch_size: int, seq_len: int, mesh, batch_axes: tuple[str, ...]) -> dict[str, Any]:
     """The abstract batch the loaders produce ({field: int32 [batch, seq]}), to compile against."""
-    import jax
-    import numpy as np
-
-    from keel.data.datasets import FIELDS
 
     sharding = batch_sharding(mesh, batch_axes)
     return {field: jax.ShapeDtypeStruct((batch_size, seq_len), np.int32, sharding=sharding) for field in FIELDS}

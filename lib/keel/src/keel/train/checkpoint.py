@@ -19,10 +19,20 @@ from __future__ import annotations
 
 import datetime
 import functools
+import json
 import logging
 import os
 
+import fsspec
+import haliax as hax
 import jax
+from levanter.checkpoint import (
+    Checkpointer,
+    CheckpointInterval,
+    CheckpointRetention,
+    discover_latest_checkpoint,
+    load_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +48,6 @@ class TrainCheckpoints:
 
     def __init__(self, output_path: str, *, permanent_every: int | None, rolling_every: int | None = None,
                  rolling_minutes: float | None = None, keep_rolling: int = 1):
-        from levanter.checkpoint import CheckpointInterval
-
         self.root = checkpoint_root(output_path)
         self.rolling_every = rolling_every
         policies = [CheckpointInterval(every=permanent_every)] if permanent_every else []
@@ -47,15 +55,11 @@ class TrainCheckpoints:
         self._checkpointer = _checkpointer_class()(self.root, interval, policies, keep_last_temporary_checkpoints=keep_rolling)
 
     def latest(self) -> str | None:
-        from levanter.checkpoint import discover_latest_checkpoint
-
         return discover_latest_checkpoint(self.root)
 
     def restore(self, exemplar, path: str):
         """The state saved at `path`, laid out like `exemplar` (same tree, shardings, memory kinds
         and dtypes); when `path` cannot be read, the newest older checkpoint that can, else `exemplar`."""
-        from levanter.checkpoint import discover_latest_checkpoint
-
         skipped: list[str] = []
         candidate: str | None = path
         while candidate is not None:
@@ -76,9 +80,6 @@ class TrainCheckpoints:
     @staticmethod
     def step_of(path: str) -> int:
         """The completed steps of the checkpoint at `path` (from its metadata)."""
-        import json
-
-        import fsspec
 
         with fsspec.open(os.path.join(path, "metadata.json")) as f:
             return int(json.load(f)["step"])
@@ -86,8 +87,6 @@ class TrainCheckpoints:
     def on_step(self, state, step: int, *, force: bool = False, rolling: bool = False) -> bool:
         """Save if a policy says so, a permanent one if `force`, at least a rolling one if `rolling`;
         `step` counts completed optimizer steps. True when a save of this step started."""
-        from levanter.checkpoint import CheckpointRetention
-
         if rolling or (self.rolling_every and step % self.rolling_every == 0):
             self._checkpointer.request_checkpoint(CheckpointRetention.TEMPORARY)
         self._checkpointer.saving_step = None
@@ -103,8 +102,6 @@ def _checkpointer_class():
     """Levanter's `Checkpointer`, noting the step of each save it starts (`saving_step`): its
     `on_step` decides by its policies, returns nothing and keeps the step it saved private, so the
     public `save_checkpoint` that `on_step` calls for every save is where keel sees it."""
-    from levanter.checkpoint import Checkpointer
-
     class SaveNotingCheckpointer(Checkpointer):
         saving_step: int | None = None
 
@@ -129,9 +126,6 @@ def restore_like(exemplar, path: str, subpath: str | None = None):
     exemplar's concrete sharding rather than by an axis mapping (which Levanter's `load_checkpoint`
     uses for a named array).
     """
-    import haliax as hax
-    from levanter.checkpoint import load_checkpoint
-
     serialization_log = logging.getLogger("levanter.tensorstore_serialization")
     if _not_a_none_leaf not in serialization_log.filters:
         serialization_log.addFilter(_not_a_none_leaf)

@@ -24,7 +24,10 @@ import haliax as hax
 import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from levanter.utils.jax_utils import leaf_key_paths
 
+from keel.executor import storage
+from keel.executor.status import keel_path
 from keel.spec.resolved import DEVICE, ResolvedRun, spec_json
 
 LAYOUT_FILE = "layout.json"
@@ -38,8 +41,6 @@ class LayoutMismatch(RuntimeError):
 def state_paths(state) -> list[str]:
     """The path of every array of `state` ({"step", "model", "opt_state"}, arrays or their
     ShapeDtypeStructs), in the order of `jax.tree.leaves(state)`."""
-    from levanter.utils.jax_utils import leaf_key_paths
-
     params = jax.tree.leaves(leaf_key_paths(state["model"], is_leaf=_is_named))
     by_length = sorted(params, key=len, reverse=True)  # `a.b.c` matches before `b.c`
     seen: dict[str, int] = {}
@@ -129,9 +130,6 @@ def check(live: dict, run: ResolvedRun) -> None:
 
 def append_record(output_path: str, entry: dict) -> None:
     """Add `entry` to the step's `.keel/layout.json` ({"records": [...]}, newest last)."""
-    from keel.executor import storage
-    from keel.executor.status import keel_path
-
     path = keel_path(output_path, LAYOUT_FILE)
     previous = storage.read_json(path)
     records = previous.get("records", []) if isinstance(previous, dict) else []

@@ -15,7 +15,17 @@ step (the identity for models without quantile balancing).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
+
+import haliax as hax
+import jax.numpy as jnp
+
+from keel.mesh.mesh import compute_axis_mapping
+from keel.model.axes import BATCH, POS
+from keel.model.loss import TokenBatch, loss_fn
+from keel.model.routing import next_router_bias
+from keel.model.transformer import init_model, with_router_bias
 
 
 class TrainableLM(Protocol):
@@ -40,18 +50,9 @@ class KeelLM:
     def init(self, key):
         """The freshly initialised model; its caller jits this with the resolved run's shardings
         (`keel.train.layout.planned_shardings`), so no placement is decided here."""
-        from keel.model.transformer import init_model
-
         return init_model(self.config, key)
 
     def loss(self, model, batch, *, transport, z_loss: float, compute_dtype):
-        import haliax as hax
-        import jax.numpy as jnp
-
-        from keel.mesh.mesh import compute_axis_mapping
-        from keel.model.axes import BATCH, POS
-        from keel.model.loss import TokenBatch, loss_fn
-
         tokens = TokenBatch(
             input_ids=hax.named(batch["input_ids"], (BATCH, POS)),
             segment_ids=hax.named(batch["segment_ids"], (BATCH, POS)),
@@ -73,9 +74,6 @@ class KeelLM:
         return loss, out
 
     def apply_router_update(self, model, aux):
-        from keel.model.routing import next_router_bias
-        from keel.model.transformer import with_router_bias
-
         if "qb_beta" not in aux:
             return model
         current = model.layers.stacked.moe.router_bias
@@ -83,7 +81,5 @@ class KeelLM:
 
     def _for_phase(self, model, phase):
         """The model with the run's remat choice (a static field)."""
-        import dataclasses
-
         return dataclasses.replace(model, layers=dataclasses.replace(model.layers, gradient_checkpointing=self.remat))
 

@@ -51,19 +51,24 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
+from keel.data.datasets import FIELDS
 from keel.executor import interrupt
-from keel.spec.transports import TransportSpec
+from keel.spec.metrics import METRICS_FILE, latest_by_step, read_metrics
 from keel.spec.resolved import ResolvedRun
+from keel.spec.train import TrainConfig, TransportPhase
+from keel.spec.transports import TransportSpec
 from keel.train import compile_ahead, layout, offload
 from keel.train.batches import batch_loader, batch_shapes, batch_sharding
 from keel.train.checkpoint import TrainCheckpoints
-from keel.spec.train import TrainConfig, TransportPhase
 from keel.train.lm import TrainableLM
+from keel.train.optimizer import build_optimizer
 from keel.train.progress import Progress
 from keel.train.spike_guard import NonFiniteTraining, SpikeGuard, poison_from_env  # noqa: F401 - NonFiniteTraining: the loop's failure, imported from here
 from keel.train.tracking import LOSS_PLOT_FILE, MetricsLog, close_wandb, open_wandb, plot_loss_curves, run_name
-from keel.spec.metrics import METRICS_FILE, latest_by_step, read_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +123,6 @@ def train(config: TrainConfig, inputs: LoopInputs, output_path: str) -> dict[str
 
 class _Run:
     def __init__(self, config: TrainConfig, inputs: LoopInputs, output_path: str):
-        from keel.train.optimizer import build_optimizer
-
         self.config, self.inputs, self.output_path, self.plan = config, inputs, output_path, inputs.plan
         if self.plan is not None and self.plan.config.train != config:
             raise ValueError("the training loop was given a TrainConfig other than its resolved run's: pass "
@@ -156,8 +159,6 @@ class _Run:
 
     def _planned_shardings(self, shapes):
         """Each array's device sharding: the resolved run's placement (replicated without a plan)."""
-        from jax.sharding import NamedSharding, PartitionSpec
-
         if self.plan is None:
             return jax.tree.map(lambda _: NamedSharding(self.inputs.mesh, PartitionSpec(), memory_kind=offload.DEVICE),
                                 shapes)
@@ -510,9 +511,6 @@ def validation_losses(evaluate, arrays, datasets: dict[str, Any], *, batch_size:
     random sample of `num_batches x batch_size` sequences from anywhere in each dataset (all of a
     smaller one), the same sample every time. The first batches in storage order would be a few
     neighbouring documents, not the split; the last batch is filled by cycling through the sample."""
-    import numpy as np
-
-    from keel.data.datasets import FIELDS
 
     out = {}
     for name, dataset in sorted(datasets.items()):
@@ -545,6 +543,4 @@ def _is_shape(x) -> bool:
 
 
 def _global_norm(tree) -> jax.Array:
-    import optax
-
     return optax.global_norm(eqx.filter(tree, eqx.is_array))

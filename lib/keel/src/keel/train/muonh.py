@@ -17,6 +17,13 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
+from levanter.optim.util import (
+    NEWTON_SCHULZ_COEFFICIENTS,
+    flatten_linear_layers,
+    norm_preserving_update,
+    unflatten_linear_layers,
+)
 
 from keel.spec.train import STACK_AXES
 
@@ -70,8 +77,6 @@ def scale_by_muonh(
     The update keeps each logical matrix's Frobenius norm at its initial value (Levanter's
     `norm_preserving_update` on the same matrix), so MuonH matrices need no weight decay.
     """
-    from levanter.optim.util import flatten_linear_layers, unflatten_linear_layers
-
     def init_fn(params):
         for param in jax.tree.leaves(flatten_linear_layers(params), is_leaf=_is_named):  # refuse non-matrices early
             _check_matrix(param)
@@ -104,8 +109,6 @@ def _check_matrix(param) -> None:
 
 def _muonh_step(param, update, rate, steps: int, eps: float, dtype):
     """The hyperball update of one parameter: every logical matrix orthogonalised, its norm kept."""
-    from levanter.optim.util import norm_preserving_update
-
     def one(p, u):
         orthogonal = _newton_schulz(u.astype(dtype), steps, eps).astype(jnp.float32)
         return norm_preserving_update(p, orthogonal, rate).astype(u.dtype)
@@ -131,8 +134,6 @@ def _whole_matrices(x: jax.Array, num_stack: int):
     FSDP splits a matrix's rows over devices; Newton-Schulz multiplies whole matrices, so they are
     gathered for it (and the result split back like the parameter). Stack dims keep their split.
     """
-    from jax.sharding import PartitionSpec as P
-
     sharding = jax.typeof(x).sharding
     if sharding.mesh.empty:
         return x, None
@@ -146,8 +147,6 @@ def _newton_schulz(x: jax.Array, steps: int, eps: float) -> jax.Array:
     Levanter's own `zeropower_via_newtonschulz5` pins a (data, model) sharding constraint, which
     an explicit-axis mesh rejects; this is the same iteration without it.
     """
-    from levanter.optim.util import NEWTON_SCHULZ_COEFFICIENTS
-
     coefficients = NEWTON_SCHULZ_COEFFICIENTS["quintic"]
     x = x / (jnp.linalg.norm(x) + eps)
     transpose = x.shape[0] > x.shape[1]

@@ -12,10 +12,15 @@ from __future__ import annotations
 import re
 from typing import Callable, Mapping, NamedTuple, Sequence
 
+import haliax as hax
 import jax
 import jax.numpy as jnp
 import optax
+from levanter.optim.adamh import scale_by_adamh as levanter_adamh
+from levanter.optim.config import AdamConfig
+from levanter.utils.jax_utils import leaf_key_paths
 
+from keel.spec.train import AdamWConfig, GroupedOptimizerConfig, optimizer_group, peak_lr
 from keel.train.muonh import scale_by_muonh
 
 Schedule = Callable[[jax.Array], jax.Array]
@@ -23,8 +28,6 @@ Schedule = Callable[[jax.Array], jax.Array]
 
 def lr_schedule(peak: float, num_steps: int, warmup_fraction: float, min_lr_ratio: float) -> Schedule:
     """Linear warmup over `warmup_fraction` of the steps, then linear decay to `min_lr_ratio * peak`."""
-    from levanter.optim.config import AdamConfig
-
     shape = AdamConfig(learning_rate=peak, warmup=warmup_fraction, min_lr_ratio=min_lr_ratio, lr_schedule="linear")
     return shape.lr_scheduler(num_steps)
 
@@ -41,14 +44,10 @@ def decay_schedule(peak: float, start_step: int, num_steps: int) -> Schedule:
 
 def param_paths(params):
     """A tree shaped like `params` whose leaves are dotted paths (`blocks.attn.w_q`, ...)."""
-    from levanter.utils.jax_utils import leaf_key_paths
-
     return leaf_key_paths(params, is_leaf=_is_named)
 
 
 def _is_named(x) -> bool:
-    import haliax as hax
-
     return isinstance(x, hax.NamedArray)
 
 
@@ -87,8 +86,6 @@ def scheduled_weight_decay(mask, lr: Schedule, rate: Schedule) -> optax.Gradient
 
 def scale_by_adamh(lr: Schedule, *, b1: float, b2: float, eps: float) -> optax.GradientTransformation:
     """Levanter's AdamH (Adam direction, norm-preserving update) with a scheduled learning rate."""
-    from levanter.optim.adamh import scale_by_adamh as levanter_adamh
-
     return optax.inject_hyperparams(lambda learning_rate: levanter_adamh(b1, b2, eps, learning_rate))(learning_rate=lr)
 
 
@@ -110,8 +107,6 @@ class _Groups(NamedTuple):
 
 def optimizer_labels(optimizer, params):
     """A tree shaped like `params` holding each parameter's group (`config.optimizer_group`)."""
-    from keel.spec.train import optimizer_group
-
     return jax.tree.map(lambda path: optimizer_group(optimizer, path), param_paths(params))
 
 
@@ -124,8 +119,6 @@ def build_optimizer(train, params) -> tuple[optax.GradientTransformation, dict[s
     (`config.FROZEN_PARAMS`) receives no update at all. A `WeightDecayChange` adds decoupled weight
     decay on its groups, scaled by each parameter's own learning rate.
     """
-    from keel.spec.train import AdamWConfig, GroupedOptimizerConfig, peak_lr
-
     sched, opt = train.schedule, train.optimizer
 
     def schedule(group: str) -> Schedule:

@@ -14,6 +14,9 @@ import os
 import sys
 import time
 
+from levanter.recovery.faults import maybe_inject
+from tqdm import tqdm
+
 from keel.executor import heartbeat, step_warnings
 
 LINE_EVERY_S = 15.0
@@ -64,8 +67,6 @@ class Progress:
         terminal = sys.__stdout__
         self._bar = None
         if enabled and terminal is not None and terminal.isatty() and os.environ.get("KEEL_PROGRESS") != "lines":
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total, initial=start, file=terminal, desc=name, unit="step", dynamic_ncols=True,
                              leave=False)
         self._t0 = time.perf_counter()
@@ -96,8 +97,6 @@ class Progress:
         then the bar's postfix, or a plain line now and then."""
         heartbeat.beat(completed)
         if os.environ.get("LEVANTER_FAULT_KIND", "none") != "none":  # a fault injected on purpose, to test recovery
-            from levanter.recovery.faults import maybe_inject
-
             maybe_inject(completed)
         self._losses.append(loss)
         self._completed = completed

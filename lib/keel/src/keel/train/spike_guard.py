@@ -47,7 +47,12 @@ import os
 import statistics
 from typing import Any, Callable
 
-from keel.executor import storage
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from keel.executor import step_warnings, storage
+from keel.spec.metrics import METRICS_FILE, latest_by_step, read_metrics
 
 SPIKE_FILE = "spike_guard.json"
 """The rollbacks of a run, under its output path: {"rollbacks": [{"spike_step", "rolled_back_to",
@@ -70,9 +75,6 @@ class SpikeGuardGaveUp(RuntimeError):
 
 def check_finite(step: int, values: dict[str, Any]) -> None:
     """Raise `NonFiniteTraining` naming the step and metric (reads the scalars: a sync per step)."""
-    import jax
-    import numpy as np
-
     fetched = jax.device_get(values)
     bad = {k: float(v) for k, v in fetched.items() if not np.isfinite(v)}
     if bad:
@@ -155,8 +157,6 @@ class SpikeGuard:
     def step(self, step: int, index: int, state, run: Callable[[Any], tuple[Any, dict[str, Any]]], layout):
         """(state, metrics, rollback) after training step `step` on batch `index` with `run(state) ->
         (state, metrics)`; after a spike, (the snapshot's state, None, where the loop goes on)."""
-        import jax
-
         state, metrics = run(state)
         values = {k: float(v) for k, v in jax.device_get({k: metrics[k] for k in FINITE_METRICS}).items()}
         if self.config is None:
@@ -179,10 +179,6 @@ class SpikeGuard:
         if not self.rollbacks:
             return None
         said = describe_rollbacks(self.rollbacks)
-        try:
-            from keel.executor import step_warnings
-        except ImportError:  # an executor without step warnings: the closing line says it alone
-            return said
         step_warnings.warn(f"the spike guard rolled this run back: {said}; see {SPIKE_FILE}")
         return said
 
@@ -240,8 +236,6 @@ class SpikeGuard:
 
 def _earlier_losses(output_path: str, start: int, config) -> list[tuple[int, float]]:
     """(step, training loss) of the steps before `start` that `metrics.jsonl` holds: a resumed run's history."""
-    from keel.spec.metrics import METRICS_FILE, latest_by_step, read_metrics
-
     if not start:
         return []
     try:
@@ -256,14 +250,10 @@ class _Snapshot:
     shards, so it goes back to exactly where it was (memory kinds included), one process or many."""
 
     def __init__(self, step: int, layout, state):
-        import jax
-
         self.step, self.layout = step, layout
         self.arrays = jax.tree.map(_HostArray.of, state)
 
     def restore(self):
-        import jax
-
         return jax.tree.map(lambda h: h.to_device(), self.arrays, is_leaf=lambda x: isinstance(x, _HostArray))
 
 
@@ -280,8 +270,6 @@ class _HostArray:
 
     @classmethod
     def of(cls, x) -> "_HostArray":
-        import numpy as np
-
         shards: dict[tuple, Any] = {}
         for shard in x.addressable_shards:
             key = cls._key(shard.index, x.shape)
@@ -290,8 +278,6 @@ class _HostArray:
         return cls(x.shape, x.dtype, x.sharding, shards)
 
     def to_device(self):
-        import jax
-
         return jax.make_array_from_callback(self.shape, self.sharding, lambda index: self.shards[self._key(index, self.shape)])
 
 
@@ -304,9 +290,6 @@ def poison_from_env(index: int, batch: dict[str, Any]) -> dict[str, Any]:
     kinds = {int(s): k.strip() or "noise" for s, _, k in (e.partition(":") for e in named.split(",") if e.strip())}
     if index not in kinds:
         return batch
-    import jax
-    import jax.numpy as jnp
-
     kind = kinds[index]
     if kind == "noise":
         field = "input_ids"

@@ -11,24 +11,27 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from keel.spec.topology import BATCH_AXES, RackTopology
+import jax
+
+from keel.executor import storage
+from keel.executor.replicas import join_replicas
+from keel.executor.status import keel_path
+from keel.mesh.mesh import build_mesh
 from keel.spec.checks import mixture_phases
 from keel.spec.resolved import ResolvedRun, resolve
+from keel.spec.topology import BATCH_AXES, RackTopology
 from keel.spec.train import TrainStepConfig
+from keel.spec.transports import check_transport_supported
+from keel.train.batches import training_datasets
+from keel.train.data_checks import check_token_caches
+from keel.train.lm import KeelLM
+from keel.train.loop import LoopInputs, train
 
 logger = logging.getLogger(__name__)
 
 
 def train_step(config: TrainStepConfig) -> None:
     """Train (or resume training) to `config.train.num_steps`; results land under `config.output_path`."""
-    import jax
-
-    from keel.executor.replicas import join_replicas
-    from keel.mesh.mesh import build_mesh
-    from keel.train.batches import training_datasets
-    from keel.train.lm import KeelLM
-    from keel.train.loop import LoopInputs, train
-
     join_replicas(config.coordinator)  # a multi-host step: its replicas become one jax.distributed world (no-op alone)
     if config.topology is None:  # the run's mesh is every local device, as one rack
         config = dataclasses.replace(config, topology=RackTopology(racks=1, gpus_per_rack=len(jax.devices())))
@@ -57,11 +60,6 @@ def use_compilation_cache(output_path: str) -> None:
     """Point JAX's persistent compilation cache at the step's own `.keel/jax_cache` (outside the
     manifest) and say what an earlier attempt left there. Not for `memory://`, which a later
     process cannot read."""
-    import jax
-
-    from keel.executor import storage
-    from keel.executor.status import keel_path
-
     if not storage.is_shared_between_processes(output_path):
         return
     cache = keel_path(output_path, "jax_cache")
@@ -77,9 +75,6 @@ def check_step_config(plan: ResolvedRun, *, num_devices: int, platform: str) -> 
     """What only the running process can check (the declaration itself is `resolve`'s): its device
     count against the topology, each transport against its platform, and the token caches it
     reads against the model and the run (`data_checks.check_token_caches`)."""
-    from keel.spec.transports import check_transport_supported
-    from keel.train.data_checks import check_token_caches
-
     config = plan.config
     config.topology.validate(config.model, config.train.batch_size, num_devices=num_devices)
     for phase in plan.transports:

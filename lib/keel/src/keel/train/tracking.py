@@ -8,13 +8,18 @@ steps never share one.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import re
+import sys
 from typing import Any, Mapping
 
 import fsspec
+import wandb
+from levanter.tracker import wandb as levanter_wandb
+from levanter.tracker.wandb import WandbConfig
 
 from keel.executor import storage
 from keel.spec.metrics import METRICS_FILE, latest_by_step, read_metrics
@@ -161,8 +166,6 @@ def open_wandb(output_path: str, *, project: str, entity: str | None, tags: tupl
     The local wandb directory lives under the output path when it is local, so offline runs stay
     with the step's results.
     """
-    from levanter.tracker.wandb import WandbConfig
-
     if "://" not in output_path:
         wandb_dir = os.path.join(output_path, "wandb_files")
         os.makedirs(wandb_dir, exist_ok=True)
@@ -190,11 +193,6 @@ def close_wandb(tracker) -> None:
     `WandbConfig.init` registers that hook unconditionally and Levanter has no public switch or
     handle for it, so it is unregistered by its (private) name.
     """
-    import atexit
-
-    import wandb
-    from levanter.tracker import wandb as levanter_wandb
-
     tracker.finish()
     atexit.unregister(levanter_wandb._teardown_wandb_service_bounded)
     wandb.teardown()
@@ -202,8 +200,6 @@ def close_wandb(tracker) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """On demand: `python -m keel.train.tracking OUTPUT_PATH` redraws OUTPUT_PATH/loss.png (also mid-run)."""
-    import sys
-
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         raise SystemExit("usage: python -m keel.train.tracking OUTPUT_PATH  (a training step's output directory)")

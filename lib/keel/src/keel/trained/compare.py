@@ -25,10 +25,12 @@ from typing import Any
 
 from keel.executor import storage
 from keel.executor.status import KEEL_DIR, RECORD, keel_path, read_status
+from keel.executor.plan import CACHED, plan_graph
 from keel.executor.step import Step
 from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
 from keel.trained import ladder
 from keel.spec.trained import CompareConfig
+from keel.spec.train import TrainStepConfig
 
 TABLE_FILE, JSON_FILE, PLOT_FILE = "comparison.md", "comparison.json", "comparison.png"
 SHARED_MARK = "*"
@@ -325,9 +327,6 @@ def compare_step(config: CompareConfig) -> None:
 def training_plans(experiments: list[tuple[str | None, Any]], only: re.Pattern | None = None) -> list[tuple[str | None, Any]]:
     """(experiment, plan) of every training step of the (experiment file, graph) pairs whose name
     matches `only`, each output once (a step two experiments share is listed under the first)."""
-    from keel.executor.plan import plan_graph
-    from keel.spec.train import TrainStepConfig
-
     seen, out = set(), []
     for source, graph in experiments:
         for plan in plan_graph(graph):
@@ -343,8 +342,6 @@ def compare_finished(experiments: list[tuple[str | None, Any]], only: re.Pattern
     of the cached training steps of the (experiment file, graph) pairs whose names match `only`;
     runs nothing. A step name two experiments declare differently is labelled `file:name`. Exit
     code 1 when no such step has finished."""
-    from keel.executor.plan import CACHED
-
     plans = training_plans(experiments, only)
     names = [p.name for _, p in plans]
     runs, files = {}, {}

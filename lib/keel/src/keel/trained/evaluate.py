@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import math
 
+import jax
+
+from keel.data import load_token_cache
+from keel.data.tokenize import read_sequence_bytes
 from keel.executor import storage
+from keel.spec.topology import BATCH_AXES
 from keel.spec.trained import EvalConfig
+from keel.train.loop import eval_loss_fn, validation_losses
+from keel.trained.load import checkpoint_path, load_model
 
 EVAL_FILE = "eval.json"
 
 
 def eval_step(config: EvalConfig) -> None:
     """Step function: evaluate `config.model` on every cache of `config.data`, write eval.json."""
-    import jax
-
-    from keel.data import load_token_cache
-    from keel.spec.topology import BATCH_AXES
-    from keel.train.loop import eval_loss_fn, validation_losses
-    from keel.trained.load import checkpoint_path, load_model
-
     seq_len = config.model.train.seq_len
     datasets = {}
     for label, root in sorted(config.data.items()):
@@ -60,8 +60,6 @@ def eval_step(config: EvalConfig) -> None:
 def dataset_result(loss: float, cache_root: str, split: str, rows, seq_len: int) -> dict:
     """Loss, perplexity and bits per byte over the sequences `rows` of a cache split (the sample the
     loss was taken on; bits per byte is None for a cache written without per-sequence byte counts)."""
-    from keel.data.tokenize import read_sequence_bytes
-
     counts = read_sequence_bytes(cache_root, split)
     num_bytes = int(counts[rows].sum()) if counts is not None else None
     sequences = len(rows)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from keel.executor import storage
 from keel.executor.status import keel_path
-from keel.executor.step import this_output
+from keel.executor.step import OutputOf, this_output
+from keel.spec.metrics import METRICS_FILE, latest_by_step, read_metrics
 
 FIT_FILE, PREDICTION_FILE, CHECK_FILE = "fit.json", "prediction.json", "check.json"
 BAND = 0.95
@@ -119,8 +120,6 @@ def _curve_fit(x, y):
 
 def final_val_loss(run_path: str) -> tuple[int, float] | None:
     """(step, eval/loss) of the run's last evaluation, or None before its first."""
-    from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
-
     try:
         evals = latest_by_step(read_metrics(storage.join(run_path, METRICS_FILE)), "eval/loss")
     except FileNotFoundError:
@@ -183,8 +182,6 @@ def training_compute(model, train) -> float:
 
 def prediction_location(graph, step) -> str | None:
     """Where the prediction a training step declares (`predicted_loss=`) is written, or None."""
-    from keel.executor.step import OutputOf
-
     declared = getattr(step.config, "predicted_loss", None)
     if isinstance(declared, OutputOf):
         return storage.join(graph.path(declared.step), declared.subpath)

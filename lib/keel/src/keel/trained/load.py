@@ -12,8 +12,20 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
 from keel.executor import storage
+from keel.executor.step import External
+from keel.mesh.mesh import build_mesh
+from keel.spec.resolved import resolve
+from keel.spec.topology import RackTopology
+from keel.spec.train import TrainStepConfig
 from keel.spec.trained import TrainedModel
+from keel.train.checkpoint import checkpoint_root, restore_like
+from keel.train.layout import planned_shardings
+from keel.train.lm import KeelLM
 
 
 @dataclasses.dataclass
@@ -36,8 +48,6 @@ class LoadedModel:
 
 def checkpoint_path(ref: TrainedModel) -> str:
     """The directory of the checkpoint `ref` names; FileNotFoundError listing the run's checkpoints."""
-    from keel.train.checkpoint import checkpoint_root
-
     root = checkpoint_root(ref.run)
     path = storage.join(root, f"step-{ref.step}")
     if not storage.exists(storage.join(path, "metadata.json")):
@@ -51,19 +61,6 @@ def checkpoint_path(ref: TrainedModel) -> str:
 
 def load_model(ref: TrainedModel) -> LoadedModel:
     """Restore the model of checkpoint `ref` on the mesh of its run's topology (all local devices without one)."""
-    import equinox as eqx
-    import jax
-    import jax.numpy as jnp
-
-    from keel.executor.step import External
-    from keel.mesh.mesh import build_mesh
-    from keel.spec.topology import RackTopology
-    from keel.spec.resolved import resolve
-    from keel.train.checkpoint import restore_like
-    from keel.spec.train import TrainStepConfig
-    from keel.train.layout import planned_shardings
-    from keel.train.lm import KeelLM
-
     path = checkpoint_path(ref)
     topology = ref.topology or RackTopology(racks=1, gpus_per_rack=len(jax.devices()))
     checkpoint = External("trained/checkpoint", ref.run, version=f"step-{ref.step}")  # resolve needs data; any will do

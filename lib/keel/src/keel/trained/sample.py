@@ -14,17 +14,27 @@ from __future__ import annotations
 
 import json
 
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from keel.data.tokenizer import load_tokenizer
 from keel.executor import storage
+from keel.mesh.mesh import compute_axis_mapping
+from keel.model.axes import BATCH, POS
+from keel.spec.resolved import default_transport
+from keel.spec.topology import BATCH_AXES
 from keel.spec.trained import SampleConfig
+from keel.spec.transports import TransportSpec
+from keel.trained.load import load_model
 
 SAMPLES_FILE = "samples.jsonl"
 
 
 def sample_step(config: SampleConfig) -> None:
     """Step function: write one JSON line per prompt ({prompt, completion, token ids, ...}) and print them."""
-    from keel.data.tokenizer import load_tokenizer
-    from keel.trained.load import load_model
-
     loaded_tokenizer = load_tokenizer(config.tokenizer, bos_token=config.bos_token, eos_token=config.eos_token)
     tokenizer = loaded_tokenizer.tokenizer
     tokenizer.encode_special_tokens = True  # as the tokenize step encoded documents: special strings are text
@@ -50,10 +60,6 @@ def sample_step(config: SampleConfig) -> None:
 def generate(loaded, prompts: list[list[int]], *, context: int, max_tokens: int, temperature: float, seed: int,
              stop_id: int | None) -> list[list[int]]:
     """Up to `max_tokens` new token ids per prompt, stopping at `stop_id` (not included)."""
-    import jax
-    import numpy as np
-
-    from keel.spec.topology import BATCH_AXES
 
     shards = loaded.topology.batch_shards
     rows = -(-len(prompts) // shards) * shards
@@ -83,8 +89,6 @@ def generate(loaded, prompts: list[list[int]], *, context: int, max_tokens: int,
 def _window(sequences: list[list[int]], rows: int, context: int):
     """(input_ids, segment_ids, last position) [rows, context]: each sequence's last `context`
     tokens as one document, the rest padding (segment -1); rows past the prompts repeat the first."""
-    import numpy as np
-
     ids = np.zeros((rows, context), np.int32)
     segments = np.full((rows, context), -1, np.int32)
     last = np.zeros((rows,), np.int64)
@@ -98,8 +102,6 @@ def _window(sequences: list[list[int]], rows: int, context: int):
 
 def _draw(logits, temperature: float, generator) -> int:
     """One token id from `logits` (a numpy vector): greedy at temperature 0, else drawn by `generator`."""
-    import numpy as np
-
     if temperature == 0:
         return int(np.argmax(logits))
     scaled = (logits - logits.max()) / temperature
@@ -109,16 +111,6 @@ def _draw(logits, temperature: float, generator) -> int:
 
 def _next_token_logits(loaded):
     """Jitted (model arrays, input_ids, segment_ids) -> float32 logits [rows, context, vocab]."""
-    import equinox as eqx
-    import haliax as hax
-    import jax
-    import jax.numpy as jnp
-
-    from keel.mesh.mesh import compute_axis_mapping
-    from keel.model.axes import BATCH, POS
-    from keel.spec.transports import TransportSpec
-    from keel.spec.resolved import default_transport
-
     static, dtype = loaded.static, loaded.compute_dtype
     transport = TransportSpec(default_transport(loaded.topology).transport)
 
