@@ -190,7 +190,7 @@ class _Run:
             self._check_layout(start, "resume" if latest is not None else "start")
             self.progress.event(f"compiling the {self.transport_at(start).transport} training step ahead, while the run sets up ...")
         self.metrics_log = MetricsLog(os.path.join(self.output_path, METRICS_FILE), writer=primary, resume_at=start)
-        self.tracker = self._open_tracker()
+        self.tracker = self._open_tracker() if primary else None
         self.last: dict[str, float] = {}
         try:
             if start < config.num_steps:

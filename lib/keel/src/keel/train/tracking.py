@@ -8,7 +8,6 @@ steps never share one.
 
 from __future__ import annotations
 
-import atexit
 import json
 import logging
 import os
@@ -18,8 +17,7 @@ from typing import Any, Mapping
 
 import fsspec
 import wandb
-from levanter.tracker import wandb as levanter_wandb
-from levanter.tracker.wandb import WandbConfig
+from levanter.tracker.wandb import WandbTracker
 
 from keel.executor import storage
 from keel.spec.metrics import METRICS_FILE, latest_by_step, read_metrics
@@ -160,41 +158,28 @@ def plot_loss_curves(metrics_path: str, png_path: str, *, title: str | None = No
     return drawn
 
 
-def open_wandb(output_path: str, *, project: str, entity: str | None, tags: tuple[str, ...] = ()):
-    """A Levanter wandb tracker for this step (mode from `wandb_mode()`), files kept next to the run.
+def open_wandb(output_path: str, *, project: str, entity: str | None, tags: tuple[str, ...] = ()) -> WandbTracker:
+    """A Levanter wandb tracker for this step's run (mode from `wandb_mode()`), named and resumed by
+    the step's identity, its files kept next to the run when the output path is local.
 
-    The local wandb directory lives under the output path when it is local, so offline runs stay
-    with the step's results.
+    The run is opened with `wandb.init` and wrapped in Levanter's `WandbTracker`, not through
+    `WandbConfig.init`: that one also registers an exit hook which starts a thread at interpreter
+    shutdown (Python refuses it: a traceback after every run) and can only be removed by its
+    private name. Only the writing process calls this.
     """
+    wandb_dir = None
     if "://" not in output_path:
         wandb_dir = os.path.join(output_path, "wandb_files")
         os.makedirs(wandb_dir, exist_ok=True)
-        os.environ["WANDB_DIR"] = wandb_dir
     run_id = run_id_for(output_path)
-    config = WandbConfig(
-        project=project,
-        entity=entity,
-        name=run_id,
-        id=run_id,
-        tags=list(tags),
-        mode=wandb_mode(),
-        resume="allow",
-        save_code=False,
-        background=False,
-    )
-    return config.init(run_id)
+    run = wandb.init(project=project, entity=entity, name=run_id, id=run_id, tags=list(tags), mode=wandb_mode(),
+                     resume="allow", dir=wandb_dir, save_code=False)
+    return WandbTracker(run)
 
 
-def close_wandb(tracker) -> None:
-    """Finish the run and shut wandb's service down now, not at interpreter exit.
-
-    Levanter defers the service teardown to an exit hook that starts a thread, which Python
-    refuses at interpreter shutdown (a traceback after every run); doing it here is clean.
-    `WandbConfig.init` registers that hook unconditionally and Levanter has no public switch or
-    handle for it, so it is unregistered by its (private) name.
-    """
+def close_wandb(tracker: WandbTracker) -> None:
+    """Finish the run and shut wandb's service down now, not at interpreter exit."""
     tracker.finish()
-    atexit.unregister(levanter_wandb._teardown_wandb_service_bounded)
     wandb.teardown()
 
 
