@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import posixpath
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -85,7 +86,7 @@ class _ShardedSplitWriter:
     def _flush(self) -> None:
         name = f"{self.split}/docs-{len(self.shards):05d}.jsonl.zst"
         fs, path = storage.split(storage.join(self.root, name))
-        fs.makedirs(fs._parent(path), exist_ok=True)
+        fs.makedirs(posixpath.dirname(path), exist_ok=True)
         with fs.open(path, "wb") as f:
             f.write(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(self._buffer.getvalue()))
         self.shards.append(name)

@@ -14,6 +14,7 @@ import functools
 import itertools
 import json
 import os
+import posixpath
 import threading
 import uuid
 from typing import Any
@@ -32,8 +33,7 @@ def split(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     protocol, _, rest = url.partition("://")
     if not rest:
         return _fs_for_protocol("file"), os.path.abspath(url)
-    fs = _fs_for_protocol(protocol)
-    return fs, fs._strip_protocol(url)
+    return _fs_for_protocol(protocol), fsspec.core.strip_protocol(url)
 
 
 def is_local(url: str) -> bool:
@@ -95,7 +95,7 @@ def _ensure_folder(fs: fsspec.AbstractFileSystem, folder: str) -> None:
 
 def _ensure_parent(fs: fsspec.AbstractFileSystem, path: str) -> None:
     """makedirs for the file's folder (see `_ensure_folder`)."""
-    _ensure_folder(fs, fs._parent(path))
+    _ensure_folder(fs, posixpath.dirname(path.rstrip("/")))
 
 
 def make_folder(url: str) -> None:
