@@ -9,13 +9,11 @@ Change `n` and all three re-run under new output paths; change `workers` (execut
 nothing re-runs.
 """
 
-import json
 import random
 from dataclasses import dataclass
 
-import fsspec
-
 from keel import Step, execution_only, main, output_of, this_output
+from keel.executor.storage import read_json, write_atomic, write_json  # fsspec paths, written atomically
 
 
 @dataclass(frozen=True)
@@ -28,9 +26,7 @@ class NumbersConfig:
 
 def make_numbers(config: NumbersConfig) -> None:
     rng = random.Random(config.seed)
-    numbers = [rng.randint(0, 1000) for _ in range(config.n)]
-    with fsspec.open(f"{config.output_path}/numbers.json", "w") as f:
-        json.dump(numbers, f)
+    write_json(f"{config.output_path}/numbers.json", [rng.randint(0, 1000) for _ in range(config.n)])
 
 
 @dataclass(frozen=True)
@@ -40,11 +36,9 @@ class StatsConfig:
 
 
 def compute_stats(config: StatsConfig) -> None:
-    with fsspec.open(config.numbers) as f:
-        numbers = json.load(f)
+    numbers = read_json(config.numbers)
     stats = {"count": len(numbers), "mean": sum(numbers) / len(numbers), "min": min(numbers), "max": max(numbers)}
-    with fsspec.open(f"{config.output_path}/stats.json", "w") as f:
-        json.dump(stats, f, indent=1)
+    write_json(f"{config.output_path}/stats.json", stats)
     print(f"mean of {stats['count']} numbers: {stats['mean']:.2f}")
 
 
@@ -55,10 +49,8 @@ class ReportConfig:
 
 
 def write_report(config: ReportConfig) -> None:
-    with fsspec.open(config.stats) as f:
-        stats = json.load(f)
-    with fsspec.open(config.output_path, "w") as f:
-        f.write(f"{stats['count']} numbers between {stats['min']} and {stats['max']}, mean {stats['mean']:.2f}\n")
+    stats = read_json(config.stats)
+    write_atomic(config.output_path, f"{stats['count']} numbers between {stats['min']} and {stats['max']}, mean {stats['mean']:.2f}\n")
 
 
 numbers = Step("tutorial/numbers", make_numbers, NumbersConfig(n=100), description="n pseudo-random integers")
