@@ -285,8 +285,8 @@ def test_status_reads_a_running_steps_progress_from_its_metrics(tmp_path):
     assert config.progress(str(tmp_path)) is None  # nothing written yet
     log = MetricsLog(str(tmp_path / METRICS_FILE))
     for step in range(10):
-        log.write(step, {"train/loss": 5.0 - step / 10, "throughput/tokens_per_s": 1024.0})
-    log.close()
+        log.log({"train/loss": 5.0 - step / 10, "throughput/tokens_per_s": 1024.0}, step=step)
+    log.finish()
     line = config.progress(str(tmp_path))
     assert line.startswith("training: step 10/100, loss 4.1000, 1,024 tokens/s")
     assert "about 1.5 min to go" in line  # 90 steps x 1,024 tokens at 1,024 tokens/s

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
+from levanter.tracker import Tracker
 
 from keel.data.datasets import FIELDS
 from keel.executor import interrupt
@@ -68,7 +69,7 @@ from keel.train.lm import TrainableLM
 from keel.train.optimizer import build_optimizer
 from keel.train.progress import Progress
 from keel.train.spike_guard import NonFiniteTraining, SpikeGuard, poison_from_env  # noqa: F401 - NonFiniteTraining: the loop's failure, imported from here
-from keel.train.tracking import LOSS_PLOT_FILE, MetricsLog, close_wandb, open_wandb, plot_loss_curves, run_name
+from keel.train.tracking import LOSS_PLOT_FILE, MetricsLog, open_wandb, plot_loss_curves, run_name
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +190,11 @@ class _Run:
         if start < config.num_steps:
             self._check_layout(start, "resume" if latest is not None else "start")
             self.progress.event(f"compiling the {self.transport_at(start).transport} training step ahead, while the run sets up ...")
-        self.metrics_log = MetricsLog(os.path.join(self.output_path, METRICS_FILE), writer=primary, resume_at=start)
-        self.tracker = self._open_tracker() if primary else None
+        # every record goes to each tracker: metrics.jsonl (what compare, ladder and the dashboard
+        # read), then wandb; a tracker that fails raises (Levanter's CompositeTracker would log and go on)
+        self.trackers: list[Tracker] = [MetricsLog(os.path.join(self.output_path, METRICS_FILE), writer=primary, resume_at=start)]
+        if primary and self.inputs.use_wandb:
+            self.trackers.append(open_wandb(self.output_path, project=self.inputs.wandb_project, entity=None))
         self.last: dict[str, float] = {}
         try:
             if start < config.num_steps:
@@ -204,9 +208,8 @@ class _Run:
                 self.checkpoints.wait()
         finally:
             self.progress.close()
-            self.metrics_log.close()
-            if self.tracker is not None:
-                close_wandb(self.tracker)
+            for tracker in self.trackers:
+                tracker.finish()
         if primary:
             plot_loss_curves(os.path.join(self.output_path, METRICS_FILE), os.path.join(self.output_path, LOSS_PLOT_FILE),
                              title=self._title(), marks=self._marks())
@@ -247,7 +250,7 @@ class _Run:
         config = self.config
         previous = self.transport_at(start)
         self.guard = SpikeGuard(config.spike_guard, self.output_path, start=start, state=self.state_arrays,
-                                layout=self.layout, event=self.progress.event, write_row=self.metrics_log.write,
+                                layout=self.layout, event=self.progress.event, write_row=self._log,
                                 writer=jax.process_index() == 0, restarts=tuple(self.inputs.phase_starts))
         batches = self.guard.batches(loader, start)  # (batch index, batch): a batch the guard skipped is passed over
         step = start
@@ -302,9 +305,7 @@ class _Run:
         values = {k: float(v) for k, v in jax.device_get(done.metrics).items()}
         values["throughput/tokens_per_s"] = config.tokens_per_step / (time.perf_counter() - done.started)
         values["transport"] = done.phase.transport
-        self.metrics_log.write(done.step, values)
-        if self.tracker is not None:
-            self.tracker.log({k: v for k, v in values.items() if k != "transport"}, step=done.step)
+        self._log(done.step, values)
         self.last = values
 
     def _evaluate_after(self, done: StepDone) -> None:
@@ -473,9 +474,7 @@ class _Run:
             self._compiled(evaluate, f"step {step}'s evaluation")
         values = {f"eval/{name}/loss": loss for name, loss in losses.items()}
         values["eval/loss"] = sum(values.values()) / len(values)
-        self.metrics_log.write(step, values)
-        if self.tracker is not None:
-            self.tracker.log(values, step=step)
+        self._log(step, values)
         shown = ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in values.items() if k != "eval/loss")
         self.progress.event(f"step {step}: validation loss {values['eval/loss']:.4f}" + (f" ({shown})" if len(losses) > 1 else ""))
 
@@ -486,10 +485,9 @@ class _Run:
         how = f"ahead ({user} waited {pending.waited:.1f}s for it)" if pending.ahead else "on first use"
         self.progress.compiled(pending.what, pending.seconds, how)
 
-    def _open_tracker(self):
-        if not self.inputs.use_wandb:
-            return None
-        return open_wandb(self.output_path, project=self.inputs.wandb_project, entity=None)
+    def _log(self, step: int, values: dict[str, Any]) -> None:
+        for tracker in self.trackers:
+            tracker.log(values, step=step)
 
 
 def eval_loss_fn(lm: TrainableLM, static, shardings, transport: TransportSpec, compute_dtype):

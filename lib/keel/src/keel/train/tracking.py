@@ -17,6 +17,7 @@ from typing import Any, Mapping
 
 import fsspec
 import wandb
+from levanter.tracker import Tracker
 from levanter.tracker.wandb import WandbTracker
 
 from keel.executor import storage
@@ -44,8 +45,10 @@ def wandb_mode() -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
-class MetricsLog:
+class MetricsLog(Tracker):
     """Append-only JSON lines, one record per step (train) or evaluation; flushed on every write.
+    A Levanter tracker, beside wandb's; it keeps per-step metrics only (summaries, hyperparameters
+    and artifacts belong to wandb and the step's own files).
 
     A record is `{"step": int, <metric>: float, ...}`; a train record's step is the index of the
     update (0-based), an evaluation's the number of updates done before it. A run resumed from the
@@ -65,16 +68,27 @@ class MetricsLog:
                 _drop_records_after(path, resume_at)
             self._file = fsspec.open(path, "a").open()
 
-    def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+    name = "metrics.jsonl"
+
+    def log(self, metrics: Mapping[str, Any], *, step: int | None, commit: bool | None = None) -> None:
         if self._file is None:
             return
         record = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
-    def close(self) -> None:
+    def finish(self) -> None:
         if self._file is not None:
             self._file.close()
+
+    def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
+        pass
+
+    def log_summary(self, metrics: dict[str, Any]) -> None:
+        pass
+
+    def log_artifact(self, artifact_path, *, name: str | None = None, type: str | None = None) -> None:
+        pass
 
 
 def _is_eval(record: Mapping[str, Any]) -> bool:
@@ -174,13 +188,16 @@ def open_wandb(output_path: str, *, project: str, entity: str | None, tags: tupl
     run_id = run_id_for(output_path)
     run = wandb.init(project=project, entity=entity, name=run_id, id=run_id, tags=list(tags), mode=wandb_mode(),
                      resume="allow", dir=wandb_dir, save_code=False)
-    return WandbTracker(run)
+    return _WandbRun(run)
 
 
-def close_wandb(tracker: WandbTracker) -> None:
-    """Finish the run and shut wandb's service down now, not at interpreter exit."""
-    tracker.finish()
-    wandb.teardown()
+class _WandbRun(WandbTracker):
+    """Levanter's wandb tracker that also shuts wandb's service down when it finishes, not at
+    interpreter exit."""
+
+    def finish(self) -> None:
+        super().finish()
+        wandb.teardown()
 
 
 def main(argv: list[str] | None = None) -> None:
