@@ -358,6 +358,11 @@ def check_types(config: Any, step_name: str) -> None:
                 stack.append((f"{where}.{name}", value))
 
 
+@functools.cache
+def _field_names(config_type: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(config_type))
+
+
 def iter_values(obj: Any):
     """Yield every value inside a config: dataclass fields, list/tuple items, dict values."""
     stack = [obj]
@@ -367,7 +372,7 @@ def iter_values(obj: Any):
         if isinstance(value, (Step, External, OutputOf, ThisOutput)):
             continue
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            stack.extend(reversed([getattr(value, f.name) for f in dataclasses.fields(value)]))
+            stack.extend(reversed([getattr(value, name) for name in _field_names(type(value))]))
         elif isinstance(value, (list, tuple)):
             stack.extend(reversed(value))
         elif isinstance(value, dict):
