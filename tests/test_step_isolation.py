@@ -28,7 +28,10 @@ SWEEP = str(REPO / "tests/experiments/lr_sweep_2.py")
 
 
 def user_env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    """The environment a user runs keel in: no simulated devices, platform or test-session
+    compilation cache (`conftest.py`)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS") and not k.startswith(
+        ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "KEEL_TEST_JAX_CACHE"))}
     return {**env, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **extra}
 
 

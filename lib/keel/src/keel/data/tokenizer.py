@@ -180,9 +180,12 @@ class SequenceBytes:
         return counts
 
     def decoded(self, input_ids):
-        """The same counts, by decoding every row."""
-        texts = self.tokenizer.decode_batch(np.asarray(input_ids).tolist(), skip_special_tokens=True)
-        return np.array([len(t.encode("utf-8")) for t in texts], dtype=np.int64)
+        """The same counts, by decoding every row, one at a time on this thread: `decode_batch`
+        would wait behind the encoding batches in `tokenizers`' shared thread pool (the step's
+        first call, which checks the table, stalled its pipeline for half a second)."""
+        decode = self.tokenizer.decode
+        rows = np.asarray(input_ids).tolist()
+        return np.array([len(decode(row, skip_special_tokens=True).encode("utf-8")) for row in rows], dtype=np.int64)
 
 
 def _token_bytes(tokenizer) -> list[bytes] | None:

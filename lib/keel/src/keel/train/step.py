@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import jax
 
@@ -59,14 +60,19 @@ def train_step(config: TrainStepConfig) -> None:
 def use_compilation_cache(output_path: str) -> None:
     """Point JAX's persistent compilation cache at the step's own `.keel/jax_cache` (outside the
     manifest) and say what an earlier attempt left there. Not for `memory://`, which a later
-    process cannot read."""
-    if not storage.is_shared_between_processes(output_path):
+    process cannot read. A cache the user chose with `JAX_COMPILATION_CACHE_DIR` (one for every run
+    on the machine: the same shapes compile once) is kept, and named."""
+    chosen = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if not chosen and not storage.is_shared_between_processes(output_path):
         return
-    cache = keel_path(output_path, "jax_cache")
+    cache = chosen or keel_path(output_path, "jax_cache")
     found = len(storage.list_names(cache))
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if chosen:
+        print(f"[train] compilation cache {cache} (JAX_COMPILATION_CACHE_DIR): {found} compiled programs", flush=True)
+        return
     print(f"[train] compilation cache {cache}: " + (f"{found} compiled programs from an earlier attempt (compiles "
           "they cover are skipped)" if found else "empty (the first attempt compiles everything)"), flush=True)
 
