@@ -13,8 +13,8 @@ loss spike).
   the same run), it resumes from its step-15 checkpoint, skips batch 17 by the record without
   spiking again, rolls back at 22 and ends with the uninterrupted guarded run's very losses.
 
-The runs share a persistent compilation cache, so only the first compiles the step (about a minute
-on 2 cores); the rest take about 10 s each.
+The runs share the session's persistent compilation cache (`conftest.py`), so only the first
+compiles the step (about a minute on 2 cores); the rest take about 10 s each.
 """
 
 import contextlib
@@ -33,24 +33,6 @@ POISON = "17:padding,23:noise"
 BASE = dict(num_steps=30, batch_size=16, seq_len=64, eval_every=100, eval_batches=1, z_loss=1e-4,
             rolling_checkpoint_minutes=None, permanent_checkpoint_every=15, optimizer=AdamWConfig(lr=1e-2))
 GUARD = SpikeGuardConfig(window=16, min_history=8, snapshot_every=5, max_rollbacks=2)
-
-
-@pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    """One persistent compilation cache for the module's runs, taken down afterwards."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache
-
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    before = {name: getattr(jax.config, name) for name in names}
-    for name, value in zip(names, (str(tmp_path_factory.mktemp("jax_cache")), 0.0, 0)):
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
-    yield
-    for name, value in before.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
 
 
 def _train(out, monkeypatch, poison=POISON, **changes):
@@ -77,7 +59,7 @@ def _final_eval(out):
 
 
 @pytest.fixture(scope="module")
-def clean(compile_cache, tmp_path_factory):
+def clean(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "clean-0123abcd89"
     with pytest.MonkeyPatch.context() as mp:
         _train(out, mp, poison=None)
@@ -85,7 +67,7 @@ def clean(compile_cache, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def guarded(compile_cache, tmp_path_factory):
+def guarded(tmp_path_factory):
     """(output path, what the run printed)."""
     out = tmp_path_factory.mktemp("runs") / "guarded-0123abcd89"
     printed = io.StringIO()
