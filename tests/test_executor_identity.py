@@ -167,3 +167,25 @@ def test_config_must_be_a_dataclass_instance():
         Step("x/y", noop, {"n": 1})
     with pytest.raises(StepDeclarationError, match="dataclass instance"):
         Step("x/y", noop, Config)
+
+
+def test_a_step_function_named_by_module_has_the_identity_and_fingerprint_of_the_function_itself():
+    """`StepFunction("module:function")` lets a graph name a function whose module imports jax
+    without importing it: nothing about the step may differ from passing the function."""
+    from keel import StepFunction
+    from keel.executor.code import fingerprint
+
+    named = StepFunction(f"{__name__}:noop")
+    by_name, direct = Step("a/b", named, Config(n=1)), Step("a/b", noop, Config(n=1))
+    ids = Identities()
+    assert ids.hash(by_name) == ids.hash(direct) and ids.content_hash(by_name) == ids.content_hash(direct)
+    assert fingerprint(named) == fingerprint(noop) is not None
+    assert named.__qualname__ == "noop" and named.resolve() is noop
+    for bad in ("no_colon", "mod:", ":fn", "mod:not an identifier"):
+        with pytest.raises(StepDeclarationError, match="package.module:function"):
+            StepFunction(bad)
+    code = ("import sys; from keel import StepFunction; from keel.executor.code import fingerprint; "
+            "assert fingerprint(StepFunction('keel.train.step:train_step')); "
+            "print(sorted(m for m in ('jax', 'levanter', 'keel.train', 'keel.train.step') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr  # read, never imported

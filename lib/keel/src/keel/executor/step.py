@@ -8,8 +8,11 @@ imports anything heavy: declaring a graph must stay instant.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
+import importlib
+import importlib.machinery
 import math
 import re
 import types
@@ -124,8 +127,6 @@ class StepFunction:
 
     def resolve(self) -> Callable[[Any], Any]:
         """The function itself (imports its module)."""
-        import importlib
-
         return getattr(importlib.import_module(self.__module__), self.__qualname__)
 
     def __call__(self, config: Any) -> Any:
@@ -134,9 +135,6 @@ class StepFunction:
     def source(self) -> str:
         """The function's source, decorators included, read from its module's file without importing
         the module or its package."""
-        import ast
-        import importlib.machinery
-
         spec, search = None, None
         for part in self.__module__.split("."):
             spec = importlib.machinery.PathFinder.find_spec(part, search)
