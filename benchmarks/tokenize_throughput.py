@@ -8,7 +8,9 @@ at all: the most the tokenizer's threads can do). The ratio printed last is agai
 the three, so the step cannot look good merely by skipping offsets or by batching differently.
 Each is run `--repeats` times, the order rotating each repeat, best of each kept; CPU seconds per
 million tokens are printed too, since a shared machine's load moves wall-clock rates far more than
-it moves CPU cost. Levanter is imported before timing (a one-off ~8 s import, not throughput).
+it moves CPU cost. Levanter is imported before timing (a one-off ~8 s import, not throughput), and
+each step run writes into an empty directory, as the executor gives a step: the previous run's
+output is removed untimed (otherwise every run but the first would time deleting a whole cache).
 
     uv run python benchmarks/tokenize_throughput.py [--max-bytes N] [--repeats R]
 """
@@ -88,6 +90,8 @@ def main() -> None:
             for name in order:
                 run = runs[name]
                 counts[name], wall, cpu = measured(run)
+                if storage.exists(cache):  # untimed: the next step run starts from an empty output
+                    storage.delete_tree(cache)
                 best_rate[name] = max(best_rate[name], counts[name] / wall)
                 best_cpu[name] = min(best_cpu[name], cpu / counts[name] * 1e6)
                 print(f"repeat {repeat}: {name} {counts[name] / wall:,.0f} tokens/s, {cpu / counts[name] * 1e6:.2f} CPU s/M tokens")

@@ -220,11 +220,12 @@ def shard_urls(documents_path: str, split: str) -> list[str]:
     return [storage.join(documents_path, name) for name in read_index(documents_path)["splits"][split]["shards"]]
 
 
-def read_shard(url: str) -> list[Document]:
-    """Every document of one shard, in order."""
+def read_shard(url: str) -> Iterator[Document]:
+    """Every document of one shard, in order, each parsed as it is asked for (a reader can hand
+    on the first documents before the shard's last are parsed)."""
     fs, path = storage.split(url)
     raw = zstandard.ZstdDecompressor().decompress(fs.cat_file(path), max_output_size=1 << 34)
-    return [Document(**json.loads(line)) for line in raw.split(b"\n") if line]
+    return (Document(**json.loads(line)) for line in raw.split(b"\n") if line)
 
 
 def iter_documents(documents_path: str, split: str) -> Iterator[Document]:

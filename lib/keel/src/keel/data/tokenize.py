@@ -11,19 +11,21 @@ Layout under the step's output path:
     .keel/summary.json  the same counts; a train split that fills no sequence fails the step
 
 The caches are written with Levanter's own `SerialCacheWriter`, so `TreeCache.load` and Levanter's
-dataset classes read them. The work runs as a pipeline: a thread reads and decompresses shards; two
-threads encode batches of `batch_documents` with `tokenizers`' `encode_batch_fast` (the same ids as
+dataset classes read them. The work runs as one pipeline over both splits, train then validation:
+a thread reads and decompresses shards, parsing documents as batches take them; two threads encode
+batches of `batch_documents` with `tokenizers`' `encode_batch_fast` (the same ids as
 `encode_batch`, without character offsets; its Rust core releases the GIL and encodes a batch's
 documents on every core), up to ENCODE_AHEAD batches ahead, so one batch's last long documents
 overlap the next batch rather than leave cores idle; the calling thread packs, counts each
 sequence's bytes from a per-token table (`SequenceBytes`: what decoding would give, without
-decoding) and hands sequences to a thread that writes them. Everything besides encoding (ids to
-arrays, reading, packing, counting, Levanter's writer) then costs about a tenth of the tokenizer's
-own CPU time on the stdlib corpus, measured per thread; `benchmarks/tokenize_throughput.py`
-compares the step with raw calls. (A process pool over shards was measured too: no faster on 2
-cores, since the tokenizer already keeps them busy, and it pays for moving token arrays between
-processes.) Special-token strings inside a document are encoded as text, so only the step adds
-bos/eos.
+decoding) and hands sequences to one thread that opens both caches at the start and writes them in
+split order, so the train split's last write and ledger overlap the validation split's encoding.
+Everything besides encoding (ids to arrays, reading, packing, counting, Levanter's writer) then
+costs about a tenth of the tokenizer's own CPU time on the stdlib corpus (sampled with perf);
+`benchmarks/tokenize_throughput.py` compares the step with raw calls. (A process pool over
+shards was measured too: no faster on 2 cores, since the tokenizer already keeps them busy, and it
+pays for moving token arrays between processes.) Special-token strings inside a document are
+encoded as text, so only the step adds bos/eos.
 
 Sequences are handed to the writer in fixed groups of `WRITE_ROWS`, so the bytes on disk do not
 depend on the (execution-only) batch size. The step starts by removing whatever an interrupted
@@ -63,6 +65,7 @@ WRITE_ROWS = 1024
 _QUEUE_DEPTH = 4
 ENCODE_THREADS = 2  # batches encoding at once: one's last long documents overlap the next one's start
 ENCODE_AHEAD = 3  # batches handed to the encoding threads ahead of the one being packed
+_FINISH, _END = object(), object()  # a cache writer's thread: this cache is complete; stop
 
 
 def _exemplar():
@@ -105,24 +108,35 @@ def _threaded(produce, depth: int = _QUEUE_DEPTH) -> Iterator:
 
 
 class _CacheWriterThread:
-    """Feeds a Levanter SerialCacheWriter from a queue, in fixed groups of WRITE_ROWS sequences."""
+    """Writes one Levanter cache per directory, one after the other, with a SerialCacheWriter fed
+    from a queue in fixed groups of WRITE_ROWS sequences.
 
-    def __init__(self, cache_dir: str):
-        self._writer = SerialCacheWriter(cache_dir, _exemplar())
+    One thread writes them all, so the writes reach the disk in the order a split-by-split run
+    makes them; `finish()` ends the current cache, whose last sequences and ledger the thread then
+    writes while the caller goes on with the next. The thread opens the caches itself, all at
+    once at the start, so the first batches encode meanwhile."""
+
+    def __init__(self, cache_dirs: list[str]):
         self._queue: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
         self._error: BaseException | None = None
+        self._unfinished = len(cache_dirs)
         self._pending: list = []
         self._pending_rows = 0
-        self._thread = threading.Thread(target=self._run, daemon=True, name="keel-tokenize-writer")
+        self._thread = threading.Thread(target=self._run, args=(cache_dirs,), daemon=True, name="keel-tokenize-writer")
         self._thread.start()
 
-    def _run(self):
-        while (batch := self._queue.get()) is not None:
-            if self._error is None:
-                try:
-                    self._writer.write_batch(batch)
-                except BaseException as e:
-                    self._error = e
+    def _run(self, cache_dirs: list[str]) -> None:
+        try:
+            for writer in [SerialCacheWriter(cache_dir, _exemplar()) for cache_dir in cache_dirs]:
+                while (item := self._queue.get()) is not _FINISH:
+                    if item is _END:
+                        return  # stopped by an error: this cache gets no ledger
+                    writer.write_batch(item)
+                writer.__exit__(None, None, None)  # the ledger: this cache is complete
+        except BaseException as e:  # raised on the calling thread
+            self._error = e
+        while self._queue.get() is not _END:
+            pass  # drained, so that the caller's puts never block
 
     def add(self, input_ids, segment_ids) -> None:
         if self._error is not None:
@@ -138,22 +152,29 @@ class _CacheWriterThread:
             self._pending = [(ids[whole:], segs[whole:])]
             self._pending_rows = len(ids) - whole
 
+    def finish(self) -> None:
+        """Queue the current cache's last sequences and its ledger; what is added next goes to the next cache."""
+        if self._pending_rows:
+            ids = np.concatenate([p[0] for p in self._pending])
+            segs = np.concatenate([p[1] for p in self._pending])
+            self._queue.put({"input_ids": ids, "segment_ids": segs})
+        self._pending, self._pending_rows = [], 0
+        self._queue.put(_FINISH)
+        self._unfinished -= 1
+
     def __enter__(self) -> "_CacheWriterThread":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        """On success write the rest, then the ledger that marks the cache complete; on an error
-        stop the thread and leave the cache incomplete (no ledger)."""
-        if exc_type is None and self._pending_rows:
-            ids = np.concatenate([p[0] for p in self._pending])
-            segs = np.concatenate([p[1] for p in self._pending])
-            self._queue.put({"input_ids": ids, "segment_ids": segs})
-        self._queue.put(None)
-        self._thread.join()
+        """On success finish every cache and wait for the ledgers; on an error stop the thread,
+        leaving the cache being written incomplete (no ledger)."""
         if exc_type is None:
-            if self._error is not None:
-                raise self._error
-            self._writer.__exit__(None, None, None)
+            while self._unfinished:
+                self.finish()
+        self._queue.put(_END)
+        self._thread.join()
+        if exc_type is None and self._error is not None:
+            raise self._error
 
 
 def _document_batches(urls: list[str], batch_documents: int) -> Iterator[list[str]]:
@@ -166,6 +187,13 @@ def _document_batches(urls: list[str], batch_documents: int) -> Iterator[list[st
                 batch = []
     if batch:
         yield batch
+
+
+def _split_batches(config: TokenizeConfig) -> Iterator[tuple[str, list[str]]]:
+    """(split, texts) of every batch, the splits one after the other."""
+    for split in SPLITS:
+        for texts in _document_batches(shard_urls(config.documents, split), config.batch_documents):
+            yield split, texts
 
 
 def _encoder(config: TokenizeConfig, loaded):
@@ -189,52 +217,79 @@ def _encoder(config: TokenizeConfig, loaded):
     return encode_texts
 
 
-def _encoded(encode, batches: Iterator[list[str]], threads: int = ENCODE_THREADS,
-             ahead: int = ENCODE_AHEAD) -> Iterator[list]:
-    """`encode(batch)` of each batch, in order, with up to `ahead` batches submitted to `threads` threads."""
+def _encoded(encode, batches: Iterator[tuple[str, list[str]]], threads: int = ENCODE_THREADS,
+             ahead: int = ENCODE_AHEAD) -> Iterator[tuple[str, list]]:
+    """(split, `encode(texts)`) of each batch, in order, with up to `ahead` batches submitted to `threads` threads."""
     pool = ThreadPoolExecutor(threads, thread_name_prefix="keel-tokenize-encode")
     pending: deque = deque()
     try:
-        for batch in batches:
-            pending.append(pool.submit(encode, batch))
+        for split, texts in batches:
+            pending.append((split, pool.submit(encode, texts)))
             if len(pending) >= ahead:
-                yield pending.popleft().result()
+                split, future = pending.popleft()
+                yield split, future.result()
         while pending:
-            yield pending.popleft().result()
+            split, future = pending.popleft()
+            yield split, future.result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _tokenize_split(config: TokenizeConfig, loaded, split: str, total_documents: int, count_bytes) -> dict:
+class _SplitPacker:
+    """One split's packing: its sequences, each one's bytes, and the split's counts."""
 
-    packer = SequencePacker(config.seq_len)
-    urls = shard_urls(config.documents, split)
-    documents = tokens = sequences = 0
-    sequence_bytes = []
-    bar = tqdm(total=total_documents, desc=f"tokenize {split}", unit="doc", unit_scale=True, mininterval=1.0)
-    batches = _threaded(lambda: _document_batches(urls, config.batch_documents))
+    def __init__(self, seq_len: int, count_bytes):
+        self.packer = SequencePacker(seq_len)
+        self.count_bytes = count_bytes
+        self.documents = self.tokens = self.sequences = 0
+        self.sequence_bytes: list = []
+
+    def add(self, arrays: list) -> tuple[np.ndarray, np.ndarray]:
+        """The (input_ids, segment_ids) of the sequences these documents complete."""
+        input_ids, segment_ids = self.packer.add(arrays)
+        if len(input_ids):
+            self.sequence_bytes.append(self.count_bytes(input_ids))
+        self.documents += len(arrays)
+        self.tokens += sum(map(len, arrays))
+        self.sequences += len(input_ids)
+        return input_ids, segment_ids
+
+    def stats(self, bytes_url: str) -> dict:
+        """Write the byte counts to `bytes_url`; the split's counts for tokenize.json."""
+        sequence_bytes = np.concatenate(self.sequence_bytes) if self.sequence_bytes else np.zeros((0,), np.int64)
+        _write_array(bytes_url, sequence_bytes)
+        return {
+            "documents": self.documents,
+            "tokens": self.tokens,
+            "sequences": self.sequences,
+            "dropped_tokens": self.packer.leftover_tokens,
+            "bytes": int(sequence_bytes.sum()),
+        }
+
+
+def _tokenize_splits(config: TokenizeConfig, loaded, documents: int, count_bytes) -> dict:
+    """Every split through one pipeline, train then validation: the encoding threads go from one
+    split's last batch straight to the next one's first, and a split's last write and ledger
+    overlap the next split's encoding (rather than each split starting and draining its own)."""
+    packers = {split: _SplitPacker(config.seq_len, count_bytes) for split in SPLITS}
+    bar = tqdm(total=documents, desc="tokenize", unit="doc", unit_scale=True, mininterval=1.0)
+    batches = _threaded(lambda: _split_batches(config))
     encoded = _encoded(_encoder(config, loaded), batches)
-    with bar, closing(batches), closing(encoded), _CacheWriterThread(storage.join(config.output_path, split)) as writer:
-        start = time.perf_counter()
-        for arrays in encoded:
-            input_ids, segment_ids = packer.add(arrays)
+    writer = _CacheWriterThread([storage.join(config.output_path, split) for split in SPLITS])
+    with writer, bar, closing(batches), closing(encoded):
+        start, current = time.perf_counter(), 0
+        for split, arrays in encoded:
+            while SPLITS[current] != split:
+                writer.finish()
+                current += 1
+            input_ids, segment_ids = packers[split].add(arrays)
             if len(input_ids):
                 writer.add(input_ids, segment_ids)
-                sequence_bytes.append(count_bytes(input_ids))
-            documents += len(arrays)
-            tokens += sum(len(a) for a in arrays)
-            sequences += len(input_ids)
             bar.update(len(arrays))
-            bar.set_postfix_str(f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f} tok/s", refresh=False)
-    sequence_bytes = np.concatenate(sequence_bytes) if sequence_bytes else np.zeros((0,), np.int64)
-    _write_array(storage.join(config.output_path, BYTES_FILE.format(split=split)), sequence_bytes)
-    return {
-        "documents": documents,
-        "tokens": tokens,
-        "sequences": sequences,
-        "dropped_tokens": packer.leftover_tokens,
-        "bytes": int(sequence_bytes.sum()),
-    }
+            bar.set_postfix_str(f"{sum(p.tokens for p in packers.values()) / max(time.perf_counter() - start, 1e-9):,.0f} tok/s",
+                                refresh=False)
+    return {split: packer.stats(storage.join(config.output_path, BYTES_FILE.format(split=split)))
+            for split, packer in packers.items()}
 
 
 def _write_array(url: str, array) -> None:
@@ -276,16 +331,14 @@ def tokenize_documents(config: TokenizeConfig) -> None:
     index = read_index(config.documents)
     clear_token_cache(config.output_path)
     count_bytes = SequenceBytes(loaded.tokenizer)  # UTF-8 bytes each sequence decodes to, special tokens none
-    splits = {}
-    for split in SPLITS:
-        started = time.perf_counter()
-        splits[split] = _tokenize_split(config, loaded, split, index["splits"][split]["documents"], count_bytes)
-        elapsed = max(time.perf_counter() - started, 1e-9)
-        logger.info(
-            "tokenized %s: %d documents, %d tokens, %d sequences in %.1fs (%.0f docs/s, %.0f tokens/s)",
-            split, splits[split]["documents"], splits[split]["tokens"], splits[split]["sequences"],
-            elapsed, splits[split]["documents"] / elapsed, splits[split]["tokens"] / elapsed,
-        )
+    started = time.perf_counter()
+    splits = _tokenize_splits(config, loaded, sum(index["splits"][s]["documents"] for s in SPLITS), count_bytes)
+    elapsed = max(time.perf_counter() - started, 1e-9)
+    for split, counts in splits.items():
+        logger.info("tokenized %s: %d documents, %d tokens, %d sequences",
+                    split, counts["documents"], counts["tokens"], counts["sequences"])
+    tokens = sum(counts["tokens"] for counts in splits.values())
+    logger.info("tokenized %d tokens in %.1fs (%.0f tokens/s)", tokens, elapsed, tokens / elapsed)
     _check_not_empty(config, splits)
     stats = {
         "format": FORMAT,
