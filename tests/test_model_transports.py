@@ -86,45 +86,6 @@ def test_fixed_all_to_all_counts_the_assignments_over_capacity():
     assert int(dropped) == expected
 
 
-def test_batched_fixed_all_to_all_is_grugs_function_drops_included():
-    # keel's one-collective-per-direction version against grug's per-expert loop, where it drops.
-    from levanter.grug.grug_moe import moe_mlp
-
-    from keel.model.batched_all_to_all import batched_fixed_all_to_all
-
-    E, K, tokens, width, mlp = 8, 2, 64, 4, 4
-    rng = np.random.default_rng(1)
-    first = rng.choice(E, size=tokens, p=np.array([4, 2, 1, 1, 1, 1, 1, 1]) / 12)
-    selected = jnp.asarray(np.stack([first, (first + 1 + rng.integers(0, E - 1, tokens)) % E], 1), jnp.int32)
-    keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    x, weights = jax.random.normal(keys[0], (tokens, width)), jax.random.uniform(keys[1], (tokens, K))
-    w13, w2 = jax.random.normal(keys[2], (E, width, 2 * mlp)), jax.random.normal(keys[3], (E, mlp, width))
-    valid = jnp.arange(tokens) % 9 != 4
-    mesh = build_mesh(RACKS_2X4)
-
-    def grug(x, weights, w13, w2):
-        out, counts = moe_mlp(x, selected, weights, w13, w2, token_valid=valid, implementation="fixed_all_to_all",
-                              mesh=mesh, capacity_factor=1.0, report_capacity_overflow=True)
-        return out, counts.dropped
-
-    def keel(x, weights, w13, w2):
-        return batched_fixed_all_to_all(x, selected, weights, valid, w13, w2, mesh=mesh, capacity_factor=1.0)
-
-    def value_and_grads(fn):
-        def objective(*args):
-            out, dropped = fn(*args)
-            return jnp.sum(out * jnp.cos(out)), (out, dropped)
-        return jax.jit(jax.value_and_grad(objective, argnums=(0, 1, 2, 3), has_aux=True))(x, weights, w13, w2)
-
-    with use_mesh(mesh):
-        (_, (ref_out, ref_dropped)), ref_grads = value_and_grads(grug)
-        (_, (out, dropped)), grads = value_and_grads(keel)
-    assert int(ref_dropped) > 0 and int(dropped) == int(ref_dropped)
-    np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-5)
-    for g, ref in zip(grads, ref_grads):
-        np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-5)
-
-
 def test_ragged_all_to_all_is_a_configuration_error_on_cpu():
     with pytest.raises(ValueError, match="GPU or TPU"):
         check_transport_supported("ragged_all_to_all", "cpu")

@@ -11,9 +11,6 @@ arrays behind our named ones; keel adds only what grug lacks:
   that kernel inside its own shard_map over the token shards with the experts gathered; on
   XLA:CPU it runs keel's tiled kernel instead (tiled_experts.py: grug's uses ragged_dot, ~15x
   slower there).
-- `fixed_all_to_all` on XLA:CPU: grug's function with one all-to-all per direction instead of one
-  per local expert (batched_all_to_all.py: on a CPU every collective is a rendezvous of all the
-  simulated devices' threads).
 """
 
 import haliax as hax
@@ -27,7 +24,6 @@ from jax.sharding import PartitionSpec as P
 from levanter.grug.grug_moe import moe_mlp
 
 from keel.model.axes import TOP_K
-from keel.model.batched_all_to_all import batched_fixed_all_to_all
 from keel.model.layout import split_tokens, token_axes
 from keel.model.tiled_experts import tiled_expert_mlp
 from keel.spec.transports import TransportSpec, check_transport_supported
@@ -80,10 +76,6 @@ def dispatch(
         # `ring` is dropless here: a capacity of ep_size x the even share fits every assignment.
         declared = capacity_factor if transport.capacity_factor is None else transport.capacity_factor
         factor = float(max(expert_size, 1)) if transport.name == "ring" else declared
-        if transport.name == "fixed_all_to_all" and expert_size > 1 and jax.default_backend() == "cpu":
-            out, dropped = batched_fixed_all_to_all(raw["x"], raw["selected"], raw["weights"], raw["valid"], w13, w2,
-                                                    mesh=mesh, capacity_factor=factor)
-            return hax.named(out, (Token, Latent)), dropped.astype(jnp.int32)
         out, counts = moe_mlp(
             raw["x"],
             raw["selected"],
