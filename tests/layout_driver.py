@@ -89,6 +89,12 @@ def main(out: str, which: str, misplace: str | None) -> None:
 
         run.progress = Progress("layout", 0, config.train.num_steps, enabled=False)
         run._check_layout(run.start, "start")
+    # Exit now, skipping the interpreter's teardown: `_Run` began compiling the first training step
+    # on a background thread, which this driver never runs, and tearing the interpreter down while
+    # XLA:CPU is inside LLVM on that thread can abort the process ("LLVM ERROR: ...", exit -6).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
