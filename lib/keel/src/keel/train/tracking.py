@@ -57,6 +57,8 @@ class MetricsLog(Tracker):
     spike guard's rollback is a record at its spike step (`spike/...`, no `train/loss`), always kept.
     """
 
+    name = "metrics.jsonl"
+
     def __init__(self, path: str, *, writer: bool = True, resume_at: int = 0):
         """`writer=False` (every process of a multi-process run but the first) writes nothing."""
         self.path = path
@@ -67,8 +69,6 @@ class MetricsLog(Tracker):
             if fs.exists(plain):
                 _drop_records_after(path, resume_at)
             self._file = fsspec.open(path, "a").open()
-
-    name = "metrics.jsonl"
 
     def log(self, metrics: Mapping[str, Any], *, step: int | None, commit: bool | None = None) -> None:
         if self._file is None:
