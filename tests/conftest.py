@@ -18,9 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
-_MAKES_CACHE = "KEEL_TEST_JAX_CACHE" not in os.environ  # pytest-xdist's workers inherit the controller's
-os.environ.setdefault("KEEL_TEST_JAX_CACHE", tempfile.mkdtemp(prefix="keel-test-jax-cache-"))
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.environ["KEEL_TEST_JAX_CACHE"])
+_MAKES_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ  # pytest-xdist's workers inherit the controller's
+if _MAKES_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="keel-test-jax-cache-")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -28,4 +28,4 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 def pytest_sessionfinish(session):
     """The process that made the session's compilation cache removes it."""
     if _MAKES_CACHE:
-        shutil.rmtree(os.environ["KEEL_TEST_JAX_CACHE"], ignore_errors=True)
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

@@ -31,7 +31,7 @@ def user_env(**extra) -> dict:
     """The environment a user runs keel in: no simulated devices, platform or test-session
     compilation cache (`conftest.py`)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS") and not k.startswith(
-        ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "KEEL_TEST_JAX_CACHE"))}
+        ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
     return {**env, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **extra}
 
 

@@ -302,7 +302,6 @@ def _write_array(url: str, array) -> None:
 
 def read_sequence_bytes(cache_root: str, split: str):
     """The per-sequence UTF-8 byte counts of a split (None for a cache written without them)."""
-
     url = storage.join(cache_root, BYTES_FILE.format(split=split))
     if not storage.exists(url):
         return None

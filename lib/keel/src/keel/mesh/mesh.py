@@ -64,7 +64,6 @@ def tree_shardings(tree, mesh: Mesh):
     """A NamedSharding in place of every NamedArray (and plain array) of a pytree such as a model or an
     optimizer state shaped like it: a prefix tree for `jax.device_put` and jit's in/out_shardings.
     Leaves are placed by their axes alone (paths relative to the tree are not the model's)."""
-
     def sharding(leaf):
         spec = partition_spec(leaf, mesh) if isinstance(leaf, NamedArray) else P()
         return NamedSharding(mesh, spec)

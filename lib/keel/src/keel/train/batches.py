@@ -46,6 +46,5 @@ def batch_sharding(mesh, batch_axes: tuple[str, ...]):
 
 def batch_shapes(*, batch_size: int, seq_len: int, mesh, batch_axes: tuple[str, ...]) -> dict[str, Any]:
     """The abstract batch the loaders produce ({field: int32 [batch, seq]}), to compile against."""
-
     sharding = batch_sharding(mesh, batch_axes)
     return {field: jax.ShapeDtypeStruct((batch_size, seq_len), np.int32, sharding=sharding) for field in FIELDS}

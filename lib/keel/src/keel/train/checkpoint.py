@@ -80,7 +80,6 @@ class TrainCheckpoints:
     @staticmethod
     def step_of(path: str) -> int:
         """The completed steps of the checkpoint at `path` (from its metadata)."""
-
         with fsspec.open(os.path.join(path, "metadata.json")) as f:
             return int(json.load(f)["step"])
 

@@ -494,7 +494,6 @@ def eval_loss_fn(lm: TrainableLM, static, shardings, transport: TransportSpec, c
     """The jitted validation loss `evaluate(arrays, batch)` of a model split into its `arrays` (laid
     out as `shardings`, host arrays copied in) and `static` part: cross-entropy without the z-loss
     term. The loop's evaluations and the eval step (keel.trained) both call it."""
-
     def evaluate(arrays, batch):
         model = eqx.combine(offload.to_device(arrays, shardings), static)
         loss, _ = lm.loss(model, batch, transport=transport, z_loss=0.0, compute_dtype=compute_dtype)
@@ -509,7 +508,6 @@ def validation_losses(evaluate, arrays, datasets: dict[str, Any], *, batch_size:
     random sample of `num_batches x batch_size` sequences from anywhere in each dataset (all of a
     smaller one), the same sample every time. The first batches in storage order would be a few
     neighbouring documents, not the split; the last batch is filled by cycling through the sample."""
-
     out = {}
     for name, dataset in sorted(datasets.items()):
         data = dataset.as_sync_dataset()

@@ -34,7 +34,6 @@ def lr_schedule(peak: float, num_steps: int, warmup_fraction: float, min_lr_rati
 
 def decay_schedule(peak: float, start_step: int, num_steps: int) -> Schedule:
     """0 before `start_step`; from it `peak x (1 - step / num_steps)` (the hero's linear anneal)."""
-
     def schedule(step):
         step = jnp.asarray(step, jnp.float32)
         return jnp.where(step >= start_step, peak * (1.0 - step / num_steps), 0.0)
@@ -67,7 +66,6 @@ def scheduled_weight_decay(mask, lr: Schedule, rate: Schedule) -> optax.Gradient
     Applied after the adaptive step (as in AdamW), so it shrinks weights independently of the
     gradient statistics.
     """
-
     def init_fn(params):
         del params
         return ScheduleState(count=jnp.zeros([], jnp.int32))

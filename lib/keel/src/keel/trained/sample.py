@@ -60,7 +60,6 @@ def sample_step(config: SampleConfig) -> None:
 def generate(loaded, prompts: list[list[int]], *, context: int, max_tokens: int, temperature: float, seed: int,
              stop_id: int | None) -> list[list[int]]:
     """Up to `max_tokens` new token ids per prompt, stopping at `stop_id` (not included)."""
-
     shards = loaded.topology.batch_shards
     rows = -(-len(prompts) // shards) * shards
     sharding = jax.sharding.NamedSharding(loaded.mesh, jax.sharding.PartitionSpec(BATCH_AXES, None))
