@@ -11,6 +11,9 @@ out, as they leave out `XLA_FLAGS`.
 import os
 import shutil
 import tempfile
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -29,3 +32,32 @@ def pytest_sessionfinish(session):
     """The process that made the session's compilation cache removes it."""
     if _MAKES_CACHE:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def shared_prefix(tmp_path_factory) -> str:
+    """An output prefix that every test of the session shares, across pytest-xdist's workers.
+
+    A step declared the same way in several test files is trained once, as it is across a user's
+    experiments: the first launcher runs it, a concurrent one waits on its lease, later ones find it
+    cached. Tests that need a step to run (not to be found cached) use their own `tmp_path`.
+    """
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # parent: the session's, not older ones'
+    path = shared / "shared-prefix"
+    path.mkdir(exist_ok=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def readme_twin(shared_prefix):
+    """The README's twin command, `keel run experiments/hero_535b.py --scale tiny`, as a user runs
+    it (no XLA flags), once per session: (its CompletedProcess, its Graph). The twin's tests read
+    this one run: that it ran, its phases and switches, its final checkpoint's evaluation."""
+    from keel.cli import load_experiment
+    from keel.executor.plan import Graph
+    from test_step_isolation import keel
+
+    hero = Path(__file__).resolve().parent.parent / "experiments" / "hero_535b.py"
+    done = keel("run", str(hero), "--scale", "tiny", "--prefix", shared_prefix)
+    return done, Graph(load_experiment(str(hero), "tiny"), shared_prefix)

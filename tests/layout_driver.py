@@ -55,6 +55,8 @@ def step_config(which: str):
 
 
 def main(out: str, which: str, misplace: str | None) -> None:
+    from concurrent.futures import Future
+
     from defaults.hardware import cpu_sim
 
     os.environ.update(cpu_sim.process_env(8))
@@ -63,7 +65,7 @@ def main(out: str, which: str, misplace: str | None) -> None:
     from keel.mesh.mesh import build_mesh
     from keel.spec.topology import BATCH_AXES
     from keel.spec.resolved import resolve
-    from keel.train import layout
+    from keel.train import compile_ahead, layout
     from keel.train.lm import KeelLM
     from keel.train.loop import LoopInputs, _Run
 
@@ -80,6 +82,10 @@ def main(out: str, which: str, misplace: str | None) -> None:
             return jax.tree.unflatten(jax.tree.structure(shardings), flat)
 
         layout.planned_shardings = wrong
+    # The layout is the state's, not the step's: leave the loop's first training step uncompiled
+    # (queued, never run) instead of compiling it on a background thread for a run this driver never
+    # trains. The state's init no longer waits behind that compile (~30 s of XLA:CPU per case).
+    compile_ahead.Compiler.ahead = lambda self, what, *job: compile_ahead.Pending(what, Future(), ahead=True)
     mesh = build_mesh(config.topology)
     inputs = LoopInputs(lm=KeelLM(config.model, mesh, remat=config.train.remat), mesh=mesh, batch_axes=BATCH_AXES,
                         train_data=None, val_data={}, plan=plan, use_wandb=False)
@@ -89,12 +95,6 @@ def main(out: str, which: str, misplace: str | None) -> None:
 
         run.progress = Progress("layout", 0, config.train.num_steps, enabled=False)
         run._check_layout(run.start, "start")
-    # Exit now, skipping the interpreter's teardown: `_Run` began compiling the first training step
-    # on a background thread, which this driver never runs, and tearing the interpreter down while
-    # XLA:CPU is inside LLVM on that thread can abort the process ("LLVM ERROR: ...", exit -6).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -1,41 +1,34 @@
 """The hero's twin trains end to end on 8 simulated CPU devices: same graph shape, loss falls."""
 
-import dataclasses
 import json
-import runpy
 from pathlib import Path
 
 import pytest
 
-from keel.executor.run import run_steps
 from keel.spec.resolved import resolve
-
-HERO = Path(__file__).resolve().parents[1] / "experiments" / "hero_535b.py"
 
 
 @pytest.mark.slow
-def test_the_twin_trains_through_its_phases_transport_and_offload_switch_as_planned(tmp_path):
-    hero = runpy.run_path(str(HERO), run_name="hero_535b")
-    (step,) = hero["twin"](num_steps=12, corpus_bytes=600_000, mixture_block=16)
+def test_the_twin_trains_through_its_phases_transport_and_offload_switch_as_planned(readme_twin):
+    done, graph = readme_twin  # conftest.py: the README's twin command, run once per session
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    step = next(s for s in graph.steps() if s.name.startswith("train/"))
     config = step.config
-    assert [p.start_step for p in config.data.phases] == [0, 3, 10]
-    assert [(t.transport, t.start_step) for t in config.train.transports] == [("fixed_pooled_all_to_all", 0), ("ring", 3)]
-    assert config.train.host_offload.master_weights_until_step == 3, "the swap step, scaled"
+    assert config.train.num_steps == 120
+    assert [p.start_step for p in config.data.phases] == [0, 32, 96]
+    assert [(t.transport, t.start_step) for t in config.train.transports] == [("fixed_pooled_all_to_all", 0), ("ring", 25)]
+    assert config.train.host_offload.master_weights_until_step == 25, "the swap step, scaled"
     caches = {name: c.name for name, c in config.data.components.items()}
     assert len(set(caches.values())) == 11, "a cache per topic, and the general stdlib for every phase's 'other'"
     assert {caches[f"other-{p}"] for p in ("initial", "main", "cooldown")} == {"tokenized/hero-twin-general"}
-    step = step.with_config(dataclasses.replace(config, train=dataclasses.replace(config.train, evaluations=1, eval_batches=1)))
 
-    report = run_steps([step], str(tmp_path), echo=lambda line: None)
-    assert not report.failures, report.failures
-
-    run_dir = next(p for p in (tmp_path / "train").iterdir() if p.name.startswith("hero_535b-tiny"))
+    run_dir = Path(graph.path(step))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = {r["step"]: r for r in records if "train/loss" in r}
-    assert sorted(train) == list(range(12))
-    assert {train[s]["transport"] for s in range(3)} == {"fixed_pooled_all_to_all"}
-    assert {train[s]["transport"] for s in range(3, 12)} == {"ring"}
-    first, last = train[0]["train/loss"], sum(train[s]["train/loss"] for s in (9, 10, 11)) / 3
+    assert sorted(train) == list(range(120))
+    assert {train[s]["transport"] for s in range(25)} == {"fixed_pooled_all_to_all"}
+    assert {train[s]["transport"] for s in range(25, 120)} == {"ring"}
+    first, last = train[0]["train/loss"], sum(train[s]["train/loss"] for s in (117, 118, 119)) / 3
     assert last < first - 0.3, (first, last)
     # distinct data per topic component: their validation losses differ
     evals = [r for r in records if "eval/loss" in r]
@@ -43,10 +36,10 @@ def test_the_twin_trains_through_its_phases_transport_and_offload_switch_as_plan
                  and k != "eval/loss" and not k.startswith("eval/other-")}
     assert len(per_topic) == 10 and len(set(per_topic.values())) == len(per_topic), per_topic  # same data: the same float
 
-    # the live layout, as the run recorded it: planned at the start and after the swap at step 3
+    # the live layout, as the run recorded it: planned at the start and after the swap at step 25
     layout = json.loads((run_dir / ".keel" / "layout.json").read_text())["records"]
-    assert [(r["step"], r["reason"]) for r in layout] == [(0, "start"), (3, "phase change")]
-    plan = resolve(step.config)
+    assert [(r["step"], r["reason"]) for r in layout] == [(0, "start"), (25, "phase change")]
+    plan = resolve(config)
     for record in layout:
         live = [leaf for leaf in record["leaves"] if not leaf["path"].startswith("opt_state/counter/")]
         assert live == [leaf.record() for leaf in plan.state_at(record["step"])]

@@ -91,19 +91,31 @@ def _whole_split_loss(graph, train) -> float:
     return loss
 
 
-def test_ctrl_c_stops_training_steps_at_a_step_boundary_and_the_rerun_resumes(tmp_path):
-    steps = "100"
-    args = ("run", SWEEP, "--prefix", str(tmp_path))
-    env = user_env(SWEEP_STEPS=steps)
-    uv = shutil.which("uv")
-    command = [uv, "run", "--locked", "keel"] if uv else [sys.executable, "-m", "keel.cli_entry"]
-    os.environ["SWEEP_STEPS"] = steps
+SWEEP_STEPS = "100"
+
+
+def _sweep_graph(prefix: str) -> Graph:
+    os.environ["SWEEP_STEPS"] = SWEEP_STEPS
     try:
-        graph = Graph(load_experiment(SWEEP), str(tmp_path))
+        return Graph(load_experiment(SWEEP), prefix)
     finally:
         del os.environ["SWEEP_STEPS"]
+
+
+@pytest.fixture(scope="module")
+def interrupted_sweep(tmp_path_factory):
+    """The two-point sweep run as a user runs it, stopped with Ctrl-C once both training steps have
+    logged 3 steps, then run again to the end: (prefix, graph, console of the interrupted run, each
+    training step's status and checkpoints when it stopped, the rerun's CompletedProcess). Three tests read it: the
+    interruption, the two steps running at once, and compiled programs reused by a later attempt."""
+    prefix = tmp_path_factory.mktemp("sweep")
+    args = ("run", SWEEP, "--prefix", str(prefix))
+    env = user_env(SWEEP_STEPS=SWEEP_STEPS)
+    uv = shutil.which("uv")
+    command = [uv, "run", "--locked", "keel"] if uv else [sys.executable, "-m", "keel.cli_entry"]
+    graph = _sweep_graph(str(prefix))
     trains = [graph.path(s) for s in graph.steps() if s.name.startswith("train/")]
-    log = tmp_path / "console.txt"
+    log = prefix / "console.txt"
     with open(log, "w") as console:  # a file, not a pipe: nobody reads the console while training runs
         proc = subprocess.Popen([*command, *args], env=env, cwd=REPO, stdout=console, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # its own process group, as in a terminal
@@ -117,22 +129,33 @@ def test_ctrl_c_stops_training_steps_at_a_step_boundary_and_the_rerun_resumes(tm
         proc.kill()
     out = log.read_text()
     assert proc.returncode == 130, out[-4000:]
+    # what each training step left when it stopped: its status and its checkpoints (the rerun prunes them)
+    stopped = {path: (read_status(path), _complete_checkpoints(path)) for path in trains}
+    rerun = subprocess.run([*command, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    return prefix, graph, out, stopped, rerun
+
+
+def test_ctrl_c_stops_training_steps_at_a_step_boundary_and_the_rerun_resumes(interrupted_sweep):
+    _, graph, out, statuses, rerun = interrupted_sweep
     assert "interrupted; run the same command again" in out and "Traceback" not in out, out[-4000:]
     stopped = {}
-    for path in trains:
-        status = read_status(path)
+    for path, (status, checkpoints) in statuses.items():
         assert status.state == "INTERRUPTED" and "training stopped after step" in status.error, status
         stopped[path] = int(status.error.split("after step ")[1].split()[0])
-        assert 3 <= stopped[path] < int(steps)
-        assert os.path.exists(os.path.join(path, "checkpoints", f"step-{stopped[path]}", "metadata.json"))
+        assert 3 <= stopped[path] < int(SWEEP_STEPS)
+        assert f"step-{stopped[path]}" in checkpoints, checkpoints
 
-    rerun = subprocess.run([*command, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, (rerun.stdout + rerun.stderr)[-4000:]
-    for path in trains:
+    for path in statuses:
         assert read_status(path).state == "SUCCESS"
         assert f"Resumed from {path}/checkpoints/step-{stopped[path]}" in Path(keel_path(path, "log.txt")).read_text()
         rows = [r["step"] for r in read_metrics(os.path.join(path, METRICS_FILE)) if "train/loss" in r]
-        assert rows == list(range(int(steps))), rows
+        assert rows == list(range(int(SWEEP_STEPS))), rows
+
+
+def _complete_checkpoints(path) -> list[str]:
+    root = os.path.join(path, "checkpoints")
+    return sorted(name for name in os.listdir(root) if os.path.exists(os.path.join(root, name, "metadata.json")))
 
 
 def _train_rows(path) -> int:
@@ -142,11 +165,10 @@ def _train_rows(path) -> int:
         return 0
 
 
-def test_a_two_point_sweep_runs_both_training_steps_at_once_in_their_own_processes(tmp_path):
-    done = keel("run", SWEEP, "--prefix", str(tmp_path))
+def test_a_two_point_sweep_runs_both_training_steps_at_once_in_their_own_processes(interrupted_sweep):
+    prefix, graph, _, _, done = interrupted_sweep  # the rerun, which resumed both training steps
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
-    graph = Graph(load_experiment(SWEEP), str(tmp_path))
     trains = [s for s in graph.steps() if s.name.startswith("train/")]
     assert len(trains) == 2
     statuses = [read_status(graph.path(s)) for s in trains]
@@ -164,16 +186,15 @@ def test_a_two_point_sweep_runs_both_training_steps_at_once_in_their_own_process
     launchers = {json.loads(Path(keel_path(graph.path(s), "step.json")).read_text())["provenance"]["pid"] for s in trains}
     assert len(launchers) == 1, "one launcher started both"
     assert all(p.state == "cached" for p in plan_graph(graph)), [(p.name, p.state, p.reason) for p in plan_graph(graph)]
-    status = keel("status", SWEEP, "--prefix", str(tmp_path), timeout=60)
+    status = keel("status", SWEEP, "--prefix", str(prefix), timeout=60, SWEEP_STEPS=SWEEP_STEPS)
     assert status.returncode == 0 and "cache entry invalid" not in status.stdout, status.stdout
     assert "-- 5 steps: 5 cached" in status.stdout, status.stdout
 
 
-def test_the_readme_twin_command_works_without_xla_flags(tmp_path):
-    done = keel("run", "experiments/hero_535b.py", "--scale", "tiny", "--prefix", str(tmp_path))
+def test_the_readme_twin_command_works_without_xla_flags(readme_twin):
+    done, graph = readme_twin  # conftest.py: the command, run once per session
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
-    graph = Graph(load_experiment(str(REPO / "experiments/hero_535b.py"), "tiny"), str(tmp_path))
     twin = next(s for s in graph.steps() if s.name.startswith("train/"))
     assert read_status(graph.path(twin)).state == "SUCCESS"
     log = Path(keel_path(graph.path(twin), "log.txt")).read_text()
@@ -188,22 +209,20 @@ def test_plan_refuses_a_topology_the_declared_hardware_cannot_provide(tmp_path):
     assert "Traceback" not in done.stderr
 
 
-def test_a_rerun_of_a_training_step_reuses_its_compiled_programs(tmp_path):
-    steps = "3"
-    os.environ["SWEEP_STEPS"] = steps
-    try:
-        graph = Graph(load_experiment(SWEEP), str(tmp_path))
-    finally:
-        del os.environ["SWEEP_STEPS"]
-    path = next(graph.path(s) for s in graph.steps() if s.name == "train/sweep/lr1.0")
-    first = keel("run", SWEEP, "--prefix", str(tmp_path), "--only", "lr1.0", SWEEP_STEPS=steps)
-    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
-    assert "jax_cache: empty (the first attempt compiles everything)" in first.stdout
+def test_a_rerun_of_a_training_step_reuses_its_compiled_programs(interrupted_sweep, tmp_path):
+    sweep, _, first_console, _, finished = interrupted_sweep
+    assert finished.returncode == 0, (finished.stdout + finished.stderr)[-3000:]
+    assert "jax_cache: empty (the first attempt compiles everything)" in first_console
+    prefix = tmp_path / "copy"
+    shutil.copytree(sweep, prefix)  # the sweep's other tests read the original
+    path = next(_sweep_graph(str(prefix)).path(s) for s in _sweep_graph(str(prefix)).steps()
+                if s.name == "train/sweep/lr1.0")
     losses = latest_by_step(read_metrics(os.path.join(path, METRICS_FILE)), "train/loss")
-    shutil.rmtree(os.path.join(path, "checkpoints"))  # as if the first attempt had died before its checkpoint
+    shutil.rmtree(os.path.join(path, "checkpoints"))  # as if the attempts had died before their first checkpoint
     os.remove(os.path.join(path, METRICS_FILE))
-    again = keel("run", SWEEP, "--prefix", str(tmp_path), "--only", "lr1.0", "--force", "lr1.0", SWEEP_STEPS=steps)
+    again = keel("run", SWEEP, "--prefix", str(prefix), "--only", "lr1.0", "--force", "lr1.0", SWEEP_STEPS=SWEEP_STEPS)
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     found = [line for line in again.stdout.splitlines() if "compiled programs from an earlier attempt" in line]
     assert found and int(found[0].split(": ")[1].split()[0]) > 0, again.stdout[-3000:]
+    # from scratch, the losses of the run that was stopped and resumed
     assert latest_by_step(read_metrics(os.path.join(path, METRICS_FILE)), "train/loss") == losses

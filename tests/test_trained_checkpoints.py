@@ -6,7 +6,6 @@ experiment trained as 2 processes x 4 devices on a local Iris cluster, restored 
 import dataclasses
 import json
 import os
-import runpy
 from pathlib import Path
 
 import pytest
@@ -38,14 +37,17 @@ def _eval_reproduces_the_last_validation_loss(prefix: str, evaluation: Step) -> 
 
 
 @pytest.mark.timeout(900)
-def test_the_hero_twins_final_checkpoint_evaluates_to_its_last_validation_loss(tmp_path):
-    [train] = runpy.run_path(str(REPO / "experiments/hero_535b.py"))["twin"](num_steps=12, mixture_block=16)
+def test_the_hero_twins_final_checkpoint_evaluates_to_its_last_validation_loss(readme_twin, shared_prefix):
+    done, graph = readme_twin  # conftest.py: the README's twin command, run once per session
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    train = next(s for s in graph.steps() if s.name.startswith("train/"))
     components = dict(train.config.data.components)  # 10 stdlib families and the whole stdlib, by component
     evaluation = default_eval("hero_535b-tiny", run=train, data=components)
-    report = run_steps([evaluation], str(tmp_path), echo=lambda _: None)
+    report = run_steps([evaluation], shared_prefix, echo=lambda _: None)  # the run is found cached
     assert report.ok, report.failures
-    result = _eval_reproduces_the_last_validation_loss(str(tmp_path), evaluation)
-    assert result["transport"] == train.config.train.transport_at(11).transport == "ring"  # after the switch
+    result = _eval_reproduces_the_last_validation_loss(shared_prefix, evaluation)
+    last = train.config.train.num_steps - 1
+    assert result["transport"] == train.config.train.transport_at(last).transport == "ring"  # after the switch
     assert set(result["datasets"]) == set(components)
     assert all(0 < r["bits_per_byte"] < r["loss"] for r in result["datasets"].values())
 

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import traceback
 
-from keel.executor import logs, step_warnings, storage, writes
+from keel.executor import interrupt, logs, step_warnings, storage, writes
 from keel.executor.replicas import replica_index, wait_for_replicas
 from keel.executor.status import keel_path
 
@@ -127,6 +127,9 @@ def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = Fals
                 if watching is not None:
                     watching.check()
                 wait_for_replicas(f"keel: outputs of {output_path} written")  # the job ends with every replica's outputs
+        except interrupt.StepInterrupted as stopped:  # asked for, not a failure: one line, no traceback
+            log.write(f"[keel] interrupted: {stopped}\n")
+            raise
         except BaseException:
             log.write(traceback.format_exc())
             raise
