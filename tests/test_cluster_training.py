@@ -1,6 +1,7 @@
 """Training across processes: the micro keel MoE (every feature on) trained as 2 replicas x 4 simulated
 CPU devices on a local Iris cluster (racks = processes, `replica_dcn` across them, joined through
-jax.distributed on 127.0.0.1) gives the losses of the same step run in one process on 8 devices.
+jax.distributed on 127.0.0.1) gives the losses of the same step run in one process on 8 devices,
+and its checkpoint evaluates in one process of 8 devices to the run's last validation loss.
 """
 
 import json
@@ -106,25 +107,47 @@ def _tiny_experiment_training(num_steps: int, **execution):
     return dataclasses.replace(step.config, train=train, **execution), step
 
 
-@pytest.mark.timeout(900)
-def test_the_tiny_experiments_training_as_2_replicas_of_4_devices_matches_one_process(tmp_path, iris):
+@pytest.fixture(scope="module")
+def tiny_replicas(tmp_path_factory, iris):
+    """The tutorial's training step, shortened to 3 steps, run once as one isolated process of 8
+    devices and once as 2 replicas x 4 devices on the local Iris cluster: (single step, its prefix,
+    replica step, its prefix, the replica run's report). Two tests read it: the losses match, and
+    the replicas' checkpoint evaluates in one process."""
     steps = 3
     single_config, step = _tiny_experiment_training(steps)
     single = step.with_config(single_config)  # an isolated child process with 8 simulated devices
     multi_config, _ = _tiny_experiment_training(steps, coordinator=f"127.0.0.1:{free_port()}")
     multi = Step(step.name, step.fn, multi_config, resources=Resources(cpu=1, replicas=2), isolated=True)
+    one, two = str(tmp_path_factory.mktemp("one")), str(tmp_path_factory.mktemp("two"))
+    assert run_steps([single], one, echo=lambda _: None).ok
+    return single, one, multi, two, run_steps([multi], two, cluster=iris, echo=lambda _: None)
 
-    assert run_steps([single], str(tmp_path / "one"), echo=lambda _: None).ok
-    report = run_steps([multi], str(tmp_path / "two"), cluster=iris, echo=lambda _: None)
+
+@pytest.mark.timeout(900)
+def test_the_tiny_experiments_training_as_2_replicas_of_4_devices_matches_one_process(tiny_replicas):
+    single, one, multi, two, report = tiny_replicas
     assert report.ok, report.failures
     assert sorted(report.ran) == ["documents/stdlib", "tokenized/stdlib-bpe-1k-128", "tokenizers/stdlib-bpe-1k",
                                   "train/tiny_moe"]
 
-    one_out, two_out = Graph([single], str(tmp_path / "one")).path(single), Graph([multi], str(tmp_path / "two")).path(multi)
+    one_out, two_out = Graph([single], one).path(single), Graph([multi], two).path(multi)
     for log in ("log.txt", "log.replica1.txt"):  # both replicas trained, neither failed
         assert "Traceback" not in Path(keel_path(two_out, log)).read_text()
     expected = latest_by_step(read_metrics(os.path.join(one_out, METRICS_FILE)), "train/loss")
     got = latest_by_step(read_metrics(os.path.join(two_out, METRICS_FILE)), "train/loss")
-    assert sorted(got) == list(range(steps))
-    for s in range(steps):
+    assert sorted(got) == list(range(3))
+    for s in range(3):
         assert got[s] == pytest.approx(expected[s], abs=1e-5), s
+
+
+@pytest.mark.timeout(900)
+def test_a_checkpoint_of_2_processes_x_4_devices_evaluates_in_one_process_of_8(tiny_replicas, iris):
+    from defaults import default_eval
+    from test_trained_checkpoints import eval_reproduces_the_last_validation_loss
+
+    _, _, multi, two, trained = tiny_replicas
+    assert trained.ok, trained.failures
+    evaluation = default_eval("tiny_moe-2x4", run=multi)  # on the run's own data
+    report = run_steps([evaluation], two, cluster=iris, echo=lambda _: None)
+    assert report.ok and report.ran == ["eval/tiny_moe-2x4"], (report.ran, report.failures)  # the run: cached
+    eval_reproduces_the_last_validation_loss(two, evaluation)
