@@ -5,20 +5,24 @@
 `--model small` (defaults.models.small_moe: hidden 256, 16 experts, every hero feature) is the
 size where matmuls dominate; `tiny` (hidden 64) mostly measures per-feature overheads.
 
-Every model trains with keel's loop (same optimizer, batches, 8 simulated CPU devices as 2 racks
-x 4) on the same synthetic token stream:
+Every model's training step is the one keel's loop builds (same optimizer, 8 simulated CPU devices
+as 2 racks x 4, the state laid out as its resolved run plans and checked against it), fed the same
+synthetic batches:
 
 - the keel model, experts split 4 ways over `expert`, with each CPU-capable transport
   (fixed-capacity all-to-all, dropless ring);
 - Levanter's own Qwen3-MoE at the same widths: it has no expert parallelism, so it trains
   data-parallel with every expert on every device;
-- the same keel model with the hero's extra features off (diagnostic: architecture vs framework);
+- the same keel model with the hero's extra features off, with each transport (diagnostic:
+  architecture vs framework);
 - a dense keel model (no routed experts; shared SwiGLU experts widened) with the same training
-  FLOPs per token as `tiny_moe` (`MoELMConfig.flops_per_token`).
+  FLOPs per token (`MoELMConfig.flops_per_token`).
 
-Reported: the first step's time (compilation) apart, then median tokens/s over the steps after the
-first two; achieved training FLOP/s against a calibrated `jnp.dot` of this CPU in the same run (a
-CPU "MFU"). The ratios come last.
+All are compiled first; then the steps interleave, one step of each model per round in a rotating
+order, so a load on this 2-core machine slows every model alike (run one after another, the ratios
+swung 0.72x-1.51x with the load). Reported: compile times, median tokens/s over the rounds after
+the first two; achieved training FLOP/s against a calibrated `jnp.dot` of this CPU in the same run
+(a CPU "MFU"). The ratios come last.
 """
 
 import os
@@ -43,12 +47,10 @@ DENSE_RACKS = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=1)
 """The same 8 devices for the dense twin, which has no experts to split: its rack axis is `data`."""
 
 
-def token_stream(n: int, seed: int = 0):
-    """Random token sequences, one document each: the same stream for every model."""
-    from levanter.data.dataset import ListAsyncDataset
-
-    ids = np.random.default_rng(seed).integers(0, tiny_moe.vocab_size, (n, SEQ), dtype=np.int32)  # one vocab for both
-    return ListAsyncDataset([{"input_ids": row, "segment_ids": np.zeros(SEQ, np.int32)} for row in ids])
+def token_batches(n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """`n` batches of random token sequences, one document each: the same batches for every model."""
+    ids = np.random.default_rng(seed).integers(0, tiny_moe.vocab_size, (n, BATCH, SEQ), dtype=np.int32)  # one vocab
+    return [{"input_ids": rows, "segment_ids": np.zeros((BATCH, SEQ), np.int32)} for rows in ids]
 
 
 def plain_twin(model: MoELMConfig) -> MoELMConfig:
@@ -140,40 +142,65 @@ def matmul_peak() -> float:
     return 5 * 2 * n**3 / (time.perf_counter() - t0)
 
 
-def tokens_per_second(name: str, lm, mesh, steps: int, transport: TransportPhase, data,
-                      topology: RackTopology = RACKS) -> float:
-    """Train `lm` for `steps` steps; a keel model trains its resolved run (the loop checks the live
-    layout against the plan before the first step and stops on any difference) and the layout it
-    trained is shown; Levanter's model has no plan and trains replicated."""
-    import json
+class Contender:
+    """One model's training step, built and compiled by keel's loop (`_Run`: the optimizer, the
+    planned shardings, the pinned in/out layouts), then stepped on demand so that every model's
+    steps interleave: a load on the machine slows each of them alike, and the ratios hold.
 
-    from keel.train.layout import LAYOUT_FILE
-    from keel.train.lm import KeelLM
-    from keel.train.loop import LoopInputs, train
-    from keel.spec.metrics import METRICS_FILE, read_metrics
+    A keel model trains its resolved run: before its first step the loop's own check compares the
+    live layout with the plan (it raises on any difference) and the share of the train state one
+    device holds is shown. Levanter's model has no plan and trains replicated."""
 
-    config = TrainConfig(batch_size=BATCH, seq_len=SEQ, num_steps=steps, optimizer=AdamWConfig(lr=3e-3),
-                         eval_batches=0, eval_every=steps, rolling_checkpoint_minutes=None, compute_dtype="bfloat16",
-                         transports=(transport,))
-    plan = planned(lm.config, config, topology) if isinstance(lm, KeelLM) else None
-    inputs = LoopInputs(lm=lm, mesh=mesh, batch_axes=BATCH_AXES, train_data=data, val_data={}, plan=plan,
-                        default_transport=transport, use_wandb=False)
-    with tempfile.TemporaryDirectory() as out:
-        train(config, inputs, out)
-        all_rates = [r["throughput/tokens_per_s"] for r in read_metrics(os.path.join(out, METRICS_FILE))
-                     if "throughput/tokens_per_s" in r]
+    def __init__(self, name: str, lm, mesh, transport: TransportPhase, data, topology: RackTopology = RACKS):
+        import json
+        import time
+
+        import jax
+
+        from keel.train.layout import LAYOUT_FILE
+        from keel.train.lm import KeelLM
+        from keel.train.loop import LoopInputs, _Run
+        from keel.train.progress import Progress
+
+        self.name, self.mesh, self.data, self.seconds = name, mesh, data, []
+        config = TrainConfig(batch_size=BATCH, seq_len=SEQ, num_steps=10_000, optimizer=AdamWConfig(lr=3e-3),
+                             eval_batches=0, rolling_checkpoint_minutes=None, compute_dtype="bfloat16",
+                             transports=(transport,))
+        plan = planned(lm.config, config, topology) if isinstance(lm, KeelLM) else None
+        inputs = LoopInputs(lm=lm, mesh=mesh, batch_axes=BATCH_AXES, train_data=None, val_data={}, plan=plan,
+                            default_transport=transport, use_wandb=False)
+        self._out = tempfile.TemporaryDirectory()
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh):
+            self.run = _Run(config, inputs, self._out.name)
+            self.run.progress = Progress(name, 0, config.num_steps, enabled=False)
+            if plan is not None:
+                self.run._check_layout(0, "start")
+            self.step = self.run._step_fn(transport, 0).get()
+        self.compile_s = time.perf_counter() - t0
+        line = f"{name:<60} built and compiled in {self.compile_s:.1f}s"
         if plan is not None:
-            with open(os.path.join(out, ".keel", LAYOUT_FILE)) as f:
+            with open(os.path.join(self._out.name, ".keel", LAYOUT_FILE)) as f:
                 leaves = json.load(f)["records"][0]["leaves"]
             mine, whole = sum(x["bytes_per_device"] for x in leaves), _whole_bytes(leaves, topology.axis_sizes)
-            print(f"{'':<52} layout as planned (checked by the loop): one device holds {mine / whole:.1%} of the "
-                  "train state", flush=True)
-    rates = all_rates[2:]
-    rate = statistics.median(rates)
-    first = BATCH * SEQ / all_rates[0]
-    print(f"{name:<52} {rate:10.0f} tokens/s  (median of {len(rates)} steps; first step {first:.1f}s with compiling)",
-          flush=True)
-    return rate
+            line += f"; layout as planned (checked by the loop): one device holds {mine / whole:.1%} of the train state"
+        print(line, flush=True)
+
+    def one_step(self, index: int) -> None:
+        """Train on batch `index` of the shared stream and record the step's wall time."""
+        import time
+
+        import jax
+
+        batch = self.run._batch(self.data[index % len(self.data)])
+        with jax.set_mesh(self.mesh):
+            t0 = time.perf_counter()
+            self.run.state_arrays, metrics = self.step(self.run.state_arrays, batch)
+            jax.block_until_ready(metrics)
+            self.seconds.append(time.perf_counter() - t0)
+
+    def tokens_per_s(self, warmup: int = 2) -> float:
+        return BATCH * SEQ / statistics.median(self.seconds[warmup:])
 
 
 def _whole_bytes(leaves: list[dict], axis_sizes: dict[str, int]) -> int:
@@ -190,7 +217,7 @@ def _whole_bytes(leaves: list[dict], axis_sizes: dict[str, int]) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=12, help="timed steps of each model, after 2 warm-up steps")
     parser.add_argument("--model", choices=("tiny", "small"), default="small")
     args = parser.parse_args()
     model = {"tiny": tiny_moe, "small": small_moe}[args.model]
@@ -202,33 +229,40 @@ def main() -> None:
     from keel.train.lm import KeelLM
 
     mesh = build_mesh(RACKS)
-    data = token_stream(BATCH * args.steps)
+    data = token_batches(8)
     dense = dense_twin(model)
     print(f"{label}: {model.flops_per_token(SEQ):.3g} training FLOPs/token; dense twin (shared experts "
           f"{dense.num_shared_experts} x {dense.shared_expert_dim}): {dense.flops_per_token(SEQ):.3g}")
 
-    keel = {
-        t: tokens_per_second(f"keel {label}, EP 4, {t}", KeelLM(model, mesh), mesh, args.steps, TransportPhase(0, t), data)
-        for t in ("fixed_all_to_all", "ring")
-    }
-    fastest = max(keel, key=keel.get)
+    keel = {t: Contender(f"keel {label}, EP 4, {t}", KeelLM(model, mesh), mesh, TransportPhase(0, t), data)
+            for t in ("fixed_all_to_all", "ring")}
     # Levanter's Haliax MoE cannot trace under explicit mesh axes (ragged_dot has no explicit-sharding
     # rule): the same devices in the same layout, with automatic axes.
     auto_mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
-    qwen = tokens_per_second("Levanter Qwen3-MoE, same dims, data parallel", LevanterQwen3Moe(model, auto_mesh),
-                             auto_mesh, args.steps, TransportPhase(0, "local"), data)
-    plain = tokens_per_second("keel plain MoE (hero features off), EP 4, " + fastest,
-                              KeelLM(plain_twin(model), mesh), mesh, args.steps, TransportPhase(0, fastest), data)
+    qwen = Contender("Levanter Qwen3-MoE, same dims, data parallel", LevanterQwen3Moe(model, auto_mesh), auto_mesh,
+                     TransportPhase(0, "local"), data)
+    plain = {t: Contender(f"keel plain MoE (hero features off), EP 4, {t}", KeelLM(plain_twin(model), mesh), mesh,
+                          TransportPhase(0, t), data) for t in keel}
     dense_mesh = build_mesh(DENSE_RACKS)
-    dense_rate = tokens_per_second("keel dense twin, same FLOPs/token", KeelLM(dense, dense_mesh), dense_mesh,
-                                   args.steps, TransportPhase(0, "local"), data, DENSE_RACKS)
+    dense_run = Contender("keel dense twin, same FLOPs/token", KeelLM(dense, dense_mesh), dense_mesh,
+                          TransportPhase(0, "local"), data, DENSE_RACKS)
+    contenders = [*keel.values(), qwen, *plain.values(), dense_run]
+    for round_ in range(args.steps + 2):  # each round steps every model once, in a rotating order
+        for i in range(len(contenders)):
+            contenders[(round_ + i) % len(contenders)].one_step(round_)
+    for c in contenders:
+        print(f"{c.name:<60} {c.tokens_per_s():10.0f} tokens/s  (median of {len(c.seconds) - 2} interleaved steps)")
+
+    fastest = max(keel, key=lambda t: keel[t].tokens_per_s())
+    rate = keel[fastest].tokens_per_s()
     peak = matmul_peak()  # the simulated devices share this machine's cores, which one large dot already uses
-    achieved = keel[fastest] * model.flops_per_token(SEQ)
+    achieved = rate * model.flops_per_token(SEQ)
     print(f"CPU 'MFU': {achieved / 1e9:.2f} GFLOP/s of training against {peak / 1e9:.1f} GFLOP/s of one large bf16 "
           f"jnp.dot on this machine = {achieved / peak:.1%}")
-    print(f"keel ({fastest}) / Levanter Qwen3-MoE: {keel[fastest] / qwen:.2f}x  (target >= 1.0x)")
-    print(f"keel plain MoE / Levanter Qwen3-MoE:   {plain / qwen:.2f}x  (same architecture: framework vs framework)")
-    print(f"keel ({fastest}) / same-FLOP dense:    {keel[fastest] / dense_rate:.2f}x  (target >= 0.9x)")
+    print(f"keel ({fastest}) / Levanter Qwen3-MoE: {rate / qwen.tokens_per_s():.2f}x  (target >= 1.0x)")
+    print(f"keel plain MoE / Levanter Qwen3-MoE:   {plain[fastest].tokens_per_s() / qwen.tokens_per_s():.2f}x  "
+          "(same architecture: framework vs framework)")
+    print(f"keel ({fastest}) / same-FLOP dense:    {rate / dense_run.tokens_per_s():.2f}x  (target >= 0.9x)")
 
 
 if __name__ == "__main__":
