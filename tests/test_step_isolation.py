@@ -1,7 +1,7 @@
 """Steps cannot hurt each other: training steps run in processes of their own, with the devices
 their declared hardware asks for, from a user's environment with no XLA flags set.
 
-Both tests run keel as a user would: `keel run` as a subprocess whose environment has neither
+The tests run keel as a user would: `keel run` as a subprocess whose environment has neither
 `XLA_FLAGS` nor `JAX_PLATFORMS` (tests/conftest.py sets them for in-process tests only).
 """
 
@@ -106,8 +106,9 @@ def _sweep_graph(prefix: str) -> Graph:
 def interrupted_sweep(tmp_path_factory):
     """The two-point sweep run as a user runs it, stopped with Ctrl-C once both training steps have
     logged 3 steps, then run again to the end: (prefix, graph, console of the interrupted run, each
-    training step's status and checkpoints when it stopped, the rerun's CompletedProcess). Three tests read it: the
-    interruption, the two steps running at once, and compiled programs reused by a later attempt."""
+    training step's status and checkpoints when it stopped, the rerun's CompletedProcess). Three
+    tests read it: the interruption, the two steps running at once, and compiled programs reused by
+    a later attempt."""
     prefix = tmp_path_factory.mktemp("sweep")
     args = ("run", SWEEP, "--prefix", str(prefix))
     env = user_env(SWEEP_STEPS=SWEEP_STEPS)
@@ -136,7 +137,7 @@ def interrupted_sweep(tmp_path_factory):
 
 
 def test_ctrl_c_stops_training_steps_at_a_step_boundary_and_the_rerun_resumes(interrupted_sweep):
-    _, graph, out, statuses, rerun = interrupted_sweep
+    _, _, out, statuses, rerun = interrupted_sweep
     assert "interrupted; run the same command again" in out and "Traceback" not in out, out[-4000:]
     stopped = {}
     for path, (status, checkpoints) in statuses.items():
@@ -215,8 +216,8 @@ def test_a_rerun_of_a_training_step_reuses_its_compiled_programs(interrupted_swe
     assert "jax_cache: empty (the first attempt compiles everything)" in first_console
     prefix = tmp_path / "copy"
     shutil.copytree(sweep, prefix)  # the sweep's other tests read the original
-    path = next(_sweep_graph(str(prefix)).path(s) for s in _sweep_graph(str(prefix)).steps()
-                if s.name == "train/sweep/lr1.0")
+    graph = _sweep_graph(str(prefix))
+    path = next(graph.path(s) for s in graph.steps() if s.name == "train/sweep/lr1.0")
     losses = latest_by_step(read_metrics(os.path.join(path, METRICS_FILE)), "train/loss")
     shutil.rmtree(os.path.join(path, "checkpoints"))  # as if the attempts had died before their first checkpoint
     os.remove(os.path.join(path, METRICS_FILE))
