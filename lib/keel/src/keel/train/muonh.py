@@ -145,22 +145,15 @@ def _newton_schulz(x: jax.Array, steps: int, eps: float) -> jax.Array:
     """Levanter's quintic Newton-Schulz iteration (its coefficients) toward the polar factor of x.
 
     Levanter's own `zeropower_via_newtonschulz5` pins a (data, model) sharding constraint, which
-    an explicit-axis mesh rejects; this is the same iteration without it. The iterations are one
-    `fori_loop` (each step's coefficients read from a table), not `steps` unrolled copies: XLA
-    compiles one body per parameter, half the compile of the unrolled form on this CPU with the
-    same bits out and the same step time.
+    an explicit-axis mesh rejects; this is the same iteration without it.
     """
     coefficients = NEWTON_SCHULZ_COEFFICIENTS["quintic"]
-    table = jnp.asarray([coefficients[i % len(coefficients)] for i in range(steps)], jnp.float32)
     x = x / (jnp.linalg.norm(x) + eps)
     transpose = x.shape[0] > x.shape[1]
     if transpose:
         x = x.T
-
-    def iteration(i, x):
-        a, b, c = (table[i, k].astype(x.dtype) for k in range(3))  # as a Python float would: rounded to x's dtype
+    for i in range(steps):
+        a, b, c = coefficients[i % len(coefficients)]
         gram = x @ x.T
-        return a * x + (b * gram + c * gram @ gram) @ x
-
-    x = jax.lax.fori_loop(0, steps, iteration, x)
+        x = a * x + (b * gram + c * gram @ gram) @ x
     return x.T if transpose else x
