@@ -97,7 +97,7 @@ def measure(model: MoELMConfig, steps: int) -> Cost:
         state, times = run.state_arrays, []
         for _ in range(steps):
             t0 = time.perf_counter()
-            state, metrics = step(state, batch)
+            state, metrics = step(state, batch, run._rates(0))
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - t0)
         analysis = step.cost_analysis()

@@ -192,10 +192,10 @@ class Contender:
 
         import jax
 
-        batch = self.run._batch(self.data[index % len(self.data)])
+        batch, rates = self.run._batch(self.data[index % len(self.data)]), self.run._rates(index)
         with jax.set_mesh(self.mesh):
             t0 = time.perf_counter()
-            self.run.state_arrays, metrics = self.step(self.run.state_arrays, batch)
+            self.run.state_arrays, metrics = self.step(self.run.state_arrays, batch, rates)
             jax.block_until_ready(metrics)
             self.seconds.append(time.perf_counter() - t0)
 

@@ -17,7 +17,7 @@ from keel.model.transformer import init_model
 from keel.spec.transports import TransportSpec
 from keel.spec import GroupedOptimizerConfig, ScheduleConfig, TrainConfig
 from keel.train.lm import KeelLM
-from keel.train.optimizer import build_optimizer
+from keel.train.optimizer import Optimizer
 
 
 @jax.jit
@@ -175,7 +175,7 @@ def test_router_bias_moves_only_by_quantile_balancing_under_the_grouped_optimize
     batch = TokenBatch(input_ids=ids, segment_ids=seg)
     train = TrainConfig(batch_size=8, seq_len=16, num_steps=4, schedule=ScheduleConfig(0.0, 1.0),
                         optimizer=GroupedOptimizerConfig(muon_lr=1e-2, adam_lr=1e-2))
-    tx, _ = build_optimizer(train, eqx.filter(model, eqx.is_inexact_array))
+    tx = Optimizer(train, eqx.filter(model, eqx.is_inexact_array)).transform()
     opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
     update = eqx.filter_jit(tx.update)
     lm = KeelLM(config, mesh=None)

@@ -22,7 +22,7 @@ from keel.mesh.mesh import build_mesh
 from keel.spec.resolved import resolve
 from keel.spec.train import TrainStepConfig
 from keel.train.lm import KeelLM
-from keel.train.optimizer import build_optimizer, param_paths
+from keel.train.optimizer import Optimizer, param_paths
 
 RACKS = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
 CACHE = External("test/cache", "/nowhere")
@@ -88,7 +88,7 @@ def test_the_planners_optimizer_groups_are_the_optimizers_own():
     config = _step_config(tiny_moe)
     run = resolve(config)
     params = _params(tiny_moe)
-    tx, _ = build_optimizer(config.train, params)
+    tx = Optimizer(config.train, params).transform()
     state = jax.eval_shape(tx.init, params)
     paths = jax.tree.leaves(param_paths(params))
 

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from keel.spec.train import AdamWConfig, HostOffload, TrainConfig, TransportPhase
+from keel.spec.train import (AdamWConfig, GroupedOptimizerConfig, HostOffload, ScheduleConfig, TrainConfig,
+                             TransportPhase, WeightDecayChange)
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +46,40 @@ def test_the_state_compiled_against_is_the_live_state_in_every_layout(tmp_path):
     assert run._next_change(0) == 3 and run._next_change(3) is None
     with jax.set_mesh(run.inputs.mesh):
         run._step_fns[first].get()  # the background compile finished, without error
+
+
+def test_runs_that_differ_only_in_rates_schedule_and_length_lower_to_one_training_step(tmp_path, monkeypatch):
+    """The optimizer's rates are the step's inputs, not constants of its program: the points of a
+    learning-rate sweep, or a longer rerun, share one compiled step through the compilation cache.
+    Each run still steps with its own rates."""
+    from keel.train import compile_ahead
+    from train_standin import loop_inputs
+
+    from keel.train.loop import _Run
+
+    monkeypatch.setattr(compile_ahead.Compiler, "ahead", lambda self, what, jitted, *args: None)  # lowering is enough
+    runs = {
+        "short": dict(num_steps=6, schedule=ScheduleConfig(0.0, 0.0), weight_decay_change=WeightDecayChange(2, 0.1),
+                      optimizer=GroupedOptimizerConfig(muon_lr=1e-2, adam_lr=1e-3)),
+        "long": dict(num_steps=600, schedule=ScheduleConfig(0.1, 0.05), weight_decay_change=WeightDecayChange(400, 0.3),
+                     optimizer=GroupedOptimizerConfig(muon_lr=3e-2, adam_lr=2e-3)),
+    }
+    programs, rates = {}, {}
+    for name, fields in runs.items():
+        config = TrainConfig(**{**BASE, **fields})
+        inputs = loop_inputs(config, use_wandb=False)
+        with jax.set_mesh(inputs.mesh):
+            run = _Run(config, inputs, str(tmp_path / f"{name}-0123abcd89"))
+            _, jitted, *args = run._step_job(run.transport_at(0), run.layout)
+            programs[name] = jitted.lower(*args).as_text()
+        rates[name] = run.optimizer.rates_at(3)
+    assert programs["short"] == programs["long"]
+    assert set(rates["short"]) == {"lr/muonh", "lr/adamh", "lr/adam", "weight_decay/muonh", "weight_decay/adamh",
+                                   "weight_decay/adam"}
+    assert rates["short"]["lr/adam"] == pytest.approx(1e-3 * (1 - 3 / 6))  # no warmup, decay to 0
+    assert rates["long"]["lr/adam"] == pytest.approx(2e-3 * 3 / 60)  # warming up over 60 steps
+    assert rates["short"]["weight_decay/adam"] == pytest.approx(rates["short"]["lr/adam"] * 0.1 * (1 - 3 / 6))
+    assert rates["long"]["weight_decay/adam"] == 0.0  # before its start step
 
 
 def compile_ahead_state(run, layout):

@@ -12,7 +12,7 @@ from model_tiny import hero_like
 from defaults.models import tiny_moe
 from keel.spec import GroupedOptimizerConfig, ScheduleConfig, TrainConfig, WeightDecayChange
 from keel.train.muonh import matrix_axes
-from keel.train.optimizer import build_optimizer, lr_schedule, optimizer_labels, param_paths
+from keel.train.optimizer import Optimizer, lr_schedule, optimizer_labels, param_paths
 
 HERO_GROUPS = {  # the model's leaf paths (Stacked layers under `layers.stacked`)
     "layers.stacked.attn.q": "muonh", "layers.stacked.attn.o": "muonh", "layers.stacked.moe.experts.gate": "muonh",
@@ -57,7 +57,7 @@ def test_weight_decay_change_hits_named_groups_from_its_step_and_the_router_bias
     train = TrainConfig(batch_size=1, seq_len=1, num_steps=10, schedule=ScheduleConfig(0.0, 1.0),
                         optimizer=GroupedOptimizerConfig(muon_lr=0.1, adam_lr=0.5),
                         weight_decay_change=WeightDecayChange(start_step=2, peak=0.4))
-    tx, _ = build_optimizer(train, params)
+    tx = Optimizer(train, params).transform()
     state = tx.init(params)
     zero = jax.tree.map(jnp.zeros_like, params)
     history = []
@@ -118,7 +118,7 @@ def _muonh_step(model, mesh=None):
     # (the hero's, and the default) does not hold across two summation orders.
     train = TrainConfig(batch_size=1, seq_len=1, num_steps=10, schedule=ScheduleConfig(0.0, 1.0),
                         optimizer=GroupedOptimizerConfig(muon_lr=1e-2, adam_lr=1e-3, newton_schulz_dtype="float32"))
-    tx, _ = build_optimizer(train, params)
+    tx = Optimizer(train, params).transform()
     updates, _ = jax.jit(tx.update)(grads, jax.jit(tx.init)(params), params)
     return params, updates
 

@@ -66,7 +66,7 @@ from keel.train import compile_ahead, layout, offload
 from keel.train.batches import batch_loader, batch_shapes, batch_sharding
 from keel.train.checkpoint import TrainCheckpoints
 from keel.train.lm import TrainableLM
-from keel.train.optimizer import build_optimizer
+from keel.train.optimizer import Optimizer
 from keel.train.progress import Progress
 from keel.train.spike_guard import NonFiniteTraining, SpikeGuard, poison_from_env  # noqa: F401 - NonFiniteTraining: the loop's failure, imported from here
 from keel.train.tracking import LOSS_PLOT_FILE, MetricsLog, open_wandb, plot_loss_curves, run_name
@@ -139,7 +139,7 @@ class _Run:
 
         # The state's shapes and shardings follow from the declarations alone; the optimizer is
         # built on them, and the first step starts compiling from them before any array exists.
-        self.tx, self.lr_schedules = build_optimizer(config, _params(eqx.filter_eval_shape(self._initial_model, key)))
+        self.optimizer = Optimizer(config, _params(eqx.filter_eval_shape(self._initial_model, key)))
         shapes, self.state_static = eqx.partition(eqx.filter_eval_shape(self._initial_state, key), _is_shape)
         self.state_shapes = compile_ahead.abstract(shapes, self._planned_shardings(shapes))
         self.compiler = compile_ahead.Compiler(inputs.mesh)
@@ -170,7 +170,7 @@ class _Run:
 
     def _initial_state(self, key):
         model = self._initial_model(key)
-        return {"step": jnp.zeros((), jnp.int32), "model": model, "opt_state": self.tx.init(_params(model))}
+        return {"step": jnp.zeros((), jnp.int32), "model": model, "opt_state": self.optimizer.transform().init(_params(model))}
 
     # ------------------------------------------------------------------ main
     def run(self) -> dict[str, float]:
@@ -259,12 +259,12 @@ class _Run:
             previous = phase
             started = time.perf_counter()
             index, batch = next(batches)
-            batch = self._batch(poison_from_env(index, batch))
+            batch, rates = self._batch(poison_from_env(index, batch)), self._rates(step)
             step_fn = self._step_fn(phase, step)
             first_use = step_fn.waited is None
             with jax.set_mesh(self.inputs.mesh):  # Levanter's loader leaves its own mesh context
                 self.state_arrays, metrics, rollback = self.guard.step(
-                    step, index, self.state_arrays, lambda arrays: step_fn.get()(arrays, batch), self.layout)
+                    step, index, self.state_arrays, lambda arrays: step_fn.get()(arrays, batch, rates), self.layout)
             if first_use:
                 self._compiled(step_fn, f"step {step}")
                 self._compile_ahead(self._next_change(step))
@@ -360,9 +360,8 @@ class _Run:
         spec = self._transport_spec(self.transport_at(step))
         live = layout.record(self.state_arrays, step=step, reason=reason,
                              transport={"transport": spec.name, "capacity_factor": spec.capacity_factor},
-                             learning_rates={g: float(fn(step)) for g, fn in self.lr_schedules.items()},
-                             peak_learning_rates={g: float(fn(self.plan.warmup_steps))
-                                                  for g, fn in self.lr_schedules.items()})
+                             learning_rates=self._learning_rates(step),
+                             peak_learning_rates=self._learning_rates(self.plan.warmup_steps))
         if jax.process_index() == 0:
             layout.append_record(self.output_path, live)
         layout.check(live, self.plan)
@@ -379,7 +378,7 @@ class _Run:
         """(what, jitted, abstract args) of the training step for `phase` with the state laid out as `layout`."""
         shardings = offload.shardings(self.state_shapes, layout)
         return (f"the {phase.transport} training step", self._build_step(phase, shardings),
-                compile_ahead.abstract(self.state_shapes, shardings), self._batch_shapes())
+                compile_ahead.abstract(self.state_shapes, shardings), self._batch_shapes(), self._rate_shapes())
 
     def _eval_job(self, phase: TransportPhase, layout: offload.Layout):
         shardings = offload.shardings(self.state_shapes, layout)["model"]
@@ -416,17 +415,34 @@ class _Run:
         """A loader's batch in the layout the step was compiled for (a no-op when it already is)."""
         return jax.device_put(batch, batch_sharding(self.inputs.mesh, self.inputs.batch_axes))
 
+    def _rates(self, step: int):
+        """Step `step`'s optimizer rates (`Optimizer.rates_at`), on the devices as the step takes them:
+        inputs, so the compiled step does not depend on the schedule."""
+        return jax.device_put(self.optimizer.rates_at(step), self._replicated())
+
+    def _rate_shapes(self):
+        scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self._replicated())
+        return {name: scalar for name in self.optimizer.schedules}
+
+    def _replicated(self) -> NamedSharding:
+        return NamedSharding(self.inputs.mesh, PartitionSpec())
+
+    def _learning_rates(self, step: int) -> dict[str, float]:
+        """Each parameter group's learning rate at `step`, as the step is given it."""
+        rates = self.optimizer.rates_at(step)
+        return {group: float(rates[f"lr/{group}"]) for group in self.optimizer.lr_groups}
+
     def _build_step(self, phase: TransportPhase, shardings):
         """The jitted step for `phase` with the state laid out as `shardings`: host arrays are copied in
         for compute, and the new state goes back to where it came from (the pinned out shardings)."""
-        lm, tx, static = self.inputs.lm, self.tx, self.state_static
-        z_loss, compute_dtype, lrs = self.config.z_loss, self.compute_dtype, self.lr_schedules
+        lm, optimizer, static = self.inputs.lm, self.optimizer, self.state_static
+        z_loss, compute_dtype = self.config.z_loss, self.compute_dtype
         transport = self._transport_spec(phase)
         # Gradients are laid out like their parameters (the plan's spec, the master dtype).
         grad_shardings = jax.tree.map(lambda s: s.with_memory_kind(offload.DEVICE), shardings["model"])
         routed = self.plan is None or self.plan.config.model.num_experts > 0
 
-        def step(arrays, batch):
+        def step(arrays, batch, rates):
             state = eqx.combine(offload.to_device(arrays, shardings), static)
             model = state["model"]
 
@@ -435,7 +451,7 @@ class _Run:
 
             (loss, aux), grads = eqx.filter_value_and_grad(loss_of, has_aux=True)(model)
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-            updates, opt_state = tx.update(_params(grads), state["opt_state"], _params(model))
+            updates, opt_state = optimizer.transform(rates).update(_params(grads), state["opt_state"], _params(model))
             model = eqx.apply_updates(model, updates)
             model = lm.apply_router_update(model, aux)
             new_state = {"step": state["step"] + 1, "model": model, "opt_state": opt_state}
@@ -443,10 +459,11 @@ class _Run:
             if routed:  # a dense model has no router: it logs no MoE metrics
                 metrics["moe/dropped_fraction"] = aux.get("dropped_fraction", jnp.zeros(()))
                 metrics["moe/router_balance"] = aux.get("router_balance", jnp.ones(()))
-            metrics.update({f"lr/{group}": fn(state["step"]) for group, fn in lrs.items()})
+            metrics.update({f"lr/{group}": rates[f"lr/{group}"] for group in optimizer.lr_groups})
             return eqx.filter(new_state, eqx.is_array), metrics
 
-        return jax.jit(step, in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
+        return jax.jit(step, in_shardings=(shardings, None, self._replicated()), out_shardings=(shardings, None),
+                       donate_argnums=0)
 
     def _evaluates(self) -> bool:
         return bool(self.inputs.val_data) and self.config.eval_batches > 0

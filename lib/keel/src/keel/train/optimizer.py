@@ -15,6 +15,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import haliax as hax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from levanter.optim.adamh import scale_by_adamh as levanter_adamh
 from levanter.optim.config import AdamConfig
@@ -60,8 +61,9 @@ class ScheduleState(NamedTuple):
     count: jax.Array
 
 
-def scheduled_weight_decay(mask, lr: Schedule, rate: Schedule) -> optax.GradientTransformation:
-    """Decoupled weight decay on masked parameters: update -= lr(t) * rate(t) * param.
+def scheduled_weight_decay(mask, factor_at: Schedule) -> optax.GradientTransformation:
+    """Decoupled weight decay on masked parameters: update -= factor_at(t) * param (the factor: the
+    parameter's learning rate x the decay rate).
 
     Applied after the adaptive step (as in AdamW), so it shrinks weights independently of the
     gradient statistics.
@@ -71,7 +73,7 @@ def scheduled_weight_decay(mask, lr: Schedule, rate: Schedule) -> optax.Gradient
         return ScheduleState(count=jnp.zeros([], jnp.int32))
 
     def update_fn(updates, state, params):
-        factor = lr(state.count) * rate(state.count)
+        factor = factor_at(state.count)
 
         def decay(m, u, p):
             return u - factor * p if m else u
@@ -98,65 +100,108 @@ def grouped(
     return optax.multi_transform(dict(transforms), lambda _: labels)
 
 
-class _Groups(NamedTuple):
-    transforms: dict[str, optax.GradientTransformation]
-    lr: dict[str, Schedule]  # each group's learning rate
-
-
 def optimizer_labels(optimizer, params):
     """A tree shaped like `params` holding each parameter's group (`config.optimizer_group`)."""
     return jax.tree.map(lambda path: optimizer_group(optimizer, path), param_paths(params))
 
 
-def build_optimizer(train, params) -> tuple[optax.GradientTransformation, dict[str, Schedule]]:
-    """The optax transform a `TrainConfig` declares, plus the learning-rate schedule of each of its
-    groups (the very functions the transforms step with: the loop logs them as `lr/<group>` and
-    checks them against the resolved run).
+Rates = Mapping[str, jax.Array]
+"""The values an optimizer steps with at one step, by name: `lr/<group>` for each group and, with a
+`WeightDecayChange`, `weight_decay/<group>` (the group's learning rate x the decay rate)."""
 
-    Peak rates are `config.peak_lr`'s (AdamH at the MuonH rate). The router bias
-    (`config.FROZEN_PARAMS`) receives no update at all. A `WeightDecayChange` adds decoupled weight
-    decay on its groups, scaled by each parameter's own learning rate.
+_RATE_BLOCK = 1024  # steps of rates computed at once on the host
+
+
+class Optimizer:
+    """The optax transform a `TrainConfig` declares, and the schedules of the rates it steps with.
+
+    The transforms read their rates from a function of their step count. A compiled training step
+    passes the values for its step as inputs (`transform(rates)`, rates from `rates_at`), so the
+    program does not depend on the schedule: runs that differ only in learning rates, warmup or
+    length (the points of a sweep, a rerun with a new rate) compile one program and share it
+    through the compilation cache. `transform()` evaluates the schedules at each transform's own
+    count instead, for use outside the loop.
     """
-    sched, opt = train.schedule, train.optimizer
 
-    def schedule(group: str) -> Schedule:
-        return lr_schedule(peak_lr(opt, group), train.num_steps, sched.warmup_fraction, sched.decay_to_fraction)
+    def __init__(self, train, params):
+        sched, opt = train.schedule, train.optimizer
+        if isinstance(opt, AdamWConfig):
+            self._groups = ("adamw",)
+        elif isinstance(opt, GroupedOptimizerConfig):
+            self._groups = ("muonh", "adamh", "adam")
+        else:
+            raise TypeError(f"TrainConfig.optimizer: unsupported {type(opt).__name__}; use AdamWConfig or "
+                            "GroupedOptimizerConfig")
+        self.schedules: dict[str, Schedule] = {
+            f"lr/{group}": lr_schedule(peak_lr(opt, group), train.num_steps, sched.warmup_fraction,
+                                       sched.decay_to_fraction)
+            for group in self._groups
+        }
+        self._labels = optimizer_labels(opt, params)
+        present = set(jax.tree.leaves(self._labels))
+        self.lr_groups = tuple(g for g in self._groups if g in present)
+        """The groups that hold parameters: the loop logs their rates as `lr/<group>`."""
+        self._train, self._params = train, params
+        change = train.weight_decay_change
+        if change is not None:
+            decay = decay_schedule(change.peak, change.start_step, train.num_steps)
+            for group in self._groups:
+                self.schedules[f"weight_decay/{group}"] = _product(self.schedules[f"lr/{group}"], decay)
+        self._table = jax.jit(jax.vmap(lambda step: {name: s(step) for name, s in self.schedules.items()}))
+        self._blocks: dict[int, dict[str, np.ndarray]] = {}
 
-    if isinstance(opt, AdamWConfig):
-        groups = _adamw_groups(opt, schedule("adamw"))
-    elif isinstance(opt, GroupedOptimizerConfig):
-        groups = _hero_groups(opt, {group: schedule(group) for group in ("muonh", "adamh", "adam")})
-    else:
-        raise TypeError(f"TrainConfig.optimizer: unsupported {type(opt).__name__}; use AdamWConfig or GroupedOptimizerConfig")
+    def transform(self, rates: Rates | None = None) -> optax.GradientTransformation:
+        """The transform, stepping with `rates` (one step's values: a compiled step's inputs), or
+        without them with the schedules at each transform's own step count."""
+        if rates is None:
+            return self._build(lambda name: self.schedules[name])
+        return self._build(lambda name: lambda count: rates[name])
 
-    labels = optimizer_labels(opt, params)
-    present = set(jax.tree.leaves(labels))
-    transform = grouped({**groups.transforms, "frozen": optax.set_to_zero()}, labels)
-    change = train.weight_decay_change
-    if change is not None:
-        in_groups = mask_params(params, change.groups)
-        rate = decay_schedule(change.peak, change.start_step, train.num_steps)
+    def rates_at(self, step: int) -> dict[str, np.ndarray]:
+        """Step `step`'s rates as host float32 scalars: the schedules evaluated by XLA (the ops they
+        were evaluated with inside the step before), a block of steps at a time."""
+        block = step // _RATE_BLOCK
+        if block not in self._blocks:
+            steps = jnp.arange(block * _RATE_BLOCK, (block + 1) * _RATE_BLOCK, dtype=jnp.int32)
+            self._blocks[block] = {name: np.asarray(values) for name, values in self._table(steps).items()}
+        return {name: values[step % _RATE_BLOCK] for name, values in self._blocks[block].items()}
+
+    def _build(self, rate: Callable[[str], Schedule]) -> optax.GradientTransformation:
+        """Peak rates are `config.peak_lr`'s (AdamH at the MuonH rate). The router bias
+        (`config.FROZEN_PARAMS`) receives no update at all. A `WeightDecayChange` adds decoupled
+        weight decay on its groups, scaled by each parameter's own learning rate."""
+        opt, labels = self._train.optimizer, self._labels
+        lr = {group: rate(f"lr/{group}") for group in self._groups}
+        groups = _adamw_groups(opt, lr["adamw"]) if isinstance(opt, AdamWConfig) else _hero_groups(opt, lr)
+        transform = grouped({**groups, "frozen": optax.set_to_zero()}, labels)
+        change = self._train.weight_decay_change
+        if change is None:
+            return transform
+        in_groups = mask_params(self._params, change.groups)
         decays = [
-            scheduled_weight_decay(jax.tree.map(lambda m, lab: bool(m and lab == name), in_groups, labels), lr, rate)
-            for name, lr in groups.lr.items()
+            scheduled_weight_decay(jax.tree.map(lambda m, lab: bool(m and lab == name), in_groups, labels),
+                                   rate(f"weight_decay/{name}"))
+            for name in self._groups
         ]
-        transform = optax.chain(transform, *decays)
-    return transform, {group: lr for group, lr in groups.lr.items() if group in present}
+        return optax.chain(transform, *decays)
 
 
-def _adamw_groups(opt, lr: Schedule) -> _Groups:
+def _product(a: Schedule, b: Schedule) -> Schedule:
+    return lambda step: a(step) * b(step)
+
+
+def _adamw_groups(opt, lr: Schedule) -> dict[str, optax.GradientTransformation]:
     def matrices(group_params):  # decay matrices only; computed on the group's own (masked) tree
         return jax.tree.map(lambda x: x.ndim >= 2, group_params)
 
     adamw = optax.adamw(lr, opt.beta1, opt.beta2, opt.eps, weight_decay=opt.weight_decay, mask=matrices)
-    return _Groups({"adamw": adamw}, {"adamw": lr})
+    return {"adamw": adamw}
 
 
-def _hero_groups(opt, lr: dict[str, Schedule]) -> _Groups:
-    transforms = {
+def _hero_groups(opt, lr: dict[str, Schedule]) -> dict[str, optax.GradientTransformation]:
+    return {
         "muonh": scale_by_muonh(lr["muonh"], momentum=opt.muon_momentum, nesterov=opt.muon_nesterov,
                                 ns_steps=opt.muon_ns_steps, eps=opt.muon_eps, dtype=jnp.dtype(opt.newton_schulz_dtype)),
         "adamh": scale_by_adamh(lr["adamh"], b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
         "adam": optax.adam(lr["adam"], b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
     }
-    return _Groups(transforms, lr)
