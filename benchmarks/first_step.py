@@ -5,7 +5,8 @@ Each experiment runs through `keel run` as a user runs it (no XLA_FLAGS, a fresh
 training step prints "first step done Ns after the process started" (`keel.train.progress`); once
 it has, the benchmark stops keel with Ctrl-C (SIGINT: the step checkpoints and is INTERRUPTED),
 runs the same command again, which resumes from that checkpoint with the programs the first
-process left in `.keel/jax_cache`, and reads the line again. The twin runs after tiny_moe in the
+process left in the compilation cache (the machine's, here a fresh one under the benchmark's
+folder: `XDG_CACHE_HOME`), and reads the line again. The twin runs after tiny_moe in the
 same prefix, so it reuses tiny_moe's token cache and the data steps cost neither anything.
 
 Baseline in the same run: a fresh interpreter that imports what a training step imports
@@ -40,10 +41,12 @@ FIRST_STEP = re.compile(r"first step done ([0-9.]+)s after the process started")
 TRAIN_START = re.compile(r"start (train/\S+) -> (\S+)")
 
 
-def user_env() -> dict[str, str]:
-    """The user's environment: no simulated devices or shared compilation cache set from outside."""
-    return {k: v for k, v in os.environ.items()
-            if k not in ("XLA_FLAGS", "JAX_PLATFORMS") and not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
+def user_env(cache_home: str | None = None) -> dict[str, str]:
+    """The user's environment: no simulated devices or compilation cache set from outside; with
+    `cache_home`, a machine whose caches start empty there."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_PLATFORMS") and not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
+    return {**env, "XDG_CACHE_HOME": cache_home} if cache_home else env
 
 
 def keel_command() -> list[str]:
@@ -56,7 +59,8 @@ def first_step(args: list[str], prefix: str, timeout: float, earlier: int) -> fl
     appends to, already holds `earlier` such lines), then stop it with Ctrl-C."""
     console = Path(prefix) / f"console-{time.monotonic_ns()}.txt"
     with open(console, "w") as out:
-        proc = subprocess.Popen([*keel_command(), "run", *args, "--prefix", prefix], cwd=REPO, env=user_env(),
+        proc = subprocess.Popen([*keel_command(), "run", *args, "--prefix", prefix], cwd=REPO,
+                                env=user_env(os.path.join(prefix, "cache")),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout

@@ -1,11 +1,13 @@
 """Test-session environment: 8 simulated CPU devices (2 racks x 4), offline hubs and trackers,
-and one JAX compilation cache for the session.
+and one machine cache folder for the session.
 
 Set before anything imports jax, so every test sees the same simulated machine. Many tests train
 the same small models (in this process, in pytest-xdist's other worker, in `keel run` children):
-a program compiles once per session and later tests load it (`JAX_COMPILATION_CACHE_DIR`, which
-keel's training step honours). Tests of what a user runs (`test_step_isolation.user_env`) leave it
-out, as they leave out `XLA_FLAGS`.
+a program compiles once per session and later tests load it. The session's `XDG_CACHE_HOME` is a
+fresh folder, so the machine's compilation cache that keel's training steps use
+(`keel.train.compile_cache.machine_cache`) is the session's; in-process tests point JAX at the same
+folder (`JAX_COMPILATION_CACHE_DIR`, which tests of what a user runs leave out, as they leave out
+`XLA_FLAGS`: their steps find it as a user's would).
 """
 
 import os
@@ -21,17 +23,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
-_MAKES_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ  # pytest-xdist's workers inherit the controller's
+_MAKES_CACHE = "KEEL_TEST_CACHE_HOME" not in os.environ  # pytest-xdist's workers inherit the controller's
 if _MAKES_CACHE:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="keel-test-jax-cache-")
+    os.environ["KEEL_TEST_CACHE_HOME"] = os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="keel-test-cache-")
+    from keel.train.compile_cache import machine_cache
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = machine_cache()
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 
 def pytest_sessionfinish(session):
-    """The process that made the session's compilation cache removes it."""
+    """The process that made the session's cache folder removes it."""
     if _MAKES_CACHE:
-        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+        shutil.rmtree(os.environ["KEEL_TEST_CACHE_HOME"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -61,3 +66,4 @@ def readme_twin(shared_prefix):
     hero = Path(__file__).resolve().parent.parent / "experiments" / "hero_535b.py"
     done = keel("run", str(hero), "--scale", "tiny", "--prefix", shared_prefix)
     return done, Graph(load_experiment(str(hero), "tiny"), shared_prefix)
+

@@ -7,6 +7,7 @@ The tests run keel as a user would: `keel run` as a subprocess whose environment
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,8 +29,8 @@ SWEEP = str(REPO / "tests/experiments/lr_sweep_2.py")
 
 
 def user_env(**extra) -> dict:
-    """The environment a user runs keel in: no simulated devices, platform or test-session
-    compilation cache (`conftest.py`)."""
+    """The environment a user runs keel in: no simulated devices, platform or compilation cache
+    set from outside. Its machine caches are the session's (`XDG_CACHE_HOME`, `conftest.py`)."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS") and not k.startswith(
         ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
     return {**env, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", **extra}
@@ -94,6 +95,11 @@ def _whole_split_loss(graph, train) -> float:
 SWEEP_STEPS = "100"
 
 
+def _cache_home(prefix) -> str:
+    """The user cache folder of the sweep's machine (beside its prefix)."""
+    return f"{prefix}-cache"
+
+
 def _sweep_graph(prefix: str) -> Graph:
     os.environ["SWEEP_STEPS"] = SWEEP_STEPS
     try:
@@ -108,10 +114,10 @@ def interrupted_sweep(tmp_path_factory):
     logged 3 steps, then run again to the end: (prefix, graph, console of the interrupted run, each
     training step's status and checkpoints when it stopped, the rerun's CompletedProcess). Three
     tests read it: the interruption, the two steps running at once, and compiled programs reused by
-    a later attempt."""
+    a later attempt. Its machine (`XDG_CACHE_HOME`) is its own, so its compilation cache starts empty."""
     prefix = tmp_path_factory.mktemp("sweep")
     args = ("run", SWEEP, "--prefix", str(prefix))
-    env = user_env(SWEEP_STEPS=SWEEP_STEPS)
+    env = user_env(SWEEP_STEPS=SWEEP_STEPS, XDG_CACHE_HOME=_cache_home(prefix))
     uv = shutil.which("uv")
     command = [uv, "run", "--locked", "keel"] if uv else [sys.executable, "-m", "keel.cli_entry"]
     graph = _sweep_graph(str(prefix))
@@ -167,9 +173,13 @@ def _train_rows(path) -> int:
 
 
 def test_a_two_point_sweep_runs_both_training_steps_at_once_in_their_own_processes(interrupted_sweep):
-    prefix, graph, _, _, done = interrupted_sweep  # the rerun, which resumed both training steps
+    prefix, graph, first, _, done = interrupted_sweep  # the rerun, which resumed both training steps
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-4000:]
+    # the two points differ only in their learning rates, so they compile one training step: the
+    # first to take its lock compiles it, the other waits and loads it (keel.train.compile_cache)
+    made = re.findall(r": (compiled|loaded) the \S+ training step", first)
+    assert sorted(made) == ["compiled", "loaded"], first[-4000:]
     trains = [s for s in graph.steps() if s.name.startswith("train/")]
     assert len(trains) == 2
     statuses = [read_status(graph.path(s)) for s in trains]
@@ -213,7 +223,7 @@ def test_plan_refuses_a_topology_the_declared_hardware_cannot_provide(tmp_path):
 def test_a_rerun_of_a_training_step_reuses_its_compiled_programs(interrupted_sweep, tmp_path):
     sweep, _, first_console, _, finished = interrupted_sweep
     assert finished.returncode == 0, (finished.stdout + finished.stderr)[-3000:]
-    assert "jax_cache: empty (the first attempt compiles everything)" in first_console
+    assert "empty (the first run compiles everything)" in first_console
     prefix = tmp_path / "copy"
     shutil.copytree(sweep, prefix)  # the sweep's other tests read the original
     graph = _sweep_graph(str(prefix))
@@ -221,9 +231,11 @@ def test_a_rerun_of_a_training_step_reuses_its_compiled_programs(interrupted_swe
     losses = latest_by_step(read_metrics(os.path.join(path, METRICS_FILE)), "train/loss")
     shutil.rmtree(os.path.join(path, "checkpoints"))  # as if the attempts had died before their first checkpoint
     os.remove(os.path.join(path, METRICS_FILE))
-    again = keel("run", SWEEP, "--prefix", str(prefix), "--only", "lr1.0", "--force", "lr1.0", SWEEP_STEPS=SWEEP_STEPS)
+    again = keel("run", SWEEP, "--prefix", str(prefix), "--only", "lr1.0", "--force", "lr1.0", SWEEP_STEPS=SWEEP_STEPS,
+                 XDG_CACHE_HOME=_cache_home(sweep))  # the same machine
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
-    found = [line for line in again.stdout.splitlines() if "compiled programs from an earlier attempt" in line]
-    assert found and int(found[0].split(": ")[1].split()[0]) > 0, again.stdout[-3000:]
+    found = [int(m.group(1)) for m in re.finditer(r"compilation cache .*: (\d+) compiled programs", again.stdout)]
+    assert found and found[0] > 0, again.stdout[-3000:]
+    assert re.search(r"loaded the \S+ training step from the compilation cache", again.stdout), again.stdout[-3000:]
     # from scratch, the losses of the run that was stopped and resumed
     assert latest_by_step(read_metrics(os.path.join(path, METRICS_FILE)), "train/loss") == losses

@@ -354,8 +354,9 @@ class TrainConfig:
     """`keel run` refuses a run whose planned peak memory does not fit HBM, or whose offloaded
     state does not fit host RAM (`keel.plan.check_fits`); False runs it anyway (the peak is a plan)."""
     compilation_cache: bool = execution_only(default=True)
-    """Keep XLA's compiled programs under the step's `.keel/jax_cache`, so a rerun or resume of the
-    same step skips compiling (JAX's persistent compilation cache)."""
+    """Keep XLA's compiled programs in JAX's persistent compilation cache (`keel.train.compile_cache`:
+    this machine's, or the step's own on shared storage), so a rerun, a resume or a sweep's other
+    points load what one run compiled instead of compiling it again."""
 
     def __post_init__(self):
         if self.eval_every is not None and self.evaluations is not None:

@@ -12,7 +12,9 @@ layout fixes of keel.model.layout, which cut the compile itself).
 
 One worker thread compiles in submission order (two compiles at once would only share the same
 cores); `now` compiles on the calling thread, for the function needed at once. The worker is a
-daemon: an interrupted run does not wait for a compile nobody will use.
+daemon: an interrupted run does not wait for a compile nobody will use. Every compile goes
+through the persistent compilation cache under its program's lock (`keel.train.compile_cache`),
+and says whether it was loaded from there instead.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import Any
 
 import jax
 
+from keel.train import compile_cache
+
 
 @dataclass
 class Pending:
@@ -35,6 +39,8 @@ class Pending:
     future: Future
     ahead: bool
     seconds: float = 0.0  # the compile's own wall time, once done
+    loaded: bool = False  # from the persistent compilation cache (keel.train.compile_cache), not compiled
+    queued: float = 0.0  # of `seconds`, waiting for another process compiling the same program
     waited: float | None = None  # how long the first `get` stood waiting (None: never asked yet)
 
     def get(self):
@@ -77,12 +83,14 @@ class Compiler:
         t0 = time.perf_counter()
         try:
             with jax.set_mesh(self.mesh):
-                executable = jitted.lower(*args).compile()
+                lowered = jitted.lower(*args)
+                with compile_cache.lease(lowered) as pending.queued:
+                    executable, hits = compile_cache.hits_during(lowered.compile)
         except BaseException as e:  # delivered to whoever asks for the function
             pending.seconds = time.perf_counter() - t0
             pending.future.set_exception(e)
             return
-        pending.seconds = time.perf_counter() - t0
+        pending.seconds, pending.loaded = time.perf_counter() - t0, hits > 0
         pending.future.set_result(executable)
 
 

@@ -500,7 +500,7 @@ class _Run:
         self.compile_seconds += pending.seconds
         self.compile_waited += pending.waited if pending.ahead else pending.seconds
         how = f"ahead ({user} waited {pending.waited:.1f}s for it)" if pending.ahead else "on first use"
-        self.progress.compiled(pending.what, pending.seconds, how)
+        self.progress.compiled(pending.what, pending.seconds, how, loaded=pending.loaded, queued=pending.queued)
 
     def _log(self, step: int, values: dict[str, Any]) -> None:
         for tracker in self.trackers:

@@ -87,8 +87,12 @@ class Progress:
         if self._bar is not None:
             self._bar.refresh()
 
-    def compiled(self, what: str, seconds: float, how: str) -> None:
-        self.event(f"compiled {what} in {seconds:.1f}s, {how}")
+    def compiled(self, what: str, seconds: float, how: str, *, loaded: bool = False, queued: float = 0.0) -> None:
+        """`loaded`: from the compilation cache; `queued`: of `seconds`, waiting for another run's
+        compile of the same program (`keel.train.compile_cache.lease`)."""
+        done = f"loaded {what} from the compilation cache" if loaded else f"compiled {what}"
+        after = f" ({queued:.1f}s of it waiting for another run compiling it)" if queued >= 0.1 else ""
+        self.event(f"{done} in {seconds:.1f}s{after}, {how}")
 
     def step(self, completed: int, *, loss: float, tokens_per_s: float, transport: str, phase: str | None) -> None:
         """After each optimizer step: the heartbeat the launcher may watch (`Step.progress_timeout_s`),

@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import jax
 
-from keel.executor import storage
 from keel.executor.replicas import join_replicas
-from keel.executor.status import keel_path
 from keel.mesh.mesh import build_mesh
 from keel.spec.checks import mixture_phases
 from keel.spec.resolved import ResolvedRun, resolve
 from keel.spec.topology import BATCH_AXES, RackTopology
 from keel.spec.train import TrainStepConfig
 from keel.spec.transports import check_transport_supported
+from keel.train import compile_cache
 from keel.train.batches import training_datasets
 from keel.train.data_checks import check_token_caches
 from keel.train.lm import KeelLM
@@ -38,7 +36,7 @@ def train_step(config: TrainStepConfig) -> None:
         config = dataclasses.replace(config, topology=RackTopology(racks=1, gpus_per_rack=len(jax.devices())))
     plan = resolve(config)
     if config.train.compilation_cache:
-        use_compilation_cache(config.output_path)
+        compile_cache.use(config.output_path)
     topology = config.topology
     check_step_config(plan, num_devices=len(jax.devices()), platform=jax.default_backend())
     mesh = build_mesh(topology)
@@ -55,26 +53,6 @@ def train_step(config: TrainStepConfig) -> None:
         phase_starts={start: f"phase {i}" for i, (start, _) in enumerate(mixture_phases(config.data))},
     )
     train(plan.config.train, inputs, config.output_path)
-
-
-def use_compilation_cache(output_path: str) -> None:
-    """Point JAX's persistent compilation cache at the step's own `.keel/jax_cache` (outside the
-    manifest) and say what an earlier attempt left there. Not for `memory://`, which a later
-    process cannot read. A cache the user chose with `JAX_COMPILATION_CACHE_DIR` (one for every run
-    on the machine: the same shapes compile once) is kept, and named."""
-    chosen = os.environ.get("JAX_COMPILATION_CACHE_DIR")
-    if not chosen and not storage.is_shared_between_processes(output_path):
-        return
-    cache = chosen or keel_path(output_path, "jax_cache")
-    found = len(storage.list_names(cache))
-    jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    if chosen:
-        print(f"[train] compilation cache {cache} (JAX_COMPILATION_CACHE_DIR): {found} compiled programs", flush=True)
-        return
-    print(f"[train] compilation cache {cache}: " + (f"{found} compiled programs from an earlier attempt (compiles "
-          "they cover are skipped)" if found else "empty (the first attempt compiles everything)"), flush=True)
 
 
 def check_step_config(plan: ResolvedRun, *, num_devices: int, platform: str) -> None:

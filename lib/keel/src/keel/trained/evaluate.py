@@ -18,6 +18,7 @@ from keel.data.tokenize import read_sequence_bytes
 from keel.executor import storage
 from keel.spec.topology import BATCH_AXES
 from keel.spec.trained import EvalConfig
+from keel.train import compile_cache
 from keel.train.loop import eval_loss_fn, validation_losses
 from keel.trained.load import checkpoint_path, load_model
 
@@ -32,6 +33,7 @@ def eval_step(config: EvalConfig) -> None:
         datasets[label] = load_token_cache(root, config.split, seq_len=seq_len)
         if len(datasets[label]) == 0:
             raise ValueError(f"EvalConfig.data[{label!r}]: the {config.split} split of {root} is empty")
+    compile_cache.use(config.output_path, "eval")  # the run's own evaluation program, when it trained here
     loaded = load_model(config.model)
     batch_size, num_batches = config.batches
     with jax.set_mesh(loaded.mesh):

@@ -28,6 +28,7 @@ from keel.spec.resolved import default_transport
 from keel.spec.topology import BATCH_AXES
 from keel.spec.trained import SampleConfig
 from keel.spec.transports import TransportSpec
+from keel.train import compile_cache
 from keel.trained.load import load_model
 
 SAMPLES_FILE = "samples.jsonl"
@@ -45,6 +46,7 @@ def sample_step(config: SampleConfig) -> None:
     prompts = [bos + tokenizer.encode(p, add_special_tokens=False).ids for p in config.prompts]
     if not all(prompts):
         raise ValueError("SampleConfig.prompts: an empty prompt without a bos token gives the model nothing to continue")
+    compile_cache.use(config.output_path, "sample")
     loaded = load_model(config.model)
     completions = generate(loaded, prompts, context=config.model.train.seq_len, max_tokens=config.max_tokens,
                            temperature=config.temperature, seed=config.seed, stop_id=loaded_tokenizer.eos_id)
