@@ -67,3 +67,16 @@ def readme_twin(shared_prefix):
     done = keel("run", str(hero), "--scale", "tiny", "--prefix", shared_prefix)
     return done, Graph(load_experiment(str(hero), "tiny"), shared_prefix)
 
+
+@pytest.fixture(scope="session")
+def own_data(shared_prefix):
+    """The README's own-data command, `keel run experiments/tutorials/own_data.py`, as a user runs it,
+    once per session: (its CompletedProcess, its Graph). The tutorial's test reads what it trained
+    and logged; the recovery test compares a killed and retried run of the same step with it."""
+    from keel.cli import load_experiment
+    from keel.executor.plan import Graph
+    from test_step_isolation import keel
+
+    tutorial = Path(__file__).resolve().parent.parent / "experiments" / "tutorials" / "own_data.py"
+    done = keel("run", str(tutorial), "--prefix", shared_prefix)
+    return done, Graph(load_experiment(str(tutorial)), shared_prefix)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from keel.data import read_summary
+from keel.executor.status import keel_path
 from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,17 +34,17 @@ def test_the_readme_walks_through_the_tutorial():
 
 
 @pytest.mark.slow
-def test_the_own_data_tutorial_trains_on_the_shipped_corpus_then_everything_is_cached(tmp_path):
+def test_the_own_data_tutorial_trains_on_the_shipped_corpus_then_everything_is_cached(own_data):
     from test_step_isolation import keel
 
-    done = keel("run", TUTORIAL, "--prefix", str(tmp_path))
+    done, graph = own_data  # run once for the session (conftest.py), on its shared prefix
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert "documents: 300 (" in done.stdout
-    assert f"skipped 1 of 301 records (0.3%): 1 not valid JSON (first: {CORPUS}:120" in done.stdout
-    assert f"repaired 1: 1 not valid UTF-8, bytes replaced with U+FFFD (first: {CORPUS}:240" in done.stdout
+    paths = {s.name: graph.path(s) for s in graph.steps()}
+    logged = Path(keel_path(paths["documents/own-notes"], "log.txt")).read_text()  # what the step printed
+    assert "documents: 300 (" in logged
+    assert f"skipped 1 of 301 records (0.3%): 1 not valid JSON (first: {CORPUS}:120" in logged
+    assert f"repaired 1: 1 not valid UTF-8, bytes replaced with U+FFFD (first: {CORPUS}:240" in logged
 
-    paths = {name: str(next((tmp_path / name.split("/")[0]).glob(name.split("/")[1] + "-*")))
-             for name in ("documents/own-notes", "tokenizers/own-notes-bpe-384", "train/own_notes")}
     documents = read_summary(paths["documents/own-notes"])
     assert documents["documents"] == 300 and documents["skipped"]["not valid JSON"]["count"] == 1
     assert documents["splits"]["validation"]["documents"] > 0
@@ -51,5 +52,5 @@ def test_the_own_data_tutorial_trains_on_the_shipped_corpus_then_everything_is_c
     evals = latest_by_step(read_metrics(os.path.join(paths["train/own_notes"], METRICS_FILE)), "eval/loss")
     assert len(evals) >= 2 and evals[max(evals)] < 0.8 * evals[0], evals  # it learned
 
-    again = keel("run", TUTORIAL, "--prefix", str(tmp_path), timeout=120)
+    again = keel("run", TUTORIAL, "--prefix", graph.prefix, timeout=120)
     assert again.returncode == 0 and "0 ran, 0 reused, 4 cached" in again.stdout, again.stdout + again.stderr
