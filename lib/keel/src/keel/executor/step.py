@@ -361,13 +361,17 @@ def _field_names(config_type: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(config_type))
 
 
+_ATOMS = frozenset((int, float, str, bool, type(None)))
+"""Types that hold no values: most of a config, passed over without further checks."""
+
+
 def iter_values(obj: Any):
     """Yield every value inside a config: dataclass fields, list/tuple items, dict values."""
     stack = [obj]
     while stack:
         value = stack.pop()
         yield value
-        if isinstance(value, (Step, External, OutputOf, ThisOutput)):
+        if type(value) in _ATOMS or isinstance(value, (Step, External, OutputOf, ThisOutput)):
             continue
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             stack.extend(reversed([getattr(value, name) for name in _field_names(type(value))]))

@@ -170,7 +170,8 @@ class _Run:
 
     def _initial_state(self, key):
         model = self._initial_model(key)
-        return {"step": jnp.zeros((), jnp.int32), "model": model, "opt_state": self.optimizer.transform().init(_params(model))}
+        opt_state = self.optimizer.transform().init(_params(model))
+        return {"step": jnp.zeros((), jnp.int32), "model": model, "opt_state": opt_state}
 
     # ------------------------------------------------------------------ main
     def run(self) -> dict[str, float]:
