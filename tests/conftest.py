@@ -26,11 +26,13 @@ os.environ.setdefault("WANDB_SILENT", "true")
 _MAKES_CACHE = "KEEL_TEST_CACHE_HOME" not in os.environ  # pytest-xdist's workers inherit the controller's
 if _MAKES_CACHE:
     os.environ["KEEL_TEST_CACHE_HOME"] = os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="keel-test-cache-")
-    from keel.train.compile_cache import machine_cache
-
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = machine_cache()
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+from keel.train import compile_cache  # noqa: E402 - imports jax: after the environment above is set
+
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", compile_cache.machine_cache())  # child processes of tests
+compile_cache.configure(os.environ["JAX_COMPILATION_CACHE_DIR"])  # this one, whose jax is imported
 
 
 def pytest_sessionfinish(session):

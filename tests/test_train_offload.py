@@ -128,9 +128,9 @@ def watching_steps(stop_after: int | None = None):
         def get(self):
             compiled = self.pending.get()
 
-            def watched(arrays, batch):
+            def watched(arrays, batch, rates):
                 step, before = int(arrays["step"]), offload.memory_kinds(arrays)
-                new, metrics = compiled(arrays, batch)
+                new, metrics = compiled(arrays, batch, rates)
                 records.append((step, before, offload.memory_kinds(new)))
                 if step == stop_after:
                     interrupt.request()

@@ -25,6 +25,8 @@ import os
 import threading
 import time
 
+import jax
+
 from keel.executor import storage
 from keel.executor.status import keel_path
 
@@ -52,18 +54,21 @@ def cache_for(output_path: str) -> tuple[str | None, str]:
 def use(output_path: str, label: str = "train") -> None:
     """Point JAX's persistent compilation cache where `cache_for` says, and say what it holds (on a
     line that starts with `[label]`)."""
-    import jax
-
     cache, kind = cache_for(output_path)
     if cache is None:
         return
     found = len(storage.list_names(cache))
-    jax.config.update("jax_compilation_cache_dir", cache)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    configure(cache)
     held = (f"{found} compiled programs (compiles they cover load instead)" if found
             else "empty (the first run compiles everything)")
     print(f"[{label}] compilation cache {cache}, {kind}: {held}", flush=True)
+
+
+def configure(cache: str) -> None:
+    """Compile through the persistent cache in `cache`, keeping every program (small ones too)."""
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 @contextlib.contextmanager
@@ -71,8 +76,6 @@ def lease(lowered):
     """Hold the lock on `lowered`'s program while compiling it into a local cache (a no-op
     otherwise, and in a multi-process run, whose processes compile their shares together).
     Yields how many seconds it waited for another process's compile of the same program."""
-    import jax
-
     cache = jax.config.jax_compilation_cache_dir
     if not cache or not storage.is_local(cache) or jax.process_count() > 1:
         yield 0.0
@@ -93,8 +96,6 @@ _listener: list = []
 
 def hits_during(fn):
     """(fn(), how many programs it loaded from the persistent cache on this thread)."""
-    import jax
-
     with _listening:
         if not _listener:
             _listener.append(_count_hit)
