@@ -57,7 +57,7 @@ def use(output_path: str, label: str = "train") -> None:
     cache, kind = cache_for(output_path)
     if cache is None:
         return
-    found = len(storage.list_names(cache))
+    found = sum(name.endswith("-cache") for name in storage.list_names(cache))  # JAX's entries, not keel's locks
     configure(cache)
     held = (f"{found} compiled programs (compiles they cover load instead)" if found
             else "empty (the first run compiles everything)")
@@ -90,16 +90,17 @@ def lease(lowered):
 
 
 _hits = threading.local()
-_listening = threading.Lock()
-_listener: list = []
+_registering = threading.Lock()
+_registered = False
 
 
 def hits_during(fn):
     """(fn(), how many programs it loaded from the persistent cache on this thread)."""
-    with _listening:
-        if not _listener:
-            _listener.append(_count_hit)
+    global _registered
+    with _registering:
+        if not _registered:
             jax.monitoring.register_event_listener(_count_hit)
+            _registered = True
     before = getattr(_hits, "count", 0)
     result = fn()
     return result, getattr(_hits, "count", 0) - before
