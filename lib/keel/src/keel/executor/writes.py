@@ -17,7 +17,8 @@ there on their own:
   matplotlib, keel's own input memo), `$XDG_CONFIG_HOME` (else `~/.config`: wandb's settings),
   `$XDG_DATA_HOME` (else `~/.local/share`: wandb's artifact staging), `$XDG_STATE_HOME` (else
   `~/.local/state`), and the folders `HF_HOME`, `MPLCONFIGDIR`, `WANDB_DIR`, `WANDB_CACHE_DIR`,
-  `WANDB_CONFIG_DIR`, `WANDB_DATA_DIR`, `TRITON_CACHE_DIR` and `JAX_COMPILATION_CACHE_DIR` name;
+  `WANDB_CONFIG_DIR`, `WANDB_DATA_DIR`, `TRITON_CACHE_DIR`, `JAX_COMPILATION_CACHE_DIR` and
+  `KEEL_CACHE_DIR` (keel's input memo and compiled programs, `inputs.cache_dir`) name;
 - Python's bytecode (`__pycache__`), devices and kernel files (`/dev`, `/proc`, `/sys`), and the
   heartbeat file the launcher watches (`KEEL_HEARTBEAT`);
 - the folders `KEEL_WRITABLE` lists (separated by `os.pathsep`): where every step of a launch may
@@ -41,7 +42,7 @@ from keel.executor import heartbeat
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 _SYSTEM = ("/dev/", "/proc/", "/sys/")
 _CACHE_ENV = ("HF_HOME", "MPLCONFIGDIR", "WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR",
-              "TRITON_CACHE_DIR", "JAX_COMPILATION_CACHE_DIR")
+              "TRITON_CACHE_DIR", "JAX_COMPILATION_CACHE_DIR", "KEEL_CACHE_DIR")
 WRITABLE_ENV = "KEEL_WRITABLE"
 SHOWN = 5
 """How many of the files written outside a failing step's message names."""

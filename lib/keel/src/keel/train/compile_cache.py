@@ -5,8 +5,9 @@ inputs: `keel.train.optimizer.Optimizer`), so the points of a sweep, a longer re
 attempt of a step compile the same programs. JAX's persistent compilation cache keeps them:
 
 - `JAX_COMPILATION_CACHE_DIR`, when the user chose one;
-- for a step whose output is on this machine, this machine's cache in the user's cache folder
-  (`$XDG_CACHE_HOME/keel/jax`, else `~/.cache/keel/jax`): every run here shares it;
+- for a step whose output is on this machine, this machine's cache in keel's cache folder
+  (`$KEEL_CACHE_DIR/jax`, else `$XDG_CACHE_HOME/keel/jax`, else `~/.cache/keel/jax`): every run
+  here shares it;
 - for a step on shared storage (`gs://`, ...), the step's own `.keel/jax_cache`, which its later
   attempts read wherever they run;
 - none for `memory://`, which no later process can read.
@@ -28,15 +29,15 @@ import time
 import jax
 
 from keel.executor import storage
+from keel.executor.inputs import cache_dir
 from keel.executor.status import keel_path
 
 CHOSEN_ENV = "JAX_COMPILATION_CACHE_DIR"
 
 
 def machine_cache() -> str:
-    """This machine's cache of compiled programs, in the user's cache folder."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "keel", "jax")
+    """This machine's cache of compiled programs, in keel's cache folder (`inputs.cache_dir`)."""
+    return os.path.join(cache_dir(), "jax")
 
 
 def cache_for(output_path: str) -> tuple[str | None, str]:
