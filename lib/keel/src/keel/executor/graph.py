@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 from typing import Any, Container
 
 from keel.executor.step import External, OutputOf, Step, StepDeclarationError
@@ -14,6 +16,24 @@ class CycleError(StepDeclarationError):
     def __init__(self, cycle: list[Step | External]):
         super().__init__("dependency cycle: " + " -> ".join(s.name for s in cycle)
                          + "; a step cannot depend on its own output: remove the reference that closes the loop")
+
+
+@contextlib.contextmanager
+def no_cycle_collection():
+    """Hold Python's cycle collector while a large graph is built or planned.
+
+    A 10,000-step graph allocates a few hundred thousand dicts, tuples and dataclasses, none of
+    them garbage; every 700 allocations the collector would walk the young ones, and now and then
+    every object in the process, for nothing (10-20% of a plan's time). Reference counting still
+    frees what is dropped; the collector resumes, as it was, when the block ends.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def topological_order(targets: list[Step | External], done: Container[int] = ()) -> list[Step | External]:

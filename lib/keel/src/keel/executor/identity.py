@@ -114,7 +114,21 @@ def _fingerprinted(name: str, read) -> dict:
 
 
 def canonical_json(payload: Any) -> str:
-    return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    """Sorted keys, no spaces, ASCII: the text an identity hashes."""
+    if _C_CANONICAL is None:
+        return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "".join(_C_CANONICAL(payload, 0))
+
+
+def _refuse(value: Any) -> Any:
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+# `json.dumps` builds a new encoder for every call: half the cost of encoding a step's payload in a
+# 10,000-step plan. The C encoder it builds, made once with the same settings (markers=None: a
+# payload is a tree `encode` just built), writes the same text.
+_C_CANONICAL = json.encoder.c_make_encoder and json.encoder.c_make_encoder(
+    None, _refuse, json.encoder.encode_basestring_ascii, None, ":", ",", True, False, True)
 
 
 @functools.cache

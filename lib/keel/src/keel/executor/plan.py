@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from keel.executor import code, reuse, storage
 from keel.executor import lease as leases
-from keel.executor.graph import substitute, topological_order
+from keel.executor.graph import no_cycle_collection, substitute, topological_order
 from keel.executor.identity import Identities, output_path
 from keel.executor.inputs import describe_change
 from keel.executor.status import FAILED, INTERRUPTED, SUCCESS, Status, keel_path, read_status, verify_manifest
@@ -64,11 +64,12 @@ class Graph:
     def __init__(self, targets: list[Step | External], prefix: str):
         self.targets = list(targets)
         self.prefix = prefix.rstrip("/") if "://" in prefix else os.path.abspath(prefix)
-        self.order = topological_order(self.targets)
-        self.identities = Identities()
-        for step in self.order:
-            self.identities.hash(step)
-        self._merge_same_names()
+        with no_cycle_collection():
+            self.order = topological_order(self.targets)
+            self.identities = Identities()
+            for step in self.order:
+                self.identities.hash(step)
+            self._merge_same_names()
         self._paths: dict[int, str] = {}
         self.overrides: dict[str, list[str]] = {}
         """Step name -> the `--set` assignments that changed its identity (recorded in its step.json)."""
@@ -116,12 +117,20 @@ class _Listings:
 
     def __init__(self) -> None:
         self._names: dict[str, set[str]] = {}
+        self._indexed: dict[str, bool] = {}
 
     def names(self, folder: str) -> set[str]:
         names = self._names.get(folder)
         if names is None:
             names = self._names[folder] = set(storage.list_names(folder))
         return names
+
+    def any_indexed(self, prefix: str) -> bool:
+        """Whether the content index under `prefix` holds any entry (asked once per step)."""
+        found = self._indexed.get(prefix)
+        if found is None:
+            found = self._indexed[prefix] = bool(self.names(reuse.index(prefix)))
+        return found
 
     def exists(self, url: str) -> bool:
         parent, _, base = url.rpartition("/")
@@ -147,7 +156,7 @@ def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = No
         return StepPlan(step, path, EXTERNAL, described, deps)
     status = read_status(path) if listings.exists(path) else None
     forced = bool(force and force.search(step.name))
-    if status is None and not forced and not step.no_outputs and listings.names(reuse.index(graph.prefix)):
+    if status is None and not forced and not step.no_outputs and listings.any_indexed(graph.prefix):
         entry = reuse.entry(graph.prefix, graph.identities.content_hash(step))
         same = reuse.find(graph.prefix, entry, path) if listings.exists(entry) else None
         if same is not None:
@@ -179,7 +188,8 @@ def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = No
 
 def plan_graph(graph: Graph, force: re.Pattern | None = None) -> list[StepPlan]:
     listings = _Listings()
-    return [plan_step(graph, s, force, listings) for s in graph.order]
+    with no_cycle_collection():
+        return [plan_step(graph, s, force, listings) for s in graph.order]
 
 
 def _most_recent_record(paths: list[str]) -> dict | None:
