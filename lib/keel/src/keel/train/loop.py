@@ -153,7 +153,8 @@ class _Run:
             self._compile_ahead(self.start, evaluation=False, announce=False)
 
         device = jax.tree.map(lambda x: x.sharding, self.state_shapes)
-        self.state_arrays = jax.jit(lambda k: eqx.filter(self._initial_state(k), eqx.is_array), out_shardings=device)(key)
+        self.state_arrays = jax.jit(lambda k: eqx.filter(self._initial_state(k), eqx.is_array), out_shardings=device,
+                                    compiler_options=compile_ahead.RUN_ONCE)(key)
         # Where each part of the state lives (keel.train.offload): pinned as the step's in/out shardings.
         self.layout = offload.Layout()
         self._place(self.start)

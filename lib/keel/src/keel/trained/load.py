@@ -24,6 +24,7 @@ from keel.spec.topology import RackTopology
 from keel.spec.train import TrainStepConfig
 from keel.spec.trained import TrainedModel
 from keel.train.checkpoint import checkpoint_root, restore_like
+from keel.train.compile_ahead import RUN_ONCE
 from keel.train.layout import planned_shardings
 from keel.train.lm import KeelLM
 
@@ -78,7 +79,7 @@ def load_model(ref: TrainedModel) -> LoadedModel:
         shapes = eqx.filter_eval_shape(initial, key)
         state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "model": shapes, "opt_state": ()}
         shardings = planned_shardings(plan, state, mesh)["model"]
-        arrays = jax.jit(initial, out_shardings=shardings)(key)
+        arrays = jax.jit(initial, out_shardings=shardings, compiler_options=RUN_ONCE)(key)  # restored over at once
     static = eqx.partition(eqx.filter_eval_shape(lm.init, key), lambda x: isinstance(x, jax.ShapeDtypeStruct))[1]
     arrays = restore_like(arrays, path, subpath="model")  # the loop saves {"step", "model", "opt_state"}
     return LoadedModel(lm=lm, mesh=mesh, topology=topology, arrays=arrays, static=static, shardings=shardings,
