@@ -147,41 +147,41 @@ class Identities:
     """
 
     def __init__(self) -> None:
-        self._hashes: dict[int, str] = {}
-        self._payloads: dict[int, dict] = {}
-        self._contents: dict[int, str] = {}
+        # Keyed by the steps themselves (identity hashing, no `id()`: see `topological_order`),
+        # which also keeps every memoised step alive.
+        self._hashes: dict[Step | External, str] = {}
+        self._payloads: dict[Step | External, dict] = {}
+        self._contents: dict[Step | External, str] = {}
         self._local = threading.local()  # .encoding: steps whose payload this thread is encoding, outermost first
-        self._keep: list[Any] = []  # keep ids stable while memoised
 
     def payload(self, step: Step | External) -> dict:
-        key = id(step)
-        if key not in self._payloads:
+        found = self._payloads.get(step)
+        if found is None:
             if isinstance(step, External):
-                payload = {"external": step.name, "path": step.path, "version": step.version}
+                found = {"external": step.name, "path": step.path, "version": step.version}
                 if step.version is None:  # its files stand for it (keel.executor.inputs)
-                    payload["inputs"] = _fingerprinted(step.name, lambda: fingerprint_tree(step.path))
+                    found["inputs"] = _fingerprinted(step.name, lambda: fingerprint_tree(step.path))
             else:
                 encoding = self._encoding()
-                if key in encoding:
-                    inner = list(encoding.values())
+                if step in encoding:
+                    inner = list(encoding)
                     raise CycleError(inner[inner.index(step):] + [step])
-                encoding[key] = step
+                encoding[step] = None
                 try:
-                    payload = {"name": step.name, "config": encode(step.config, f"{step.name}.config", self.hash)}
+                    found = {"name": step.name, "config": encode(step.config, f"{step.name}.config", self.hash)}
                 finally:
-                    del encoding[key]
+                    del encoding[step]
                 if _reads_files(type(step.config)):  # a config that reads outside files
                     files = _fingerprinted(step.name, lambda: fingerprint_files(step.config.input_files()))
                     if files:
-                        payload["inputs"] = files
-            self._payloads[key] = payload
-            self._keep.append(step)
-        return self._payloads[key]
+                        found["inputs"] = files
+            self._payloads[step] = found
+        return found
 
     def content_hash(self, step: Step | External) -> str:
         """The hash of the work a step does, whatever its name: its function, config (with each
         dependency by its content hash) and input files; an External by its path, version and files."""
-        found = self._contents.get(id(step))
+        found = self._contents.get(step)
         if found is None:
             self.hash(step)  # encodes every payload once, refusing cycles and unencodable values
             for node in topological_order([step], done=self._contents):
@@ -192,22 +192,23 @@ class Identities:
                     content = {"fn": qualified_name(node.fn),
                                "config": encode(node.config, f"{node.name}.config", self.content_hash),
                                "inputs": payload.get("inputs")}
-                self._contents[id(node)] = hashlib.sha256(canonical_json(content).encode()).hexdigest()[:2 * HASH_CHARS]
-            found = self._contents[id(step)]
+                self._contents[node] = hashlib.sha256(canonical_json(content).encode()).hexdigest()[:2 * HASH_CHARS]
+            found = self._contents[step]
         return found
 
-    def _encoding(self) -> dict[int, Step]:
+    def _encoding(self) -> dict[Step, None]:
         return self._local.__dict__.setdefault("encoding", {})
 
     def hash(self, step: Step | External) -> str:
-        found = self._hashes.get(id(step))
+        found = self._hashes.get(step)
         if found is None:
-            known = all(id(d) in self._hashes for d in step.deps)
+            hashes = self._hashes
+            known = all(d in hashes for d in step.deps)
             # Steps being encoded are not walked again: meeting one in `payload` names the cycle.
-            for node in [step] if known else topological_order([step], done=ChainMap(self._hashes, self._encoding())):
+            for node in [step] if known else topological_order([step], done=ChainMap(hashes, self._encoding())):
                 digest = hashlib.sha256(canonical_json(self.payload(node)).encode()).hexdigest()
-                self._hashes[id(node)] = digest[:HASH_CHARS]
-            found = self._hashes[id(step)]
+                hashes[node] = digest[:HASH_CHARS]
+            found = hashes[step]
         return found
 
 

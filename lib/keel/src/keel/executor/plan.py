@@ -70,7 +70,7 @@ class Graph:
             for step in self.order:
                 self.identities.hash(step)
             self._merge_same_names()
-        self._paths: dict[int, str] = {}
+        self._paths: dict[Step | External, str] = {}
         self.overrides: dict[str, list[str]] = {}
         """Step name -> the `--set` assignments that changed its identity (recorded in its step.json)."""
 
@@ -98,15 +98,14 @@ class Graph:
         self.order = list({id(s): s for s in new.values()}.values())
 
     def path(self, step: Step | External) -> str:
-        key = id(step)
-        found = self._paths.get(key)
+        found = self._paths.get(step)
         if found is None:
-            found = self._paths[key] = output_path(self.prefix, step, self.identities)
+            found = self._paths[step] = output_path(self.prefix, step, self.identities)
         return found
 
     def reuse(self, step: Step, path: str) -> None:
         """Point `step` (and the configs of its dependents) at another finished output of the same work."""
-        self._paths[id(step)] = path
+        self._paths[step] = path
 
     def steps(self) -> list[Step]:
         return [s for s in self.order if isinstance(s, Step)]

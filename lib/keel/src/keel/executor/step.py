@@ -216,11 +216,11 @@ class Step:
     def deps(self) -> "tuple[Step | External, ...]":
         """Direct dependencies, in order of first appearance in the config."""
         if self._deps is None:
-            found: dict[int, Step | External] = {}
+            found: dict[Step | External, None] = {}  # steps hash by identity
             for target in _references(self.config):
                 if target is not self:
-                    found.setdefault(id(target), target)
-            self._deps = tuple(found.values())
+                    found[target] = None
+            self._deps = tuple(found)
         return self._deps
 
     def with_config(self, config: Any) -> "Step":
