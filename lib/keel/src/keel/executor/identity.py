@@ -15,11 +15,9 @@ hash, so the second finds the first's finished output and reuses it (`plan.py`).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import hashlib
 import json
-import pathlib
 import threading
 from collections import ChainMap
 from typing import Any
@@ -27,7 +25,8 @@ from typing import Any
 from keel.executor.code import qualified_name
 from keel.executor.graph import CycleError, topological_order
 from keel.executor.inputs import InputError, fingerprint_files, fingerprint_tree
-from keel.executor.step import External, OutputOf, ReadsFiles, Step, StepDeclarationError, ThisOutput, is_execution_only
+from keel.executor.step import (DATACLASS, DICT, ENUM, FLOAT, OUTPUT_OF, PATH, PLAIN, SEQUENCE, STEP, THIS_OUTPUT, External,
+                                ReadsFiles, Step, StepDeclarationError, is_execution_only, value_kind)
 
 HASH_CHARS = 10
 
@@ -44,30 +43,30 @@ def _identity_fields(config_type: type) -> tuple[str, ...]:
 
 def encode(value: Any, where: str, dep_hash) -> Any:
     """The canonical JSON form of a config value; `where` is its field path for error messages."""
-    kind = _kind(type(value))
-    if kind is _PLAIN:
+    kind = value_kind(type(value))
+    if kind is PLAIN:
         return value
-    if kind is _DATACLASS:
+    if kind is DATACLASS:
         out: dict[str, Any] = {"__class__": type(value).__qualname__}
         for name in _identity_fields(type(value)):
             out[name] = encode(getattr(value, name), f"{where}.{name}", dep_hash)
         return out
-    if kind is _SEQUENCE:
+    if kind is SEQUENCE:
         return [encode(v, f"{where}[{i}]", dep_hash) for i, v in enumerate(value)]
-    if kind is _FLOAT:
+    if kind is FLOAT:
         # repr is the shortest string that round-trips exactly; a float never collides with an int.
         return {"__float__": repr(value)}
-    if kind is _ENUM:
+    if kind is ENUM:
         return {"__enum__": f"{type(value).__qualname__}.{value.name}"}
-    if kind is _OUTPUT_OF:
+    if kind is OUTPUT_OF:
         return {"__output_of__": dep_hash(value.step), "subpath": value.subpath}
-    if kind is _STEP:
+    if kind is STEP:
         return {"__output_of__": dep_hash(value), "subpath": ""}
-    if kind is _THIS_OUTPUT:
+    if kind is THIS_OUTPUT:
         return {"__this_output__": value.subpath}
-    if kind is _PATH:
+    if kind is PATH:
         return {"__path__": value.as_posix()}
-    if kind is _DICT:
+    if kind is DICT:
         for k in value:
             if not isinstance(k, str):
                 raise IdentityError(f"{where}: dict keys must be strings, got {type(k).__name__} key {k!r}")
@@ -76,29 +75,6 @@ def encode(value: Any, where: str, dep_hash) -> Any:
         f"{where}: a value of type {type(value).__name__} has no canonical encoding; use a dataclass, "
         "enum, number, string, bool, None, list/tuple, dict with string keys, path or a placeholder"
     )
-
-
-_PLAIN, _ENUM, _FLOAT, _OUTPUT_OF, _STEP, _THIS_OUTPUT, _PATH, _DATACLASS, _SEQUENCE, _DICT = (
-    "plain", "enum", "float", "output_of", "step", "this_output", "path", "dataclass", "sequence", "dict")
-
-
-@functools.cache
-def _kind(value_type: type) -> str | None:
-    """How `encode` writes a value of this type, decided once per type (a 10,000-step plan encodes
-    ~70,000 values: a chain of isinstance checks per value cost it 0.1 s). The order is the rule:
-    an Enum that is also an int is an enum, a bool is plain."""
-    for kind, types in ((_PLAIN, (type(None), bool, str)), (_ENUM, enum.Enum), (_PLAIN, int), (_FLOAT, float),
-                        (_OUTPUT_OF, OutputOf), (_STEP, (Step, External)), (_THIS_OUTPUT, ThisOutput),
-                        (_PATH, pathlib.PurePath)):
-        if issubclass(value_type, types):
-            return kind
-    if dataclasses.is_dataclass(value_type):
-        return _DATACLASS
-    if issubclass(value_type, (list, tuple)):
-        return _SEQUENCE
-    if issubclass(value_type, dict):
-        return _DICT
-    return None
 
 
 def _fingerprinted(name: str, read) -> dict:
@@ -115,20 +91,12 @@ def _fingerprinted(name: str, read) -> dict:
 
 def canonical_json(payload: Any) -> str:
     """Sorted keys, no spaces, ASCII: the text an identity hashes."""
-    if _C_CANONICAL is None:
-        return json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return "".join(_C_CANONICAL(payload, 0))
+    return _CANONICAL.encode(payload)
 
 
-def _refuse(value: Any) -> Any:
-    raise TypeError(f"{type(value).__name__} is not JSON")
-
-
-# `json.dumps` builds a new encoder for every call: half the cost of encoding a step's payload in a
-# 10,000-step plan. The C encoder it builds, made once with the same settings (markers=None: a
-# payload is a tree `encode` just built), writes the same text.
-_C_CANONICAL = json.encoder.c_make_encoder and json.encoder.c_make_encoder(
-    None, _refuse, json.encoder.encode_basestring_ascii, None, ":", ",", True, False, True)
+# One encoder for every payload: `json.dumps` with these settings builds a new one per call, a
+# fifth of the cost of hashing a step in a 10,000-step plan.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
 @functools.cache

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import enum
 import functools
 import importlib
 import importlib.machinery
 import math
+import pathlib
 import re
 import types
 import typing
@@ -360,25 +362,27 @@ def _field_names(config_type: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(config_type))
 
 
-_EDGE, _STEP, _FIELDS, _ITEMS, _VALUES = "edge", "step", "fields", "items", "values"
+PLAIN, ENUM, FLOAT, OUTPUT_OF, STEP, THIS_OUTPUT, PATH, DATACLASS, SEQUENCE, DICT = (
+    "plain", "enum", "float", "output_of", "step", "this_output", "path", "dataclass", "sequence", "dict")
 
 
 @functools.cache
-def _walk(value_type: type) -> str | None:
-    """What the dependency walk does with a value of this type, decided once per type (a
-    10,000-step plan walks ~80,000 values): None for a value that holds no steps."""
-    if issubclass(value_type, OutputOf):
-        return _EDGE
-    if issubclass(value_type, (Step, External)):
-        return _STEP
-    if issubclass(value_type, (int, float, str, type(None), ThisOutput)):
-        return None
+def value_kind(value_type: type) -> str | None:
+    """What a config value of this type is, decided once per type: identity encodes by it
+    (`identity.encode`) and the dependency walk follows it (`_references`); a 10,000-step plan
+    meets ~70,000 values, and a chain of isinstance checks per value cost it 0.1 s. The order is
+    the rule: an Enum that is also an int is an enum, a bool is plain. None: no known kind."""
+    for kind, bases in ((PLAIN, (type(None), bool, str)), (ENUM, enum.Enum), (PLAIN, int), (FLOAT, float),
+                        (OUTPUT_OF, OutputOf), (STEP, (Step, External)), (THIS_OUTPUT, ThisOutput),
+                        (PATH, pathlib.PurePath)):
+        if issubclass(value_type, bases):
+            return kind
     if dataclasses.is_dataclass(value_type):
-        return _FIELDS
+        return DATACLASS
     if issubclass(value_type, (list, tuple)):
-        return _ITEMS
+        return SEQUENCE
     if issubclass(value_type, dict):
-        return _VALUES
+        return DICT
     return None
 
 
@@ -389,17 +393,15 @@ def _references(config: Any) -> list["Step | External"]:
     stack = [config]
     while stack:
         value = stack.pop()
-        action = _walk(type(value))
-        if action is None:
-            continue
-        if action is _EDGE:
+        kind = value_kind(type(value))
+        if kind is OUTPUT_OF:
             found.append(value.step)
-        elif action is _STEP:
+        elif kind is STEP:
             found.append(value)
-        elif action is _FIELDS:
+        elif kind is DATACLASS:
             stack.extend([getattr(value, name) for name in reversed(_field_names(type(value)))])
-        elif action is _ITEMS:
+        elif kind is SEQUENCE:
             stack.extend(reversed(value))
-        else:
+        elif kind is DICT:
             stack.extend(reversed(list(value.values())))
     return found
