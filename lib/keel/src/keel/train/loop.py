@@ -55,6 +55,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from levanter.tracker import Tracker
+from levanter.utils.jax_utils import barrier_sync_named
 
 from keel.data.datasets import FIELDS
 from keel.executor import interrupt
@@ -72,6 +73,9 @@ from keel.train.spike_guard import NonFiniteTraining, SpikeGuard, poison_from_en
 from keel.train.tracking import LOSS_PLOT_FILE, MetricsLog, open_wandb, plot_loss_curves, run_name
 
 logger = logging.getLogger(__name__)
+
+REPLICA_SKEW_S = 1800.0
+"""How long the processes of one run wait for each other at the start (their compiles differ)."""
 
 
 @dataclasses.dataclass
@@ -177,6 +181,10 @@ class _Run:
     # ------------------------------------------------------------------ main
     def run(self) -> dict[str, float]:
         config, latest = self.config, self.latest
+        # The processes of a multi-host run meet here, through the coordination service, before
+        # their first collective: the collectives' own first rendezvous (gloo's on CPUs) gives up
+        # after 30 s, and under load one process can finish its compiles later than that.
+        barrier_sync_named("keel-train-start", timeout=REPLICA_SKEW_S)
         if latest is not None:  # the exemplar is already in the resume step's layout
             self.state_arrays = self.checkpoints.restore(self.state_arrays, latest)
         start = int(self.state_arrays["step"])
