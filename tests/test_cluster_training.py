@@ -140,8 +140,9 @@ def test_the_tiny_experiments_training_as_2_replicas_of_4_devices_matches_one_pr
     # gloo's cross-process sums round differently from the in-process ones, in the last bits (step 0:
     # ~5e-7). The updates grow them, and routing is discrete (top-k choices, a quantile-balancing
     # bias computed from those bits), so by step 2 the loss may differ by a few 1e-5 (3.3e-5 on an
-    # AMD EPYC host, the same value under load and idle; within 1e-5 on the earlier CI hosts). The first update alone moves the loss by 0.25: a replica
-    # that trained on other rows or without the other's gradients changes that update, not its last bits.
+    # AMD EPYC host, the same value under load and idle; within 1e-5 on the earlier CI hosts). The
+    # first update alone moves the loss by 0.25: a replica that trained on other rows or without the
+    # other's gradients changes that update, not its last bits.
     assert got[0] == pytest.approx(expected[0], abs=1e-5)
     for s in range(1, steps):
         assert got[s] == pytest.approx(expected[s], abs=1e-4), s
