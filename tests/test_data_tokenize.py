@@ -137,7 +137,7 @@ _KILLED_RUN = textwrap.dedent(
     """
     import sys, time
     from levanter.store.cache import SerialCacheWriter
-    from keel.data import tokenize_documents
+    from keel.data import tokenize, tokenize_documents
     from keel.spec import TokenizeConfig
 
     original = SerialCacheWriter.write_batch
@@ -147,6 +147,7 @@ _KILLED_RUN = textwrap.dedent(
         time.sleep(600)
     SerialCacheWriter.write_batch = write_then_stall
     corpus, tok, out, seq_len = sys.argv[1:]
+    tokenize.WRITE_TOKENS = 1024 * int(seq_len)  # groups of 1024 sequences: this small corpus fills several
     tokenize_documents(TokenizeConfig(documents=corpus, tokenizer=tok, seq_len=int(seq_len), output_path=out))
     """
 )

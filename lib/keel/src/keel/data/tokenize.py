@@ -27,8 +27,9 @@ shards was measured too: no faster on 2 cores, since the tokenizer already keeps
 pays for moving token arrays between processes.) Special-token strings inside a document are
 encoded as text, so only the step adds bos/eos.
 
-Sequences are handed to the writer in fixed groups of `WRITE_ROWS`, so the bytes on disk do not
-depend on the (execution-only) batch size. The step starts by removing whatever an interrupted
+Sequences are handed to the writer in fixed groups of about `WRITE_TOKENS` tokens, so the bytes on
+disk do not depend on the (execution-only) batch size; Levanter's writer costs per group, and groups
+of 4M tokens cost it 40% less CPU than groups of 1M (0.20 s against 0.34 s for 6.5M tokens). The step starts by removing whatever an interrupted
 attempt left, and Levanter writes a cache's ledger only when the cache is complete, so a killed run
 leaves no loadable cache and a rerun rebuilds an identical one.
 """
@@ -61,7 +62,7 @@ logger = logging.getLogger(__name__)
 STATS_FILE = "tokenize.json"
 BYTES_FILE = "{split}.bytes.npy"
 FORMAT = "keel.token_cache/v1"
-WRITE_ROWS = 1024
+WRITE_TOKENS = 1 << 22  # per group handed to Levanter's writer: 4096 sequences of 1024 tokens
 _QUEUE_DEPTH = 4
 ENCODE_THREADS = 2  # batches encoding at once: one's last long documents overlap the next one's start
 ENCODE_AHEAD = 3  # batches handed to the encoding threads ahead of the one being packed
@@ -109,14 +110,15 @@ def _threaded(produce, depth: int = _QUEUE_DEPTH) -> Iterator:
 
 class _CacheWriterThread:
     """Writes one Levanter cache per directory, one after the other, with a SerialCacheWriter fed
-    from a queue in fixed groups of WRITE_ROWS sequences.
+    from a queue in fixed groups of `rows` sequences.
 
     One thread writes them all, so the writes reach the disk in the order a split-by-split run
     makes them; `finish()` ends the current cache, whose last sequences and ledger the thread then
     writes while the caller goes on with the next. The thread opens the caches itself, all at
     once at the start, so the first batches encode meanwhile."""
 
-    def __init__(self, cache_dirs: list[str]):
+    def __init__(self, cache_dirs: list[str], rows: int):
+        self._rows = rows
         self._queue: queue.Queue = queue.Queue(maxsize=_QUEUE_DEPTH)
         self._error: BaseException | None = None
         self._unfinished = len(cache_dirs)
@@ -143,12 +145,12 @@ class _CacheWriterThread:
             raise self._error
         self._pending.append((input_ids, segment_ids))
         self._pending_rows += len(input_ids)
-        if self._pending_rows >= WRITE_ROWS:
+        if self._pending_rows >= self._rows:
             ids = np.concatenate([p[0] for p in self._pending])
             segs = np.concatenate([p[1] for p in self._pending])
-            whole = len(ids) // WRITE_ROWS * WRITE_ROWS
-            for start in range(0, whole, WRITE_ROWS):
-                self._queue.put({"input_ids": ids[start : start + WRITE_ROWS], "segment_ids": segs[start : start + WRITE_ROWS]})
+            whole = len(ids) // self._rows * self._rows
+            for start in range(0, whole, self._rows):
+                self._queue.put({"input_ids": ids[start : start + self._rows], "segment_ids": segs[start : start + self._rows]})
             self._pending = [(ids[whole:], segs[whole:])]
             self._pending_rows = len(ids) - whole
 
@@ -275,7 +277,8 @@ def _tokenize_splits(config: TokenizeConfig, loaded, documents: int, count_bytes
     bar = tqdm(total=documents, desc="tokenize", unit="doc", unit_scale=True, mininterval=1.0)
     batches = _threaded(lambda: _split_batches(config))
     encoded = _encoded(_encoder(config, loaded), batches)
-    writer = _CacheWriterThread([storage.join(config.output_path, split) for split in SPLITS])
+    writer = _CacheWriterThread([storage.join(config.output_path, split) for split in SPLITS],
+                                rows=max(1, WRITE_TOKENS // config.seq_len))
     with writer, bar, closing(batches), closing(encoded):
         start, current = time.perf_counter(), 0
         for split, arrays in encoded:
