@@ -59,8 +59,9 @@ class TrainCheckpoints:
         return discover_latest_checkpoint(self.root)
 
     def restore(self, exemplar, path: str):
-        """The state saved at `path`, laid out like `exemplar` (same tree, shardings, memory kinds
-        and dtypes); when `path` cannot be read, the newest older checkpoint that can, else `exemplar`."""
+        """The state saved at `path`, laid out like `exemplar` (arrays or ShapeDtypeStructs: the same
+        tree, shardings, memory kinds and dtypes); when `path` cannot be read, the newest older
+        checkpoint that can, else None."""
         skipped: list[str] = []
         candidate: str | None = path
         while candidate is not None:
@@ -76,7 +77,7 @@ class TrainCheckpoints:
                 print(f"[train] restored {candidate} instead (the newest checkpoint that reads)", flush=True)
             return state
         print(f"[train] no checkpoint under {self.root} can be read: starting from the initial state", flush=True)
-        return exemplar
+        return None
 
     @staticmethod
     def step_of(path: str) -> int:

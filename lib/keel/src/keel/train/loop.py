@@ -139,7 +139,7 @@ class _Run:
         )
         self.latest = self.checkpoints.latest()
         self.start = self.checkpoints.step_of(self.latest) if self.latest is not None else 0
-        key = jax.random.PRNGKey(config.seed)
+        self.key = key = jax.random.PRNGKey(config.seed)
 
         # The state's shapes and shardings follow from the declarations alone; the optimizer is
         # built on them, and the first step starts compiling from them before any array exists.
@@ -156,12 +156,14 @@ class _Run:
         if self.start < config.num_steps:  # the loop evaluates first: that compiles on this thread, alongside
             self._compile_ahead(self.start, evaluation=False, announce=False)
 
-        device = jax.tree.map(lambda x: x.sharding, self.state_shapes)
-        self.state_arrays = jax.jit(lambda k: eqx.filter(self._initial_state(k), eqx.is_array), out_shardings=device,
-                                    compiler_options=compile_ahead.RUN_ONCE)(key)
         # Where each part of the state lives (keel.train.offload): pinned as the step's in/out shardings.
         self.layout = offload.Layout()
-        self._place(self.start)
+        # A fresh run starts from the initial state; a resume reads its checkpoint in `run` straight
+        # into the planned shardings and computes no initial state only to overwrite it (tracing
+        # and loading that program took the GIL from the step's compile: ~2 s of tiny_moe's resume).
+        self.state_arrays = self._initial_arrays() if self.latest is None else None
+        if self.state_arrays is not None:
+            self._place(self.start)
 
     def _planned_shardings(self, shapes):
         """Each array's device sharding: the resolved run's placement (replicated without a plan)."""
@@ -178,6 +180,24 @@ class _Run:
         opt_state = self.optimizer.transform().init(_params(model))
         return {"step": jnp.zeros((), jnp.int32), "model": model, "opt_state": opt_state}
 
+    def _initial_arrays(self):
+        """The initial train state's arrays, on the devices as planned (the layout `offload.Layout()`)."""
+        device = jax.tree.map(lambda x: x.sharding, self.state_shapes)
+        return jax.jit(lambda k: eqx.filter(self._initial_state(k), eqx.is_array), out_shardings=device,
+                       compiler_options=compile_ahead.RUN_ONCE)(self.key)
+
+    def _restore(self, path: str):
+        """The state of the checkpoint at `path` (or the newest older one that reads), read into the
+        layout of the step it resumes at; the initial state when no checkpoint reads."""
+        target = offload.layout_at(self.config.host_offload, self.start)
+        offload.check_supported(target, jax.devices()[0])
+        exemplar = compile_ahead.abstract(self.state_shapes, offload.shardings(self.state_shapes, target))
+        restored = self.checkpoints.restore(exemplar, path)
+        if restored is None:
+            self.state_arrays = self._initial_arrays()
+        else:
+            self.layout, self.state_arrays = target, restored
+
     # ------------------------------------------------------------------ main
     def run(self) -> dict[str, float]:
         config, latest = self.config, self.latest
@@ -185,8 +205,8 @@ class _Run:
         # their first collective: the collectives' own first rendezvous (gloo's on CPUs) gives up
         # after 30 s, and under load one process can finish its compiles later than that.
         barrier_sync_named("keel-train-start", timeout=REPLICA_SKEW_S)
-        if latest is not None:  # the exemplar is already in the resume step's layout
-            self.state_arrays = self.checkpoints.restore(self.state_arrays, latest)
+        if latest is not None:
+            self._restore(latest)
         start = int(self.state_arrays["step"])
         self._place(start)  # an unreadable newest checkpoint may have sent it back to an older step's layout
         if latest is not None:
