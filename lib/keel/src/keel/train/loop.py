@@ -153,6 +153,7 @@ class _Run:
         self.compile_waited = 0.0  # of which the loop stood waiting
         self.told_sample = False  # the first evaluation says how many sequences it samples
         self.guard: SpikeGuard | None = None  # made when training starts (keel.train.spike_guard)
+        self._met = False  # the processes met before their first shared program (`_meet_before_first_program`)
         if self.start < config.num_steps:  # the loop evaluates first: that compiles on this thread, alongside
             self._compile_ahead(self.start, evaluation=False, announce=False)
 
@@ -202,8 +203,9 @@ class _Run:
     def run(self) -> dict[str, float]:
         config, latest = self.config, self.latest
         # The processes of a multi-host run meet here, through the coordination service, before
-        # their first collective: the collectives' own first rendezvous (gloo's on CPUs) gives up
-        # after 30 s, and under load one process can finish its compiles later than that.
+        # the restore (whose reads may span them) and again before their first program: the
+        # collectives' own first rendezvous (gloo's on CPUs) gives up after 30 s, and under load one
+        # process can finish its compiles later than that.
         barrier_sync_named("keel-train-start", timeout=REPLICA_SKEW_S)
         if latest is not None:
             self._restore(latest)
@@ -289,9 +291,12 @@ class _Run:
             previous = phase
             started = time.perf_counter()
             index, batch = next(batches)
-            batch, rates = self._batch(poison_from_env(index, batch)), self._rates(step)
             step_fn = self._step_fn(phase, step)
             first_use = step_fn.waited is None
+            if first_use:
+                step_fn.get()  # its compile (ahead or now) is done before the processes meet
+            self._meet_before_first_program()
+            batch, rates = self._batch(poison_from_env(index, batch)), self._rates(step)  # rates: a cross-process check
             with jax.set_mesh(self.inputs.mesh):  # Levanter's loader leaves its own mesh context
                 self.state_arrays, metrics, rollback = self.guard.step(
                     step, index, self.state_arrays, lambda arrays: step_fn.get()(arrays, batch, rates), self.layout)
@@ -507,6 +512,8 @@ class _Run:
         if key not in self._eval_fns:
             self._eval_fns[key] = self.compiler.now(*self._eval_job(phase, self.layout))
         evaluate, first_use = self._eval_fns[key], self._eval_fns[key].waited is None
+        evaluate.get()
+        self._meet_before_first_program()
         sampled = validation_losses(lambda arrays, batch: evaluate.get()(arrays, self._batch(batch)),
                                     self.state_arrays["model"], self.inputs.val_data,
                                     batch_size=self.config.batch_size, num_batches=self.config.eval_batches,
@@ -524,6 +531,15 @@ class _Run:
         self._log(step, values)
         shown = ", ".join(f"{k.split('/')[1]} {v:.4f}" for k, v in values.items() if k != "eval/loss")
         self.progress.event(f"step {step}: validation loss {values['eval/loss']:.4f}" + (f" ({shown})" if len(losses) > 1 else ""))
+
+    def _meet_before_first_program(self) -> None:
+        """Wait here, once, for every process of the run, right before the first program or transfer
+        that spans them: gloo's first rendezvous gives up after 30 s, and what each process does
+        after the meeting at the start (wandb, the loader, a compile) can take one of them that much
+        longer under load (a 2-process CI run failed so). One process returns at once."""
+        if not self._met:
+            self._met = True
+            barrier_sync_named("keel-first-program", timeout=REPLICA_SKEW_S)
 
     def _compiled(self, pending: compile_ahead.Pending, user: str) -> None:
         """Count and report a compile at the first use of its function."""
