@@ -51,21 +51,24 @@ def test_a_truncated_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, ca
     assert f"skipping checkpoint {newest}: it cannot be read" in out and "step-1 instead" in out, out
 
 
+def _abstract_w() -> dict:
+    """The saved tree as the loop restores it on a resume: shapes and shardings, no arrays."""
+    return {"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+
+
 def test_when_no_checkpoint_reads_restore_says_so_and_returns_none(tmp_path, capsys):
     checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=1)
     assert _save_steps(checkpoints, (1, 2)) == ["step-1", "step-2"]
     for chunk in Path(tmp_path).glob("checkpoints/step-*/d/*"):
         chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
-    exemplar = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-    assert checkpoints.restore({"w": exemplar}, checkpoints.latest()) is None  # the loop then starts from its init
+    assert checkpoints.restore(_abstract_w(), checkpoints.latest()) is None  # the loop then starts from its init
     assert "can be read: starting from the initial state" in capsys.readouterr().out
 
 
 def test_a_checkpoint_restores_into_abstract_arrays(tmp_path):
     checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=1)
     _save_steps(checkpoints, (1,))
-    exemplar = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-    restored = checkpoints.restore({"w": exemplar}, checkpoints.latest())
+    restored = checkpoints.restore(_abstract_w(), checkpoints.latest())
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((4,), 1.0))
 
 
