@@ -211,6 +211,35 @@ def test_an_error_mid_way_stops_the_pipeline_threads_and_leaves_no_complete_cach
     assert not [t for t in threading.enumerate() if t.name.startswith("keel-tokenize")]
 
 
+@pytest.mark.parametrize("setting", [None, "true"])
+def test_batches_encode_with_the_tokenizers_threads_off_and_the_setting_comes_back(inputs, tmp_path, monkeypatch, setting):
+    """The step's threads parallelise over batches; `tokenizers` must not also spread each batch
+    over every core (its rayon pool costs a quarter more CPU per token), and whatever the process
+    had set before is back afterwards, after a failure too."""
+    from keel.data import tokenize as module
+
+    if setting is None:
+        monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    else:
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", setting)
+    seen = set()
+    real_encoder = module._encoder
+
+    def recording_encoder(config, loaded):
+        encode = real_encoder(config, loaded)
+        return lambda texts: (seen.add(os.environ.get("TOKENIZERS_PARALLELISM")), encode(texts))[1]
+
+    monkeypatch.setattr(module, "_encoder", recording_encoder)
+    _tokenize(tmp_path / "out", inputs, seq_len=16, batch_documents=2)
+    assert seen == {"false"}
+    assert os.environ.get("TOKENIZERS_PARALLELISM") == setting
+
+    monkeypatch.setattr(module, "_encoder", lambda config, loaded: lambda texts: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        _tokenize(tmp_path / "failed", inputs, seq_len=16, batch_documents=2)
+    assert os.environ.get("TOKENIZERS_PARALLELISM") == setting
+
+
 _KILLED_GRAPH = textwrap.dedent(
     """
     import sys, time

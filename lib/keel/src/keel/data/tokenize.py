@@ -12,19 +12,24 @@ Layout under the step's output path:
 
 The caches are written with Levanter's own `SerialCacheWriter`, so `TreeCache.load` and Levanter's
 dataset classes read them. The work runs as one pipeline over both splits, train then validation:
-a thread reads and decompresses shards, parsing documents as batches take them; two threads encode
-batches of `batch_documents` with `tokenizers`' `encode_batch_fast` (the same ids as
-`encode_batch`, without character offsets; its Rust core releases the GIL and encodes a batch's
-documents on every core), up to ENCODE_AHEAD batches ahead, so one batch's last long documents
-overlap the next batch rather than leave cores idle; the calling thread packs, counts each
-sequence's bytes from a per-token table (`SequenceBytes`: what decoding would give, without
-decoding) and hands sequences to one thread that opens both caches at the start and writes them in
-split order, so the train split's last write and ledger overlap the validation split's encoding.
-Everything besides encoding (ids to arrays, reading, packing, counting, Levanter's writer) then
-costs about a tenth of the tokenizer's own CPU time on the stdlib corpus (sampled with perf);
-`benchmarks/tokenize_throughput.py` compares the step with raw calls. (A process pool over
-shards was measured too: no faster on 2 cores, since the tokenizer already keeps them busy, and it
-pays for moving token arrays between processes.) Special-token strings inside a document are
+a thread reads and decompresses shards, parsing documents as batches take them; one thread per
+core encodes batches of `batch_documents` with `tokenizers`' `encode_batch_fast` (the same ids as
+`encode_batch`, without character offsets; its Rust core releases the GIL), up to two batches per
+thread ahead of the one being packed; the calling thread packs, counts each sequence's bytes from
+a per-token table (`SequenceBytes`: what decoding would give, without decoding) and hands
+sequences to one thread that opens both caches at the start and writes them in split order, so the
+train split's last write and ledger overlap the validation split's encoding.
+
+Each batch encodes on one thread, with `tokenizers`' own thread pool off (`serial_tokenizer`):
+called from one thread, `encode_batch_fast` spreads a batch over every core with rayon, while the
+threads here already keep every core busy, and two thread pools on the same cores only contend.
+Raw calls on the stdlib corpus (2 cores, interleaved runs) encode 17-44% more tokens per second
+this way than through rayon; the step itself gained -2%, +5% and +15% (median tokens/s of interleaved A/B
+runs), less than the raw calls since its other Python work (ids to arrays, reading, packing,
+counting: about 0.7 CPU s of its 6 for 6.5M tokens) holds the GIL that the encoding threads need
+between batches. `benchmarks/tokenize_throughput.py` compares the step with raw calls, both ways
+of threading among them. (A process pool over shards was measured too: no faster on 2 cores, and
+it pays for moving token arrays between processes.) Special-token strings inside a document are
 encoded as text, so only the step adds bos/eos.
 
 Sequences are handed to the writer in fixed groups of about `WRITE_TOKENS` tokens, so the bytes on
@@ -37,8 +42,10 @@ identical one.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import os
 import queue
 import threading
 import time
@@ -65,8 +72,8 @@ BYTES_FILE = "{split}.bytes.npy"
 FORMAT = "keel.token_cache/v1"
 WRITE_TOKENS = 1 << 22  # per group handed to Levanter's writer: 4096 sequences of 1024 tokens
 _QUEUE_DEPTH = 4
-ENCODE_THREADS = 2  # batches encoding at once: one's last long documents overlap the next one's start
-ENCODE_AHEAD = 3  # batches handed to the encoding threads ahead of the one being packed
+ENCODE_AHEAD = 2  # batches per encoding thread handed over ahead of the one being packed
+PARALLELISM = "TOKENIZERS_PARALLELISM"  # read by `tokenizers` at every call
 _FINISH, _END = object(), object()  # a cache writer's thread: this cache is complete; stop
 
 
@@ -220,9 +227,32 @@ def _encoder(config: TokenizeConfig, loaded):
     return encode_texts
 
 
-def _encoded(encode, batches: Iterator[tuple[str, list[str]]], threads: int = ENCODE_THREADS,
-             ahead: int = ENCODE_AHEAD) -> Iterator[tuple[str, list]]:
-    """(split, `encode(texts)`) of each batch, in order, with up to `ahead` batches submitted to `threads` threads."""
+def encode_threads() -> int:
+    """One encoding thread per core this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@contextlib.contextmanager
+def serial_tokenizer():
+    """`tokenizers` encodes each call on the calling thread while the block runs (the step's threads
+    parallelise over batches instead). The switch is its environment variable, which is the
+    process's: a tokenizer used meanwhile on another thread encodes the same ids, only serially."""
+    before = os.environ.get(PARALLELISM)
+    os.environ[PARALLELISM] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PARALLELISM, None)
+        else:
+            os.environ[PARALLELISM] = before
+
+
+def _encoded(encode, batches: Iterator[tuple[str, list[str]]]) -> Iterator[tuple[str, list]]:
+    """(split, `encode(texts)`) of each batch, in order, on one thread per core with `ENCODE_AHEAD`
+    batches per thread submitted ahead."""
+    threads = encode_threads()
+    ahead = ENCODE_AHEAD * threads
     pool = ThreadPoolExecutor(threads, thread_name_prefix="keel-tokenize-encode")
     pending: deque = deque()
     try:
@@ -280,7 +310,7 @@ def _tokenize_splits(config: TokenizeConfig, loaded, documents: int, count_bytes
     encoded = _encoded(_encoder(config, loaded), batches)
     writer = _CacheWriterThread([storage.join(config.output_path, split) for split in SPLITS],
                                 rows=max(1, WRITE_TOKENS // config.seq_len))
-    with writer, bar, closing(batches), closing(encoded):
+    with serial_tokenizer(), writer, bar, closing(batches), closing(encoded):
         start, current = time.perf_counter(), 0
         for split, arrays in encoded:
             while SPLITS[current] != split:
