@@ -214,7 +214,7 @@ def test_an_error_mid_way_stops_the_pipeline_threads_and_leaves_no_complete_cach
 @pytest.mark.parametrize("setting", [None, "true"])
 def test_batches_encode_with_the_tokenizers_threads_off_and_the_setting_comes_back(inputs, tmp_path, monkeypatch, setting):
     """The step's threads parallelise over batches; `tokenizers` must not also spread each batch
-    over every core (its rayon pool costs a quarter more CPU per token), and whatever the process
+    over every core (two thread pools on the same cores only contend), and whatever the process
     had set before is back afterwards, after a failure too."""
     from keel.data import tokenize as module
 
@@ -227,7 +227,12 @@ def test_batches_encode_with_the_tokenizers_threads_off_and_the_setting_comes_ba
 
     def recording_encoder(config, loaded):
         encode = real_encoder(config, loaded)
-        return lambda texts: (seen.add(os.environ.get("TOKENIZERS_PARALLELISM")), encode(texts))[1]
+
+        def encode_and_record(texts):
+            seen.add(os.environ.get("TOKENIZERS_PARALLELISM"))
+            return encode(texts)
+
+        return encode_and_record
 
     monkeypatch.setattr(module, "_encoder", recording_encoder)
     _tokenize(tmp_path / "out", inputs, seq_len=16, batch_documents=2)
