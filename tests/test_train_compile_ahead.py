@@ -30,9 +30,14 @@ def _described(tree):
     return jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), tree)
 
 
-def test_the_state_compiled_against_is_the_live_state_in_every_layout(tmp_path):
+def test_the_state_compiled_against_is_the_live_state_in_every_layout(tmp_path, monkeypatch):
+    """...and on CPU devices it is compiled at XLA's backend optimisation level 1 (`CPU_STEPS`)."""
     from keel.train import offload
 
+    given = []
+    compile_lowered = jax.stages.Lowered.compile
+    monkeypatch.setattr(jax.stages.Lowered, "compile",
+                        lambda self, compiler_options=None: given.append(compiler_options) or compile_lowered(self, compiler_options))
     offload_until_3 = HostOffload(master_weights_until_step=3, optimizer_state=True)
     run = _run(tmp_path, host_offload=offload_until_3,
                transports=(TransportPhase(0, "fixed_all_to_all"), TransportPhase(3, "ring")))
@@ -46,6 +51,7 @@ def test_the_state_compiled_against_is_the_live_state_in_every_layout(tmp_path):
     assert run._next_change(0) == 3 and run._next_change(3) is None
     with jax.set_mesh(run.inputs.mesh):
         run._step_fns[first].get()  # the background compile finished, without error
+    assert given == [{"xla_backend_optimization_level": 1}]
 
 
 def test_runs_that_differ_only_in_rates_schedule_and_length_lower_to_one_training_step(tmp_path, monkeypatch):
