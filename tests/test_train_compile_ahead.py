@@ -94,6 +94,22 @@ def compile_ahead_state(run, layout):
     return compile_ahead.abstract(run.state_shapes, offload.shardings(run.state_shapes, layout))
 
 
+def test_the_eval_step_loads_the_evaluation_program_the_loop_compiled(tmp_path, monkeypatch):
+    """The loop compiles `eval_loss_fn` through its Compiler; the eval step (keel.trained) calls the
+    same function directly. With different compiler options the two are different programs and the
+    eval step of a run trained here compiles its evaluation again instead of loading the run's."""
+    from keel.train import compile_ahead, compile_cache
+
+    monkeypatch.setattr(compile_ahead.Compiler, "ahead", lambda self, what, jitted, *args: None)  # no training step
+    run = _run(tmp_path)
+    _, jitted, *args = job = run._eval_job(run.transport_at(0), run.layout)
+    with jax.set_mesh(run.inputs.mesh):
+        run.compiler.now(*job).get()  # the loop's evaluation, into the session's compilation cache
+        jax.clear_caches()
+        _, loaded = compile_cache.hits_during(lambda: jitted.lower(*args).compile())  # as a direct call compiles it
+    assert loaded == 1
+
+
 def test_a_compile_that_fails_in_the_background_fails_where_the_function_is_used():
     from keel.train.compile_ahead import Compiler
     from train_standin import rack_mesh

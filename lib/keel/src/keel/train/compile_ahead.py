@@ -50,9 +50,11 @@ executable after the other, did not reproduce), with bit-identical losses. On an
 step's kernels are the run's speed: its backend keeps its default level."""
 
 
-def step_options(mesh) -> dict | None:
-    """The compiler options of the steps and evaluations that run on `mesh`'s devices."""
-    return CPU_STEPS if mesh.devices.flat[0].platform == "cpu" else None
+def step_options() -> dict | None:
+    """The compiler options of the training steps and evaluations this process compiles (for its
+    devices: `jax.default_backend()`). The loop's compiles and the eval step's own call of
+    `eval_loss_fn` must agree on them, or the eval step cannot load the program the run compiled."""
+    return CPU_STEPS if jax.default_backend() == "cpu" else None
 
 
 @dataclass
@@ -78,12 +80,12 @@ class Pending:
 
 
 class Compiler:
-    """Compiles `jitted.lower(*abstract_args)` under a mesh, with the options of the mesh's devices
-    (`step_options`), ahead (background) or now."""
+    """Compiles `jitted.lower(*abstract_args)` under a mesh, with this process's `step_options`,
+    ahead (background) or now."""
 
     def __init__(self, mesh):
         self.mesh = mesh
-        self.options = step_options(mesh)
+        self.options = step_options()
         self._jobs: queue.Queue = queue.Queue()
         self._worker: threading.Thread | None = None
 

@@ -556,13 +556,15 @@ class _Run:
 def eval_loss_fn(lm: TrainableLM, static, shardings, transport: TransportSpec, compute_dtype):
     """The jitted validation loss `evaluate(arrays, batch)` of a model split into its `arrays` (laid
     out as `shardings`, host arrays copied in) and `static` part: cross-entropy without the z-loss
-    term. The loop's evaluations and the eval step (keel.trained) both call it."""
+    term. The loop's evaluations and the eval step (keel.trained) both call it, with the same
+    compiler options (`compile_ahead.step_options`), so the eval step of a run trained on this
+    machine loads the run's evaluation program from the compilation cache."""
     def evaluate(arrays, batch):
         model = eqx.combine(offload.to_device(arrays, shardings), static)
         loss, _ = lm.loss(model, batch, transport=transport, z_loss=0.0, compute_dtype=compute_dtype)
         return loss
 
-    return jax.jit(evaluate, in_shardings=(shardings, None))
+    return jax.jit(evaluate, in_shardings=(shardings, None), compiler_options=compile_ahead.step_options())
 
 
 def validation_losses(evaluate, arrays, datasets: dict[str, Any], *, batch_size: int, num_batches: int, mesh,
