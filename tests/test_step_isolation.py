@@ -180,6 +180,9 @@ def test_a_two_point_sweep_runs_both_training_steps_at_once_in_their_own_process
     # first to take its lock compiles it, the other waits and loads it (keel.train.compile_cache)
     made = re.findall(r": (compiled|loaded) the \S+ training step", first)
     assert sorted(made) == ["compiled", "loaded"], first[-4000:]
+    # so do their initial states, which compile under the same kind of lock (compile_ahead.compile_now)
+    inits = re.findall(r": (compiled|loaded) the initial state\b", first)
+    assert sorted(inits) == ["compiled", "loaded"], first[-4000:]
     trains = [s for s in graph.steps() if s.name.startswith("train/")]
     assert len(trains) == 2
     statuses = [read_status(graph.path(s)) for s in trains]

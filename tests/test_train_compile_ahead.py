@@ -51,12 +51,13 @@ def test_the_state_compiled_against_is_the_live_state_in_every_layout(tmp_path, 
     assert run._next_change(0) == 3 and run._next_change(3) is None
     with jax.set_mesh(run.inputs.mesh):
         run._step_fns[first].get()  # the background compile finished, without error
-    assert given == [{"xla_backend_optimization_level": 1}]
+    assert given == [{"xla_backend_optimization_level": 1}] * 2  # the step's (CPU_STEPS) and the initial state's (RUN_ONCE)
 
 
 def test_runs_that_differ_only_in_rates_schedule_and_length_lower_to_one_training_step(tmp_path, monkeypatch):
     """The optimizer's rates are the step's inputs, not constants of its program: the points of a
-    learning-rate sweep, or a longer rerun, share one compiled step through the compilation cache.
+    learning-rate sweep, or a longer rerun, share one compiled step through the compilation cache,
+    and one program of the initial state (whose optimizer state records step 0's rates).
     Each run still steps with its own rates."""
     from keel.train import compile_ahead
     from train_standin import loop_inputs
@@ -64,6 +65,14 @@ def test_runs_that_differ_only_in_rates_schedule_and_length_lower_to_one_trainin
     from keel.train.loop import _Run
 
     monkeypatch.setattr(compile_ahead.Compiler, "ahead", lambda self, what, jitted, *args: None)  # lowering is enough
+    inits, compile_now = {}, compile_ahead.compile_now
+
+    def recording(what, jitted, *args, **options):
+        if what == "the initial state":
+            inits[name] = jitted.lower(*args).as_text()
+        return compile_now(what, jitted, *args, **options)
+
+    monkeypatch.setattr(compile_ahead, "compile_now", recording)
     runs = {
         "short": dict(num_steps=6, schedule=ScheduleConfig(0.0, 0.0), weight_decay_change=WeightDecayChange(2, 0.1),
                       optimizer=GroupedOptimizerConfig(muon_lr=1e-2, adam_lr=1e-3)),
@@ -80,6 +89,7 @@ def test_runs_that_differ_only_in_rates_schedule_and_length_lower_to_one_trainin
             programs[name] = jitted.lower(*args).as_text()
         rates[name] = run.optimizer.rates_at(3)
     assert programs["short"] == programs["long"]
+    assert set(inits) == {"short", "long"} and inits["short"] == inits["long"]
     assert set(rates["short"]) == {"lr/muonh", "lr/adamh", "lr/adam", "weight_decay/muonh", "weight_decay/adamh",
                                    "weight_decay/adam"}
     assert rates["short"]["lr/adam"] == pytest.approx(1e-3 * (1 - 3 / 6))  # no warmup, decay to 0

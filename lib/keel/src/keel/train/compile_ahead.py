@@ -98,28 +98,38 @@ class Compiler:
         return pending
 
     def now(self, what: str, jitted, *abstract_args) -> Pending:
-        pending = Pending(what, Future(), ahead=False)
-        self._compile(pending, jitted, abstract_args)
-        return pending
+        with jax.set_mesh(self.mesh):
+            return compile_now(what, jitted, *abstract_args, options=self.options)
 
     def _work(self) -> None:
         while True:
             pending, jitted, args = self._jobs.get()
-            self._compile(pending, jitted, args)
-
-    def _compile(self, pending: Pending, jitted, args) -> None:
-        t0 = time.perf_counter()
-        try:
             with jax.set_mesh(self.mesh):
-                lowered = jitted.lower(*args)
-                with compile_cache.lease(lowered) as pending.queued:
-                    executable, hits = compile_cache.hits_during(lambda: lowered.compile(compiler_options=self.options))
-        except BaseException as e:  # delivered to whoever asks for the function
-            pending.seconds = time.perf_counter() - t0
-            pending.future.set_exception(e)
-            return
-        pending.seconds, pending.loaded = time.perf_counter() - t0, hits > 0
-        pending.future.set_result(executable)
+                _compile(pending, jitted, args, self.options)
+
+
+def compile_now(what: str, jitted, *args, options: dict | None = None) -> Pending:
+    """Compile `jitted.lower(*args)` on this thread, under the current mesh, with `options` added to
+    the jit's own. Like every compile here it goes through the persistent compilation cache under
+    its program's lock, so runs of one program that start together (a sweep's points) compile it
+    once: the first to take the lock compiles, the others wait and load it."""
+    pending = Pending(what, Future(), ahead=False)
+    _compile(pending, jitted, args, options)
+    return pending
+
+
+def _compile(pending: Pending, jitted, args, options: dict | None) -> None:
+    t0 = time.perf_counter()
+    try:
+        lowered = jitted.lower(*args)
+        with compile_cache.lease(lowered) as pending.queued:
+            executable, hits = compile_cache.hits_during(lambda: lowered.compile(compiler_options=options))
+    except BaseException as e:  # delivered to whoever asks for the function
+        pending.seconds = time.perf_counter() - t0
+        pending.future.set_exception(e)
+        return
+    pending.seconds, pending.loaded = time.perf_counter() - t0, hits > 0
+    pending.future.set_result(executable)
 
 
 def abstract(tree: Any, shardings: Any) -> Any:

@@ -144,7 +144,8 @@ class _Run:
         # The state's shapes and shardings follow from the declarations alone; the optimizer is
         # built on them, and the first step starts compiling from them before any array exists.
         self.optimizer = Optimizer(config, _params(eqx.filter_eval_shape(self._initial_model, key)))
-        shapes, self.state_static = eqx.partition(eqx.filter_eval_shape(self._initial_state, key), _is_shape)
+        shapes, self.state_static = eqx.partition(eqx.filter_eval_shape(self._initial_state, key, self._rate_shapes()),
+                                                  _is_shape)
         self.state_shapes = compile_ahead.abstract(shapes, self._planned_shardings(shapes))
         self.compiler = compile_ahead.Compiler(inputs.mesh)
         self._step_fns: dict[tuple[TransportPhase, offload.Layout], compile_ahead.Pending] = {}
@@ -162,6 +163,7 @@ class _Run:
         # A fresh run starts from the initial state; a resume reads its checkpoint in `run` straight
         # into the planned shardings and computes no initial state only to overwrite it (tracing
         # and loading that program took the GIL from the step's compile: ~2 s of tiny_moe's resume).
+        self.init_compile: compile_ahead.Pending | None = None  # a fresh run's initial state: said once training prints
         self.state_arrays = self._initial_arrays() if self.latest is None else None
         if self.state_arrays is not None:
             self._place(self.start)
@@ -176,16 +178,22 @@ class _Run:
     def _initial_model(self, key):
         return jax.tree.map(lambda x: x.astype(self.config.master_dtype) if _is_float(x) else x, self.inputs.lm.init(key))
 
-    def _initial_state(self, key):
+    def _initial_state(self, key, rates):
+        """`rates` (step 0's, as the steps take theirs) are inputs here too: the optimizer state records
+        them, and as constants they made every point of a sweep compile its own initial state."""
         model = self._initial_model(key)
-        opt_state = self.optimizer.transform().init(_params(model))
+        opt_state = self.optimizer.transform(rates).init(_params(model))
         return {"step": jnp.zeros((), jnp.int32), "model": model, "opt_state": opt_state}
 
     def _initial_arrays(self):
-        """The initial train state's arrays, on the devices as planned (the layout `offload.Layout()`)."""
+        """The initial train state's arrays, on the devices as planned (the layout `offload.Layout()`).
+        Its program compiles under its lock like the steps' (`compile_ahead.compile_now`), so the
+        points of a sweep starting together compile it once, not once each."""
         device = jax.tree.map(lambda x: x.sharding, self.state_shapes)
-        return jax.jit(lambda k: eqx.filter(self._initial_state(k), eqx.is_array), out_shardings=device,
-                       compiler_options=compile_ahead.RUN_ONCE)(self.key)
+        init = jax.jit(lambda k, rates: eqx.filter(self._initial_state(k, rates), eqx.is_array), out_shardings=device)
+        self.init_compile = compile_ahead.compile_now("the initial state", init, self.key, self._rate_shapes(),
+                                                      options=compile_ahead.RUN_ONCE)
+        return self.init_compile.get()(self.key, self._rates(0))
 
     def _restore(self, path: str):
         """The state of the checkpoint at `path` (or the newest older one that reads), read into the
@@ -219,6 +227,9 @@ class _Run:
         if latest is not None:
             self.progress.event(f"resumed at step {start}" + (f" from {latest}" if start == self.start else
                                                                " (the newest checkpoint that reads)"))
+        if self.init_compile is not None:
+            init = self.init_compile
+            self.progress.compiled(init.what, init.seconds, "before the first step", loaded=init.loaded, queued=init.queued)
         if start < config.num_steps:
             self._check_layout(start, "resume" if latest is not None else "start")
             self.progress.event(f"compiling the {self.transport_at(start).transport} training step ahead, while the run sets up ...")

@@ -116,11 +116,12 @@ class Optimizer:
     """The optax transform a `TrainConfig` declares, and the schedules of the rates it steps with.
 
     The transforms read their rates from a function of their step count. A compiled training step
-    passes the values for its step as inputs (`transform(rates)`, rates from `rates_at`), so the
-    program does not depend on the schedule: runs that differ only in learning rates, warmup or
-    length (the points of a sweep, a rerun with a new rate) compile one program and share it
-    through the compilation cache. `transform()` evaluates the schedules at each transform's own
-    count instead, for use outside the loop.
+    passes the values for its step as inputs (`transform(rates)`, rates from `rates_at`), and so
+    does the program of the initial state (whose optimizer state records them), so neither depends
+    on the schedule: runs that differ only in learning rates, warmup or length (the points of a
+    sweep, a rerun with a new rate) compile each once and share it through the compilation cache.
+    `transform()` evaluates the schedules at each transform's own count instead, for use outside
+    the loop.
     """
 
     def __init__(self, train, params):
