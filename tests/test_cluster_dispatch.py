@@ -151,6 +151,24 @@ def test_a_retried_jobs_log_tail_holds_only_that_attempts_lines(tmp_path, iris):
     assert "execution 2 of a" in second and "execution 1 of a" not in second, second
 
 
+class LateLogs:
+    """A job handle whose log server receives the job's last lines a moment after it failed."""
+
+    def __init__(self, delay_s: float):
+        self.failed_at, self.delay_s = time.monotonic(), delay_s
+
+    def logs(self, max_lines: int = 0) -> tuple[str, ...]:
+        late = time.monotonic() - self.failed_at >= self.delay_s
+        return ("execution 1 of b", "about to explode") if late else ("execution 1 of b",)
+
+
+def test_a_failed_jobs_log_tail_waits_for_lines_still_in_flight():
+    from keel.executor.cluster import _log_tail
+
+    tail = _log_tail(LateLogs(delay_s=1.0))  # the worker's shipping interval
+    assert tail.endswith("execution 1 of b\nabout to explode") and "last 2 lines" in tail
+
+
 def test_concurrent_launchers_run_each_step_once(tmp_path, cluster, iris):
     """Three `keel run` processes on overlapping graphs (with `--cluster` for iris)."""
     flags = ["--cluster", iris[0]] if cluster is not None else []

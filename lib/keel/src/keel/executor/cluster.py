@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 LOG_TAIL_LINES = 30
 HEALTH_TIMEOUT_S = 5.0
+# An Iris worker ships a task's log lines to the log server every second, and may report the task
+# failed before its last batch lands: a tail is taken as complete once it has not changed for longer
+# than that interval, and never waited on for more than LOG_WAIT_S.
+LOG_SETTLE_S = 1.5
+LOG_WAIT_S = 6.0
+LOG_POLL_S = 0.25
 
 
 class ClusterUnreachable(RuntimeError):
@@ -121,9 +128,21 @@ def _refusal(exc: Exception, resources: str) -> str:
 
 def _log_tail(handle) -> str:
     try:
-        lines = handle.logs(max_lines=LOG_TAIL_LINES)
+        lines = _settled_logs(handle)
     except Exception as exc:  # noqa: BLE001 - the failure itself matters more than its log
         return f"(the job's log could not be read: {exc})"
     if not lines:
         return "(the job left no log lines)"
     return f"--- last {len(lines)} lines of the job's log ---\n" + "\n".join(lines)
+
+
+def _settled_logs(handle) -> tuple[str, ...]:
+    """The job's last log lines, read again until they stop changing (see LOG_SETTLE_S)."""
+    start = time.monotonic()
+    lines, changed = handle.logs(max_lines=LOG_TAIL_LINES), start
+    while time.monotonic() - changed < LOG_SETTLE_S and time.monotonic() - start < LOG_WAIT_S:
+        time.sleep(LOG_POLL_S)
+        newer = handle.logs(max_lines=LOG_TAIL_LINES)
+        if newer != lines:
+            lines, changed = newer, time.monotonic()
+    return tuple(lines)
