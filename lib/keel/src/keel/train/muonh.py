@@ -145,15 +145,23 @@ def _newton_schulz(x: jax.Array, steps: int, eps: float) -> jax.Array:
     """Levanter's quintic Newton-Schulz iteration (its coefficients) toward the polar factor of x.
 
     Levanter's own `zeropower_via_newtonschulz5` pins a (data, model) sharding constraint, which
-    an explicit-axis mesh rejects; this is the same iteration without it.
+    an explicit-axis mesh rejects; this is the same iteration without it. The iterations are one
+    `scan` over the coefficient table rather than unrolled: every MuonH matrix has its own
+    iteration, and unrolled they gave tiny_moe's training step 18,274 optimised HLO instructions
+    against 15,178 (compile 19.5 s against 18.1 s, medians of 4 interleaved; same values on
+    their own, last bits of a whole step's fusions apart).
     """
-    coefficients = NEWTON_SCHULZ_COEFFICIENTS["quintic"]
+    table = NEWTON_SCHULZ_COEFFICIENTS["quintic"]
+    coefficients = jnp.asarray([table[i % len(table)] for i in range(steps)], jnp.float32)
     x = x / (jnp.linalg.norm(x) + eps)
     transpose = x.shape[0] > x.shape[1]
     if transpose:
         x = x.T
-    for i in range(steps):
-        a, b, c = coefficients[i % len(coefficients)]
+
+    def iteration(x, abc):
+        a, b, c = abc.astype(x.dtype)  # as the Python floats were: x's dtype
         gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
+        return a * x + (b * gram + c * gram @ gram) @ x, None
+
+    x, _ = jax.lax.scan(iteration, x, coefficients)
     return x.T if transpose else x
