@@ -148,8 +148,9 @@ def _newton_schulz(x: jax.Array, steps: int, eps: float) -> jax.Array:
     an explicit-axis mesh rejects; this is the same iteration without it. The iterations are one
     `scan` over the coefficient table rather than unrolled: every MuonH matrix has its own
     iteration, and unrolled they gave tiny_moe's training step 18,274 optimised HLO instructions
-    against 15,178 (compile 19.5 s against 18.1 s, medians of 4 interleaved; same values on
-    their own, last bits of a whole step's fusions apart).
+    against 15,178 (compile 19.5 s against 18.1 s, medians of 4 interleaved). On one matrix the
+    two give the same bits; inside a whole step XLA fuses them differently, so losses differ in
+    their last bits.
     """
     table = NEWTON_SCHULZ_COEFFICIENTS["quintic"]
     coefficients = jnp.asarray([table[i % len(table)] for i in range(steps)], jnp.float32)
