@@ -31,6 +31,12 @@ def wait_until(predicate, timeout=60.0):
     raise TimeoutError("condition not reached in time")
 
 
+def recorded(counter: Path) -> list[str]:
+    """The complete lines the steps have recorded so far."""
+    text = counter.read_text() if counter.exists() else ""
+    return text.split("\n")[:-1]
+
+
 def test_four_launchers_on_overlapping_graphs_run_each_step_once(tmp_path):
     procs = [launch(tmp_path, branch, 0.5) for branch in ("a", "b", "all", "all")]
     try:
@@ -54,7 +60,9 @@ def test_stale_lease_is_taken_over_after_kill_9(tmp_path):
     first = launch(tmp_path, "all", 30, KEEL_LEASE_TIMEOUT="1.5")
     try:
         wait_until(lambda: (s := read_status(root_path)) is not None and s.state == "RUNNING")
-        wait_until(lambda: (tmp_path / "count").exists())
+        # The line itself, not the file: `open(.., "a")` creates the file before the line is written,
+        # and a kill in between would leave the first attempt unrecorded.
+        wait_until(lambda: recorded(tmp_path / "count") == ["root"])
         running = {p.name: p for p in plan_graph(graph)}["count/root"]
         assert running.state == "running-elsewhere"
     finally:
@@ -72,7 +80,7 @@ def test_stale_lease_is_taken_over_after_kill_9(tmp_path):
     assert second.returncode == 0, out
     status = read_status(root_path)
     assert status.state == "SUCCESS" and status.attempt == 2
-    assert (tmp_path / "count").read_text().split().count("root") == 2
+    assert recorded(tmp_path / "count").count("root") == 2
 
 
 def test_lease_takeover_on_memory_store():
