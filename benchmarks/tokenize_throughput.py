@@ -8,11 +8,16 @@ at all: the most the tokenizer's own threads can do), and `encode_batch_fast` on
 batches from one thread per core with the tokenizer's threads off (how the step calls it). The
 ratio printed last is against the fastest of the four, so the step cannot look good merely by
 skipping offsets, by batching differently or by threading differently.
-Each is run `--repeats` times, the order rotating each repeat, best of each kept; CPU seconds per
-million tokens are printed too, since a shared machine's load moves wall-clock rates far more than
-it moves CPU cost. Levanter is imported before timing (a one-off ~8 s import, not throughput), and
-each step run writes into an empty directory, as the executor gives a step: the previous run's
-output is removed untimed (otherwise every run but the first would time deleting a whole cache).
+Every raw run starts from a freshly loaded tokenizer (loaded untimed), as the step starts from the
+one it loads: a `tokenizers` BPE keeps a cache of the words it has split, so a tokenizer reused
+across runs encodes every run after its first from a warm cache, which the step never has (the
+threaded raw call on the stdlib corpus, 2 cores, 8 interleaved pairs: median 3.42 s and 6.7 CPU s
+warm against 4.02 s and 7.8 CPU s fresh). Each is run `--repeats` times, the order rotating each
+repeat, best of each kept; CPU seconds per million tokens are printed too, since a shared machine's
+load moves wall-clock rates far more than it moves CPU cost. Levanter is imported before timing (a
+one-off ~8 s import, not throughput), and each step run writes into an empty directory, as the
+executor gives a step: the previous run's output is removed untimed (otherwise every run but the
+first would time deleting a whole cache).
 
     uv run python benchmarks/tokenize_throughput.py [--max-bytes N] [--repeats R]
 """
@@ -77,21 +82,26 @@ def main() -> None:
         build_stdlib_corpus(StdlibCorpusConfig(max_bytes=args.max_bytes or None, output_path=corpus))
         train_tokenizer(TrainTokenizerConfig(documents=corpus, vocab_size=args.vocab_size,
                                              max_training_bytes=4_000_000, output_path=tok_dir))
-        tokenizer = load_tokenizer(tok_dir).tokenizer
-        tokenizer.encode_special_tokens = True  # as the step sets it
+
+        def fresh():
+            """A freshly loaded tokenizer, set as the step sets its own."""
+            tokenizer = load_tokenizer(tok_dir).tokenizer
+            tokenizer.encode_special_tokens = True  # "<|endoftext|>" inside a document is text
+            return tokenizer
+
         texts = [d.text for split in ("train", "validation") for d in iter_documents(corpus, split)]
         config = TokenizeConfig(documents=corpus, tokenizer=tok_dir, seq_len=1024, output_path=cache,
                                 batch_documents=args.batch_documents)
         print(f"corpus: {len(texts)} documents, {sum(len(t.encode()) for t in texts) / 1e6:.1f} MB; "
               f"cpus: {os.cpu_count()}; batch: {args.batch_documents} documents")
 
-        runs = {
-            "encode_batch": lambda: raw_encode(tokenizer.encode_batch, texts, args.batch_documents),
-            "encode_batch_fast": lambda: raw_encode(tokenizer.encode_batch_fast, texts, args.batch_documents),
-            "encode_batch_fast (one call)": lambda: raw_encode(tokenizer.encode_batch_fast, texts, len(texts)),
-            f"encode_batch_fast ({encode_threads()} threads)": lambda: raw_encode_threads(tokenizer.encode_batch_fast, texts,
-                                                                                          args.batch_documents),
-            "tokenize step": lambda: step_run(config),
+        runs = {  # each takes a freshly loaded tokenizer (the step loads its own)
+            "encode_batch": lambda tok: raw_encode(tok.encode_batch, texts, args.batch_documents),
+            "encode_batch_fast": lambda tok: raw_encode(tok.encode_batch_fast, texts, args.batch_documents),
+            "encode_batch_fast (one call)": lambda tok: raw_encode(tok.encode_batch_fast, texts, len(texts)),
+            f"encode_batch_fast ({encode_threads()} threads)": lambda tok: raw_encode_threads(tok.encode_batch_fast, texts,
+                                                                                              args.batch_documents),
+            "tokenize step": lambda tok: step_run(config),
         }
         raws = [name for name in runs if name != "tokenize step"]
         best_rate = dict.fromkeys(runs, 0.0)
@@ -100,8 +110,8 @@ def main() -> None:
             counts = {}
             order = list(runs)[repeat % len(runs):] + list(runs)[: repeat % len(runs)]
             for name in order:
-                run = runs[name]
-                counts[name], wall, cpu = measured(run)
+                tokenizer = fresh()
+                counts[name], wall, cpu = measured(lambda: runs[name](tokenizer))
                 if storage.exists(cache):  # untimed: the next step run starts from an empty output
                     storage.delete_tree(cache)
                 best_rate[name] = max(best_rate[name], counts[name] / wall)
