@@ -30,8 +30,8 @@ TUTORIAL = str(REPO / "experiments/tutorials/lr_sweep.py")
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
-    prefix = str(tmp_path_factory.mktemp("sweep"))
+def sweep(shared_prefix):
+    prefix = shared_prefix  # the session's: the tutorial's data chain is tiny_moe's, which other tests' runs there share
     done = keel("run", TUTORIAL, "--prefix", prefix)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     graph = Graph(load_experiment(TUTORIAL), prefix)

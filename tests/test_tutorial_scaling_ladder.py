@@ -18,11 +18,12 @@ TUTORIAL = "experiments/tutorials/scaling_ladder.py"
 
 
 @pytest.mark.timeout(2400)
-def test_the_ladder_fits_four_sizes_and_reports_its_error_on_the_fifth(tmp_path):
-    done = keel("run", TUTORIAL, "--prefix", str(tmp_path), timeout=2300)
+def test_the_ladder_fits_four_sizes_and_reports_its_error_on_the_fifth(shared_prefix):
+    # the session's prefix: the tutorial's data chain is tiny_moe's, which other tests' runs there share
+    done = keel("run", TUTORIAL, "--prefix", shared_prefix, timeout=2300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "fit L(C) = " in done.stdout and "prediction error on hidden 128, 64 steps: actual val loss" in done.stdout
-    graph = Graph(load_experiment(str(REPO / TUTORIAL)), str(tmp_path))
+    graph = Graph(load_experiment(str(REPO / TUTORIAL)), shared_prefix)
     steps = {s.name: s for s in graph.steps()}
     fit = json.loads((Path(graph.path(steps["ladder/tiny"])) / "fit.json").read_text())
     assert len(fit["rungs"]) == 4 and fit["prediction"]["compute"] > max(r["compute"] for r in fit["rungs"])
@@ -30,5 +31,5 @@ def test_the_ladder_fits_four_sizes_and_reports_its_error_on_the_fifth(tmp_path)
     assert prediction["low"] <= prediction["loss"] <= prediction["high"]
     check = json.loads((Path(graph.path(steps["ladder/tiny/check"])) / "check.json").read_text())
     assert check["step"] == 64 and check["error"] == pytest.approx(check["actual"] - prediction["loss"])
-    table = keel("compare", TUTORIAL, "--prefix", str(tmp_path), "--only", "target", timeout=120)
+    table = keel("compare", TUTORIAL, "--prefix", shared_prefix, "--only", "target", timeout=120)
     assert table.returncode == 0 and "| predicted |" in table.stdout.splitlines()[0], table.stdout + table.stderr
