@@ -1,10 +1,12 @@
 """Load one checkpoint of a training step: the model alone, as the training loop held it.
 
-The exemplar is what the loop starts from (a freshly initialised model cast to its master dtype,
-laid out as the run's resolved plan says), and `keel.train.checkpoint.restore_like` reads the
-checkpoint's `model` subtree into it (Levanter's `load_checkpoint(..., subpath="model")`, each
-array placed by the exemplar's sharding). The checkpoint format has no device layout in it, so a checkpoint written by several
-processes (say 2 x 4 devices) loads in one process holding the same 8 devices.
+The exemplar is the shape of what the loop starts from (the model's arrays in its master dtype,
+laid out as the run's resolved plan says; no array is computed), and
+`keel.train.checkpoint.restore_like` reads the checkpoint's `model` subtree into it (Levanter's
+`load_checkpoint(..., subpath="model")`, each array placed by the exemplar's sharding), as the
+loop's resume does: initialising a model only to overwrite it cost an XLA compile per load. The
+checkpoint format has no device layout in it, so a checkpoint written by several processes (say
+2 x 4 devices) loads in one process holding the same 8 devices.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from keel.spec.topology import RackTopology
 from keel.spec.train import TrainStepConfig
 from keel.spec.trained import TrainedModel
 from keel.train.checkpoint import checkpoint_root, restore_like
-from keel.train.compile_ahead import RUN_ONCE
+from keel.train.compile_ahead import abstract
 from keel.train.layout import planned_shardings
 from keel.train.lm import KeelLM
 
@@ -79,9 +81,9 @@ def load_model(ref: TrainedModel) -> LoadedModel:
         shapes = eqx.filter_eval_shape(initial, key)
         state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "model": shapes, "opt_state": ()}
         shardings = planned_shardings(plan, state, mesh)["model"]
-        arrays = jax.jit(initial, out_shardings=shardings, compiler_options=RUN_ONCE)(key)  # restored over at once
     static = eqx.partition(eqx.filter_eval_shape(lm.init, key), lambda x: isinstance(x, jax.ShapeDtypeStruct))[1]
-    arrays = restore_like(arrays, path, subpath="model")  # the loop saves {"step", "model", "opt_state"}
+    # the loop saves {"step", "model", "opt_state"}; its model is read straight into the planned shardings
+    arrays = restore_like(abstract(shapes, shardings), path, subpath="model")
     return LoadedModel(lm=lm, mesh=mesh, topology=topology, arrays=arrays, static=static, shardings=shardings,
                        transport=plan.transport_at(ref.step - 1).spec,
                        compute_dtype=jnp.dtype(ref.train.compute_dtype))
