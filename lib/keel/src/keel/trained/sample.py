@@ -7,7 +7,8 @@ position. The experts run on the run's dropless transport (`ring` across an expe
 `local`), so a prompt's completion never depends on the other prompts or the padding rows that
 fill the batch to the mesh, and each prompt draws from its own generator, seeded by
 (seed, prompt index): the same seed gives the same samples, token for token.
-Numpy and jax are imported inside the functions: declaring a sample step stays light.
+Declaring a sample step imports nothing of this module (`defaults.research` names its function
+as "keel.trained.sample:sample_step"), so jax is imported by the step's own process alone.
 """
 
 from __future__ import annotations
