@@ -10,7 +10,8 @@ after it was written (a truncated array file: tensorstore's OUT_OF_RANGE) is ski
 saying which and why, and the newest intact one before it restored; with none intact the run
 starts from its initial state.
 
-States are restored into the shardings of a freshly initialised state (the exemplar), so a
+States are restored into the shardings of an exemplar (the state's shapes with the resolved run's
+shardings: the loop's resume and `keel.trained.load` compute no array to overwrite), so a
 restored run keeps its expert sharding whatever the model's named-axis mapping is, and each
 array's memory kind (device or pinned host, `keel.train.offload`): the format has no layout in it.
 """
