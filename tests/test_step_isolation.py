@@ -69,7 +69,8 @@ def test_the_readme_main_job_trains_then_everything_is_cached(tmp_path):
 
 
 def _whole_split_loss(graph, train) -> float:
-    """The final checkpoint's loss over every sequence of the validation split (in-process, as the eval step does)."""
+    """The final checkpoint's loss over every sequence of the validation split (in-process, as the eval step
+    does), loaded without compiling a program of the model."""
     import jax
 
     from keel.data import load_token_cache
@@ -82,7 +83,20 @@ def _whole_split_loss(graph, train) -> float:
     config = train.config
     cache = graph.path(next(s for s in graph.steps() if s.name.startswith("tokenized/")))
     split = load_token_cache(cache, "validation", seq_len=config.train.seq_len)
-    loaded = load_model(resolve_config(TrainedModel(run=train), "", graph.path))  # its final checkpoint
+    lowered = []  # every program JAX lowers while the checkpoint loads, by name
+
+    def record(event, _seconds, fun_name="", **_):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(fun_name)
+
+    jax.monitoring.register_event_duration_secs_listener(record)
+    try:
+        loaded = load_model(resolve_config(TrainedModel(run=train), "", graph.path))  # its final checkpoint
+    finally:
+        jax.monitoring.unregister_event_duration_listener(record)
+    # the checkpoint is read into the planned shapes: no model init compiles only to be overwritten (the one
+    # program allowed is the zero Haliax casts to ask whether it runs inside jit)
+    assert set(lowered) <= {"jit(convert_element_type)"}, lowered
     batches = -(-len(split) // config.train.batch_size)
     with jax.set_mesh(loaded.mesh):
         evaluate = eval_loss_fn(loaded.lm, loaded.static, loaded.shardings, loaded.transport, loaded.compute_dtype)

@@ -76,7 +76,7 @@ def load_model(ref: TrainedModel) -> LoadedModel:
         return eqx.filter(jax.tree.map(lambda x: x.astype(ref.train.master_dtype) if eqx.is_inexact_array(x) else x,
                                        model), eqx.is_array)
 
-    key = jax.random.PRNGKey(ref.train.seed)
+    key = jax.eval_shape(jax.random.PRNGKey, ref.train.seed)  # only shapes are wanted: no program makes a key
     with jax.set_mesh(mesh):
         shapes = eqx.filter_eval_shape(initial, key)
         state = {"step": jax.ShapeDtypeStruct((), jnp.int32), "model": shapes, "opt_state": ()}
