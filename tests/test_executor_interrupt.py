@@ -39,6 +39,21 @@ def _paths(prefix, **env):
     return {s.name: graph.path(s) for s in graph.steps()}
 
 
+def _launcher_tmp(tmp_path) -> Path:
+    """A temporary folder of the launcher's own (its TMPDIR), where each step's child keeps its folder."""
+    folder = tmp_path / "launcher-tmp"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def _left_behind(folder: Path, timeout: float = 0.0) -> list[str]:
+    """The child folders still in `folder` after up to `timeout` seconds (a stopping child removes its own)."""
+    deadline = time.monotonic() + timeout
+    while (left := sorted(p.name for p in folder.glob("keel-step-*"))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 def _wait_for_progress(path, at_least=3, timeout=60.0):
     deadline = time.monotonic() + timeout
     progress = Path(path) / "progress"
@@ -89,7 +104,8 @@ def test_sigterm_interrupts_like_ctrl_c(tmp_path):
 
 def test_second_ctrl_c_aborts_at_once(tmp_path):
     paths = _paths(tmp_path, KEEL_TEST_TICKS="100000")
-    proc = _launch(tmp_path, KEEL_TEST_STUBBORN="1", KEEL_TEST_TICKS="100000")
+    launcher_tmp = _launcher_tmp(tmp_path)
+    proc = _launch(tmp_path, KEEL_TEST_STUBBORN="1", KEEL_TEST_TICKS="100000", TMPDIR=str(launcher_tmp))
     try:
         _wait_for_progress(paths["count/steady"])
         proc.send_signal(signal.SIGINT)
@@ -110,11 +126,13 @@ def test_second_ctrl_c_aborts_at_once(tmp_path):
     seen = progress.read_text()
     time.sleep(0.3)
     assert progress.read_text() == seen, "the step's child process was killed"
+    assert _left_behind(launcher_tmp) == [], "the killed child's folder (its payload and temporary files) is removed"
 
 
 def test_a_dead_launchers_lease_names_its_owner_and_is_taken_over_at_once(tmp_path):
     paths = _paths(tmp_path, KEEL_TEST_TICKS="200")
-    proc = _launch(tmp_path, KEEL_TEST_TICKS="200", KEEL_LEASE_TIMEOUT="600")
+    launcher_tmp = _launcher_tmp(tmp_path)
+    proc = _launch(tmp_path, KEEL_TEST_TICKS="200", KEEL_LEASE_TIMEOUT="600", TMPDIR=str(launcher_tmp))
     try:
         _wait_for_progress(paths["count/steady"])
         holder = leases.current_lease(paths["count/steady"])
@@ -132,3 +150,5 @@ def test_a_dead_launchers_lease_names_its_owner_and_is_taken_over_at_once(tmp_pa
     assert rerun.returncode == 0, out
     assert f"its lease was held by host {holder.host}, pid {proc.pid} (that process is gone" in out, out
     assert time.monotonic() - t0 < 60, "no waiting out the 600 s lease timeout"
+    # the orphaned child stopped at a tick with nobody to collect it: it removed its own folder
+    assert _left_behind(launcher_tmp, timeout=30) == [], "an orphaned child's folder is left in the launcher's TMPDIR"

@@ -12,7 +12,8 @@ child's temporary directory (`TMPDIR`), deleted with it when the step ends: a wr
 temp dir (`/tmp/x`) is outside the step's output and its own temp dir, and fails it (`writes.py`). Signals: the child runs in its own
 session, so a terminal's Ctrl-C reaches the launcher only, which forwards it; the first SIGINT or
 SIGTERM asks the step to stop at its next safe point (`keel.executor.interrupt`), a second one
-stops the child at once. A child whose launcher died (kill -9) is asked to stop the same way.
+stops the child at once (the launcher then removes the folder itself: `abandon`). A child whose
+launcher died (kill -9) is asked to stop the same way, and removes the folder, which nobody would.
 
 A child killed from outside (SIGKILL, a preempted VM) reports nothing and comes back `killed`; a
 child watched by its heartbeat (`heartbeat.py`) that stops beating for the declared timeout has its
@@ -90,6 +91,17 @@ def collect(process: subprocess.Popen, workdir: str, heartbeat: str | None = Non
         shutil.rmtree(workdir, ignore_errors=True)  # with the step's temporary directory
 
 
+def abandon(process: subprocess.Popen, workdir: str) -> None:
+    """Kill the child at once and remove its folder, which no `collect` will read now (a launcher
+    aborting on a second Ctrl-C); the step's temporary files go with it."""
+    try:
+        process.kill()
+        process.wait(timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
 def _wait(process: subprocess.Popen, heartbeat: str, timeout_s: float) -> str | None:
     """Wait for the child, killing its process group when its heartbeat is older than `timeout_s`;
     None when it ended on its own, else why it was killed."""
@@ -122,9 +134,8 @@ def _install_signal_handlers() -> None:
     signal.signal(signal.SIGTERM, on_signal)
 
 
-def _watch_launcher() -> None:
+def _watch_launcher(launcher: int) -> None:
     """If the launcher dies, stop at the next safe point (its lease will expire; nobody else would)."""
-    launcher = os.getppid()
 
     def watch():
         while os.getppid() == launcher:
@@ -143,7 +154,8 @@ def main(workdir: str) -> int:
 
         fn, resolved_config, output_path, watch = pickle.load(f)
     _install_signal_handlers()
-    _watch_launcher()
+    launcher = os.getppid()
+    _watch_launcher(launcher)
     try:
         run_step_job(fn, resolved_config, output_path, watch=watch, whole_process=True)
         outcome, code = {"state": "succeeded"}, 0
@@ -151,7 +163,10 @@ def main(workdir: str) -> int:
         outcome, code = {"state": "interrupted", "message": str(exc), "resume": exc.resume}, interrupt.EXIT_INTERRUPTED
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher, which marks the step FAILED
         outcome, code = {"state": "failed", "message": "".join(traceback.format_exception_only(type(exc), exc)).strip()}, 1
-    storage.replace_local(os.path.join(workdir, "result.json"), json.dumps(outcome).encode())
+    if os.getppid() != launcher:  # orphaned: no launcher will collect the result or remove the folder
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        storage.replace_local(os.path.join(workdir, "result.json"), json.dumps(outcome).encode())
     return code
 
 

@@ -159,7 +159,7 @@ class Runner:
         self.lease_timeout = lease_timeout
         self.echo = echo
         self._lock = threading.Lock()
-        self._children: set = set()  # live child processes of isolated steps
+        self._children: dict = {}  # live child processes of isolated steps: their folders (`keel.executor.child`)
         self._active: dict[str, tuple[Status, leases.Lease]] = {}  # output path -> (RUNNING status, lease)
         self._warned: dict[str, list[str]] = {}  # output path -> the warnings of its successful attempt
         self._stopping, self._stopping_since = False, 0.0
@@ -425,12 +425,12 @@ class Runner:
             # forever (as Levanter's supervisor does).
             process, workdir = start_child(step.fn, resolved, output_path, env, drop=_FAULT_ENV if retry else (),
                                            watch=not step.no_outputs)
-            self._children.add(process)
+            self._children[process] = workdir
         try:
             outcome = collect(process, workdir, beat, step.progress_timeout_s)
         finally:
             with self._lock:
-                self._children.discard(process)
+                self._children.pop(process, None)
         if outcome.state == "interrupted" or (outcome.state == "killed" and self._stopping):
             raise interrupt.StepInterrupted(outcome.message, outcome.resume)
         if outcome.state in ("killed", "stalled"):
@@ -461,11 +461,14 @@ class Runner:
                   "safe point (training steps checkpoint first); starting nothing new. Press Ctrl-C again to abort now.")
 
     def _abort(self) -> None:
-        """The second signal: kill child processes, mark running steps INTERRUPTED, free their leases, exit."""
+        """The second signal: kill child processes (removing their folders), mark running steps INTERRUPTED, free
+        their leases, exit."""
+        from keel.executor.child import abandon
+
         with self._lock:
-            children, active = list(self._children), dict(self._active)
-        for process in children:
-            _signal_quietly(process, signal.SIGKILL)
+            children, active = dict(self._children), dict(self._active)
+        for process, workdir in children.items():
+            abandon(process, workdir)
         for output_path, (running, lease) in active.items():
             mark_finished(output_path, running, error="aborted by a second Ctrl-C; `keel run` again resumes it from its "
                           "last checkpoint", interrupted=True)
