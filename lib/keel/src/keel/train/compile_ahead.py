@@ -5,10 +5,12 @@ function's arguments are known long before: the train state's shapes and shardin
 the model and optimizer declarations alone (`jax.eval_shape`), and the batch's from the config.
 XLA compiles outside the GIL, so a function lowered from those abstract arguments compiles on a
 second thread while the first one initialises the model, opens the data, starts wandb and runs
-the first validation pass. XLA:CPU runs one compile at a time (the state's init and the
-evaluation compile after it), so on a CPU what overlaps is the rest: `tiny_moe`'s first step now
-comes 26.5 s after its step starts instead of 32.9 s (with bytecode compiled at install and the
-layout fixes of keel.model.layout, which cut the compile itself).
+the first validation pass. On a CPU the compiles themselves gain little from overlapping: XLA:CPU
+runs them together, but one step's compile already keeps the cores busy (tiny_moe's step,
+evaluation and init on 2 cores: 58.0 s of wall time in three threads, 55.7 s one after the other),
+so what overlaps is the rest: `tiny_moe`'s first step now comes 26.5 s after its step starts
+instead of 32.9 s (with bytecode compiled at install and the layout fixes of keel.model.layout,
+which cut the compile itself).
 
 One worker thread compiles in submission order (two compiles at once would only share the same
 cores); `now` compiles on the calling thread, for the function needed at once. The worker is a
