@@ -135,8 +135,8 @@ def _install_signal_handlers() -> None:
 
 
 def _watch_launcher(launcher: int) -> None:
-    """If the launcher dies, stop at the next safe point (its lease will expire; nobody else would)."""
-
+    """If the launcher (pid `launcher`, this process's parent when it started) dies, stop at the next
+    safe point (its lease will expire; nobody else would)."""
     def watch():
         while os.getppid() == launcher:
             time.sleep(_PARENT_POLL_S)
