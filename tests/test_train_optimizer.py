@@ -207,3 +207,52 @@ def test_muonh_step_is_the_same_on_the_rack_mesh(muonh_step):
         sharded, plain = leaf(updates), leaf(muonh_step[1])
         assert sharded.array.sharding.spec == leaf(model).array.sharding.spec, name
         np.testing.assert_allclose(np.asarray(sharded.array), np.asarray(plain.array), rtol=1e-4, atol=1e-7, err_msg=name)
+
+
+def test_newton_schulz_batches_parameters_and_holds_no_more_than_the_plan_says():
+    """MuonH orthogonalises matrices of one shape and layout in shared loops, each holding at most
+    what `keel plan` prints as `newton_schulz_gathered` (the largest MuonH parameter gathered whole
+    on a device), and every logical matrix goes through exactly one loop. Read from the traced
+    update of tiny_moe placed on the rack mesh, against its resolved run."""
+    from keel import External
+    from keel.mesh.mesh import build_mesh, shard_model, use_mesh
+    from keel.model.transformer import init_model
+    from keel.spec import RackTopology
+    from keel.spec.resolved import resolve
+    from keel.spec.train import TrainStepConfig
+
+    topology = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
+    train = TrainConfig(batch_size=8, seq_len=16, num_steps=10, schedule=ScheduleConfig(0.0, 1.0),
+                        optimizer=GroupedOptimizerConfig(muon_lr=1e-2, adam_lr=1e-3))
+    run = resolve(TrainStepConfig(model=tiny_moe, data=External("tokens", "memory://tokens", version="1"),
+                                  train=train, topology=topology))
+    mesh = build_mesh(topology)
+    with use_mesh(mesh):
+        params = eqx.filter(shard_model(init_model(tiny_moe, jax.random.PRNGKey(0)), mesh), eqx.is_inexact_array)
+        tx = Optimizer(run.config.train, params).transform()
+        traced = jax.make_jaxpr(tx.update)(params, tx.init(params), params)
+
+    def loops(jaxpr):  # the Newton-Schulz scans: ns_steps iterations carrying the matrices in its dtype
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan" and eqn.params["length"] == train.optimizer.muon_ns_steps:
+                yield eqn.outvars[0].aval  # a scan returns its carry first
+            for value in eqn.params.values():
+                for inner in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(inner, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+                        yield from loops(getattr(inner, "jaxpr", inner))
+
+    def per_device_bytes(aval):
+        split = 1
+        for entry in aval.sharding.spec:
+            for name in (entry if isinstance(entry, tuple) else (entry,)) if entry else ():
+                split *= mesh.shape[name]
+        return aval.size // split * aval.dtype.itemsize
+
+    carried = list(loops(traced.jaxpr))
+    muonh = [p for p in run.parameters if p.group == "muonh"]
+    assert all(aval.dtype == jnp.dtype(train.optimizer.newton_schulz_dtype) for aval in carried)
+    assert 1 < len(carried) < len(muonh) == 20  # batched, within the plan's bound
+    assert max(map(per_device_bytes, carried)) <= run.newton_schulz_bytes_per_device()
+    matrices = sum(int(np.prod([size for name, size in p.axes if name in ("layers", "experts", "shared_experts")]))
+                   for p in muonh)
+    assert sum(int(np.prod(aval.shape[:-2])) for aval in carried) == matrices
