@@ -212,14 +212,18 @@ def test_muonh_step_is_the_same_on_the_rack_mesh(muonh_step):
 def test_newton_schulz_batches_parameters_and_holds_no_more_than_the_plan_says():
     """MuonH orthogonalises matrices of one shape and layout in shared loops, each holding at most
     what `keel plan` prints as `newton_schulz_gathered` (the largest MuonH parameter gathered whole
-    on a device), and every logical matrix goes through exactly one loop. Read from the traced
-    update of tiny_moe placed on the rack mesh, against its resolved run."""
+    on a device), and every logical matrix goes through exactly one loop. Read from the update the
+    loop's optimizer traces on tiny_moe's parameters placed as its resolved run plans them."""
+    import math
+
     from keel import External
-    from keel.mesh.mesh import build_mesh, shard_model, use_mesh
+    from keel.mesh.mesh import build_mesh, use_mesh
     from keel.model.transformer import init_model
     from keel.spec import RackTopology
     from keel.spec.resolved import resolve
     from keel.spec.train import TrainStepConfig
+    from keel.train.layout import planned_shardings
+    from keel.train.loop import _params
 
     topology = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
     train = TrainConfig(batch_size=8, seq_len=16, num_steps=10, schedule=ScheduleConfig(0.0, 1.0),
@@ -228,9 +232,12 @@ def test_newton_schulz_batches_parameters_and_holds_no_more_than_the_plan_says()
                                   train=train, topology=topology))
     mesh = build_mesh(topology)
     with use_mesh(mesh):
-        params = eqx.filter(shard_model(init_model(tiny_moe, jax.random.PRNGKey(0)), mesh), eqx.is_inexact_array)
-        tx = Optimizer(run.config.train, params).transform()
-        traced = jax.make_jaxpr(tx.update)(params, tx.init(params), params)
+        shapes = _params(eqx.filter_eval_shape(init_model, tiny_moe, jax.random.PRNGKey(0)))  # as the loop takes them
+        placed = planned_shardings(run, {"model": shapes, "opt_state": ()}, mesh)["model"]
+        params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, placed)
+        optimizer = Optimizer(run.config.train, params)
+        tx = optimizer.transform(optimizer.rates_at(0))
+        traced = jax.make_jaxpr(tx.update)(params, jax.eval_shape(tx.init, params), params)
 
     def loops(jaxpr):  # the Newton-Schulz scans: ns_steps iterations carrying the matrices in its dtype
         for eqn in jaxpr.eqns:
@@ -242,11 +249,7 @@ def test_newton_schulz_batches_parameters_and_holds_no_more_than_the_plan_says()
                         yield from loops(getattr(inner, "jaxpr", inner))
 
     def per_device_bytes(aval):
-        split = 1
-        for entry in aval.sharding.spec:
-            for name in (entry if isinstance(entry, tuple) else (entry,)) if entry else ():
-                split *= mesh.shape[name]
-        return aval.size // split * aval.dtype.itemsize
+        return math.prod(aval.sharding.shard_shape(aval.shape)) * aval.dtype.itemsize
 
     carried = list(loops(traced.jaxpr))
     muonh = [p for p in run.parameters if p.group == "muonh"]

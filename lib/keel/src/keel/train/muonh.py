@@ -185,15 +185,9 @@ def _muonh_updates(params: list, updates: list, rate, steps: int, eps: float, dt
 
 
 def _per_device(x: jax.Array) -> int:
-    """Elements of `x` on one device: its size over the devices its split dims are spread across."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    if sharding is None or sharding.mesh.empty:
-        return x.size
-    split = 1
-    for entry in sharding.spec:
-        for name in (entry if isinstance(entry, tuple) else (entry,)) if entry else ():
-            split *= sharding.mesh.shape[name]
-    return x.size // split
+    """Elements of `x` on one device."""
+    sharding = jax.typeof(x).sharding
+    return x.size if sharding.mesh.empty else math.prod(sharding.shard_shape(x.shape))
 
 
 def _whole_matrices(x: jax.Array, num_stack: int):
