@@ -175,7 +175,8 @@ def _muonh_updates(params: list, updates: list, rate, steps: int, eps: float, dt
         fn = one
         for _ in range(batches[members[0]].param.ndim - 2):
             fn = jax.vmap(fn)
-        out = fn(jnp.concatenate([batches[i].param for i in members]), jnp.concatenate([batches[i].update for i in members]))
+        out = fn(jnp.concatenate([batches[i].param for i in members]),
+                 jnp.concatenate([batches[i].update for i in members]))
         start = 0
         for i in members:
             size = batches[i].param.shape[0]
@@ -209,8 +210,9 @@ def _newton_schulz(x: jax.Array, steps: int, eps: float) -> jax.Array:
     Levanter's own `zeropower_via_newtonschulz5` pins a (data, model) sharding constraint, which
     an explicit-axis mesh rejects; this is the same iteration without it. The iterations are one
     `scan` over the coefficient table rather than unrolled: before MuonH batched parameters
-    (`_muonh_updates`) each had its own iteration, and unrolled they gave tiny_moe's training step 18,274 optimised HLO instructions
-    against 15,178 (compile 19.5 s against 18.1 s, medians of 4 interleaved). On one matrix the
+    (`_muonh_updates`) each had its own iteration, and unrolled they gave tiny_moe's training
+    step 18,274 optimised HLO instructions against 15,178 (compile 19.5 s against 18.1 s, medians
+    of 4 interleaved). On one matrix the
     two give the same bits; inside a whole step XLA fuses them differently, so losses differ in
     their last bits.
     """
