@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 
+from keel.executor.graph import no_cycle_collection
 from keel.train import compile_cache
 
 
@@ -123,7 +124,10 @@ def compile_now(what: str, jitted, *args, options: dict | None = None) -> Pendin
 def _compile(pending: Pending, jitted, args, options: dict | None) -> None:
     t0 = time.perf_counter()
     try:
-        lowered = jitted.lower(*args)
+        # Tracing tiny_moe's step ran ~175 young collections and a full one over the process's ~10^6
+        # objects and freed nothing: 1.95 s with the collector, 1.60 s without (medians of 5).
+        with no_cycle_collection():
+            lowered = jitted.lower(*args)
         with compile_cache.lease(lowered) as pending.queued:
             executable, hits = compile_cache.hits_during(lambda: lowered.compile(compiler_options=options))
     except BaseException as e:  # delivered to whoever asks for the function
