@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
-import threading
 from typing import Any, Container
 
 from keel.executor.step import External, OutputOf, Step, StepDeclarationError
@@ -17,36 +14,6 @@ class CycleError(StepDeclarationError):
     def __init__(self, cycle: list[Step | External]):
         super().__init__("dependency cycle: " + " -> ".join(s.name for s in cycle)
                          + "; a step cannot depend on its own output: remove the reference that closes the loop")
-
-
-_held = 0  # blocks inside `no_cycle_collection`, on any thread
-_held_lock = threading.Lock()
-_was_enabled = False  # the collector's state when the first of them began
-
-
-@contextlib.contextmanager
-def no_cycle_collection():
-    """Hold Python's cycle collector while a large graph is built, planned or traced.
-
-    A 10,000-step graph allocates a few hundred thousand dicts, tuples and dataclasses, none of
-    them garbage; every 700 allocations the collector would walk the young ones, and now and then
-    every object in the process, for nothing (10-20% of a plan's time). Reference counting still
-    frees what is dropped; the collector resumes, as it was, when the last such block ends: blocks
-    on several threads (a step traced in the background while another is traced here) overlap.
-    """
-    global _held, _was_enabled
-    with _held_lock:
-        if _held == 0:
-            _was_enabled = gc.isenabled()
-            gc.disable()
-        _held += 1
-    try:
-        yield
-    finally:
-        with _held_lock:
-            _held -= 1
-            if _held == 0 and _was_enabled:
-                gc.enable()
 
 
 def topological_order(targets: list[Step | External], done: Container[Step | External] = ()) -> list[Step | External]:

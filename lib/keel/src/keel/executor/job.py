@@ -16,6 +16,7 @@ code and no summary; there the call raises `StepExited` in the step.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import tempfile
 import threading
@@ -24,6 +25,7 @@ import traceback
 from keel.executor import interrupt, logs, step_warnings, storage, writes
 from keel.executor.replicas import replica_index, wait_for_replicas
 from keel.executor.status import keel_path
+from keel.executor.step import StepFunction
 
 
 def log_url(output_path: str) -> str:
@@ -83,7 +85,13 @@ def guard_process_exit() -> None:
     os._exit = _guarded_exit
 
 
-def _call_step(fn, resolved_config, in_launcher: bool) -> None:
+def _call_step(fn, resolved_config, in_launcher: bool, whole_process: bool) -> None:
+    if whole_process and isinstance(fn, StepFunction):
+        # The process runs this step alone, so what importing its function builds (a training
+        # step's jax, Levanter and wandb: some 380,000 objects) lives as long as the process: it is
+        # frozen out of the cycle collector's reach, which would walk it in every full collection.
+        fn = fn.resolve()
+        gc.freeze()
     _in_step.active = in_launcher
     try:
         returned = fn(resolved_config)
@@ -123,7 +131,7 @@ def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = Fals
         try:
             with logs.capture(log), step_warnings.running(output_path, whole_process=whole_process):
                 with writes.watched(output_path, whole_process=whole_process) if watch else contextlib.nullcontext() as watching:
-                    _call_step(fn, resolved_config, in_launcher=in_launcher)
+                    _call_step(fn, resolved_config, in_launcher=in_launcher, whole_process=whole_process)
                 if watching is not None:
                     watching.check()
                 wait_for_replicas(f"keel: outputs of {output_path} written")  # the job ends with every replica's outputs

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from keel.executor import code, reuse, storage
 from keel.executor import lease as leases
-from keel.executor.graph import no_cycle_collection, substitute, topological_order
+from keel.executor.collector import no_cycle_collection
+from keel.executor.graph import substitute, topological_order
 from keel.executor.identity import Identities, output_path
 from keel.executor.inputs import describe_change
 from keel.executor.status import FAILED, INTERRUPTED, SUCCESS, Status, keel_path, read_status, verify_manifest

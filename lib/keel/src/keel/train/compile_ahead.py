@@ -30,7 +30,7 @@ from typing import Any
 
 import jax
 
-from keel.executor.graph import no_cycle_collection
+from keel.executor.collector import no_cycle_collection
 from keel.train import compile_cache
 
 
