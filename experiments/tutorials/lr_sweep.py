@@ -37,6 +37,7 @@ def point(scale: float):
         eval_batches=4,
         rolling_checkpoint_minutes=None,
         transports=(TransportPhase(0, "fixed_all_to_all"),),
+        compute_dtype="float32",  # bf16 is emulated on CPUs (defaults.hardware.cpu_sim)
     )
     return default_train(f"lr_sweep/lr{scale}", data=tokens, model=tiny_moe, train=train,
                          topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4), hardware=cpu_sim,

@@ -40,6 +40,7 @@ train = TrainConfig(
     eval_every=20,
     eval_batches=2,
     rolling_checkpoint_minutes=None,
+    compute_dtype="float32",  # bf16 is emulated on CPUs (defaults.hardware.cpu_sim)
 )
 model = default_train("own_notes", data=tokens, model=model_config, train=train,
                       description="tiny MoE on your own corpus")

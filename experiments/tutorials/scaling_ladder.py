@@ -32,6 +32,7 @@ train = TrainConfig(
     eval_batches=8,
     rolling_checkpoint_minutes=None,
     transports=(TransportPhase(0, "fixed_all_to_all"),),
+    compute_dtype="float32",  # bf16 is emulated on CPUs (defaults.hardware.cpu_sim)
 )
 ladder = default_scaling_ladder("tiny", data=tokens, model=tiny_moe, train=train, sizes=SIZES, steps=STEPS,
                                 target=TARGET, topology=topology, hardware=cpu_sim)

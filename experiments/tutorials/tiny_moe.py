@@ -12,6 +12,10 @@ transport from the fixed-capacity all-to-all to the dropless ring, as the hero r
 ragged) at step 81,716. Results (metrics.jsonl, loss.png, checkpoints, an offline wandb run) land
 under the training step's output directory. The training step runs in its own process, which
 sees the 8 devices that `cpu_sim` with this topology declares; nothing here sets XLA flags.
+
+It computes in float32 where the hero computes in bf16: a CPU without AVX512-BF16 or AMX has no
+bf16 arithmetic (XLA:CPU converts around every bf16 op). On 2 cores these 300 steps trained in
+117 s instead of 167 s, to the same validation loss (4.301 against 4.305). The twin keeps bf16.
 """
 
 from defaults import default_train, stdlib_tokens
@@ -35,6 +39,7 @@ train = TrainConfig(
     permanent_checkpoint_every=100,
     rolling_checkpoint_minutes=2.0,
     transports=(TransportPhase(0, "fixed_all_to_all"), TransportPhase(STEPS // 2, "ring")),
+    compute_dtype="float32",  # bf16 is emulated on CPUs (see above)
 )
 
 model = default_train(

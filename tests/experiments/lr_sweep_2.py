@@ -22,7 +22,8 @@ tokens = default_tokenize("stdlib-bpe-1k-64", corpus, tokenizer, seq_len=SEQ)
 def point(scale: float):
     optimizer = hero_lr_law.optimizer(scale=scale)
     train = TrainConfig(batch_size=BATCH, seq_len=SEQ, num_steps=STEPS, optimizer=optimizer, eval_every=STEPS,
-                        eval_batches=0, rolling_checkpoint_minutes=None)  # 400 KB of stdlib: no validation split
+                        eval_batches=0, rolling_checkpoint_minutes=None,  # 400 KB of stdlib: no validation split
+                        compute_dtype="float32")
     return default_train(f"sweep/lr{scale}", data=tokens, model=tiny_moe, train=train,
                          topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4), hardware=cpu_sim)
 
