@@ -43,6 +43,7 @@ train = TrainConfig(
     eval_batches=4,
     rolling_checkpoint_minutes=2.0,
     transports=(TransportPhase(0, "fixed_all_to_all"),),
+    compute_dtype="float32",  # bf16 is emulated on CPUs (defaults.hardware.cpu_sim)
 )
 
 model = default_train(
