@@ -157,3 +157,38 @@ def test_the_ragged_receiver_capacity_is_declared_once_and_reaches_the_kernel(mo
     assert planned.capacity_factor == 1.15
     assert seen and {kw["capacity_factor"] for kw in seen} == {1.15}
     assert {kw["implementation"] for kw in seen} == {"ragged_all_to_all"}
+
+
+@pytest.mark.parametrize("compute_dtype", ["bfloat16", "float32"])
+def test_the_plans_all_to_all_rows_are_the_width_and_dtype_the_lowered_step_sends(monkeypatch, compute_dtype):
+    """`keel plan`'s all-to-all line ("16-wide bf16 rows") names what the training step's program
+    exchanges: the fixed transport's all_to_all and the ring's all_gather carry rows of the planned
+    width in the run's compute dtype (a float32 run once read "bf16 rows" at float32's bytes)."""
+    import re
+
+    from train_standin import loop_inputs
+
+    from keel.plan import facts, render
+    from keel.train import compile_ahead
+    from keel.train.loop import _Run
+
+    # lowering is enough: nothing compiled ahead, no initial state computed
+    monkeypatch.setattr(compile_ahead.Compiler, "ahead", lambda self, what, jitted, *args: None)
+    monkeypatch.setattr(_Run, "_initial_arrays", lambda self: None)
+    config = TrainConfig(batch_size=16, seq_len=64, num_steps=2, optimizer=AdamWConfig(lr=1e-2), eval_batches=0,
+                         transports=(TransportPhase(0, "fixed_all_to_all"), TransportPhase(1, "ring")),
+                         compute_dtype=compute_dtype)
+    inputs = loop_inputs(config, use_wandb=False)
+    rows = {r["transport"]: r for r in facts.all_to_all(inputs.plan)}
+    element = {"bfloat16": "bf16", "float32": "f32"}[compute_dtype]
+    with jax.set_mesh(inputs.mesh):
+        run = _Run(config, inputs, "memory://plan-a2a/micro-0123abcd89")
+        for phase, op in zip(config.transports, ("all_to_all", "all_gather")):
+            row = rows[phase.transport]
+            assert (row["width"], row["dtype"]) == (inputs.plan.config.model.expert_input_dim, compute_dtype)
+            _, jitted, *args = run._step_job(phase, run.layout)
+            sent = re.findall(rf"stablehlo\.{op}[^\n]*?: \(?tensor<((?:\d+x)+)(\w+)>", jitted.lower(*args).as_text())
+            rows_sent = [dtype for shape, dtype in sent if shape.split("x")[-2] == str(row["width"])]
+            assert rows_sent and set(rows_sent) == {element}, (phase.transport, sent)
+    printed = render._all_to_all(list(rows.values()))
+    assert all(f"{row['width']}-wide {render.SHORT_DTYPES[compute_dtype]} rows" in line for row, line in zip(rows.values(), printed))

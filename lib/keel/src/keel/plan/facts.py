@@ -198,6 +198,7 @@ def all_to_all(run: ResolvedRun) -> list[dict]:
             "from_step": phase.start_step,
             "capacity_factor": factor,
             "width": model.expert_input_dim,
+            "dtype": train.compute_dtype,  # rows travel in the compute dtype
             "buffer_gb_per_layer": buffer / GB,
             "gb_per_step_per_gpu": buffer * buffers_per_layer * model.num_layers / GB,
             "exchanges_per_step": buffers_per_layer * model.num_layers,

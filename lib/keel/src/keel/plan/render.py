@@ -119,15 +119,16 @@ def _memory(m: dict | None, color: bool) -> list[str]:
 
 
 ROWS = {
-    "padded": "{width}-wide bf16 rows, capacity {capacity_factor:g}",
-    "ragged": "{width}-wide bf16 rows as routed",
-    "all_gather": "{width}-wide bf16 rows of the whole expert group",
+    "padded": "{width}-wide {dtype} rows, capacity {capacity_factor:g}",
+    "ragged": "{width}-wide {dtype} rows as routed",
+    "all_gather": "{width}-wide {dtype} rows of the whole expert group",
 }
+SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def _all_to_all(rows: list[dict]) -> list[str]:
     return [
-        f"all-to-all   {r['transport']} from step {_n(r['from_step'])}: {ROWS[r['kind']].format(**r)}: "
+        f"all-to-all   {r['transport']} from step {_n(r['from_step'])}: {ROWS[r['kind']].format(**{**r, 'dtype': SHORT_DTYPES.get(r['dtype'], r['dtype'])})}: "
         f"{_gb(r['buffer_gb_per_layer'])} per buffer per layer, {_gb(r['gb_per_step_per_gpu'])} per step per GPU "
         f"({r['off_gpu_fraction']:.0%} leaves the GPU)"
         for r in rows
