@@ -127,11 +127,12 @@ SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def _all_to_all(rows: list[dict]) -> list[str]:
+    short = [{**r, "dtype": SHORT_DTYPES.get(r["dtype"], r["dtype"])} for r in rows]
     return [
-        f"all-to-all   {r['transport']} from step {_n(r['from_step'])}: {ROWS[r['kind']].format(**{**r, 'dtype': SHORT_DTYPES.get(r['dtype'], r['dtype'])})}: "
+        f"all-to-all   {r['transport']} from step {_n(r['from_step'])}: {ROWS[r['kind']].format(**r)}: "
         f"{_gb(r['buffer_gb_per_layer'])} per buffer per layer, {_gb(r['gb_per_step_per_gpu'])} per step per GPU "
         f"({r['off_gpu_fraction']:.0%} leaves the GPU)"
-        for r in rows
+        for r in short
     ]
 
 
