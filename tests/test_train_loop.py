@@ -11,13 +11,14 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from keel.spec.transports import TransportSpec
 from keel.spec.train import AdamWConfig, TrainConfig, TransportPhase
-from keel.train.tracking import run_id_for
+from keel.train.tracking import open_wandb, run_id_for
 from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
 from keel.train.tracking import main as plot_main
 
@@ -80,14 +81,28 @@ def switch_run(tmp_path_factory):
     """
     from train_standin import loop_inputs
 
-    from keel.train.loop import train
+    from keel.train import loop
 
     out = str(tmp_path_factory.mktemp("runs") / "tiny_switch-0123abcd89")
     transports = (TransportPhase(0, "fixed_all_to_all"), TransportPhase(4, "ring"))
     config = TrainConfig(num_steps=8, permanent_checkpoint_every=1, optimizer=AdamWConfig(lr=1e-2), transports=transports,
                          compute_dtype="float32", **BASE)
-    train(config, loop_inputs(config), out)
-    return out, config
+    sent = []  # what the loop's wandb run was sent, as (thread, record)
+
+    def recorded_wandb(*args, **kwargs):
+        tracker = open_wandb(*args, **kwargs)
+        send = tracker.log
+
+        def log(metrics, *, step, commit=None):
+            sent.append((threading.current_thread().name, {"step": step, **metrics}))
+            send(metrics, step=step, commit=commit)
+        tracker.log = log
+        return tracker
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loop, "open_wandb", recorded_wandb)
+        loop.train(config, loop_inputs(config), out)
+    return out, config, sent
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +118,7 @@ def fixed_run(tmp_path_factory):
 
 
 def test_transport_switch_checkpoints_at_the_switch_and_keeps_the_loss_continuous(switch_run, fixed_run):
-    out, _ = switch_run
+    out, _, _ = switch_run
     records = [r for r in read_metrics(os.path.join(out, METRICS_FILE)) if "train/loss" in r]
     assert [r["transport"] for r in records] == ["fixed_all_to_all"] * 4 + ["ring"] * 4
     assert os.path.exists(os.path.join(out, "checkpoints", "step-4", "metadata.json"))
@@ -125,7 +140,7 @@ def test_router_bias_of_step_t_plus_1_comes_from_step_t_and_survives_checkpoints
     from keel.train.batches import batch_loader
     from keel.train.checkpoint import restore_like
 
-    out, config = switch_run
+    out, config, _ = switch_run
     mesh = rack_mesh()
     lm = micro_lm(mesh)
     with jax.set_mesh(mesh):
@@ -151,7 +166,7 @@ def test_router_bias_of_step_t_plus_1_comes_from_step_t_and_survives_checkpoints
 
 
 def test_metrics_lines_and_loss_plot_are_written(switch_run):
-    out, _ = switch_run
+    out, _, _ = switch_run
     records = read_metrics(os.path.join(out, METRICS_FILE))
     train_keys = set().union(*(r for r in records if "train/loss" in r))
     for key in ("train/loss", "lr/adamw", "throughput/tokens_per_s", "moe/dropped_fraction", "moe/router_balance",
@@ -168,11 +183,19 @@ def test_metrics_lines_and_loss_plot_are_written(switch_run):
 
 
 def test_wandb_offline_run_is_named_by_the_step_identity(switch_run):
-    out, _ = switch_run
+    out, _, _ = switch_run
     run_id = run_id_for(out)
     assert run_id == "tiny_switch-0123abcd89"
     runs = os.listdir(os.path.join(out, "wandb_files", "wandb"))
     assert any(name.startswith("offline-run-") and name.endswith(f"-{run_id}") for name in runs), runs
+
+
+def test_wandb_is_sent_every_metrics_record_in_order_though_it_opens_after_the_first_step(switch_run):
+    """The loop opens wandb on a thread of its own after its first step (`tracking.OpenedLater`):
+    the validation at step 0 and the first step's row are queued meanwhile and sent first."""
+    out, _, sent = switch_run
+    assert [record for _, record in sent] == read_metrics(os.path.join(out, METRICS_FILE))
+    assert sent[0][0] == "keel-open-wandb" and sent[0][1]["step"] == 0 and "eval/loss" in sent[0][1]
 
 
 def test_an_interruption_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_exactly(tmp_path, fixed_run):
@@ -268,7 +291,7 @@ def test_progress_lines_name_compiles_validation_checkpoints_and_the_switch(tmp_
 def test_the_loss_plot_says_what_it_shows(switch_run):
     from keel.train.tracking import plot_loss_curves
 
-    out, config = switch_run
+    out, config, _ = switch_run
     drawn = plot_loss_curves(os.path.join(out, METRICS_FILE), os.path.join(out, "again.png"),
                              title="tiny_switch: lr 0.01", marks={4: "-> ring"})
     assert drawn["title"] == "tiny_switch: lr 0.01" and drawn["marks"] == {4: "-> ring"}

@@ -4,8 +4,8 @@ A jitted function compiles at its first call, so the run stands still for it. Bu
 function's arguments are known long before: the train state's shapes and shardings follow from
 the model and optimizer declarations alone (`jax.eval_shape`), and the batch's from the config.
 XLA compiles outside the GIL, so a function lowered from those abstract arguments compiles on a
-second thread while the first one initialises the model, opens the data, starts wandb and runs
-the first validation pass. On a CPU the compiles themselves gain little from overlapping: XLA:CPU
+second thread while the first one initialises the model, opens the data and runs the first
+validation pass. On a CPU the compiles themselves gain little from overlapping: XLA:CPU
 runs them together, but one step's compile already keeps the cores busy (tiny_moe's step,
 evaluation and init on 2 cores: 58.0 s of wall time in three threads, 55.7 s one after the other),
 so what overlaps is the rest: `tiny_moe`'s first step now comes 26.5 s after its step starts

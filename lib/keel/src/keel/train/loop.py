@@ -13,8 +13,9 @@ after-step hooks, each a method that sees a `StepDone`: `_report`, `_evaluate_af
   (the transport is execution-only: same output path, same identity);
 - evaluates on the validation data every `eval_every` steps (and before the first step): the same
   seeded sample of each whole validation split every time (`validation_losses`);
-- writes metrics as JSON lines and to wandb, and a PNG of the loss curves at the end; after a
-  resume the rows of steps past the checkpoint are dropped first, so each step has one row;
+- writes metrics as JSON lines and to wandb (opened on a thread of its own after the first step,
+  `tracking.OpenedLater`), and a PNG of the loss curves at the end; after a resume the rows of
+  steps past the checkpoint are dropped first, so each step has one row;
 - stops as a failure at the first non-finite loss or gradient norm, naming the step; or, with
   `TrainConfig.spike_guard`, rolls back past a loss spike (non-finite or far above the recent
   median) to its newest in-memory snapshot, replays the good batches and skips the spiking one
@@ -70,7 +71,7 @@ from keel.train.lm import TrainableLM
 from keel.train.optimizer import Optimizer
 from keel.train.progress import Progress
 from keel.train.spike_guard import NonFiniteTraining, SpikeGuard, poison_from_env  # noqa: F401 - NonFiniteTraining: the loop's failure, imported from here
-from keel.train.tracking import LOSS_PLOT_FILE, MetricsLog, open_wandb, plot_loss_curves, run_name
+from keel.train.tracking import LOSS_PLOT_FILE, MetricsLog, OpenedLater, open_wandb, plot_loss_curves, run_name
 
 logger = logging.getLogger(__name__)
 
@@ -236,8 +237,11 @@ class _Run:
         # every record goes to each tracker: metrics.jsonl (what compare, ladder and the dashboard
         # read), then wandb; a tracker that fails raises (Levanter's CompositeTracker would log and go on)
         self.trackers: list[Tracker] = [MetricsLog(os.path.join(self.output_path, METRICS_FILE), writer=primary, resume_at=start)]
+        self.wandb: OpenedLater | None = None  # opened after the first step (OpenedLater says why)
         if primary and self.inputs.use_wandb:
-            self.trackers.append(open_wandb(self.output_path, project=self.inputs.wandb_project, entity=None))
+            self.wandb = OpenedLater(lambda: open_wandb(self.output_path, project=self.inputs.wandb_project, entity=None),
+                                     name="wandb")
+            self.trackers.append(self.wandb)
         self.last: dict[str, float] = {}
         try:
             if start < config.num_steps:
@@ -314,6 +318,8 @@ class _Run:
             if first_use:
                 self._compiled(step_fn, f"step {step}")
                 self._compile_ahead(self._next_change(step))
+                if self.wandb is not None:
+                    self.wandb.open()
             if rollback is not None:  # back to the snapshot: read the batches again from there
                 batches.close()
                 batches = self.guard.batches(loader, rollback.to_step)

@@ -13,7 +13,8 @@ import logging
 import os
 import re
 import sys
-from typing import Any, Mapping
+import threading
+from typing import Any, Callable, Mapping
 
 import fsspec
 import wandb
@@ -189,6 +190,82 @@ def open_wandb(output_path: str, *, project: str, entity: str | None, tags: tupl
     run = wandb.init(project=project, entity=entity, name=run_id, id=run_id, tags=list(tags), mode=wandb_mode(),
                      resume="allow", dir=wandb_dir, save_code=False)
     return _WandbRun(run)
+
+
+class OpenedLater(Tracker):
+    """A tracker opened on a thread of its own once `open()` is called; what is logged before it has
+    opened is kept, in order, and sent first.
+
+    The loop opens wandb this way after its first step: `wandb.init` imports some 200 modules (its
+    launch and public APIs, pydantic models; its first log, OpenTelemetry's) and all that Python holds
+    the interpreter lock the step's lowering and the checkpoint restore need, ~1 s of tiny_moe's 7 s
+    from a resumed step's start to its first step. A tracker that fails to open still fails the run:
+    its error is raised by the next call after it, at the latest by `finish`.
+    """
+
+    def __init__(self, open_tracker: Callable[[], Tracker], *, name: str, timeout_s: float = 300.0):
+        self.name, self._open_tracker, self._timeout_s = name, open_tracker, timeout_s
+        self._lock = threading.Lock()
+        self._pending: list[tuple[str, tuple, dict]] = []
+        self._tracker: Tracker | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def open(self) -> None:
+        """Start opening (once); calls until it has opened are queued."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._open, name=f"keel-open-{self.name}", daemon=True)
+            self._thread.start()
+
+    def _open(self) -> None:
+        try:
+            tracker = self._open_tracker()
+            while True:  # send what was queued meanwhile, then hand the tracker over to the callers
+                with self._lock:
+                    queued, self._pending = self._pending, []
+                    if not queued:
+                        self._tracker = tracker
+                        return
+                for method, args, kwargs in queued:
+                    getattr(tracker, method)(*args, **kwargs)
+        except BaseException as e:  # raised in the caller's thread, at its next call
+            with self._lock:
+                self._error = e
+
+    def _call(self, method: str, *args, **kwargs) -> None:
+        with self._lock:
+            self._raise_if_failed()
+            if self._tracker is None:
+                self._pending.append((method, args, kwargs))
+                return
+        getattr(self._tracker, method)(*args, **kwargs)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the {self.name} tracker failed to open or to send a record: {self._error}") from self._error
+
+    def log(self, metrics: Mapping[str, Any], *, step: int | None, commit: bool | None = None) -> None:
+        self._call("log", dict(metrics), step=step, commit=commit)
+
+    def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
+        self._call("log_hyperparameters", dict(hparams))
+
+    def log_summary(self, metrics: dict[str, Any]) -> None:
+        self._call("log_summary", dict(metrics))
+
+    def log_artifact(self, artifact_path, *, name: str | None = None, type: str | None = None) -> None:
+        self._call("log_artifact", artifact_path, name=name, type=type)
+
+    def finish(self) -> None:
+        """Open it if nothing has (a run with no step left to train), wait for it and what it was sent
+        meanwhile, then finish it."""
+        self.open()
+        self._thread.join(self._timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the {self.name} tracker did not open within {self._timeout_s:g}s: its run "
+                               "may be incomplete; check its service (for wandb: WANDB_MODE, the network)")
+        self._raise_if_failed()
+        self._tracker.finish()
 
 
 class _WandbRun(WandbTracker):

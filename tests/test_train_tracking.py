@@ -1,0 +1,77 @@
+"""`keel.train.tracking.OpenedLater`: a tracker opened on a thread of its own while the run goes on."""
+
+import threading
+
+import pytest
+
+from keel.train.tracking import OpenedLater
+
+
+class Recorder:
+    """A tracker that records its calls and the thread it was opened on."""
+
+    def __init__(self):
+        self.calls, self.opened_on, self.finished = [], threading.current_thread().name, False
+
+    def log(self, metrics, *, step, commit=None):
+        self.calls.append(("log", step, metrics))
+
+    def log_summary(self, metrics):
+        self.calls.append(("summary", None, metrics))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_calls_before_it_opens_are_queued_and_sent_first_in_order_from_its_own_thread():
+    made, release = [], threading.Event()
+
+    def open_tracker():
+        release.wait(30)
+        made.append(Recorder())
+        return made[0]
+
+    tracker = OpenedLater(open_tracker, name="recorder")
+    tracker.log({"a": 1.0}, step=0)
+    tracker.open()
+    tracker.log({"a": 2.0}, step=1)
+    tracker.log_summary({"best": 1.0})
+    assert not made  # still opening: nothing was lost, nothing sent yet
+    release.set()
+    tracker.finish()
+    recorder = made[0]
+    assert recorder.opened_on == "keel-open-recorder" and recorder.finished
+    assert recorder.calls == [("log", 0, {"a": 1.0}), ("log", 1, {"a": 2.0}), ("summary", None, {"best": 1.0})]
+    tracker.log({"a": 3.0}, step=2)  # opened: sent at once
+    assert recorder.calls[-1] == ("log", 2, {"a": 3.0})
+
+
+def test_a_tracker_that_fails_to_open_fails_the_next_call_and_finish():
+    def open_tracker():
+        raise PermissionError("wandb: invalid API key")
+
+    tracker = OpenedLater(open_tracker, name="wandb")
+    tracker.open()
+    tracker._thread.join(30)
+    with pytest.raises(RuntimeError, match="the wandb tracker failed to open or to send a record: wandb: invalid API key"):
+        tracker.log({"a": 1.0}, step=0)
+    with pytest.raises(RuntimeError, match="failed to open"):
+        tracker.finish()
+
+
+def test_finish_opens_a_tracker_nobody_opened_and_sends_what_was_queued():
+    made = []
+    tracker = OpenedLater(lambda: made.append(Recorder()) or made[0], name="recorder")
+    tracker.log({"eval/loss": 2.0}, step=5)  # a run resumed at its last step: nothing trained, one record
+    tracker.finish()
+    assert made[0].calls == [("log", 5, {"eval/loss": 2.0})] and made[0].finished
+
+
+def test_finish_gives_up_on_a_tracker_that_does_not_open_in_time():
+    release = threading.Event()
+    tracker = OpenedLater(lambda: release.wait(30) and Recorder(), name="wandb", timeout_s=0.2)
+    try:
+        with pytest.raises(TimeoutError, match="the wandb tracker did not open within 0.2s"):
+            tracker.finish()
+    finally:
+        release.set()
