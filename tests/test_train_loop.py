@@ -243,6 +243,28 @@ def test_a_non_finite_loss_fails_the_run_naming_the_step(tmp_path):
         train(config, loop_inputs(config, use_wandb=False), str(tmp_path / "tiny_nan-0123abcd89"))
 
 
+def test_a_tracker_that_cannot_open_does_not_hide_why_the_run_stopped(tmp_path, monkeypatch, caplog):
+    """wandb opens after the first step, or at the end of a run that stopped before it: failing to
+    open then is logged, and the run's own error is the one raised."""
+    from train_standin import loop_inputs
+
+    from keel.train import loop
+
+    def no_wandb(*args, **kwargs):
+        raise PermissionError("wandb: invalid API key")
+
+    def unreadable_validation(self, step, phase):
+        raise ValueError("validation split unreadable")
+
+    monkeypatch.setattr(loop, "open_wandb", no_wandb)
+    monkeypatch.setattr(loop._Run, "_evaluate", unreadable_validation)  # step 0's, before the first step
+    config = TrainConfig(num_steps=6, optimizer=AdamWConfig(lr=1e-2), compute_dtype="float32", **BASE)
+    with pytest.raises(ValueError, match="validation split unreadable"):
+        loop.train(config, loop_inputs(config), str(tmp_path / "tiny_stop-0123abcd89"))
+    assert "the wandb tracker did not finish after the run stopped" in caplog.text
+    assert "wandb: invalid API key" in caplog.text
+
+
 def test_a_dense_baseline_trains_on_the_plan_and_logs_no_moe_metrics(tmp_path):
     """`defaults.models.dense_baseline`: the MoE's active parameters in a dense MLP, no router to report on."""
     from train_standin import MICRO, loop_inputs

@@ -243,6 +243,7 @@ class _Run:
                                      name="wandb")
             self.trackers.append(self.wandb)
         self.last: dict[str, float] = {}
+        stopped = True  # by an error or an interruption, until the loop returns
         try:
             if start < config.num_steps:
                 loader = batch_loader(
@@ -253,10 +254,10 @@ class _Run:
                     self._evaluate(0, self.transport_at(0))
                 self._train_steps(start, loader)
                 self.checkpoints.wait()
+            stopped = False
         finally:
             self.progress.close()
-            for tracker in self.trackers:
-                tracker.finish()
+            self._finish_trackers(stopped=stopped)
         if primary:
             plot_loss_curves(os.path.join(self.output_path, METRICS_FILE), os.path.join(self.output_path, LOSS_PLOT_FILE),
                              title=self._title(), marks=self._marks())
@@ -564,6 +565,17 @@ class _Run:
         self.compile_waited += pending.waited if pending.ahead else pending.seconds
         how = f"ahead ({user} waited {pending.waited:.1f}s for it)" if pending.ahead else "on first use"
         self.progress.compiled(pending.what, pending.seconds, how, loaded=pending.loaded, queued=pending.queued)
+
+    def _finish_trackers(self, *, stopped: bool) -> None:
+        """Finish every tracker. In a run already stopped by an error or an interruption, a tracker
+        that cannot finish (wandb failing to open) is logged, not raised: it would hide the reason."""
+        for tracker in self.trackers:
+            try:
+                tracker.finish()
+            except Exception:
+                if not stopped:
+                    raise
+                logger.exception("the %s tracker did not finish after the run stopped", tracker.name)
 
     def _log(self, step: int, values: dict[str, Any]) -> None:
         for tracker in self.trackers:
