@@ -73,12 +73,11 @@ def readme_twin(shared_prefix):
     it (no XLA flags), once per session: (its CompletedProcess, its Graph). The twin's tests read
     this one run: that it ran, its phases and switches, its final checkpoint's evaluation."""
     from keel.cli import load_experiment
-    from keel.executor.plan import Graph
-    from test_step_isolation import keel
+    from test_step_isolation import graph_as_run, keel
 
     hero = Path(__file__).resolve().parent.parent / "experiments" / "hero_535b.py"
     done = keel("run", str(hero), "--scale", "tiny", "--prefix", shared_prefix)
-    return done, Graph(load_experiment(str(hero), "tiny"), shared_prefix)
+    return done, graph_as_run(load_experiment(str(hero), "tiny"), shared_prefix)
 
 
 @pytest.fixture(scope="session")
@@ -87,9 +86,8 @@ def own_data(shared_prefix):
     once per session: (its CompletedProcess, its Graph). The tutorial's test reads what it trained
     and logged; the recovery test compares a killed and retried run of the same step with it."""
     from keel.cli import load_experiment
-    from keel.executor.plan import Graph
-    from test_step_isolation import keel
+    from test_step_isolation import graph_as_run, keel
 
     tutorial = Path(__file__).resolve().parent.parent / "experiments" / "tutorials" / "own_data.py"
     done = keel("run", str(tutorial), "--prefix", shared_prefix)
-    return done, Graph(load_experiment(str(tutorial)), shared_prefix)
+    return done, graph_as_run(load_experiment(str(tutorial)), shared_prefix)

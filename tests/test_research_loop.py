@@ -17,11 +17,10 @@ import pytest
 
 from keel.cli import load_experiment
 from keel.data.tokenize import read_sequence_bytes
-from keel.executor.plan import Graph
 from keel.executor.resolve import resolve_config
 from keel.executor.status import read_status
 from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
-from test_step_isolation import keel, user_env
+from test_step_isolation import graph_as_run, keel, user_env
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +33,7 @@ def sweep(shared_prefix):
     prefix = shared_prefix  # the session's: the tutorial's data chain is tiny_moe's, which other tests' runs there share
     done = keel("run", TUTORIAL, "--prefix", prefix)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    graph = Graph(load_experiment(TUTORIAL), prefix)
+    graph = graph_as_run(load_experiment(TUTORIAL), prefix)  # its data chain may be another run's, reused
     return graph, {s.name: s for s in graph.steps()}
 
 
@@ -117,7 +116,7 @@ def test_samples_are_fixed_by_their_seed(sweep, tmp_path):
 
 def test_the_tutorial_shares_the_tiny_moe_data_chain_and_reruns_cached(sweep):
     graph, steps = sweep
-    tiny = Graph(load_experiment(str(REPO / "experiments/tutorials/tiny_moe.py")), graph.prefix)
+    tiny = graph_as_run(load_experiment(str(REPO / "experiments/tutorials/tiny_moe.py")), graph.prefix)
     shared = {s.name: tiny.path(s) for s in tiny.steps() if not s.name.startswith("train/")}
     assert shared == {name: graph.path(steps[name]) for name in shared} and len(shared) == 3
     again = keel("run", TUTORIAL, "--prefix", graph.prefix, timeout=300)

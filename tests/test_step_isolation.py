@@ -44,6 +44,15 @@ def keel(*args, timeout=900, **env):
                           timeout=timeout)
 
 
+def graph_as_run(steps, prefix: str) -> Graph:
+    """The graph of `steps` under `prefix` with each step's path where its output is, as `keel status`
+    shows it: in a prefix that several experiments share, a step whose work another one already did
+    under its own name reads that output (`keel.executor.reuse`), which `Graph.path` alone does not know."""
+    graph = Graph(steps, prefix)
+    plan_graph(graph)
+    return graph
+
+
 def test_the_readme_main_job_trains_then_everything_is_cached(tmp_path):
     done = keel("run", "experiments/tutorials/tiny_moe.py", "--prefix", str(tmp_path))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]

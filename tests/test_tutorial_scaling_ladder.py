@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from keel.cli import load_experiment
-from keel.executor.plan import Graph
-from test_step_isolation import keel
+from test_step_isolation import graph_as_run, keel
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +22,7 @@ def test_the_ladder_fits_four_sizes_and_reports_its_error_on_the_fifth(shared_pr
     done = keel("run", TUTORIAL, "--prefix", shared_prefix, timeout=2300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "fit L(C) = " in done.stdout and "prediction error on hidden 128, 64 steps: actual val loss" in done.stdout
-    graph = Graph(load_experiment(str(REPO / TUTORIAL)), shared_prefix)
+    graph = graph_as_run(load_experiment(str(REPO / TUTORIAL)), shared_prefix)
     steps = {s.name: s for s in graph.steps()}
     fit = json.loads((Path(graph.path(steps["ladder/tiny"])) / "fit.json").read_text())
     assert len(fit["rungs"]) == 4 and fit["prediction"]["compute"] > max(r["compute"] for r in fit["rungs"])
