@@ -98,3 +98,76 @@ def test_lease_takeover_on_memory_store():
     first.release()  # a superseded holder cannot free its successor's lease
     assert leases.current_lease(path).owner == second.owner
     second.release()
+
+
+SHARING = '''
+import os
+import time
+from dataclasses import dataclass
+
+from keel import Step, main, this_output
+
+
+@dataclass(frozen=True)
+class C:
+    n: int
+    output_path: str = this_output()
+
+
+def slow(config):
+    """Runs until the test says go (the file GO names), after the other experiment ran beside it."""
+    os.makedirs(config.output_path, exist_ok=True)
+    open(os.path.join(config.output_path, "started"), "w").close()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.environ["GO"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with open(os.path.join(config.output_path, "n.txt"), "w") as f:
+        f.write(str(config.n))
+
+
+def quick(config):
+    os.makedirs(config.output_path, exist_ok=True)
+    with open(os.path.join(config.output_path, "n.txt"), "w") as f:
+        f.write(str(config.n))
+
+
+def stray(config):
+    quick(config)
+    os.makedirs(os.path.join(config.output_path, "..", "junk", "deeper"))  # a folder of its own beside its output
+
+
+if __name__ == "__main__":
+    main({"slow": [Step("x/slow", slow, C(1))], "quick": [Step("x/nested/quick", quick, C(2))],
+          "stray": [Step("x/stray", stray, C(3))]}[os.environ["WHICH"]])
+'''
+
+
+def test_another_experiments_nested_steps_beside_a_running_step_are_not_its_writes(tmp_path):
+    """Two experiments share a prefix. While one's step `x/slow` runs, the other's `x/nested/quick`
+    writes `x/nested/quick-HASH` beside it: the new folder `x/nested` holds another step's output,
+    not a stray write of `x/slow` (the own-data tutorial failed so beside the scaling ladder, in the
+    test session's shared prefix).
+    A folder a step makes beside its output that holds no outputs still fails it."""
+    experiment, prefix, go = tmp_path / "sharing.py", str(tmp_path / "out"), tmp_path / "go"
+    experiment.write_text(SHARING)
+
+    def keel_run(which):
+        return subprocess.Popen([sys.executable, "-m", "keel.cli_entry", "run", str(experiment), "--prefix", prefix],
+                                env={**os.environ, "WHICH": which, "GO": str(go)}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    first = keel_run("slow")
+    try:
+        wait_until(lambda: list(Path(prefix, "x").glob("slow-*/started")))
+        other = keel_run("quick")
+        out, _ = other.communicate(timeout=120)
+        assert other.returncode == 0 and list(Path(prefix, "x", "nested").glob("quick-*/n.txt")), out
+        go.touch()
+        out, _ = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 0 and "1 ran" in out, out
+
+    stray = keel_run("stray")
+    out, _ = stray.communicate(timeout=120)
+    assert stray.returncode != 0 and "the step wrote junk beside its output folder" in out, out

@@ -547,8 +547,9 @@ class _Beside:
         return cls(folder, mtime, time.time_ns() - _FS_CLOCK_LAG_NS)
 
     def written(self, owned: dict[str, set[str]]) -> list[str]:
-        """Entries created in the folder since the start that no step owns (another step's output,
-        `NAME-HASH`, may appear there at any time)."""
+        """Entries created in the folder since the start that no step owns. Another experiment's
+        steps in the same prefix may add entries there at any time: an output (`NAME-HASH`), or the
+        folder above outputs of nested names (`ladder` for `train/ladder/rung-HASH`)."""
         try:
             if self.mtime_ns is None or os.stat(self.folder).st_mtime_ns == self.mtime_ns:
                 return []
@@ -559,9 +560,21 @@ class _Beside:
         for entry in os.scandir(self.folder):
             if entry.name in mine or _OUTPUT_NAME.fullmatch(entry.name) or entry.name.startswith(".keel-probe-") or entry.name == KEEL_DIR:
                 continue
+            if entry.is_dir(follow_symlinks=False) and _holds_outputs(entry.path):
+                continue
             if entry.stat(follow_symlinks=False).st_ctime_ns >= self.started_ns:
                 found.append(entry.name)
         return sorted(found)
+
+
+def _holds_outputs(folder: str, depth: int = 4) -> bool:
+    """Whether `folder` holds steps' outputs (`NAME-HASH` folders), directly or up to `depth` levels down."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:  # gone meanwhile, or not readable: not shown to hold any
+        return False
+    return any(e.is_dir(follow_symlinks=False) and (_OUTPUT_NAME.fullmatch(e.name) or (depth > 1 and _holds_outputs(e.path, depth - 1)))
+               for e in entries)
 
 
 def _signal_quietly(process, signum) -> None:
