@@ -10,6 +10,7 @@ from pathlib import Path
 from keel.cli import load_experiment
 from keel.executor.plan import Graph, plan_graph
 from keel.executor.status import keel_path, read_status
+from test_bad_inputs import HEADER  # an experiment file's imports, its config C and the step `write`
 
 REPO = Path(__file__).resolve().parent.parent
 COUNTING = str(REPO / "tests/fixtures/counting_graph.py")
@@ -100,18 +101,8 @@ def test_lease_takeover_on_memory_store():
     second.release()
 
 
-SHARING = '''
-import os
+SHARING = HEADER + '''
 import time
-from dataclasses import dataclass
-
-from keel import Step, main, this_output
-
-
-@dataclass(frozen=True)
-class C:
-    n: int
-    output_path: str = this_output()
 
 
 def slow(config):
@@ -121,23 +112,16 @@ def slow(config):
     deadline = time.monotonic() + 60
     while not os.path.exists(os.environ["GO"]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    with open(os.path.join(config.output_path, "n.txt"), "w") as f:
-        f.write(str(config.n))
-
-
-def quick(config):
-    os.makedirs(config.output_path, exist_ok=True)
-    with open(os.path.join(config.output_path, "n.txt"), "w") as f:
-        f.write(str(config.n))
+    write(config)
 
 
 def stray(config):
-    quick(config)
+    write(config)
     os.makedirs(os.path.join(config.output_path, "..", "junk", "deeper"))  # a folder of its own beside its output
 
 
 if __name__ == "__main__":
-    main({"slow": [Step("x/slow", slow, C(1))], "quick": [Step("x/nested/quick", quick, C(2))],
+    main({"slow": [Step("x/slow", slow, C(1))], "quick": [Step("x/nested/quick", write, C(2))],
           "stray": [Step("x/stray", stray, C(3))]}[os.environ["WHICH"]])
 '''
 

@@ -201,7 +201,8 @@ class OpenedLater(Tracker):
     lock that the step's lowering and the checkpoint restore need: a resumed tiny_moe reached its
     first step 6.2-6.9 s after its start with wandb opened first, 5.7-6.1 s with it opened after.
     A tracker that fails to open still fails the run: its error is raised by the next call after
-    it, at the latest by `finish`.
+    it, at the latest by `finish`. (Levanter's `BackgroundTracker` sends an opened tracker's calls
+    from a thread, but it opens the tracker first and only logs a failure, so it is no substitute.)
     """
 
     def __init__(self, open_tracker: Callable[[], Tracker], *, name: str, timeout_s: float = 300.0):
