@@ -1,10 +1,18 @@
-"""Mixtures: declaration errors, external components, and Levanter mixture datasets over phases."""
+"""Mixtures: declaration errors, external components, Levanter mixture datasets over phases, and the
+token-cache reader under them."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from keel import External, Step
-from keel.data import build_train_dataset, build_validation_datasets
+from keel.data import build_train_dataset, build_validation_datasets, load_token_cache
+from keel.data.cache_files import CONSOLIDATED, LEDGER_FILE
 from keel.spec import Mixture, MixtureError, MixturePhase
 from keel.executor.plan import EXTERNAL, Graph, plan_graph
 
@@ -66,12 +74,14 @@ def test_hero_phases_over_external_cells_check_the_block_boundary():
     assert len([p for p in plans.values() if p.state == EXTERNAL]) == 200
 
 
+EXEMPLAR = {"input_ids": np.zeros((0,), np.int32), "segment_ids": np.zeros((0,), np.int32)}
+
+
 def _write_cache(root, split, values):
     """A token cache whose sequence i is SEQ_LEN copies of values[i]: items name their source."""
     from levanter.store.cache import SerialCacheWriter
 
-    exemplar = {"input_ids": np.zeros((0,), np.int32), "segment_ids": np.zeros((0,), np.int32)}
-    with SerialCacheWriter(f"{root}/{split}", exemplar) as writer:
+    with SerialCacheWriter(f"{root}/{split}", EXEMPLAR) as writer:
         ids = np.repeat(np.array(values, np.int32)[:, None], SEQ_LEN, axis=1)
         if len(ids):
             writer.write_batch({"input_ids": ids, "segment_ids": np.zeros_like(ids)})
@@ -131,3 +141,46 @@ def test_adding_a_component_keeps_the_other_components_orders(caches):
     items = _items(build_train_dataset(alone, seq_len=SEQ_LEN, batch_size=8, seed=3), 40)
     assert np.array_equal(items, _items(build_train_dataset(joined, seq_len=SEQ_LEN, batch_size=8, seed=3), 40))
     assert sorted(items.tolist()) == list(range(2000, 2040))
+
+
+def test_a_split_reads_as_levanters_tree_cache_reads_it(caches):
+    from levanter.store.cache import CACHE_LAYOUT_CONSOLIDATED, LEDGER_FILE_NAME, TreeCache
+
+    assert (LEDGER_FILE, CONSOLIDATED) == (LEDGER_FILE_NAME, CACHE_LAYOUT_CONSOLIDATED)
+    a, _ = caches
+    ours, levanters = load_token_cache(a, "train", seq_len=SEQ_LEN), TreeCache.load(f"{a}/train", EXEMPLAR)
+    assert type(ours).__name__ == "StoredSequences" and len(ours) == len(levanters) == 40
+    rows = [39, 0, 17, 17, 5]
+    for got, want in zip(ours.as_sync_dataset().get_batch(rows), levanters.as_sync_dataset().get_batch(rows), strict=True):
+        assert set(got) == set(want) and all(np.array_equal(got[f], want[f]) for f in want)
+    assert [int(ours[i]["input_ids"][0]) for i in (0, 39)] == [1000, 1039]
+
+
+def test_an_unfinished_split_is_refused_and_a_sharded_one_goes_to_levanters_reader(caches, tmp_path, monkeypatch):
+    a, _ = caches
+    copy = shutil.copytree(a, tmp_path / "a")
+    ledger_path = copy / "train" / LEDGER_FILE
+    ledger = json.loads(ledger_path.read_text())
+    ledger_path.write_text(json.dumps({**ledger, "is_finished": False}))
+    with pytest.raises(FileNotFoundError, match=f"{copy}/train is not finished .*{LEDGER_FILE}.*rerun the step"):
+        load_token_cache(str(copy), "train", seq_len=SEQ_LEN)
+    ledger_path.unlink()
+    with pytest.raises(FileNotFoundError, match="is not finished"):
+        load_token_cache(str(copy), "train", seq_len=SEQ_LEN)
+
+    import levanter.store.cache
+
+    loaded = []
+    monkeypatch.setattr(levanter.store.cache.TreeCache, "load", staticmethod(lambda path, exemplar: loaded.append(path) or []))
+    ledger_path.write_text(json.dumps({**ledger, "layout": "sharded"}))
+    assert load_token_cache(str(copy), "train", seq_len=SEQ_LEN) == [] and loaded == [f"{copy}/train"]
+
+
+def test_the_training_step_imports_no_cache_builder():
+    """Reading caches needs Levanter's store, not the builder's distributed pipeline: zephyr and the
+    iris client cost a training process 0.8 s of its start."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    code = ("import sys, keel.train.step, keel.data.datasets; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'zephyr', 'iris'}), 'levanter.store.cache' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, check=True)
+    assert out.stdout.split("\n")[-2] == "[] False"

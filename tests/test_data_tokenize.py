@@ -331,7 +331,7 @@ def test_byte_counts_are_the_bytes_each_cached_sequence_decodes_to(mixed_inputs,
     cut = 0
     for split in ("train", "validation"):
         records = load_token_cache(out, split, seq_len=seq_len)
-        ids = [r["input_ids"].tolist() for r in records.get_batch_sync(slice(0, len(records)))]
+        ids = [r["input_ids"].tolist() for r in records.as_sync_dataset().get_batch(list(range(len(records))))]
         texts = tokenizer.decode_batch(ids, skip_special_tokens=True)
         assert read_sequence_bytes(out, split).tolist() == [len(t.encode("utf-8")) for t in texts]
         assert stats[split]["bytes"] == sum(len(t.encode("utf-8")) for t in texts)

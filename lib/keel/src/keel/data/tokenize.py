@@ -58,6 +58,7 @@ import numpy as np
 from levanter.store.cache import SerialCacheWriter
 from tqdm import tqdm
 
+from keel.data.cache_files import BYTES_FILE, STATS_FILE
 from keel.data.documents import SPLITS, EmptyDataError, read_index, read_shard, shard_urls
 from keel.data.packing import SequencePacker
 from keel.data.summary import write_summary
@@ -67,8 +68,6 @@ from keel.spec.data import TokenizeConfig
 
 logger = logging.getLogger(__name__)
 
-STATS_FILE = "tokenize.json"
-BYTES_FILE = "{split}.bytes.npy"
 FORMAT = "keel.token_cache/v1"
 WRITE_TOKENS = 1 << 22  # per group handed to Levanter's writer: 4096 sequences of 1024 tokens
 _QUEUE_DEPTH = 4

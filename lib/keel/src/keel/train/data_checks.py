@@ -16,12 +16,10 @@ Where the producing steps' configs already say it, `keel plan` refuses the same 
 
 from __future__ import annotations
 
-
+from keel.data.cache_files import STATS_FILE
 from keel.executor import storage
 from keel.spec.mixture import Mixture
 from keel.spec.train import TrainStepConfig
-
-STATS_FILE = "tokenize.json"  # keel.data.tokenize.STATS_FILE, without importing the data side here
 
 
 def cache_components(data: Mixture) -> dict[str, str]:
