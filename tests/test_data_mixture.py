@@ -176,11 +176,11 @@ def test_an_unfinished_split_is_refused_and_a_sharded_one_goes_to_levanters_read
     assert load_token_cache(str(copy), "train", seq_len=SEQ_LEN) == [] and loaded == [f"{copy}/train"]
 
 
-def test_the_training_step_imports_no_cache_builder():
+def test_the_training_and_evaluation_steps_import_no_cache_builder():
     """Reading caches needs Levanter's store, not the builder's distributed pipeline: zephyr and the
-    iris client cost a training process 0.8 s of its start."""
+    iris client cost each training or eval process 0.8 s of its start."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    code = ("import sys, keel.train.step, keel.data.datasets; "
+    code = ("import sys, keel.train.step, keel.trained.evaluate; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'zephyr', 'iris'}), 'levanter.store.cache' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, check=True)
     assert out.stdout.split("\n")[-2] == "[] False"

@@ -322,7 +322,7 @@ def test_the_fast_encode_call_gives_the_ids_of_the_offset_computing_calls(inputs
 
 @pytest.mark.parametrize("seq_len", [7, 64])
 def test_byte_counts_are_the_bytes_each_cached_sequence_decodes_to(mixed_inputs, tmp_path, seq_len):
-    from keel.data.tokenize import read_sequence_bytes
+    from keel.data.datasets import read_sequence_bytes
 
     corpus, tok = mixed_inputs
     out = _tokenize(tmp_path / "out", mixed_inputs, seq_len=seq_len, add_bos=True)  # bos and eos: bytes none

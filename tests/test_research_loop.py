@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from keel.cli import load_experiment
-from keel.data.tokenize import read_sequence_bytes
+from keel.data.datasets import read_sequence_bytes
 from keel.executor.resolve import resolve_config
 from keel.executor.status import read_status
 from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics

@@ -173,7 +173,7 @@ def test_the_tokenize_step_records_each_sequences_utf8_bytes(tmp_path):
     from keel.data import ingest_documents, IngestConfig, load_token_cache
     from keel.spec import TokenizeConfig, TrainTokenizerConfig
     from keel.data import load_tokenizer, tokenize_documents, train_tokenizer
-    from keel.data.tokenize import read_sequence_bytes
+    from keel.data.datasets import read_sequence_bytes
 
     texts = [f"déjà vu {i}: naïve café, {'x' * (i % 7)} Größe\n" * (1 + i % 3) for i in range(60)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))

@@ -1,4 +1,5 @@
-"""The jax side of keel.data: Levanter datasets over token caches and mixtures (imports Levanter).
+"""The reading side of keel's token caches: Levanter datasets over their splits and mixtures, and the
+byte counts evaluation divides by (imports Levanter's store, not its cache builder).
 
 The training helper calls `build_train_dataset` with a resolved `Mixture` (every component a cache
 root path) and gets a Levanter `MixtureDataset` whose items are
@@ -8,6 +9,7 @@ root path) and gets a Levanter `MixtureDataset` whose items are
 
 from __future__ import annotations
 
+import io
 import zlib
 
 import jax
@@ -16,7 +18,7 @@ from levanter.data.dataset import AsyncDataset
 from levanter.data.mixture import MixtureDataset, StopStrategy
 from levanter.store.tree_store import TreeStore
 
-from keel.data.cache_files import CONSOLIDATED, LEDGER_FILE, STATS_FILE
+from keel.data.cache_files import BYTES_FILE, CONSOLIDATED, LEDGER_FILE, STATS_FILE
 from keel.executor import storage
 from keel.spec.mixture import Mixture
 
@@ -32,8 +34,8 @@ class StoredSequences(AsyncDataset[dict]):
     writes one store), read through Levanter's `TreeStore` as Levanter's `TreeCache` reads it.
 
     `TreeCache` itself lives in `levanter.store.cache`, beside the cache builder, whose imports (zephyr's
-    distributed pipeline, the iris client) cost a training process 0.8 s before its first step, in
-    which it only reads; a resume with the compilation cache takes about 6 s in all."""
+    distributed pipeline, the iris client) cost a training or eval process 0.8 s before its first
+    step, in which it only reads; a resume with the compilation cache takes about 6 s in all."""
 
     def __init__(self, path: str):
         super().__init__()
@@ -80,6 +82,15 @@ def load_token_cache(cache_root: str, split: str, *, seq_len: int) -> AsyncDatas
     if len(cache) and len(cache[0]["input_ids"]) != seq_len:
         raise ValueError(f"token cache {cache_root}/{split} holds sequences of {len(cache[0]['input_ids'])} tokens, not {seq_len}")
     return cache
+
+
+def read_sequence_bytes(cache_root: str, split: str):
+    """The per-sequence UTF-8 byte counts of a split (None for a cache written without them)."""
+    url = storage.join(cache_root, BYTES_FILE.format(split=split))
+    if not storage.exists(url):
+        return None
+    fs, path = storage.split(url)
+    return np.load(io.BytesIO(fs.cat_file(path)))
 
 
 def build_train_dataset(mixture: Mixture, *, seq_len: int, batch_size: int, seed: int, shuffle: bool = True):

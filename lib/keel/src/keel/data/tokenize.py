@@ -333,15 +333,6 @@ def _write_array(url: str, array) -> None:
     fs.pipe_file(path, buffer.getvalue())
 
 
-def read_sequence_bytes(cache_root: str, split: str):
-    """The per-sequence UTF-8 byte counts of a split (None for a cache written without them)."""
-    url = storage.join(cache_root, BYTES_FILE.format(split=split))
-    if not storage.exists(url):
-        return None
-    fs, path = storage.split(url)
-    return np.load(io.BytesIO(fs.cat_file(path)))
-
-
 def clear_token_cache(output_path: str) -> None:
     """Remove what an interrupted attempt left (never the executor's own `.keel/` folder)."""
     for name in (STATS_FILE, *SPLITS, *(BYTES_FILE.format(split=s) for s in SPLITS)):

@@ -13,8 +13,7 @@ import math
 
 import jax
 
-from keel.data import load_token_cache
-from keel.data.tokenize import read_sequence_bytes
+from keel.data.datasets import load_token_cache, read_sequence_bytes
 from keel.executor import storage
 from keel.spec.topology import BATCH_AXES
 from keel.spec.trained import EvalConfig
