@@ -172,7 +172,7 @@ def test_an_unfinished_split_is_refused_and_a_sharded_one_goes_to_levanters_read
 
     loaded = []
     monkeypatch.setattr(levanter.store.cache.TreeCache, "load", staticmethod(lambda path, exemplar: loaded.append(path) or []))
-    ledger_path.write_text(json.dumps({**ledger, "layout": "sharded"}))
+    ledger_path.write_text(json.dumps({**ledger, "layout": levanter.store.cache.CACHE_LAYOUT_SHARDED}))
     assert load_token_cache(str(copy), "train", seq_len=SEQ_LEN) == [] and loaded == [f"{copy}/train"]
 
 

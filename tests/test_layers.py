@@ -11,9 +11,10 @@
 An AST scan, so it sees imports inside functions too (a lazy import is still a dependency).
 
 The machine-learning stack (jax, Levanter, Haliax, Equinox, optax, tokenizers) is imported at the
-top of the runtime modules that use it, never inside a function; what `keel plan` imports (the
-experiments' `defaults`, `keel.plan`, `keel.cli`, the dashboard) reaches none of those modules: a
-step whose function needs the stack names it with `keel.StepFunction("module:function")`.
+top of the runtime modules that use it, never inside a function (one exception, named with its
+reason: `LAZY_ON_PURPOSE`); what `keel plan` imports (the experiments' `defaults`, `keel.plan`,
+`keel.cli`, the dashboard) reaches none of those modules: a step whose function needs the stack
+names it with `keel.StepFunction("module:function")`.
 """
 
 from __future__ import annotations
