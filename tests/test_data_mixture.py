@@ -13,6 +13,7 @@ import pytest
 from keel import External, Step
 from keel.data import build_train_dataset, build_validation_datasets, load_token_cache
 from keel.data.cache_files import CONSOLIDATED, LEDGER_FILE
+from keel.data.datasets import StoredSequences
 from keel.spec import Mixture, MixtureError, MixturePhase
 from keel.executor.plan import EXTERNAL, Graph, plan_graph
 
@@ -149,7 +150,7 @@ def test_a_split_reads_as_levanters_tree_cache_reads_it(caches):
     assert (LEDGER_FILE, CONSOLIDATED) == (LEDGER_FILE_NAME, CACHE_LAYOUT_CONSOLIDATED)
     a, _ = caches
     ours, levanters = load_token_cache(a, "train", seq_len=SEQ_LEN), TreeCache.load(f"{a}/train", EXEMPLAR)
-    assert type(ours).__name__ == "StoredSequences" and len(ours) == len(levanters) == 40
+    assert isinstance(ours, StoredSequences) and len(ours) == len(levanters) == 40
     rows = [39, 0, 17, 17, 5]
     for got, want in zip(ours.as_sync_dataset().get_batch(rows), levanters.as_sync_dataset().get_batch(rows), strict=True):
         assert set(got) == set(want) and all(np.array_equal(got[f], want[f]) for f in want)

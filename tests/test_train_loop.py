@@ -199,8 +199,6 @@ def test_wandb_is_sent_every_metrics_record_in_order_though_it_opens_after_the_f
 
 
 def test_an_interruption_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_exactly(tmp_path, fixed_run):
-    import threading
-
     from train_standin import loop_inputs
 
     from keel.executor import interrupt
