@@ -1,5 +1,5 @@
 """Faults a long run meets with nobody watching: a step's process killed (SIGKILL), frozen
-(SIGSTOP) or raising mid-run. A step that declares `retries=Retries(...)` and, for hangs,
+(SIGSTOP), raising mid-run or crashing in native code (SIGSEGV, retried as the step's failure). A step that declares `retries=Retries(...)` and, for hangs,
 `progress_timeout_s` is retried by the launcher, resumes from its newest checkpoint and ends
 SUCCESS with the result of an uninterrupted run, each attempt recorded; spent retries fail the step
 naming every attempt.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,8 @@ def train(config):
                 os.kill(os.getpid(), signal.SIGKILL)
             if kind == "sigstop":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            if kind == "sigsegv":  # what a compiler's segfault does to the process
+                os.kill(os.getpid(), signal.SIGSEGV)
             raise RuntimeError(f"injected fault at step {state['step']}")
     with open(os.path.join(config.output_path, "final.json"), "w") as f:
         json.dump(state, f)
@@ -88,6 +91,7 @@ def run_with_fault(tmp_path: Path, **fault: str) -> tuple[subprocess.CompletedPr
     ("sigkill", "preemption", "killed by SIGKILL"),
     ("sigstop", "preemption", "no progress for"),
     ("sticky", "failure", "injected fault at step 5"),
+    ("sigsegv", "failure", "crashed with SIGSEGV"),  # a crash is the step's own fault, not a preemption
 ])
 def test_a_fault_is_retried_and_resumes_to_the_uninterrupted_result(tmp_path, fault, kind, why):
     result, output = run_with_fault(tmp_path, LEVANTER_FAULT_KIND=fault, LEVANTER_FAULT_STEP="5")
@@ -98,7 +102,10 @@ def test_a_fault_is_retried_and_resumes_to_the_uninterrupted_result(tmp_path, fa
     assert status["state"] == "SUCCESS" and status["attempt"] == 2, status
     [earlier] = status["attempts"]
     assert earlier["attempt"] == 1 and earlier["state"] == kind and why in earlier["error"], earlier
-    assert "resuming at step 4" in (output / ".keel/log.txt").read_text()  # from the newest checkpoint, not from 0
+    log = (output / ".keel/log.txt").read_text()
+    assert "resuming at step 4" in log  # from the newest checkpoint, not from 0
+    if fault == "sigsegv":  # where it crashed: the Python stack faulthandler wrote into the step's log
+        assert "Fatal Python error: Segmentation fault" in log and re.search(r"line \d+ in train\n", log), log
 
 
 def test_spent_retries_fail_the_step_naming_every_attempt(tmp_path):

@@ -15,6 +15,8 @@ SIGTERM asks the step to stop at its next safe point (`keel.executor.interrupt`)
 stops the child at once (the launcher then removes the folder itself: `abandon`). A child whose
 launcher died (kill -9) is asked to stop the same way, and removes the folder, which nobody would.
 
+A child that crashes in native code (SIGSEGV, SIGABRT, ...: `CRASH_SIGNALS`) reports nothing either
+and comes back `failed`, its Python stacks at the end of its log (`job._crash_stacks_into`).
 A child killed from outside (SIGKILL, a preempted VM) reports nothing and comes back `killed`; a
 child watched by its heartbeat (`heartbeat.py`) that stops beating for the declared timeout has its
 process group killed and comes back `stalled`. The launcher retries either as a preemption.
@@ -39,6 +41,9 @@ from keel.executor import heartbeat as heartbeat_mod
 from keel.executor import interrupt, storage
 
 _PARENT_POLL_S = 1.0
+CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
+"""Signals a process raises on itself when its native code faults (a compiler's segfault, an XLA CHECK's
+abort): the step failed, and a rerun meets the same fault. Any other signal came from outside."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,10 @@ def collect(process: subprocess.Popen, workdir: str, heartbeat: str | None = Non
     except (OSError, ValueError):
         if code == interrupt.EXIT_INTERRUPTED or code in (-signal.SIGINT, -signal.SIGTERM):
             return ChildOutcome("interrupted", f"the step's process was stopped (exit {code})")
+        if code < 0 and -code in CRASH_SIGNALS:
+            return ChildOutcome("failed", f"the step's process crashed with {signal.Signals(-code).name} (a fault in "
+                                          "native code, which a rerun meets again): the Python stack of every thread at "
+                                          "the crash ends the step's log")
         if code < 0:
             return ChildOutcome("killed", f"the step's process was killed by {signal.Signals(-code).name}")
         return ChildOutcome("failed", f"the step's process exited with code {code} without reporting a result")

@@ -16,6 +16,7 @@ code and no summary; there the call raises `StepExited` in the step.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import os
 import tempfile
@@ -44,13 +45,17 @@ class _LazyLog:
     def opened(self) -> bool:
         return self._file is not None
 
-    def write(self, text: str) -> int:
+    def file(self):
+        """The open file, opened now if nothing was written yet."""
         if self._file is None:
-            if not text:
-                return 0
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             self._file = open(self.path, "a", buffering=1)
-        return self._file.write(text)
+        return self._file
+
+    def write(self, text: str) -> int:
+        if self._file is None and not text:
+            return 0
+        return self.file().write(text)
 
     def flush(self) -> None:
         if self._file is not None:
@@ -104,6 +109,18 @@ def _call_step(fn, resolved_config, in_launcher: bool, whole_process: bool) -> N
                                 "its results as files under config.output_path and returns None")
 
 
+@contextlib.contextmanager
+def _crash_stacks_into(log: "_LazyLog"):
+    """While a process runs only this step, a crash in native code (a compiler's SIGSEGV, an XLA
+    CHECK's SIGABRT) writes every thread's Python stack into the step's log before the process dies:
+    the traceback a Python error would have left, which the launcher's FAILED line points to."""
+    faulthandler.enable(file=log.file(), all_threads=True)
+    try:
+        yield
+    finally:
+        faulthandler.disable()
+
+
 def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = False, watch: bool = False,
                  whole_process: bool = False) -> None:
     """Run one step: its outputs land under `output_path`, its log in `.keel/log.txt`.
@@ -125,11 +142,11 @@ def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = Fals
     log_file = storage.split(target)[1] if local else tempfile.mktemp(prefix="keel-log-")
     log = _LazyLog(log_file)
     if not in_launcher:  # open it now, so that it exists even when the step prints nothing
-        os.makedirs(os.path.dirname(log_file), exist_ok=True)
-        log._file = open(log_file, "a", buffering=1)
+        log.file()
     try:
         try:
-            with logs.capture(log), step_warnings.running(output_path, whole_process=whole_process):
+            with logs.capture(log), step_warnings.running(output_path, whole_process=whole_process), \
+                    _crash_stacks_into(log) if whole_process else contextlib.nullcontext():
                 with writes.watched(output_path, whole_process=whole_process) if watch else contextlib.nullcontext() as watching:
                     _call_step(fn, resolved_config, in_launcher=in_launcher, whole_process=whole_process)
                 if watching is not None:
