@@ -50,10 +50,10 @@ RACKS = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
 DENSE_RACKS = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=1)
 """The same 8 devices for the dense twin, which has no experts to split: its rack axis is `data`."""
 CPU_TRANSPORTS = tuple(name.value for name, t in TRANSPORTS.items() if t.moves_tokens and not t.accelerator_only)
-"""The expert-parallel transports XLA:CPU runs, the hero's pooled waves among them (in one wave here:
-small_moe's 4 experts per device do not split into the hero's 3)."""
+"""The expert-parallel transports XLA:CPU runs, the hero's pooled waves among them."""
 POOLED_WAVES = {"tiny": 2, "small": 1}
-"""Waves of the pooled transport per model. tiny_moe's 2 experts per device go in 2 waves: in one wave,
+"""Waves of the pooled transport per model. small_moe's 4 experts per device do not split into the
+hero's 3, so they go in one. tiny_moe's 2 experts per device go in 2 waves: in one wave,
 XLA's Shardy partitioner segfaults compiling its training step (jax 0.11.2, in
 `ManualComputationUnusedInputsPattern`; at tiny_moe's sizes a latent of 16 or 32 crashes, 48 and up
 compile)."""

@@ -1,8 +1,8 @@
 """Faults a long run meets with nobody watching: a step's process killed (SIGKILL), frozen
-(SIGSTOP), raising mid-run or crashing in native code (SIGSEGV, retried as the step's failure). A step that declares `retries=Retries(...)` and, for hangs,
-`progress_timeout_s` is retried by the launcher, resumes from its newest checkpoint and ends
-SUCCESS with the result of an uninterrupted run, each attempt recorded; spent retries fail the step
-naming every attempt.
+(SIGSTOP), raising mid-run or crashing in native code (SIGSEGV: the step's own failure, not a
+preemption). A step that declares `retries=Retries(...)` and, for hangs, `progress_timeout_s` is
+retried by the launcher, resumes from its newest checkpoint and ends SUCCESS with the result of an
+uninterrupted run, each attempt recorded; spent retries fail the step naming every attempt.
 
 The step here stands in for training (no jax, so each attempt starts in a second): it takes
 `steps` deterministic steps, beats the heartbeat after each and meets the fault that Levanter's
