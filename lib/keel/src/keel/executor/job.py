@@ -110,7 +110,7 @@ def _call_step(fn, resolved_config, in_launcher: bool, whole_process: bool) -> N
 
 
 @contextlib.contextmanager
-def _crash_stacks_into(log: "_LazyLog"):
+def _crash_stacks_into(log: _LazyLog):
     """While a process runs only this step, a crash in native code (a compiler's SIGSEGV, an XLA
     CHECK's SIGABRT) writes every thread's Python stack into the step's log before the process dies:
     the traceback a Python error would have left, which the launcher's FAILED line points to."""
