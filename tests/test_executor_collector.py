@@ -1,9 +1,8 @@
 """Python's cycle collector around a step's imports: a step whose function is named
 (`StepFunction`) imports its module with the collector held, and an isolated step's process then
-freezes what that import built out of the collector's reach (it lives as long as the process), before
-the collector resumes. A
-step run in the launcher's own process imports the same way but freezes nothing: the launcher's
-garbage is not the step's to keep."""
+freezes what that import built out of the collector's reach (it lives as long as the process),
+before the collector resumes. A step run in the launcher's own process imports the same way but
+freezes nothing: the launcher's garbage is not the step's to keep."""
 
 import json
 import os
