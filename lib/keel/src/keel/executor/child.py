@@ -24,6 +24,7 @@ process group killed and comes back `stalled`. The launcher retries either as a 
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import pickle
@@ -35,6 +36,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 from dataclasses import dataclass
 
 from keel.executor import heartbeat as heartbeat_mod
@@ -58,19 +60,36 @@ def start_child(fn, resolved_config, output_path: str, env: dict[str, str], drop
     """Start the child for one step, in the launcher's environment plus `env`, less the variables
     named in `drop`, with a temporary directory of its own; returns the process and the folder
     holding its payload/result. With `watch`, the step fails if it writes outside its output."""
-    import cloudpickle
-
     workdir = tempfile.mkdtemp(prefix="keel-step-")
     os.mkdir(os.path.join(workdir, "tmp"))
     with open(os.path.join(workdir, "payload"), "wb") as f:
         pickle.dump(list(sys.path), f)
-        cloudpickle.dump((fn, resolved_config, output_path, watch), f)
+        _pickler(f).dump((fn, resolved_config, output_path, watch))
     child_env = {k: v for k, v in {**os.environ, **env, "TMPDIR": os.path.join(workdir, "tmp")}.items() if k not in drop}
     process = subprocess.Popen(
         [sys.executable, "-m", "keel.executor.child", workdir],
         env=child_env, stdin=subprocess.DEVNULL, start_new_session=True,
     )
     return process, workdir
+
+
+def _pickler(f):
+    """A cloudpickle pickler whose functions pickled by value (an experiment file's own) keep their
+    file's name. cloudpickle names their code `<dynamic-code>`, so that a payload does not depend on
+    where its code was written; a payload here goes to one child, on this machine, and a step's
+    traceback there then names the experiment file and shows its lines, as in the launcher."""
+    import cloudpickle
+
+    reduce_code = cloudpickle.Pickler.dispatch_table[types.CodeType]
+
+    def keeping_filename(code: types.CodeType):
+        constructor, args = reduce_code(code)
+        return constructor, tuple(code.co_filename if isinstance(a, str) and a == "<dynamic-code>" else a for a in args)
+
+    class Pickler(cloudpickle.Pickler):
+        dispatch_table = collections.ChainMap({types.CodeType: keeping_filename}, cloudpickle.Pickler.dispatch_table)
+
+    return Pickler(f)
 
 
 def collect(process: subprocess.Popen, workdir: str, heartbeat: str | None = None, timeout_s: float | None = None) -> ChildOutcome:
