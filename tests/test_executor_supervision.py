@@ -107,10 +107,18 @@ def test_a_fault_is_retried_and_resumes_to_the_uninterrupted_result(tmp_path, fa
     # where it failed, in the experiment file (not cloudpickle's `<dynamic-code>`): the traceback shows
     # the raising line; faulthandler's stack of the crash names the file
     if fault == "sticky":
-        assert f'File "{tmp_path / "exp.py"}", line 36, in train\n    raise RuntimeError(' in log, log
+        line = _line_of("raise RuntimeError(")
+        assert f'File "{tmp_path / "exp.py"}", line {line}, in train\n    raise RuntimeError(' in log, log
     if fault == "sigsegv":
         assert "Fatal Python error: Segmentation fault" in log, log
-        assert re.search(rf'File "{re.escape(str(tmp_path / "exp.py"))}", line 35 in train\n', log), log
+        line = _line_of("os.kill(os.getpid(), signal.SIGSEGV)")
+        assert re.search(rf'File "{re.escape(str(tmp_path / "exp.py"))}", line {line} in train\n', log), log
+
+
+def _line_of(code: str) -> int:
+    """The line of exp.py (EXPERIMENT) that holds `code`."""
+    [line] = [n for n, text in enumerate(EXPERIMENT.splitlines(), start=1) if code in text]
+    return line
 
 
 def test_spent_retries_fail_the_step_naming_every_attempt(tmp_path):
