@@ -127,3 +127,36 @@ def test_spent_retries_fail_the_step_naming_every_attempt(tmp_path):
     assert "failed after 3 attempts: attempt 1 (failure): RuntimeError: injected fault at step 1; attempt 2 (failure)" in result.stderr
     status = json.loads((output / ".keel/status").read_text())
     assert status["state"] == "FAILED" and status["attempt"] == 3 and [a["attempt"] for a in status["attempts"]] == [1, 2]
+
+
+CRASHING_STEP = '''
+import os, signal, sys
+from keel.executor.job import run_step_job
+
+def crash(config):
+    print("step output before the crash")
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+run_step_job(crash, None, "memory://crashing-step/out", whole_process=True)
+'''
+
+
+def test_a_crashed_step_with_remote_outputs_still_gets_its_log(tmp_path):
+    """Outputs not on a local disk (here `memory://`): the step's process stages its log in its
+    temporary directory and uploads it as the step ends. One that crashed first left it there, with
+    the crash's Python stacks; the launcher (`collect`) uploads it before removing the directory."""
+    import fsspec
+
+    from keel.executor.child import collect
+
+    workdir = tmp_path / "child"
+    (workdir / "tmp").mkdir(parents=True)
+    process = subprocess.Popen([sys.executable, "-c", CRASHING_STEP], env={**os.environ, "TMPDIR": str(workdir / "tmp")},
+                               cwd=tmp_path)
+    log = "memory://crashing-step-launcher/.keel/log.txt"
+    outcome = collect(process, str(workdir), log=log)
+    assert outcome.state == "failed" and "crashed with SIGSEGV" in outcome.message, outcome
+    text = fsspec.filesystem("memory").cat_file(log.removeprefix("memory://")).decode()
+    assert "step output before the crash" in text and "Fatal Python error: Segmentation fault" in text, text
+    assert re.search(r'File "<string>", line \d+ in crash\n', text), text
+    assert not workdir.exists()

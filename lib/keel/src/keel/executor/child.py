@@ -16,7 +16,8 @@ stops the child at once (the launcher then removes the folder itself: `abandon`)
 launcher died (kill -9) is asked to stop the same way, and removes the folder, which nobody would.
 
 A child that crashes in native code (SIGSEGV, SIGABRT, ...: `CRASH_SIGNALS`) reports nothing either
-and comes back `failed`, its Python stacks at the end of its log (`job._crash_stacks_into`).
+and comes back `failed`, its Python stacks at the end of its log (`job._crash_stacks_into`). A log
+that a child died before uploading (its output is not on a local disk) the launcher uploads.
 A child killed from outside (SIGKILL, a preempted VM) reports nothing and comes back `killed`; a
 child watched by its heartbeat (`heartbeat.py`) that stops beating for the declared timeout has its
 process group killed and comes back `stalled`. The launcher retries either as a preemption.
@@ -25,6 +26,7 @@ process group killed and comes back `stalled`. The launcher retries either as a 
 from __future__ import annotations
 
 import collections
+import glob
 import json
 import os
 import pickle
@@ -92,10 +94,12 @@ def _pickler(f):
     return Pickler(f)
 
 
-def collect(process: subprocess.Popen, workdir: str, heartbeat: str | None = None, timeout_s: float | None = None) -> ChildOutcome:
+def collect(process: subprocess.Popen, workdir: str, heartbeat: str | None = None, timeout_s: float | None = None,
+            log: str | None = None) -> ChildOutcome:
     """Wait for the child and read what it reported (a child killed outright reports nothing).
     With `heartbeat` and `timeout_s`, a child whose heartbeat is older than `timeout_s` (counted
-    from its start until its first beat) is killed with its process group: `stalled`."""
+    from its start until its first beat) is killed with its process group: `stalled`. `log` is the
+    step's log, where a log the child staged but did not upload goes (`_upload_staged_log`)."""
     stalled = _wait(process, heartbeat, timeout_s) if heartbeat and timeout_s else None
     code = process.wait()
     result_path = os.path.join(workdir, "result.json")
@@ -116,7 +120,25 @@ def collect(process: subprocess.Popen, workdir: str, heartbeat: str | None = Non
             return ChildOutcome("killed", f"the step's process was killed by {signal.Signals(-code).name}")
         return ChildOutcome("failed", f"the step's process exited with code {code} without reporting a result")
     finally:
+        if log is not None:
+            _upload_staged_log(workdir, log)
         shutil.rmtree(workdir, ignore_errors=True)  # with the step's temporary directory
+
+
+def _upload_staged_log(workdir: str, log: str) -> None:
+    """A child whose output is not on a local disk writes its log into its temporary directory and
+    uploads it as the step ends (`job.STAGED_LOG_PREFIX`). One that died first (a crash in native
+    code, whose Python stacks faulthandler wrote there; a kill) left it behind: it is uploaded here,
+    before the directory goes, so that the step's log holds what the process wrote up to its end."""
+    from keel.executor.job import STAGED_LOG_PREFIX
+
+    for staged in glob.glob(os.path.join(workdir, "tmp", STAGED_LOG_PREFIX + "*")):
+        fs, path = storage.split(log)
+        try:
+            fs.put_file(staged, path)
+        except Exception as e:  # noqa: BLE001 - the step's outcome stands; the lost log is named
+            print(f"[keel] could not upload the log of a step whose process ended early to {log}: {e!r}",
+                  file=sys.stderr)
 
 
 def abandon(process: subprocess.Popen, workdir: str) -> None:

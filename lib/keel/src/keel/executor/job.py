@@ -30,6 +30,11 @@ from keel.executor.status import keel_path
 from keel.executor.step import StepFunction
 
 
+STAGED_LOG_PREFIX = "keel-log-"
+"""A step whose output is not on a local disk writes its log into a local temporary file of this name
+and uploads it when the step ends (`run_step_job`)."""
+
+
 def log_url(output_path: str) -> str:
     return keel_path(output_path, "log.txt")
 
@@ -143,7 +148,7 @@ def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = Fals
     replica = replica_index()
     target = log_url(output_path) if replica == 0 else keel_path(output_path, f"log.replica{replica}.txt")
     local = storage.is_local(output_path)
-    log_file = storage.split(target)[1] if local else tempfile.mktemp(prefix="keel-log-")
+    log_file = storage.split(target)[1] if local else tempfile.mktemp(prefix=STAGED_LOG_PREFIX)
     log = _LazyLog(log_file)
     if not in_launcher:  # open it now, so that it exists even when the step prints nothing
         log.file()

@@ -427,7 +427,7 @@ class Runner:
                                            watch=not step.no_outputs)
             self._children[process] = workdir
         try:
-            outcome = collect(process, workdir, beat, step.progress_timeout_s)
+            outcome = collect(process, workdir, beat, step.progress_timeout_s, log=log_url(output_path))
         finally:
             with self._lock:
                 self._children.pop(process, None)
