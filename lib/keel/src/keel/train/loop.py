@@ -193,7 +193,7 @@ class _Run:
         device = jax.tree.map(lambda x: x.sharding, self.state_shapes)
         init = jax.jit(lambda k, rates: eqx.filter(self._initial_state(k, rates), eqx.is_array), out_shardings=device)
         self.init_compile = compile_ahead.compile_now("the initial state", init, self.key, self._rate_shapes(),
-                                                      options=compile_ahead.RUN_ONCE)
+                                                      options=compile_ahead.run_once_options())
         return self.init_compile.get()(self.key, self._rates(0))
 
     def _restore(self, path: str):
