@@ -15,8 +15,8 @@ sees the 8 devices that `cpu_sim` with this topology declares; nothing here sets
 
 It computes in float32 where the hero computes in bf16: a CPU without AVX512-BF16 or AMX has no
 bf16 arithmetic (XLA:CPU converts around every bf16 op). On 2 cores these 300 steps trained in
-117 s instead of 167 s, to the same validation loss (4.301 against 4.305 when
-measured). The twin keeps bf16.
+117 s instead of 167 s, to the same validation loss (4.301 against 4.305 when measured). The twin
+keeps bf16.
 """
 
 from defaults import default_train, stdlib_tokens
