@@ -56,8 +56,8 @@ class AttentionBackend(str, Enum):
     """
 
     VANILLA = "vanilla"
-    """The full score matrix with every mask term (causal, window, segments): the reference, and
-    the fastest on XLA:CPU; memory grows with seq_len^2."""
+    """The full score matrix with every mask term (causal, window, segments), scored and
+    normalised in fp32: the reference, and the fastest on XLA:CPU; memory grows with seq_len^2."""
     JAX_FLASH = "jax_flash"
     """Levanter's blockwise pure-JAX flash attention on any platform; applies every mask term
     (sequences shorter than its 1024-token block run the vanilla path)."""
