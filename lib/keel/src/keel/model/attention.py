@@ -11,7 +11,8 @@ default is NVTE on GPUs, which drops the sliding window (`select_attention_backe
 The reference kernel (vanilla) scores and normalises in fp32 whatever the compute dtype, as
 Levanter's `upcast_attn` does: more accurate, and on XLA:CPU much faster, where bf16 elementwise
 math is emulated through converts and a bf16 softmax's reductions miss YNNPACK (tiny_moe's bf16
-training step 1.27x faster, small_moe's 1.10x). The flash kernels keep their own precision.
+training step 1.27x faster, small_moe's 1.10x). The other kernels keep their own precision,
+jax_flash's vanilla path for sequences shorter than its block included.
 """
 
 import equinox as eqx
