@@ -88,35 +88,6 @@ def test_the_declared_backend_applies_the_window(backend):
     assert delta[at : at + window].min() > 1e-3  # while every position whose window holds `at` moves
 
 
-def _exp_dtypes(jaxpr, shape_has) -> list:
-    """The dtypes of every `exp` in `jaxpr` (nested jaxprs included) whose output shape contains `shape_has`."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "exp" and all(n in eqn.outvars[0].aval.shape for n in shape_has):
-            found.append(eqn.outvars[0].aval.dtype)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _exp_dtypes(inner, shape_has)
-    return found
-
-
-def test_the_vanilla_kernel_takes_its_softmax_in_fp32_while_the_layer_computes_in_bf16():
-    """The reference kernel upcasts its scores (Levanter's `upcast_attn`): a bf16 softmax loses
-    precision, and on XLA:CPU it is also what made bf16 training steps slow."""
-    seq = 24
-    config = hero_like(num_layers=1, max_seq_len=seq, conv_sites=(), attention_backend="vanilla")
-    attn = jax.tree.map(lambda x: x.astype(jnp.bfloat16), Attention.init(config, key=jax.random.PRNGKey(0)))
-    B, P, Embed = hax.Axis("batch", 1), hax.Axis("position", seq), attn.q.axes[0]
-    x = hax.random.normal(jax.random.PRNGKey(2), (B, P, Embed)).astype(jnp.bfloat16)
-    seg = hax.zeros((B, P), dtype=jnp.int32)
-    closed = jax.make_jaxpr(lambda a, x: a(x, seg, False, P).array)(attn, x)
-    softmax_exps = _exp_dtypes(closed.jaxpr, (seq, seq))  # over the [query, key] score matrix
-    assert softmax_exps and set(softmax_exps) == {jnp.dtype(jnp.float32)}
-    assert closed.out_avals[0].dtype == jnp.bfloat16  # the layer's output stays in the compute dtype
-
-
 @pytest.mark.slow
 def test_xsa_output_is_orthogonal_to_the_own_value():
     config = hero_like()

@@ -56,6 +56,41 @@ def test_the_state_compiled_against_is_the_live_state_in_every_layout(tmp_path, 
     assert sorted(given, key=str) == [{"xla_backend_optimization_level": 0}, {"xla_backend_optimization_level": 1}]
 
 
+def _output_dtypes(jaxpr, primitive: str, shape_has: tuple) -> list:
+    """The output dtypes of every `primitive` in `jaxpr` (nested jaxprs included) whose shape
+    contains each size in `shape_has`."""
+    found = []
+    for eqn in jaxpr.eqns:
+        shape = eqn.outvars[0].aval.shape if eqn.outvars else ()
+        if eqn.primitive.name == primitive and all(shape.count(n) >= shape_has.count(n) for n in shape_has):
+            found.append(eqn.outvars[0].aval.dtype)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _output_dtypes(inner, primitive, shape_has)
+    return found
+
+
+def test_a_bf16_runs_training_step_takes_its_attention_softmax_in_fp32(tmp_path, monkeypatch):
+    """The reference (vanilla) kernel upcasts its scores, as Levanter's `upcast_attn` does: a bf16
+    softmax loses precision, and on XLA:CPU it is also what made bf16 training steps slow. Read
+    from the training step the loop compiles for a bf16 run, not from a module built beside it."""
+    from keel.train import compile_ahead, offload
+
+    monkeypatch.setattr(compile_ahead.Compiler, "ahead", lambda self, what, jitted, *args: None)  # tracing is enough
+    run = _run(tmp_path, compute_dtype="bfloat16")
+    _, jitted, *abstract = run._step_job(run.transport_at(0), offload.Layout())
+    with jax.set_mesh(run.inputs.mesh):
+        traced = jitted.trace(*abstract)
+    seq = BASE["seq_len"]
+    softmax_exps = _output_dtypes(traced.jaxpr.jaxpr, "exp", (seq, seq))  # over the [query, key] score matrix
+    assert softmax_exps and set(softmax_exps) == {jnp.dtype(jnp.float32)}
+    assert run.inputs.lm.config.attention_backend.value == "vanilla"
+    # while the layers compute in bf16: their matmuls over the sequence (projections, attention output)
+    assert jnp.dtype(jnp.bfloat16) in _output_dtypes(traced.jaxpr.jaxpr, "dot_general", (seq,))
+
+
 def test_runs_that_differ_only_in_rates_schedule_and_length_lower_to_one_training_step(tmp_path, monkeypatch):
     """The optimizer's rates are the step's inputs, not constants of its program: the points of a
     learning-rate sweep, or a longer rerun, share one compiled step through the compilation cache,
