@@ -198,10 +198,12 @@ def test_wandb_is_sent_every_metrics_record_in_order_though_it_opens_after_the_f
     assert sent[0][0] == "keel-open-wandb" and sent[0][1]["step"] == 0 and "eval/loss" in sent[0][1]
 
 
-def test_an_interruption_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_exactly(tmp_path, fixed_run):
+def test_an_interruption_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_exactly(tmp_path, fixed_run, monkeypatch):
     from train_standin import loop_inputs
 
     from keel.executor import interrupt
+    from keel.train import compile_ahead
+    from keel.train.checkpoint import TrainCheckpoints
     from keel.train.loop import train
 
     out = str(tmp_path / "tiny_stop-0123abcd89")
@@ -223,7 +225,15 @@ def test_an_interruption_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_
     assert 3 <= done < 8
     assert os.path.exists(os.path.join(out, "checkpoints", f"step-{done}", "metadata.json"))
 
+    # the resume reads its checkpoint once the first step's program is lowered (on XLA:CPU: beside the
+    # executable's load, not beside the trace, `_Run._after_lowering_on_cpu`)
+    pending, lowered_at_restore = [], []
+    ahead, restore = compile_ahead.Compiler.ahead, TrainCheckpoints.restore
+    monkeypatch.setattr(compile_ahead.Compiler, "ahead", lambda self, *job: pending.append(ahead(self, *job)) or pending[-1])
+    monkeypatch.setattr(TrainCheckpoints, "restore", lambda self, *args: lowered_at_restore.append(
+        [p.lowered.is_set() for p in pending]) or restore(self, *args))
     train(config, loop_inputs(config, use_wandb=False), out)
+    assert lowered_at_restore == [[True]]
     records = read_metrics(os.path.join(out, METRICS_FILE))
     assert [r["step"] for r in records if "train/loss" in r] == list(range(8))
     got, expected = _losses(out), _losses(fixed_run)

@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -78,6 +78,7 @@ class Pending:
     loaded: bool = False  # from the persistent compilation cache (keel.train.compile_cache), not compiled
     queued: float = 0.0  # of `seconds`, waiting for another process compiling the same program
     waited: float | None = None  # how long the first `get` stood waiting (None: never asked yet)
+    lowered: threading.Event = field(default_factory=threading.Event)  # traced and lowered (or failed): XLA's part is left
 
     def get(self):
         if self.waited is None:
@@ -134,7 +135,10 @@ def _compile(pending: Pending, jitted, args, options: dict | None) -> None:
         # Tracing tiny_moe's step ran ~175 young collections and a full one over the process's ~10^6
         # objects and freed nothing: 1.95 s with the collector, 1.60 s without (medians of 5).
         with no_cycle_collection():
-            lowered = jitted.lower(*args)
+            try:
+                lowered = jitted.lower(*args)
+            finally:
+                pending.lowered.set()
         with compile_cache.lease(lowered) as pending.queued:
             executable, hits = compile_cache.hits_during(lambda: lowered.compile(compiler_options=options))
     except BaseException as e:  # delivered to whoever asks for the function
