@@ -35,12 +35,17 @@ class StoredSequences(AsyncDataset[dict]):
 
     `TreeCache` itself lives in `levanter.store.cache`, beside the cache builder, whose imports (zephyr's
     distributed pipeline, the iris client) cost a training or eval process 0.8 s before its first
-    step, in which it only reads; a resume with the compilation cache takes about 6 s in all."""
+    step, in which it only reads; a resume with the compilation cache takes about 6 s in all.
+
+    A finished cache does not grow, so its stores keep their row counts once read
+    (`cache_metadata`): without, every batch read first reads each array's row count from storage
+    again. The twin's mixture (13 components) then read batches of 16 sequences in 9.1 ms each
+    instead of 12.1 ms, on the loader's thread beside the training steps."""
 
     def __init__(self, path: str):
         super().__init__()
         self.path = path
-        self.store = TreeStore.open(_exemplar(), path, mode="r", cache_metadata=False)
+        self.store = TreeStore.open(_exemplar(), path, mode="r", cache_metadata=True)
 
     def __len__(self) -> int:
         return len(self.store)
