@@ -5,6 +5,7 @@ layout the run will use), so the executable compiled ahead is the one the loop r
 import jax
 import jax.numpy as jnp
 import pytest
+from jaxprs import equations
 
 from keel.spec.train import (AdamWConfig, GroupedOptimizerConfig, HostOffload, ScheduleConfig, TrainConfig,
                              TransportPhase, WeightDecayChange)
@@ -59,17 +60,8 @@ def test_the_state_compiled_against_is_the_live_state_in_every_layout(tmp_path, 
 def _output_dtypes(jaxpr, primitive: str, shape_has: tuple) -> list:
     """The output dtypes of every `primitive` in `jaxpr` (nested jaxprs included) whose shape
     contains each size in `shape_has`."""
-    found = []
-    for eqn in jaxpr.eqns:
-        shape = eqn.outvars[0].aval.shape if eqn.outvars else ()
-        if eqn.primitive.name == primitive and all(shape.count(n) >= shape_has.count(n) for n in shape_has):
-            found.append(eqn.outvars[0].aval.dtype)
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    found += _output_dtypes(inner, primitive, shape_has)
-    return found
+    return [eqn.outvars[0].aval.dtype for eqn in equations(jaxpr) if eqn.primitive.name == primitive
+            and all(eqn.outvars[0].aval.shape.count(n) >= shape_has.count(n) for n in shape_has)]
 
 
 def test_a_bf16_runs_training_step_takes_its_attention_softmax_in_fp32(tmp_path, monkeypatch):

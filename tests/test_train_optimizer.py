@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jaxprs import equations
 from model_tiny import hero_like
 
 from defaults.models import tiny_moe
@@ -240,13 +241,8 @@ def test_newton_schulz_batches_parameters_and_holds_no_more_than_the_plan_says()
         traced = jax.make_jaxpr(tx.update)(params, jax.eval_shape(tx.init, params), params)
 
     def loops(jaxpr):  # the Newton-Schulz scans: ns_steps iterations carrying the matrices in its dtype
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "scan" and eqn.params["length"] == train.optimizer.muon_ns_steps:
-                yield eqn.outvars[0].aval  # a scan returns its carry first
-            for value in eqn.params.values():
-                for inner in value if isinstance(value, (list, tuple)) else (value,):
-                    if isinstance(inner, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
-                        yield from loops(getattr(inner, "jaxpr", inner))
+        return [eqn.outvars[0].aval for eqn in equations(jaxpr)  # a scan returns its carry first
+                if eqn.primitive.name == "scan" and eqn.params["length"] == train.optimizer.muon_ns_steps]
 
     def per_device_bytes(aval):
         return math.prod(aval.sharding.shard_shape(aval.shape)) * aval.dtype.itemsize

@@ -37,7 +37,7 @@ class StoredSequences(AsyncDataset[dict]):
 
     `TreeCache` itself lives in `levanter.store.cache`, beside the cache builder, whose imports (zephyr's
     distributed pipeline, the iris client) cost a training or eval process 0.8 s before its first
-    step, in which it only reads; a resume with the compilation cache takes about 6 s in all.
+    step, in which it only reads (a resume with the compilation cache then took about 6 s in all).
 
     A finished cache does not grow, so its stores keep their row counts once read
     (`cache_metadata`): without, every batch read first reads each array's row count from storage
