@@ -92,7 +92,13 @@ def test_two_processes_of_four_devices_train_like_one_of_eight(tmp_path, iris):
 
 
 def _tiny_experiment_training(num_steps: int, **execution):
-    """The tutorial's own training step, shortened; `execution` sets execution-only fields."""
+    """The tutorial's own training step, shortened; `execution` sets execution-only fields.
+
+    Only what runs differs: the steps, evaluations, checkpoints, and no switch to the ring. The
+    weight-decay change stays, moved to the last step (it must start before the end), so the
+    one-process run trains the README main job's own program: rates are the compiled step's
+    inputs, and whichever of the two compiles it first, the other loads it from the session's
+    compilation cache."""
     import dataclasses
 
     from keel.cli import load_experiment
@@ -100,9 +106,11 @@ def _tiny_experiment_training(num_steps: int, **execution):
 
     step = next(s for s in load_experiment(str(Path(HERE).parent / "experiments/tutorials/tiny_moe.py"))
                 if s.name == "train/tiny_moe")
-    train = dataclasses.replace(step.config.train, num_steps=num_steps, eval_every=num_steps, eval_batches=1,
-                                weight_decay_change=None, permanent_checkpoint_every=None,
-                                rolling_checkpoint_minutes=None, compute_dtype="float32",
+    tutorial = step.config.train
+    train = dataclasses.replace(tutorial, num_steps=num_steps, eval_every=num_steps, eval_batches=1,
+                                weight_decay_change=dataclasses.replace(tutorial.weight_decay_change,
+                                                                        start_step=num_steps - 1),
+                                permanent_checkpoint_every=None, rolling_checkpoint_minutes=None,
                                 transports=(TransportPhase(0, "fixed_all_to_all"),))
     return dataclasses.replace(step.config, train=train, **execution), step
 
