@@ -210,11 +210,15 @@ def test_muonh_step_is_the_same_on_the_rack_mesh(muonh_step):
         np.testing.assert_allclose(np.asarray(sharded.array), np.asarray(plain.array), rtol=1e-4, atol=1e-7, err_msg=name)
 
 
-def test_newton_schulz_batches_parameters_and_holds_no_more_than_the_plan_says():
+@pytest.mark.parametrize("newton_schulz_batch", [GroupedOptimizerConfig.newton_schulz_batch, 0])
+def test_newton_schulz_batches_parameters_and_holds_no_more_than_the_plan_says(newton_schulz_batch):
     """MuonH orthogonalises matrices of one shape and layout in shared loops, each holding at most
-    what `keel plan` prints as `newton_schulz_gathered` (the largest MuonH parameter gathered whole
-    on a device), and every logical matrix goes through exactly one loop. Read from the update the
-    loop's optimizer traces on tiny_moe's parameters placed as its resolved run plans them."""
+    what `keel plan` prints as `newton_schulz_gathered`, and every logical matrix goes through
+    exactly one loop. With the default `newton_schulz_batch` tiny_moe's matrices of a shape and
+    layout all share one loop; with 0 a loop holds at most the largest MuonH parameter gathered
+    whole on a device, so groups split, and the largest loop is exactly the plan's figure. Read
+    from the update the loop's optimizer traces on tiny_moe's parameters placed as its resolved run
+    plans them."""
     import math
 
     from keel import External
@@ -228,7 +232,8 @@ def test_newton_schulz_batches_parameters_and_holds_no_more_than_the_plan_says()
 
     topology = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
     train = TrainConfig(batch_size=8, seq_len=16, num_steps=10, schedule=ScheduleConfig(0.0, 1.0),
-                        optimizer=GroupedOptimizerConfig(muon_lr=1e-2, adam_lr=1e-3))
+                        optimizer=GroupedOptimizerConfig(muon_lr=1e-2, adam_lr=1e-3,
+                                                         newton_schulz_batch=newton_schulz_batch))
     run = resolve(TrainStepConfig(model=tiny_moe, data=External("tokens", "memory://tokens", version="1"),
                                   train=train, topology=topology))
     mesh = build_mesh(topology)
@@ -250,8 +255,14 @@ def test_newton_schulz_batches_parameters_and_holds_no_more_than_the_plan_says()
     carried = list(loops(traced.jaxpr))
     muonh = [p for p in run.parameters if p.group == "muonh"]
     assert all(aval.dtype == jnp.dtype(train.optimizer.newton_schulz_dtype) for aval in carried)
-    assert 1 < len(carried) < len(muonh) == 20  # batched, within the plan's bound
     assert max(map(per_device_bytes, carried)) <= run.newton_schulz_bytes_per_device()
     matrices = sum(int(np.prod([size for name, size in p.axes if name in ("layers", "experts", "shared_experts")]))
                    for p in muonh)
     assert sum(int(np.prod(aval.shape[:-2])) for aval in carried) == matrices
+    groups = {(aval.shape[1:], aval.sharding.spec) for aval in carried}  # matrices of a shape and layout
+    assert 1 < len(groups) <= len(carried) < len(muonh) == 20
+    if newton_schulz_batch:
+        assert len(carried) == len(groups)  # each group in one loop
+    else:
+        assert len(carried) > len(groups)  # groups split to stay within the largest parameter
+        assert max(map(per_device_bytes, carried)) == run.newton_schulz_bytes_per_device()

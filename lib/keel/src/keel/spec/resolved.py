@@ -169,22 +169,19 @@ class ResolvedRun:
         return tuple(sorted(leaves, key=lambda leaf: leaf.path))
 
     def newton_schulz_bytes_per_device(self) -> int:
-        """What MuonH's Newton-Schulz holds at once on a device: the largest MuonH parameter with
-        each logical matrix gathered whole (its FSDP-split rows come together) while its stack
-        axes (layers, experts) keep their split, in the declared Newton-Schulz dtype. 0 without MuonH."""
+        """What MuonH's Newton-Schulz holds at once on a device, in the declared Newton-Schulz dtype:
+        one loop's matrices, each gathered whole (its FSDP-split rows come together) while stack
+        axes (layers, experts) keep their split. A loop holds up to the largest MuonH parameter or
+        `newton_schulz_batch` elements, whichever is more, and never more than every MuonH
+        parameter together (`keel.train.muonh`). 0 without MuonH."""
         opt = self.config.train.optimizer
         dtype = getattr(opt, "newton_schulz_dtype", None)
         if dtype is None or self.mesh_axes is None:
             return 0
-        largest = 0
-        for p in self.parameters:
-            if p.group != "muonh":
-                continue
-            held = DTYPE_BYTES[dtype]
-            for (name, size), entry in zip(p.axes, p.placement or ()):
-                held *= -(-size // shards((entry,), self.mesh_axes)) if name in STACK_AXES else size
-            largest = max(largest, held)
-        return largest
+        held = [math.prod(-(-size // shards((entry,), self.mesh_axes)) if name in STACK_AXES else size
+                          for (name, size), entry in zip(p.axes, p.placement or ()))
+                for p in self.parameters if p.group == "muonh"]
+        return DTYPE_BYTES[dtype] * min(sum(held), max(max(held, default=0), opt.newton_schulz_batch))
 
     @property
     def warmup_steps(self) -> int:
