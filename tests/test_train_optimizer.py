@@ -266,3 +266,8 @@ def test_newton_schulz_batches_parameters_and_holds_no_more_than_the_plan_says(n
     else:
         assert len(carried) > len(groups)  # groups split to stay within the largest parameter
         assert max(map(per_device_bytes, carried)) == run.newton_schulz_bytes_per_device()
+
+
+def test_a_negative_newton_schulz_batch_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match=r"GroupedOptimizerConfig.newton_schulz_batch=-1: give 0 or more"):
+        GroupedOptimizerConfig(muon_lr=1e-2, adam_lr=1e-3, newton_schulz_batch=-1)
