@@ -69,11 +69,12 @@ class MuonHState(NamedTuple):
 
 
 def scale_by_muonh(
-    lr: Schedule, *, momentum: float, nesterov: bool, ns_steps: int, eps: float, dtype=jnp.bfloat16, batch: int = 0
+    lr: Schedule, *, momentum: float, nesterov: bool, ns_steps: int, eps: float, dtype=jnp.bfloat16,
+    batch_elements: int = 0,
 ) -> optax.GradientTransformation:
     """MuonH: Nesterov momentum, Newton-Schulz orthogonalisation per logical matrix (computed in
     `dtype`: the hero's bf16), hyperball update. Each Newton-Schulz loop holds at most the largest
-    parameter's matrices or `batch` elements per device, whichever is more (`_muonh_updates`).
+    parameter's matrices or `batch_elements` per device, whichever is more (`_muonh_updates`).
 
     The update keeps each logical matrix's Frobenius norm at its initial value (Levanter's
     `norm_preserving_update` on the same matrix), so MuonH matrices need no weight decay.
@@ -88,7 +89,7 @@ def scale_by_muonh(
         direction = jax.tree.map(lambda m, g: momentum * m + g, buf, updates) if nesterov else buf
         leaves, tree = jax.tree.flatten(flatten_linear_layers(params), is_leaf=_is_named)
         directions = tree.flatten_up_to(flatten_linear_layers(direction))
-        stepped = _muonh_updates(leaves, directions, lr(state.count), ns_steps, eps, dtype, batch)
+        stepped = _muonh_updates(leaves, directions, lr(state.count), ns_steps, eps, dtype, batch_elements)
         return unflatten_linear_layers(direction, tree.unflatten(stepped)), MuonHState(
             count=optax.safe_increment(state.count), momentum=buf)
 
@@ -149,11 +150,11 @@ def _as_matrices(param, update) -> _Matrices:
     return _Matrices(as_batch(p), as_batch(u), (*group, shape, p.dtype, u.dtype), restore)
 
 
-def _muonh_updates(params: list, updates: list, rate, steps: int, eps: float, dtype, batch: int) -> list:
+def _muonh_updates(params: list, updates: list, rate, steps: int, eps: float, dtype, batch_elements: int) -> list:
     """The hyperball update of each parameter: every logical matrix orthogonalised, its norm kept.
 
     Parameters of a group (`_as_matrices`) go through one batched Newton-Schulz loop together, up
-    to the size of the largest MuonH parameter on a device or `batch` elements, whichever is more,
+    to the size of the largest MuonH parameter on a device or `batch_elements`, whichever is more,
     so Newton-Schulz holds no more at once than the plan's `newton_schulz_gathered` says
     (`ResolvedRun.newton_schulz_bytes_per_device`). Each loop compiles to kernels of its own:
     tiny_moe's 20 MuonH parameters took 20 loops one per parameter, 11 bounded by its largest
@@ -166,7 +167,7 @@ def _muonh_updates(params: list, updates: list, rate, steps: int, eps: float, dt
         return norm_preserving_update(p, orthogonal, rate).astype(u.dtype)
 
     batches = [_as_matrices(p, u) for p, u in zip(params, updates)]
-    budget = max(max((_per_device(b.param) for b in batches), default=0), batch)
+    budget = max(max((_per_device(b.param) for b in batches), default=0), batch_elements)
     loops: dict[tuple, list[list[int]]] = {}  # group -> its loops, each the parameters it batches
     for index, batch in enumerate(batches):
         group = loops.setdefault(batch.group, [[]])

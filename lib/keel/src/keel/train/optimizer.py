@@ -203,7 +203,7 @@ def _hero_groups(opt, lr: dict[str, Schedule]) -> dict[str, optax.GradientTransf
     return {
         "muonh": scale_by_muonh(lr["muonh"], momentum=opt.muon_momentum, nesterov=opt.muon_nesterov,
                                 ns_steps=opt.muon_ns_steps, eps=opt.muon_eps, dtype=jnp.dtype(opt.newton_schulz_dtype),
-                                batch=opt.newton_schulz_batch),
+                                batch_elements=opt.newton_schulz_batch),
         "adamh": scale_by_adamh(lr["adamh"], b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
         "adam": optax.adam(lr["adam"], b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
     }
