@@ -219,6 +219,7 @@ def test_newton_schulz_batches_parameters_and_holds_no_more_than_the_plan_says(n
     whole on a device, so groups split, and the largest loop is exactly the plan's figure. Read
     from the update the loop's optimizer traces on tiny_moe's parameters placed as its resolved run
     plans them."""
+    import dataclasses
     import math
 
     from keel import External
@@ -241,7 +242,7 @@ def test_newton_schulz_batches_parameters_and_holds_no_more_than_the_plan_says(n
         shapes = _params(eqx.filter_eval_shape(init_model, tiny_moe, jax.random.PRNGKey(0)))  # as the loop takes them
         placed = planned_shardings(run, {"model": shapes, "opt_state": ()}, mesh)["model"]
         params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, placed)
-        optimizer = Optimizer(run.config.train, params)
+        optimizer = Optimizer(run.config.train, params, run)  # as the loop builds it: bounded by its resolved run
         tx = optimizer.transform(optimizer.rates_at(0))
         traced = jax.make_jaxpr(tx.update)(params, jax.eval_shape(tx.init, params), params)
 
@@ -266,6 +267,12 @@ def test_newton_schulz_batches_parameters_and_holds_no_more_than_the_plan_says(n
     else:
         assert len(carried) > len(groups)  # groups split to stay within the largest parameter
         assert max(map(per_device_bytes, carried)) == run.newton_schulz_bytes_per_device()
+        # a resolved run of a narrower model bounds its loops below this one's largest parameter
+        narrower = resolve(TrainStepConfig(model=dataclasses.replace(tiny_moe, hidden_dim=tiny_moe.hidden_dim // 2),
+                                           data=run.config.data, train=train, topology=topology))
+        with use_mesh(mesh), pytest.raises(ValueError, match=r"more than the resolved run's .* the live layout is not"):
+            mismatched = Optimizer(run.config.train, params, narrower).transform(optimizer.rates_at(0))
+            jax.make_jaxpr(mismatched.update)(params, jax.eval_shape(mismatched.init, params), params)
 
 
 def test_a_negative_newton_schulz_batch_is_refused_naming_the_field():

@@ -168,20 +168,25 @@ class ResolvedRun:
                                                                                    self.mesh_axes)))
         return tuple(sorted(leaves, key=lambda leaf: leaf.path))
 
-    def newton_schulz_bytes_per_device(self) -> int:
-        """What MuonH's Newton-Schulz holds at once on a device, in the declared Newton-Schulz dtype:
-        one loop's matrices, each gathered whole (its FSDP-split rows come together) while stack
-        axes (layers, experts) keep their split. A loop holds up to the largest MuonH parameter or
-        `newton_schulz_batch` elements, whichever is more, and never more than every MuonH
-        parameter together (`keel.train.muonh`). 0 without MuonH."""
+    def newton_schulz_elements_per_device(self) -> int:
+        """The most elements one Newton-Schulz loop of MuonH holds on a device, which the training
+        loop's optimizer batches its loops within (`keel.train.muonh`): the largest MuonH parameter
+        with each logical matrix gathered whole (its FSDP-split rows come together) while stack
+        axes (layers, experts) keep their split, or `newton_schulz_batch` elements, whichever is
+        more, and never more than every MuonH parameter together. 0 without MuonH."""
         opt = self.config.train.optimizer
-        dtype = getattr(opt, "newton_schulz_dtype", None)
-        if dtype is None or self.mesh_axes is None:
+        if getattr(opt, "newton_schulz_dtype", None) is None or self.mesh_axes is None:
             return 0
         held = [math.prod(-(-size // shards((entry,), self.mesh_axes)) if name in STACK_AXES else size
                           for (name, size), entry in zip(p.axes, p.placement or ()))
                 for p in self.parameters if p.group == "muonh"]
-        return DTYPE_BYTES[dtype] * min(sum(held), max(max(held, default=0), opt.newton_schulz_batch))
+        return min(sum(held), max(max(held, default=0), opt.newton_schulz_batch))
+
+    def newton_schulz_bytes_per_device(self) -> int:
+        """What MuonH's Newton-Schulz holds at once on a device: one loop's elements
+        (`newton_schulz_elements_per_device`) in the declared Newton-Schulz dtype. 0 without MuonH."""
+        elements = self.newton_schulz_elements_per_device()
+        return elements and DTYPE_BYTES[self.config.train.optimizer.newton_schulz_dtype] * elements
 
     @property
     def warmup_steps(self) -> int:

@@ -144,7 +144,7 @@ class _Run:
 
         # The state's shapes and shardings follow from the declarations alone; the optimizer is
         # built on them, and the first step starts compiling from them before any array exists.
-        self.optimizer = Optimizer(config, _params(eqx.filter_eval_shape(self._initial_model, key)))
+        self.optimizer = Optimizer(config, _params(eqx.filter_eval_shape(self._initial_model, key)), self.plan)
         shapes, self.state_static = eqx.partition(eqx.filter_eval_shape(self._initial_state, key, self._rate_shapes()),
                                                   _is_shape)
         self.state_shapes = compile_ahead.abstract(shapes, self._planned_shardings(shapes))

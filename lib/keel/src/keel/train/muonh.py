@@ -70,11 +70,12 @@ class MuonHState(NamedTuple):
 
 def scale_by_muonh(
     lr: Schedule, *, momentum: float, nesterov: bool, ns_steps: int, eps: float, dtype=jnp.bfloat16,
-    batch_elements: int = 0,
+    loop_elements: int | None = None,
 ) -> optax.GradientTransformation:
     """MuonH: Nesterov momentum, Newton-Schulz orthogonalisation per logical matrix (computed in
-    `dtype`: the hero's bf16), hyperball update. Each Newton-Schulz loop holds at most the largest
-    parameter's matrices or `batch_elements` per device, whichever is more (`_muonh_updates`).
+    `dtype`: the hero's bf16), hyperball update. Each Newton-Schulz loop holds at most
+    `loop_elements` per device: the resolved run's `newton_schulz_elements_per_device`, or without
+    one the largest parameter's matrices (`_muonh_updates`).
 
     The update keeps each logical matrix's Frobenius norm at its initial value (Levanter's
     `norm_preserving_update` on the same matrix), so MuonH matrices need no weight decay.
@@ -89,7 +90,7 @@ def scale_by_muonh(
         direction = jax.tree.map(lambda m, g: momentum * m + g, buf, updates) if nesterov else buf
         leaves, tree = jax.tree.flatten(flatten_linear_layers(params), is_leaf=_is_named)
         directions = tree.flatten_up_to(flatten_linear_layers(direction))
-        stepped = _muonh_updates(leaves, directions, lr(state.count), ns_steps, eps, dtype, batch_elements)
+        stepped = _muonh_updates(leaves, directions, lr(state.count), ns_steps, eps, dtype, loop_elements)
         return unflatten_linear_layers(direction, tree.unflatten(stepped)), MuonHState(
             count=optax.safe_increment(state.count), momentum=buf)
 
@@ -150,13 +151,14 @@ def _as_matrices(param, update) -> _Matrices:
     return _Matrices(as_batch(p), as_batch(u), (*group, shape, p.dtype, u.dtype), restore)
 
 
-def _muonh_updates(params: list, updates: list, rate, steps: int, eps: float, dtype, batch_elements: int) -> list:
+def _muonh_updates(params: list, updates: list, rate, steps: int, eps: float, dtype, loop_elements: int | None) -> list:
     """The hyperball update of each parameter: every logical matrix orthogonalised, its norm kept.
 
     Parameters of a group (`_as_matrices`) go through one batched Newton-Schulz loop together, up
-    to the size of the largest MuonH parameter on a device or `batch_elements`, whichever is more,
-    so Newton-Schulz holds no more at once than the plan's `newton_schulz_gathered` says
-    (`ResolvedRun.newton_schulz_bytes_per_device`). Each loop compiles to kernels of its own:
+    to `loop_elements` on a device: the plan's bound (`ResolvedRun.newton_schulz_elements_per_device`,
+    what `keel plan` prints as `newton_schulz_gathered`), which a parameter laid out larger than
+    the plan says is refused against; None, outside a resolved run, is the largest parameter's
+    size. Each loop compiles to kernels of its own:
     tiny_moe's 20 MuonH parameters took 20 loops one per parameter, 11 bounded by its largest
     parameter, and take 4 now, one per group (what `GroupedOptimizerConfig.newton_schulz_batch`
     allows it): its training step compiles in 10.1 s instead of 12.3 s with the 11 (1,045 fusions
@@ -167,7 +169,12 @@ def _muonh_updates(params: list, updates: list, rate, steps: int, eps: float, dt
         return norm_preserving_update(p, orthogonal, rate).astype(u.dtype)
 
     batches = [_as_matrices(p, u) for p, u in zip(params, updates)]
-    budget = max(max((_per_device(b.param) for b in batches), default=0), batch_elements)
+    largest = max((_per_device(b.param) for b in batches), default=0)
+    budget = largest if loop_elements is None else loop_elements
+    if largest > budget:
+        raise ValueError(f"MuonH: a parameter gathers {largest:,} elements per device for Newton-Schulz, more than "
+                         f"the resolved run's {budget:,} (newton_schulz_elements_per_device): the live layout is not "
+                         "the planned one")
     loops: dict[tuple, list[list[int]]] = {}  # group -> its loops, each the parameters it batches
     for index, batch in enumerate(batches):
         group = loops.setdefault(batch.group, [[]])

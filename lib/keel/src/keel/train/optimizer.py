@@ -122,9 +122,12 @@ class Optimizer:
     sweep, a rerun with a new rate) compile each once and share it through the compilation cache.
     `transform()` evaluates the schedules at each transform's own count instead, for use outside
     the loop.
+    MuonH batches its Newton-Schulz loops within the resolved run's bound (`plan`:
+    `ResolvedRun.newton_schulz_elements_per_device`, the figure `keel plan` prints); without a
+    plan, within the largest parameter.
     """
 
-    def __init__(self, train, params):
+    def __init__(self, train, params, plan=None):
         sched, opt = train.schedule, train.optimizer
         if isinstance(opt, AdamWConfig):
             self._groups = ("adamw",)
@@ -143,6 +146,7 @@ class Optimizer:
         self.lr_groups = tuple(g for g in self._groups if g in present)
         """The groups that hold parameters: the loop logs their rates as `lr/<group>`."""
         self._train, self._params = train, params
+        self._newton_schulz_elements = (plan.newton_schulz_elements_per_device() if plan is not None else 0) or None
         change = train.weight_decay_change
         if change is not None:
             decay = decay_schedule(change.peak, change.start_step, train.num_steps)
@@ -173,7 +177,8 @@ class Optimizer:
         weight decay on its groups, scaled by each parameter's own learning rate."""
         opt, labels = self._train.optimizer, self._labels
         lr = {group: rate(f"lr/{group}") for group in self._groups}
-        groups = _adamw_groups(opt, lr["adamw"]) if isinstance(opt, AdamWConfig) else _hero_groups(opt, lr)
+        groups = (_adamw_groups(opt, lr["adamw"]) if isinstance(opt, AdamWConfig)
+                  else _hero_groups(opt, lr, self._newton_schulz_elements))
         transform = grouped({**groups, "frozen": optax.set_to_zero()}, labels)
         change = self._train.weight_decay_change
         if change is None:
@@ -199,11 +204,12 @@ def _adamw_groups(opt, lr: Schedule) -> dict[str, optax.GradientTransformation]:
     return {"adamw": adamw}
 
 
-def _hero_groups(opt, lr: dict[str, Schedule]) -> dict[str, optax.GradientTransformation]:
+def _hero_groups(opt, lr: dict[str, Schedule], newton_schulz_elements: int | None
+                 ) -> dict[str, optax.GradientTransformation]:
     return {
         "muonh": scale_by_muonh(lr["muonh"], momentum=opt.muon_momentum, nesterov=opt.muon_nesterov,
                                 ns_steps=opt.muon_ns_steps, eps=opt.muon_eps, dtype=jnp.dtype(opt.newton_schulz_dtype),
-                                batch_elements=opt.newton_schulz_batch),
+                                loop_elements=newton_schulz_elements),
         "adamh": scale_by_adamh(lr["adamh"], b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
         "adam": optax.adam(lr["adam"], b1=opt.beta1, b2=opt.beta2, eps=opt.eps),
     }
