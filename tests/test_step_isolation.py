@@ -115,7 +115,7 @@ def _whole_split_loss(graph, train) -> float:
     return loss
 
 
-SWEEP_STEPS = "100"
+SWEEP_STEPS = "40"
 
 
 def _cache_home(prefix) -> str:
