@@ -35,6 +35,11 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", compile_cache.machine_cache()
 compile_cache.configure(os.environ["JAX_COMPILATION_CACHE_DIR"])  # this one, whose jax is imported
 
 
+def pytest_configure(config):
+    """Each test file's CPU, subprocesses included, is listed after the durations (tests/cpu_report.py)."""
+    config.pluginmanager.import_plugin("cpu_report")
+
+
 def pytest_sessionfinish(session):
     """The process that made the session's cache folder removes it."""
     if _MAKES_CACHE:
