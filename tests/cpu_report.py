@@ -6,8 +6,7 @@ it starts and waits for (`keel run`, training steps, their children). Each worke
 tests; the controller adds up what the workers send when they finish and prints the heaviest files
 after the durations. A file's module fixtures count in it. Processes that nobody waits for (a
 local cluster's workers) are not counted, so the total is somewhat below the run's `time`.
-
-    uv run pytest -p cpu_report tests/test_x.py   # outside this suite, whose conftest loads it
+tests/conftest.py loads this plugin.
 """
 
 from __future__ import annotations
