@@ -169,6 +169,69 @@ def test_a_failed_jobs_log_tail_waits_for_lines_still_in_flight():
     assert tail.endswith("execution 1 of b\nabout to explode") and "last 2 lines" in tail
 
 
+class FakeClock:
+    """`time` for keel.executor.cluster: sleeping moves the clock on at once."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class RunningJob:
+    """A fray job handle whose job runs until `ends_at` on the clock; its blocking `wait` may only
+    be called once the job has ended (Iris's own wait polls up to 30 s apart)."""
+
+    job_id = "fake-job"
+
+    def __init__(self, clock: FakeClock, ends_at: float, controller_answers: bool = True):
+        self.clock, self.ends_at, self.answers = clock, ends_at, controller_answers
+        self.polls, self.waited_at = 0, None
+
+    def status(self):
+        from fray.types import JobStatus
+
+        self.polls += 1
+        if not self.answers:
+            raise ConnectionError("controller unavailable")
+        return JobStatus.SUCCEEDED if self.clock.now >= self.ends_at else JobStatus.RUNNING
+
+    def wait(self, timeout=None, *, raise_on_failure=True):
+        if not self.answers:  # Iris's wait retries an unavailable controller until the job ends
+            self.clock.now = max(self.clock.now, self.ends_at)
+        assert self.clock.now >= self.ends_at, "wait() called on a running job: it would poll at Iris's pace"
+        self.waited_at = self.clock.now
+
+    def submit(self, request):  # also the client that submits it
+        return self
+
+
+@pytest.mark.parametrize("runs_for", [0.05, 40.0, 600.0])
+def test_the_driver_notices_a_finished_job_within_a_poll_interval(monkeypatch, runs_for):
+    from keel.executor import cluster as cluster_module
+
+    clock = FakeClock()
+    job = RunningJob(clock, ends_at=runs_for)
+    monkeypatch.setattr(cluster_module, "time", clock)
+    cluster_module.run_on_cluster(job, request=None, resources="cpu=1")
+    assert job.waited_at is not None and job.waited_at - runs_for <= cluster_module.STATE_POLL_MAX_S
+    assert job.polls <= runs_for / cluster_module.STATE_POLL_MAX_S + 10  # and no busier than once a second
+
+
+def test_a_controller_that_does_not_answer_a_poll_is_left_to_iris_s_patient_wait(monkeypatch):
+    from keel.executor import cluster as cluster_module
+
+    clock = FakeClock()
+    job = RunningJob(clock, ends_at=30.0, controller_answers=False)
+    monkeypatch.setattr(cluster_module, "time", clock)
+    cluster_module.run_on_cluster(job, request=None, resources="cpu=1")
+    assert job.polls == 1 and job.waited_at == 30.0  # not a failed step
+
+
 def test_concurrent_launchers_run_each_step_once(tmp_path, cluster, iris):
     """Three `keel run` processes on overlapping graphs (with `--cluster` for iris)."""
     flags = ["--cluster", iris[0]] if cluster is not None else []

@@ -26,6 +26,11 @@ HEALTH_TIMEOUT_S = 5.0
 LOG_SETTLE_S = 1.5
 LOG_WAIT_S = 6.0
 LOG_POLL_S = 0.25
+# A running job's state is asked for at most this often apart. Iris's own wait backs off to 30 s
+# between polls (each ~1.5x the last), so a step was noticed up to half its run time late: a 40 s
+# step, 18 s late, and its dependents waited as long. One state RPC a second per running step is
+# little for a controller.
+STATE_POLL_MAX_S = 1.0
 
 
 class ClusterUnreachable(RuntimeError):
@@ -108,13 +113,30 @@ def run_on_cluster(client, request, resources: str) -> None:
     except Exception as exc:  # noqa: BLE001 - Iris raises raw RPC errors at submit
         raise ClusterJobFailed(_refusal(exc, resources)) from exc
     try:
-        handle.wait(raise_on_failure=True)
+        _wait_until_finished(handle)
+        handle.wait(raise_on_failure=True)  # finished: returns at once, or raises as fray does on a failure
     except Exception as exc:  # noqa: BLE001 - JobFailedError, JobFailed, timeouts: one error for all
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ClusterJobFailed(f"cluster job {handle.job_id} failed: {reason}\n{_log_tail(handle)}") from exc
     except BaseException:
         handle.terminate()  # the driver is going away (Ctrl-C): do not leave the job running
         raise
+
+
+def _wait_until_finished(handle) -> None:
+    """Poll the job's state, 0.1 s apart at first, growing to STATE_POLL_MAX_S, until it ends. A
+    controller that does not answer is left to Iris's own wait, which retries for up to an hour."""
+    from fray.types import JobStatus
+
+    interval = 0.1
+    while True:
+        try:
+            if JobStatus.finished(handle.status()):
+                return
+        except Exception:  # noqa: BLE001 - an RPC error: the caller's handle.wait() rides it out
+            return
+        time.sleep(interval)
+        interval = min(interval * 1.5, STATE_POLL_MAX_S)
 
 
 def _refusal(exc: Exception, resources: str) -> str:
