@@ -64,7 +64,7 @@ def train(config):
 
 
 run = Step("train/faulty", train, Train(steps=8), isolated=True, retries=Retries(on_failure=2, on_preemption=2),
-           progress_timeout_s=float(os.environ.get("KEEL_TEST_TIMEOUT", "10")))
+           progress_timeout_s=float(os.environ.get("KEEL_TEST_TIMEOUT", "5")))
 
 if __name__ == "__main__":
     main([run])
