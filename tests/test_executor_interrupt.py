@@ -132,14 +132,14 @@ def test_second_ctrl_c_aborts_at_once(tmp_path):
 
 
 def test_a_dead_launchers_lease_names_its_owner_and_is_taken_over_at_once(tmp_path):
-    paths = _paths(tmp_path, KEEL_TEST_TICKS="120")
+    paths = _paths(tmp_path)
     launcher_tmp = _launcher_tmp(tmp_path)
-    proc = _launch(tmp_path, KEEL_TEST_TICKS="120", KEEL_LEASE_TIMEOUT="600", TMPDIR=str(launcher_tmp))
+    proc = _launch(tmp_path, KEEL_LEASE_TIMEOUT="600", TMPDIR=str(launcher_tmp))
     try:
         _wait_for_progress(paths["count/steady"])
         holder = leases.current_lease(paths["count/steady"])
         assert holder.pid == proc.pid and "last heartbeat" in holder.describe()
-        plans = {p.name: p for p in plan_graph(_graph(tmp_path, KEEL_TEST_TICKS="120"))}
+        plans = {p.name: p for p in plan_graph(_graph(tmp_path))}
         assert plans["count/steady"].state == "running-elsewhere"
         assert f"pid {proc.pid}" in plans["count/steady"].reason and "takeover in" in plans["count/steady"].reason
         proc.kill()  # kill -9: its orphaned child notices and stops at its next tick
@@ -147,7 +147,7 @@ def test_a_dead_launchers_lease_names_its_owner_and_is_taken_over_at_once(tmp_pa
     finally:
         proc.kill()
     t0 = time.monotonic()
-    rerun = _launch(tmp_path, KEEL_TEST_TICKS="120", KEEL_LEASE_TIMEOUT="600")
+    rerun = _launch(tmp_path, KEEL_LEASE_TIMEOUT="600")
     out = rerun.communicate(timeout=120)[0]
     assert rerun.returncode == 0, out
     assert f"its lease was held by host {holder.host}, pid {proc.pid} (that process is gone" in out, out
