@@ -178,9 +178,6 @@ class FakeClock:
     def sleep(self, seconds: float) -> None:
         self.now += seconds
 
-    def monotonic(self) -> float:
-        return self.now
-
 
 class RunningJob:
     """A fray job handle whose job runs until `ends_at` on the clock; its blocking `wait` may only
