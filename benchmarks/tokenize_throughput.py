@@ -7,7 +7,11 @@ batches of the step's size, `encode_batch_fast` once over every document (no bat
 at all: the most the tokenizer's own threads can do), and `encode_batch_fast` on the step's
 batches from one thread per core with the tokenizer's threads off (how the step calls it). The
 ratio printed last is against the fastest of the four, so the step cannot look good merely by
-skipping offsets, by batching differently or by threading differently. Rates are medians of
+skipping offsets, by batching differently or by threading differently. A fifth run, not a
+baseline, is the step's own encoding function on those threads: the raw call, then each document's
+ids as an int32 array (the Python list `Encoding.ids` makes, then `np.fromiter`: the one way the
+`tokenizers` API hands ids out, which the raw calls skip and any consumer of them pays); it splits
+the step's gap to the raw call into that conversion and the rest. Rates are medians of
 `--repeats` runs. On a shared 2-core host one call's rate moves by a third between repeats (the
 threaded raw call: 1.11M to 1.88M tokens/s within one run of 5 repeats), and a ratio of bests set
 the luckiest of the four raw calls' 4 x repeats runs against the luckiest of the step's repeats:
@@ -44,7 +48,7 @@ from keel.data import (
     train_tokenizer,
 )
 from keel.spec import TokenizeConfig, TrainTokenizerConfig
-from keel.data.tokenize import STATS_FILE, encode_threads, serial_tokenizer
+from keel.data.tokenize import STATS_FILE, _encoder, encode_threads, serial_tokenizer
 from keel.executor import storage
 
 
@@ -64,6 +68,15 @@ def raw_encode_threads(encode, texts: list[str], batch: int) -> int:
     batches = [texts[i : i + batch] for i in range(0, len(texts), batch)]
     with serial_tokenizer(), ThreadPoolExecutor(encode_threads()) as pool:
         return sum(len(e) for encoded in pool.map(lambda b: encode(b, add_special_tokens=False), batches) for e in encoded)
+
+
+def encoder_threads(loaded, config: TokenizeConfig, texts: list[str], batch: int) -> int:
+    """The step's own encoding function on each batch from one thread per core: the raw call, then
+    each document's ids as an int32 array with the step's bos/eos (the tokens counted without them)."""
+    encode, added = _encoder(config, loaded), int(config.add_bos) + int(config.add_eos)
+    batches = [texts[i : i + batch] for i in range(0, len(texts), batch)]
+    with serial_tokenizer(), ThreadPoolExecutor(encode_threads()) as pool:
+        return sum(len(a) - added for arrays in pool.map(encode, batches) for a in arrays)
 
 
 def step_run(config: TokenizeConfig) -> int:
@@ -89,10 +102,10 @@ def main() -> None:
                                              max_training_bytes=4_000_000, output_path=tok_dir))
 
         def fresh():
-            """A freshly loaded tokenizer, set as the step sets its own."""
-            tokenizer = load_tokenizer(tok_dir).tokenizer
-            tokenizer.encode_special_tokens = True  # "<|endoftext|>" inside a document is text
-            return tokenizer
+            """A freshly loaded tokenizer (`load_tokenizer`'s, with its special ids), set as the step sets its own."""
+            loaded = load_tokenizer(tok_dir)
+            loaded.tokenizer.encode_special_tokens = True  # "<|endoftext|>" inside a document is text
+            return loaded
 
         texts = [d.text for split in ("train", "validation") for d in iter_documents(corpus, split)]
         config = TokenizeConfig(documents=corpus, tokenizer=tok_dir, seq_len=1024, output_path=cache,
@@ -100,23 +113,26 @@ def main() -> None:
         print(f"corpus: {len(texts)} documents, {sum(len(t.encode()) for t in texts) / 1e6:.1f} MB; "
               f"cpus: {os.cpu_count()}; batch: {args.batch_documents} documents")
 
+        threads = encode_threads()
+        encoder = f"the step's encoding function ({threads} threads)"  # not a raw call: what the gap is made of
         runs = {  # each takes a freshly loaded tokenizer (the step loads its own)
-            "encode_batch": lambda tok: raw_encode(tok.encode_batch, texts, args.batch_documents),
-            "encode_batch_fast": lambda tok: raw_encode(tok.encode_batch_fast, texts, args.batch_documents),
-            "encode_batch_fast (one call)": lambda tok: raw_encode(tok.encode_batch_fast, texts, len(texts)),
-            f"encode_batch_fast ({encode_threads()} threads)": lambda tok: raw_encode_threads(tok.encode_batch_fast, texts,
-                                                                                              args.batch_documents),
-            "tokenize step": lambda tok: step_run(config),
+            "encode_batch": lambda t: raw_encode(t.tokenizer.encode_batch, texts, args.batch_documents),
+            "encode_batch_fast": lambda t: raw_encode(t.tokenizer.encode_batch_fast, texts, args.batch_documents),
+            "encode_batch_fast (one call)": lambda t: raw_encode(t.tokenizer.encode_batch_fast, texts, len(texts)),
+            f"encode_batch_fast ({threads} threads)": lambda t: raw_encode_threads(t.tokenizer.encode_batch_fast, texts,
+                                                                                  args.batch_documents),
+            encoder: lambda t: encoder_threads(t, config, texts, args.batch_documents),
+            "tokenize step": lambda t: step_run(config),
         }
-        raws = [name for name in runs if name != "tokenize step"]
+        raws = [name for name in runs if name not in ("tokenize step", encoder)]
         rates: dict[str, list[float]] = {name: [] for name in runs}
         cpus: dict[str, list[float]] = {name: [] for name in runs}  # CPU s per million tokens: what load inflates less
         for repeat in range(args.repeats):
             counts = {}
             order = list(runs)[repeat % len(runs):] + list(runs)[: repeat % len(runs)]
             for name in order:
-                tokenizer = fresh()
-                counts[name], wall, cpu = measured(lambda: runs[name](tokenizer))
+                loaded = fresh()
+                counts[name], wall, cpu = measured(lambda: runs[name](loaded))
                 if storage.exists(cache):  # untimed: the next step run starts from an empty output
                     storage.delete_tree(cache)
                 rates[name].append(counts[name] / wall)
@@ -136,6 +152,11 @@ def main() -> None:
         for name in raws:
             print(f"ratio vs {name}: {rate['tokenize step'] / rate[name]:.3f}")
         fastest = max(raws, key=rate.get)
+        per_token = {n: 1 / rate[n] for n in (fastest, encoder, "tokenize step")}  # seconds per token, medians
+        share = (per_token[encoder] - per_token[fastest]) / (per_token["tokenize step"] - per_token[fastest])
+        print(f"of the step's extra time per token over {fastest}, {share:.0%} is its encoding function's (the ids "
+              f"as int32 arrays: {rate[encoder] / rate[fastest]:.3f} of the raw call), the rest reading, packing, "
+              f"counting bytes and writing")
         print(f"ratio (tokenize step / fastest raw call, {fastest}, median tokens/s): "
               f"{rate['tokenize step'] / rate[fastest]:.3f}")
 
