@@ -1,6 +1,6 @@
 """Training tokens/s of a keel MoE against two baselines, under one trainer, mesh and data.
 
-    uv run python benchmarks/train_throughput.py [--model tiny|small] [--steps 12]
+    uv run python benchmarks/train_throughput.py [--model tiny|small] [--steps 12] [--compute-dtype bfloat16|float32]
 
 `--model small` (defaults.models.small_moe: hidden 256, 16 experts, every hero feature) is the
 size where matmuls dominate; `tiny` (hidden 64) mostly measures per-feature overheads.
@@ -26,6 +26,13 @@ the first two, with the process's CPU seconds per step beside them (the 8 simula
 the cores, so a model that does more work shows it there, one that waits more does not); achieved
 training FLOP/s against a calibrated `jnp.dot` of this CPU in the same run (a CPU "MFU"). The
 ratios come last.
+
+Every model computes in `--compute-dtype`: bfloat16 by default, the hero's. XLA:CPU computes a
+bfloat16 elementwise op in float32 between converts (even on a CPU with AMX, whose bf16 matmuls are
+the fastest), so a model with more small elementwise features pays more converts: measured on
+small_moe, keel's every-feature model ran at 1.24-1.25x the dense twin's CPU per step in bfloat16 and
+1.06-1.08x in float32 (0.80x and 0.91-0.92x its tokens/s; two runs each), while every model was
+slower in float32 (the dense twin 2,527-2,610 against 3,367 tokens/s).
 """
 
 import os
@@ -163,7 +170,8 @@ class Contender:
     live layout with the plan (it raises on any difference) and the share of the train state one
     device holds is shown. Levanter's model has no plan and trains replicated."""
 
-    def __init__(self, name: str, lm, mesh, transport: TransportPhase, data, topology: RackTopology = RACKS):
+    def __init__(self, name: str, lm, mesh, transport: TransportPhase, data, topology: RackTopology = RACKS,
+                 compute_dtype: str = "bfloat16"):
         import json
         import time
 
@@ -176,7 +184,7 @@ class Contender:
 
         self.name, self.mesh, self.data, self.seconds, self.cpu_seconds = name, mesh, data, [], []
         config = TrainConfig(batch_size=BATCH, seq_len=SEQ, num_steps=10_000, optimizer=AdamWConfig(lr=3e-3),
-                             eval_batches=0, rolling_checkpoint_minutes=None, compute_dtype="bfloat16",
+                             eval_batches=0, rolling_checkpoint_minutes=None, compute_dtype=compute_dtype,
                              transports=(transport,))
         plan = planned(lm.config, config, topology) if isinstance(lm, KeelLM) else None
         inputs = LoopInputs(lm=lm, mesh=mesh, batch_axes=BATCH_AXES, train_data=None, val_data={}, plan=plan,
@@ -236,7 +244,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="timed steps of each model, after 2 warm-up steps")
     parser.add_argument("--model", choices=("tiny", "small"), default="small")
+    parser.add_argument("--compute-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="what every model computes in (the hero: bfloat16; keel's CPU tutorials: float32)")
     args = parser.parse_args()
+    dtype = args.compute_dtype
     model = {"tiny": tiny_moe, "small": small_moe}[args.model]
     label = f"{args.model}_moe"
 
@@ -249,22 +260,23 @@ def main() -> None:
     data = token_batches(8)
     dense = dense_twin(model)
     print(f"{label}: {model.flops_per_token(SEQ):.3g} training FLOPs/token; dense twin (shared experts "
-          f"{dense.num_shared_experts} x {dense.shared_expert_dim}): {dense.flops_per_token(SEQ):.3g}")
+          f"{dense.num_shared_experts} x {dense.shared_expert_dim}): {dense.flops_per_token(SEQ):.3g}; "
+          f"every model computes in {dtype}")
 
     phases = {t: TransportPhase(0, t, num_waves=POOLED_WAVES[args.model] if t == "fixed_pooled_all_to_all" else 1)
               for t in CPU_TRANSPORTS}
-    keel = {t: Contender(f"keel {label}, EP 4, {t}", KeelLM(model, mesh), mesh, phase, data)
+    keel = {t: Contender(f"keel {label}, EP 4, {t}", KeelLM(model, mesh), mesh, phase, data, compute_dtype=dtype)
             for t, phase in phases.items()}
     # Levanter's Haliax MoE cannot trace under explicit mesh axes (ragged_dot has no explicit-sharding
     # rule): the same devices in the same layout, with automatic axes.
     auto_mesh = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
     qwen = Contender("Levanter Qwen3-MoE, same dims, data parallel", LevanterQwen3Moe(model, auto_mesh), auto_mesh,
-                     TransportPhase(0, "local"), data)
+                     TransportPhase(0, "local"), data, compute_dtype=dtype)
     plain = {t: Contender(f"keel plain MoE (hero features off), EP 4, {t}", KeelLM(plain_twin(model), mesh), mesh,
-                          phases[t], data) for t in keel}
+                          phases[t], data, compute_dtype=dtype) for t in keel}
     dense_mesh = build_mesh(DENSE_RACKS)
     dense_run = Contender("keel dense twin, same FLOPs/token", KeelLM(dense, dense_mesh), dense_mesh,
-                          TransportPhase(0, "local"), data, DENSE_RACKS)
+                          TransportPhase(0, "local"), data, DENSE_RACKS, compute_dtype=dtype)
     contenders = [*keel.values(), qwen, *plain.values(), dense_run]
     for round_ in range(args.steps + 2):  # each round steps every model once, in a rotating order
         for i in range(len(contenders)):
