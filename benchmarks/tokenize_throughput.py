@@ -153,10 +153,11 @@ def main() -> None:
             print(f"ratio vs {name}: {rate['tokenize step'] / rate[name]:.3f}")
         fastest = max(raws, key=rate.get)
         per_token = {n: 1 / rate[n] for n in (fastest, encoder, "tokenize step")}  # seconds per token, medians
-        share = (per_token[encoder] - per_token[fastest]) / (per_token["tokenize step"] - per_token[fastest])
-        print(f"of the step's extra time per token over {fastest}, {share:.0%} is its encoding function's (the ids "
-              f"as int32 arrays: {rate[encoder] / rate[fastest]:.3f} of the raw call), the rest reading, packing, "
-              f"counting bytes and writing")
+        extra = per_token["tokenize step"] - per_token[fastest]
+        if extra > 0:
+            print(f"of the step's extra time per token over {fastest}, {(per_token[encoder] - per_token[fastest]) / extra:.0%} "
+                  f"is its encoding function's (the ids as int32 arrays: {rate[encoder] / rate[fastest]:.3f} of the raw "
+                  "call), the rest reading, packing, counting bytes and writing")
         print(f"ratio (tokenize step / fastest raw call, {fastest}, median tokens/s): "
               f"{rate['tokenize step'] / rate[fastest]:.3f}")
 

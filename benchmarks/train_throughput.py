@@ -27,12 +27,12 @@ the cores, so a model that does more work shows it there, one that waits more do
 training FLOP/s against a calibrated `jnp.dot` of this CPU in the same run (a CPU "MFU"). The
 ratios come last.
 
-Every model computes in `--compute-dtype`: bfloat16 by default, the hero's. XLA:CPU computes a
-bfloat16 elementwise op in float32 between converts (even on a CPU with AMX, whose bf16 matmuls are
-the fastest), so a model with more small elementwise features pays more converts: measured on
-small_moe, keel's every-feature model ran at 1.24-1.25x the dense twin's CPU per step in bfloat16
-and 1.06-1.08x in float32 (0.80x and 0.91-0.92x its tokens/s; two runs each), while every model was
-slower in float32 (the dense twin 2,527-2,610 against 3,367 tokens/s).
+Every model computes in `--compute-dtype`: bfloat16 by default, the hero's. XLA:CPU computes each
+bfloat16 elementwise op in float32 between converts, so a model with more small elementwise
+features pays more of them: on small_moe (an AMX host, two runs each) keel's every-feature model
+took 1.24-1.25x the dense twin's CPU per step in bfloat16 and 1.06-1.08x in float32 (0.80x and
+0.91-0.92x its tokens/s), though every model ran slower in float32 (the dense twin 2,527-2,610
+tokens/s against 3,367).
 """
 
 import os
