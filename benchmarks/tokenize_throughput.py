@@ -63,20 +63,23 @@ def raw_encode(encode, texts: list[str], batch: int) -> int:
     return sum(len(e) for i in range(0, len(texts), batch) for e in encode(texts[i : i + batch], add_special_tokens=False))
 
 
-def raw_encode_threads(encode, texts: list[str], batch: int) -> int:
-    """`encode` on each batch from one thread per core, the tokenizer's own threads off."""
+def threaded_tokens(encode, texts: list[str], batch: int, tokens) -> int:
+    """`encode` on each batch from one thread per core, the tokenizer's own threads off (how the step
+    calls it); the tokens `tokens(result)` counts in each batch's result, summed."""
     batches = [texts[i : i + batch] for i in range(0, len(texts), batch)]
     with serial_tokenizer(), ThreadPoolExecutor(encode_threads()) as pool:
-        return sum(len(e) for encoded in pool.map(lambda b: encode(b, add_special_tokens=False), batches) for e in encoded)
+        return sum(tokens(result) for result in pool.map(encode, batches))
+
+
+def raw_encode_threads(encode, texts: list[str], batch: int) -> int:
+    return threaded_tokens(lambda b: encode(b, add_special_tokens=False), texts, batch, lambda out: sum(map(len, out)))
 
 
 def encoder_threads(loaded, config: TokenizeConfig, texts: list[str], batch: int) -> int:
-    """The step's own encoding function on each batch from one thread per core: the raw call, then
-    each document's ids as an int32 array with the step's bos/eos (the tokens counted without them)."""
-    encode, added = _encoder(config, loaded), int(config.add_bos) + int(config.add_eos)
-    batches = [texts[i : i + batch] for i in range(0, len(texts), batch)]
-    with serial_tokenizer(), ThreadPoolExecutor(encode_threads()) as pool:
-        return sum(len(a) - added for arrays in pool.map(encode, batches) for a in arrays)
+    """The step's own encoding function on those threads: the raw call, then each document's ids as
+    an int32 array with the step's bos/eos (the tokens counted without them)."""
+    added = int(config.add_bos) + int(config.add_eos)
+    return threaded_tokens(_encoder(config, loaded), texts, batch, lambda arrays: sum(len(a) - added for a in arrays))
 
 
 def step_run(config: TokenizeConfig) -> int:
