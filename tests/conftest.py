@@ -46,15 +46,26 @@ def pytest_sessionfinish(session):
         shutil.rmtree(os.environ["KEEL_TEST_CACHE_HOME"], ignore_errors=True)
 
 
+FIRST = "test_tutorial_scaling_ladder.py"  # the suite's most parallel file: its rungs train at once (1.4 cores)
+
+
 def pytest_collection_modifyitems(items):
-    """Files holding slow tests run first. pytest-xdist hands each worker whole files
-    (`--dist=loadfile`), by default those with the most tests first, so the end-to-end trainings,
-    a few tests per file, came last: a 15.7-minute run ended on the scaling ladder's 2 minutes alone
-    on one worker. Slow files first (`--no-loadscope-reorder` keeps this order) leave the short ones
-    to fill the end; replayed from that run's durations, the two workers end 37 s apart instead
-    of 80 s (whole runs since: 15m14s and 16m04s against 15m32s, within the host's noise)."""
+    """The scaling ladder first, the files that mostly wait beside it, then the other slow files;
+    the short ones fill the end. pytest-xdist hands each worker whole files (`--dist=loadfile`),
+    by default those with the most tests first, so the end-to-end trainings, a few tests per file,
+    came last: a 15.7-minute run ended on the scaling ladder's 2 minutes alone on one worker. Slow
+    files first (`--no-loadscope-reorder` keeps this order) leave the short ones to fill the end.
+    Files marked `waits` (2-17 CPU seconds in 6-52 s) then ran at the start beside an Iris cluster
+    starting, and at the end beside each other: a core sat idle for 36 s of a 12.5-minute run
+    (/proc/stat, 13 s of it in each place). Started beside the ladder, one worker waits while the
+    other trains on both cores."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: each file's tests stay together, in order
+    waiting_files = {item.path for item in items if item.get_closest_marker("waits")}
+
+    def rank(item) -> int:
+        return 0 if item.path.name == FIRST else 1 if item.path in waiting_files else 2 if item.path in slow_files else 3
+
+    items.sort(key=rank)  # stable: each file's tests stay together, in order
 
 
 @pytest.fixture(scope="session")

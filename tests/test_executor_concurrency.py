@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from keel.cli import load_experiment
 from keel.executor.plan import Graph, plan_graph
 from keel.executor.status import keel_path, read_status
@@ -14,6 +16,8 @@ from test_bad_inputs import HEADER  # an experiment file's imports, its config C
 
 REPO = Path(__file__).resolve().parent.parent
 COUNTING = str(REPO / "tests/fixtures/counting_graph.py")
+
+pytestmark = pytest.mark.waits  # on launchers sleeping in their steps, and leases
 
 
 def launch(tmp_path, branch, sleep, **extra):
