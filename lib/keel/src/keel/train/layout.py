@@ -79,10 +79,12 @@ def record(state, *, step: int, reason: str, transport: dict, learning_rates: di
            peak_learning_rates: dict[str, float]) -> dict:
     """The live state as jax reports it: per array its path, shape, dtype, spec (null, a mesh axis
     or a list of axes per dim), memory kind and the bytes of one device's shard; plus the phase
-    (transport and capacity) and each group's learning rate at `step` and at its peak (the end of
-    warmup), read from the schedules the optimizer steps with. Leaves are sorted by path, as the
-    plan's table is."""
+    (transport and capacity), each group's learning rate at `step` and at its peak (the end of
+    warmup), read from the schedules the optimizer steps with, and how many devices hold the state
+    and how many jax processes those belong to (the replicas of a multi-host run form one world).
+    Leaves are sorted by path, as the plan's table is."""
     leaves = []
+    devices = set().union(*(array.sharding.device_set for array in jax.tree.leaves(state)))
     for path, array in zip(state_paths(state), jax.tree.leaves(state)):
         sharding = array.sharding
         spec = tuple(sharding.spec) + (None,) * (array.ndim - len(sharding.spec))
@@ -91,7 +93,9 @@ def record(state, *, step: int, reason: str, transport: dict, learning_rates: di
                        "memory_kind": sharding.memory_kind,
                        "bytes_per_device": int(array.dtype.itemsize * math.prod(shard))})
     return {"step": step, "reason": reason, "transport": transport, "learning_rates": learning_rates,
-            "peak_learning_rates": peak_learning_rates, "leaves": sorted(leaves, key=lambda leaf: leaf["path"])}
+            "peak_learning_rates": peak_learning_rates,
+            "devices": len(devices), "processes": len({device.process_index for device in devices}),
+            "leaves": sorted(leaves, key=lambda leaf: leaf["path"])}
 
 
 def check(live: dict, run: ResolvedRun) -> None:
