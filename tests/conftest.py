@@ -64,7 +64,9 @@ def pytest_collection_modifyitems(items):
     waiting_files = {item.path for item in items if item.get_closest_marker("waits")}
 
     def rank(item) -> int:
-        return 0 if item.path.name == FIRST else 1 if item.path in waiting_files else 2 if item.path in slow_files else 3
+        if item.path.name == FIRST:
+            return 0
+        return 1 if item.path in waiting_files else 2 if item.path in slow_files else 3
 
     items.sort(key=rank)  # stable: each file's tests stay together, in order
 

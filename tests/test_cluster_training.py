@@ -59,7 +59,8 @@ def report_world_late_on_replica_1(config: WorldConfig) -> None:
 
 
 def test_a_replicated_step_is_one_jax_world_and_its_manifest_holds_every_replicas_outputs(tmp_path, iris):
-    step = Step("t/world", report_world_late_on_replica_1, WorldConfig(free_port()), resources=Resources(cpu=1, replicas=2))
+    step = Step("t/world", report_world_late_on_replica_1, WorldConfig(free_port()),
+                resources=Resources(cpu=1, replicas=2))
     report = run_steps([step], str(tmp_path), cluster=iris, echo=lambda _: None)
     assert report.ok, report.failures
     out = Graph([step], str(tmp_path)).path(step)
