@@ -170,8 +170,8 @@ class Contender:
     live layout with the plan (it raises on any difference) and the share of the train state one
     device holds is shown. Levanter's model has no plan and trains replicated."""
 
-    def __init__(self, name: str, lm, mesh, transport: TransportPhase, data, topology: RackTopology = RACKS,
-                 compute_dtype: str = "bfloat16"):
+    def __init__(self, name: str, lm, mesh, transport: TransportPhase, data, topology: RackTopology = RACKS, *,
+                 compute_dtype: str):
         import json
         import time
 
