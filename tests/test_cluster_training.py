@@ -26,7 +26,7 @@ from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
 
 pytestmark = pytest.mark.slow
 
-HERE = str(Path(__file__).resolve().parent)
+REPO = Path(__file__).resolve().parent.parent
 DEVICES = 8
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the tests folder is not importable in a task
@@ -84,7 +84,7 @@ def _tiny_experiment_training(num_steps: int, **execution):
     from keel.cli import load_experiment
     from keel.spec import TransportPhase
 
-    step = next(s for s in load_experiment(str(Path(HERE).parent / "experiments/tutorials/tiny_moe.py"))
+    step = next(s for s in load_experiment(str(REPO / "experiments/tutorials/tiny_moe.py"))
                 if s.name == "train/tiny_moe")
     tutorial = step.config.train
     train = dataclasses.replace(tutorial, num_steps=num_steps, eval_every=num_steps, eval_batches=1,
