@@ -4,8 +4,10 @@ no scaling group can place. One cluster serves the whole module.
 """
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,6 +229,71 @@ def test_a_controller_that_does_not_answer_a_poll_is_left_to_iris_s_patient_wait
     monkeypatch.setattr(cluster_module, "time", clock)
     cluster_module.run_on_cluster(job, request=None, resources="cpu=1")
     assert job.polls == 1 and job.waited_at == 30.0  # not a failed step
+
+
+def test_an_interrupted_run_terminates_the_job_it_waits_on(monkeypatch):
+    from keel.executor import cluster as cluster_module
+    from keel.executor import interrupt
+
+    class Interrupting(FakeClock):
+        def sleep(self, seconds: float) -> None:
+            super().sleep(seconds)
+            if self.now >= 5.0:
+                interrupt.request()  # Ctrl-C, 5 s into a 600 s job
+
+    clock = Interrupting()
+    job = RunningJob(clock, ends_at=600.0)
+    job.terminated_at = None
+    job.terminate = lambda: setattr(job, "terminated_at", clock.now)
+    monkeypatch.setattr(cluster_module, "time", clock)
+    try:
+        with pytest.raises(interrupt.StepInterrupted, match="cluster job fake-job was terminated"):
+            cluster_module.run_on_cluster(job, request=None, resources="cpu=1")
+    finally:
+        interrupt.clear()
+    assert job.terminated_at is not None and job.terminated_at - 5.0 <= cluster_module.STATE_POLL_MAX_S
+    assert job.waited_at is None  # never left to Iris's wait on a running job
+
+
+@dataclass(frozen=True)
+class SleepConfig:
+    seconds: float
+    pid_file: str = execution_only(default="")
+    output_path: str = this_output()
+
+
+def sleep_a_while(config: SleepConfig) -> None:
+    Path(config.pid_file).write_text(str(os.getpid()))
+    time.sleep(config.seconds)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet collected, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_ctrl_c_terminates_a_step_running_on_the_cluster(tmp_path, iris):
+    pid_file = tmp_path / "pid"
+    step = Step("t/sleeps", sleep_a_while, SleepConfig(300.0, str(pid_file)), resources=Resources.with_cpu())
+
+    def ctrl_c_once_it_runs():
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)  # the launcher's handler, installed for the run, gets it
+
+    threading.Thread(target=ctrl_c_once_it_runs, daemon=True).start()
+    report = run_steps([step], str(tmp_path / "out"), cluster=iris[1], echo=QUIET)
+    assert [s.step for s in report.interrupted] == ["t/sleeps"], report
+    status = read_status(Graph([step], str(tmp_path / "out")).path(step))
+    assert status.state == "INTERRUPTED" and "was terminated" in status.error, status
+    pid, deadline = int(pid_file.read_text()), time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "the job's process is still running"
 
 
 def test_concurrent_launchers_run_each_step_once(tmp_path, cluster, iris):

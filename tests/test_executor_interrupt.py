@@ -3,6 +3,7 @@ SUCCESS, leases released, exit 130, the rerun resumes); the second aborts at onc
 a dead launcher name their owner and are taken over without waiting out the timeout."""
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -133,6 +134,41 @@ def test_second_ctrl_c_aborts_at_once(tmp_path):
     time.sleep(0.3)
     assert progress.read_text() == seen, "the step's child process was killed"
     assert _left_behind(launcher_tmp) == [], "the killed child's folder (its payload and temporary files) is removed"
+
+
+def _read_until(proc, text: str, timeout: float = 60.0) -> str:
+    """The console lines `proc` printed up to the first that holds `text`."""
+    deadline, seen = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        if select.select([proc.stdout], [], [], 0.2)[0]:
+            line = proc.stdout.readline()
+            if not line:
+                break  # it exited
+            seen.append(line)
+            if text in line:
+                return "".join(seen)
+    raise TimeoutError(f"{text!r} not printed; printed: {''.join(seen)}")
+
+
+def test_ctrl_c_stops_waiting_for_a_step_another_launcher_runs(tmp_path):
+    ticks = {"KEEL_TEST_TICKS": "100000"}  # the first launcher's step outlives the test
+    paths = _paths(tmp_path, **ticks)
+    first, second = _launch(tmp_path, **ticks), None
+    try:
+        _wait_for_progress(paths["count/steady"])
+        second = _launch(tmp_path, **ticks)
+        _read_until(second, "[keel] wait  count/steady")
+        second.send_signal(signal.SIGINT)
+        out = second.communicate(timeout=30)[0]
+        assert second.returncode == 130, out
+        assert "no longer waiting for the launcher running it" in out and "not started: count/steady, count/after" in out, out
+        assert first.poll() is None and read_status(paths["count/steady"]).state == "RUNNING", "the other launcher goes on"
+        assert leases.current_lease(paths["count/steady"]).pid == first.pid
+    finally:
+        for proc in (first, second):
+            if proc is not None:
+                proc.kill()
+                proc.communicate()
 
 
 def test_a_dead_launchers_lease_names_its_owner_and_is_taken_over_at_once(tmp_path):

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
+
+from keel.executor import interrupt
 
 LOG_TAIL_LINES = 30
 HEALTH_TIMEOUT_S = 5.0
@@ -106,30 +109,54 @@ def run_on_cluster(client, request, resources: str) -> None:
     """Submit `request` and wait for it; any failure becomes `ClusterJobFailed`.
 
     A request the cluster cannot place (no scaling group offers the device) fails here, at submit,
-    before anything waits on it. A job that fails brings back the tail of its log.
+    before anything waits on it. A job that fails brings back the tail of its log. An interrupted
+    run (the first Ctrl-C or SIGTERM) terminates the job within a poll interval and raises
+    `StepInterrupted`: a job elsewhere cannot be asked to checkpoint first, so the next run resumes
+    the step from its last checkpoint.
     """
     try:
         handle = client.submit(request)
     except Exception as exc:  # noqa: BLE001 - Iris raises raw RPC errors at submit
         raise ClusterJobFailed(_refusal(exc, resources)) from exc
+    with _LIVE_LOCK:
+        _LIVE_JOBS.add(handle)
     try:
         _wait_until_finished(handle)
         handle.wait(raise_on_failure=True)  # finished: returns at once, or raises as fray does on a failure
+    except interrupt.StepInterrupted:
+        raise
     except Exception as exc:  # noqa: BLE001 - JobFailedError, JobFailed, timeouts: one error for all
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ClusterJobFailed(f"cluster job {handle.job_id} failed: {reason}\n{_log_tail(handle)}") from exc
-    except BaseException:
-        handle.terminate()  # the driver is going away (Ctrl-C): do not leave the job running
-        raise
+    finally:
+        with _LIVE_LOCK:
+            _LIVE_JOBS.discard(handle)
+
+
+def terminate_live_jobs() -> None:
+    """Terminate every job this process is still waiting on: the driver is about to exit (a second
+    Ctrl-C), and a job left running would keep writing an output a rerun starts again."""
+    with _LIVE_LOCK:
+        handles = list(_LIVE_JOBS)
+    for handle in handles:
+        handle.terminate()
+
+
+_LIVE_JOBS: set = set()
+_LIVE_LOCK = threading.Lock()
 
 
 def _wait_until_finished(handle) -> None:
-    """Poll the job's state, 0.1 s apart at first, growing to STATE_POLL_MAX_S, until it ends. A
-    controller that does not answer is left to Iris's own wait, which retries for up to an hour."""
+    """Poll the job's state, 0.1 s apart at first, growing to STATE_POLL_MAX_S, until it ends or
+    the run is interrupted. A controller that does not answer is left to Iris's own wait, which
+    retries for up to an hour."""
     from fray.types import JobStatus
 
     interval = 0.1
     while True:
+        if interrupt.requested():
+            handle.terminate()
+            raise interrupt.StepInterrupted(f"the run was interrupted: cluster job {handle.job_id} was terminated")
         try:
             if JobStatus.finished(handle.status()):
                 return

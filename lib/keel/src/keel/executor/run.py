@@ -6,7 +6,9 @@ child process of its own, see `child.py`; steps that declare `resources=` to the
 when one is given, see `cluster.py`; other steps as jobs of fray's in-process client, or of
 `client=` when one is given) and, once the job has finished, marked SUCCESS in one write that
 carries the manifest of its outputs (see `status.py`). Bookkeeping per step: the lease (create,
-delete), `step.json` and `status` (each written whole); the log file only if the step prints. A
+delete), `step.json` and `status` (each written whole), and after a SUCCESS the content-index entry
+`{prefix}/.keel/content/<hash>.json` (`reuse.py`); the log file only if the step prints,
+`.keel/heartbeat` only if it declares `progress_timeout_s`. A
 failure marks the step FAILED, stops its dependents, lets independent branches finish and is
 reported with the step's name, output path, exception and log. So does a write outside the step's
 output: beside its folder (`_Beside`, seen from here) or anywhere else (`writes.py`, seen in the
@@ -14,9 +16,11 @@ step's own thread or process). A step that recorded warnings (`step_warnings.py`
 the report lists it with them (`RunReport.warned`).
 
 Ctrl-C (SIGINT) or SIGTERM, the first time: no new step starts, the running ones are asked to stop
-at their next safe point (training steps checkpoint), and each is marked INTERRUPTED, never
-SUCCESS; the report names them and the launcher exits 130. The second time: child processes are
-killed, running steps marked INTERRUPTED, leases released, and the launcher exits at once.
+at their next safe point (training steps checkpoint; a cluster job cannot be asked, so it is
+terminated), and each is marked INTERRUPTED, never SUCCESS; a step another launcher is running is
+no longer waited for. The report names them and the launcher exits 130. The second time: child
+processes and cluster jobs are killed, running steps marked INTERRUPTED, leases released, and the
+launcher exits at once.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from keel.executor.status import KEEL_DIR, SUCCESS, Status, keel_path, mark_fini
 from keel.executor.step import DeclaresDevices, Step
 
 _MAX_WAIT_POLL_S = 1.0
+_NOT_STARTED = "not started"  # a step's outcome: the run was interrupted while another launcher ran it
 _SIGNAL_POLL_S = 0.2
 _SAME_CTRL_C_S = 1.0
 
@@ -253,6 +258,9 @@ class Runner:
                         self.echo(f"[keel] STOP  {plan.name}: {stopped.why}")
                         broken.append(id(plan.step))
                         continue
+                    if outcome == _NOT_STARTED:
+                        report.not_started.append(plan.name)
+                        continue
                     (report.ran if outcome == "ran" else report.reused).append(plan.name)
                     if outcome == "ran" and self._warned.get(plan.output_path):
                         report.warned.append(StepWarned(plan.name, plan.output_path, self._warned.pop(plan.output_path),
@@ -266,7 +274,7 @@ class Runner:
 
     def _claim(self, plan: StepPlan) -> tuple[leases.Lease | None, Status | None]:
         """The lease on the step's output and its last status; no lease when another launcher
-        finished the step meanwhile."""
+        finished the step meanwhile, and neither when the run was interrupted while waiting for it."""
         forced = bool(self.force and self.force.search(plan.name))
         delay, told = 0.02, None
         while True:
@@ -283,6 +291,8 @@ class Runner:
                 return lease, status
             if finished and not forced:
                 return None, status
+            if self._stopping:
+                return None, None
             # Another launcher holds a live lease: wait for its outcome (or for its lease to expire).
             if holder is not None and holder.epoch != told:
                 told = holder.epoch
@@ -300,6 +310,9 @@ class Runner:
     def _claim_and_run(self, plan: StepPlan) -> str:
         step: Step = plan.step  # type: ignore[assignment]
         lease, previous = self._claim(plan)
+        if lease is None and previous is None:
+            self.echo(f"[keel] stop  {plan.name}: no longer waiting for the launcher running it (it goes on)")
+            return _NOT_STARTED
         if lease is None:
             self.echo(f"[keel] reuse {plan.name} (finished by another launcher)")
             return "reused"
@@ -457,18 +470,24 @@ class Runner:
             children, active = list(self._children), list(self._active)
         for process in children:
             _signal_quietly(process, signal.SIGINT)
+        on_cluster = " (a cluster job is terminated: it resumes from its last checkpoint)" if self.cluster is not None else ""
         self.echo(f"[keel] {signal.Signals(signum).name}: stopping {len(active)} running step(s) at their next "
-                  "safe point (training steps checkpoint first); starting nothing new. Press Ctrl-C again to abort now.")
+                  f"safe point (training steps checkpoint first){on_cluster}; starting nothing new. Press Ctrl-C again "
+                  "to abort now.")
 
     def _abort(self) -> None:
-        """The second signal: kill child processes (removing their folders), mark running steps INTERRUPTED, free
-        their leases, exit."""
+        """The second signal: kill child processes (removing their folders) and cluster jobs, mark running steps
+        INTERRUPTED, free their leases, exit."""
         from keel.executor.child import abandon
 
         with self._lock:
             children, active = dict(self._children), dict(self._active)
         for process, workdir in children.items():
             abandon(process, workdir)
+        if self.cluster is not None:
+            from keel.executor.cluster import terminate_live_jobs
+
+            terminate_live_jobs()
         for output_path, (running, lease) in active.items():
             mark_finished(output_path, running, error="aborted by a second Ctrl-C; `keel run` again resumes it from its "
                           "last checkpoint", interrupted=True)
