@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +89,8 @@ CATALOGUE = [
     # --- mistakes in the experiment file
     BadInput("invalid TrainConfig value", 'from keel.spec import TrainConfig\nTrainConfig(batch_size=8, seq_len=16, num_steps=0)\n' + GOOD + MAIN,
              ("plan", "EXP"), "error", "num_steps=0 must be positive"),
+    BadInput("a dtype spelled as a short name", 'from keel.spec import TrainConfig\nTrainConfig(batch_size=8, seq_len=16, num_steps=4, master_dtype="fp32")\n' + GOOD + MAIN,
+             ("plan", "EXP"), "error", "TrainConfig.master_dtype='fp32' is not a dtype keel trains in: use bfloat16, float16 or float32"),
     BadInput("the LR law given the run's size (the rates resolve from the run itself)",
              'from defaults.models import tiny_moe\nfrom defaults.optimizers import hero_lr_law\n'
              'hero_lr_law.optimizer(tiny_moe, batch_size=0, seq_len=16, num_steps=10)\n' + GOOD + MAIN,
@@ -342,11 +345,16 @@ def test_a_status_of_the_wrong_shape_names_its_file_and_reruns(tmp_path):
     assert again.returncode == 0 and "1 ran" in again.stdout, again.stdout + again.stderr
 
 
-def test_random_bytes_saved_as_text_are_not_documents(tmp_path):
-    (tmp_path / "noise.txt").write_bytes(os.urandom(20_000))
+@pytest.mark.parametrize("data, why", [
+    (os.urandom(20_000).replace(b"\x00", b"\x01"), "undecodable bytes or control characters"),
+    ("text saved as UTF-16, which decodes as UTF-8 with a NUL byte after each letter\n".encode("utf-16-le"), "contains NUL bytes"),
+], ids=["random bytes", "utf-16 text"])
+def test_binary_data_saved_as_text_is_not_a_document(tmp_path, data, why):
+    (tmp_path / "noise.txt").write_bytes(data)
     write_experiment(tmp_path, 'from defaults import ingest\nb = ingest("noise", ("noise.txt",))\n' + MAIN)
     result = keel(tmp_path, "run", "EXP")
     assert_failed(result, "not text (binary data)")
+    assert why in result.stdout + result.stderr
 
 
 def test_a_tuple_written_as_a_set_value_parses_like_a_list(tmp_path):
@@ -392,8 +400,11 @@ b = Step("x/slow", slow, C(1))
             "--set", "x/slow.n=2"]
     proc = subprocess.Popen(args, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        deadline = time.monotonic() + 120
         while not list((tmp_path / "elsewhere").glob("x/slow-*/started")):
             assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the step never started"
+            time.sleep(0.05)
         proc.send_signal(2)
         _, err = proc.communicate(timeout=60)
     finally:

@@ -245,17 +245,16 @@ def _read_txt(file: InputFile, config: IngestConfig, log: RecordLog) -> Iterator
     a file that is binary data (`quality.not_text`) is one skipped record."""
     fs, path = storage.split(file.url)
     data = fs.cat_file(path)
+    binary = not_text(data)  # NUL bytes are valid UTF-8: text saved as UTF-16 decodes without an error
+    if binary:
+        log.look()
+        log.skip(BadRecord(file.url, 1, "not text (binary data)", binary + "; remove the file or fix its encoding"))
+        return
     lines = data.splitlines(keepends=True)
+    log.look(len(lines))
     try:
         text = data.decode("utf-8")
-        log.look(len(lines))
     except UnicodeDecodeError:
-        binary = not_text(data)
-        if binary:
-            log.look()
-            log.skip(BadRecord(file.url, 1, "not text (binary data)", binary + "; remove the file or fix its encoding"))
-            return
-        log.look(len(lines))
         decoded = (_decode(raw, file.url, n, config, log) for n, raw in enumerate(lines, start=1))
         text = "".join(t for t in decoded if t is not None)
     yield Document(f"{file.id_prefix}:1", text)

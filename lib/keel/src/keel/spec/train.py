@@ -164,6 +164,8 @@ FROZEN_PARAMS = (r"\brouter_bias\b",)
 """Parameters the optimizer never updates: the router bias is set from quantile statistics."""
 MOMENTS = {"muonh": 1, "adamh": 2, "adam": 2, "adamw": 2, "frozen": 0}
 """fp32 optimizer-state arrays each group keeps per parameter (momentum; Adam's two moments)."""
+TRAINING_DTYPES = ("bfloat16", "float16", "float32")
+"""The floating-point dtypes a run may compute in or keep its master weights in."""
 
 
 def peak_lr(optimizer: "AdamWConfig | GroupedOptimizerConfig", group: str) -> float:
@@ -335,7 +337,8 @@ class TrainConfig:
     weight_decay_change: WeightDecayChange | None = None
     compute_dtype: str = "bfloat16"
     master_dtype: str = "float32"
-    """Precision changes the weights, so both count toward the run's identity."""
+    """Precision changes the weights, so both count toward the run's identity; each is one of
+    `TRAINING_DTYPES`."""
     spike_guard: SpikeGuardConfig | None = None
     """Roll back past loss spikes, skipping the batches that caused them (`SpikeGuardConfig`); None:
     off, and a non-finite loss fails the run."""
@@ -378,6 +381,10 @@ class TrainConfig:
                   **({} if self.seq_len is None else {"seq_len": self.seq_len}))
         if self.z_loss < 0:
             raise ValueError(f"TrainConfig.z_loss={self.z_loss} must be >= 0")
+        for name in ("compute_dtype", "master_dtype"):
+            if getattr(self, name) not in TRAINING_DTYPES:
+                raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} is not a dtype keel trains in: use "
+                                 f"{', '.join(TRAINING_DTYPES[:-1])} or {TRAINING_DTYPES[-1]}")
         for name in ("permanent_checkpoint_every", "rolling_checkpoint_every", "rolling_checkpoint_minutes"):
             if getattr(self, name) is not None:
                 _positive("TrainConfig", **{name: getattr(self, name)})
