@@ -18,10 +18,11 @@ and the bare loop 0.29 s. Targets: cold 200 steps >= 10x faster than Marin's Ste
 < 0.2 s, plan of 10,000 with cache state (`keel.main(steps, argv=["plan", "--json", "--prefix",
 ...])`) < 0.5 s. The ratios print last.
 
-What a cold step costs beyond the bare loop's folder and file: four more inodes (`.keel/`, the
-lease, `step.json`, `status`; Marin's StepRunner creates as many) and 0.4-0.9 ms of Python
-(measured on /dev/shm, where creating a file costs nothing). When creating a file is slow, the
-inodes dominate.
+What a cold step costs beyond the bare loop's folder and file: five more inodes (`.keel/`, the
+lease, `step.json`, `status` and its content-index entry `{prefix}/.keel/content/<hash>.json`;
+Marin's StepRunner creates four) and 0.4-0.9 ms of Python (measured on /dev/shm, where creating a
+file costs nothing, before the index entry was added). When creating a file is slow, the inodes
+dominate.
 """
 
 import argparse

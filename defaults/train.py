@@ -4,11 +4,13 @@
                                topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4))
 
 The step is named `train/<name>`; its identity is the model, the data (and through it every
-upstream step), the optimizer, schedule, seed, batch size, sequence length and step count.
-Topology, hardware, transports, checkpoint/log cadence, eval batch counts, precision and remat are
-execution-only: changing them resumes the same run under the same output path. The declaration is
-checked once, by `keel.spec.resolved.resolve`, when `keel plan` or `keel run` starts (and again by
-the step itself): a mistake is a `keel: error:` naming the field before any step runs.
+upstream step), the optimizer, schedule, seed, batch size, sequence length, step count, z-loss,
+weight-decay change, spike guard and precision (`compute_dtype`, `master_dtype`: it changes the
+weights). Topology, hardware, transports, checkpoint/log/eval cadence, eval batch counts, host
+offload and remat are execution-only: changing them resumes the same run under the same output
+path. The declaration is checked once, by `keel.spec.resolved.resolve`, when `keel plan` or
+`keel run` starts (and again by the step itself): a mistake is a `keel: error:` naming the field
+before any step runs.
 """
 
 from __future__ import annotations

@@ -7,10 +7,12 @@ Layout under a step's output path:
     train/docs-00000.jsonl.zst          one JSON object per line: {"id": ..., "text": ...}
     validation/docs-00000.jsonl.zst
 
-A document's split is a pure function of its id (a SHA-256 of the id against the validation
-fraction), so adding or removing other documents never moves a document between splits. Shards are
-zstd-compressed JSON lines, cut at a fixed number of uncompressed text bytes; the same documents in
-the same order always give byte-identical shards.
+A document's draw is a pure function of its id (a SHA-256 of the id against the validation
+fraction), so adding or removing other documents never changes it. A training draw always goes to
+train; a validation draw that is a near-copy of the training documents goes to train instead
+(`write_documents`), so adding a training document it copies moves it into train, and removing
+that document moves it back. Shards are zstd-compressed JSON lines, cut at a fixed number of
+uncompressed text bytes; the same documents in the same order always give byte-identical shards.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ what both `keel plan` and the trainer read, so that the fact sheet and the run c
 - the parameter table: every leaf of the model by its real path (`MoELMConfig.parameter_axes`),
   with its named axes, master dtype, placement on the rack mesh (`keel.spec.placement`'s rule
   table, from which the runtime builds its partition specs), optimizer group
-  (`train.config.optimizer_group`, which the optimizer calls too) and optimizer-state arrays;
+  (`keel.spec.train.optimizer_group`, which the optimizer calls too) and optimizer-state arrays;
 - the transport timeline, each phase with the capacity factor its transport will run with.
 
 - the train state as the trainer lays it out at any step (`state_at`): every array of the

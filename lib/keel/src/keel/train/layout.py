@@ -69,7 +69,7 @@ def planned_shardings(run: ResolvedRun, state, mesh) -> Any:
             return NamedSharding(mesh, P(), memory_kind=DEVICE)
         if path not in planned:
             raise LayoutMismatch(f"the train state has an array {path!r} that the resolved run does not list: "
-                                 "the optimizer keeps state the plan does not count (train.config.MOMENTS)")
+                                 "the optimizer keeps state the plan does not count (keel.spec.train.MOMENTS)")
         return NamedSharding(mesh, P(*planned[path].spec), memory_kind=DEVICE)
 
     return jax.tree.unflatten(jax.tree.structure(state), [sharding(p) for p in state_paths(state)])

@@ -11,7 +11,8 @@ after-step hooks, each a method that sees a `StepDone`: `_report`, `_evaluate_af
   uninterrupted run's;
 - switches expert transport where the config's timeline says, checkpointing at the switch step
   (the transport is execution-only: same output path, same identity);
-- evaluates on the validation data every `eval_every` steps (and before the first step): the same
+- evaluates on the validation data before the first step, every `TrainConfig.eval_cadence` steps
+  (`eval_every`, else `evaluations` spread over the run, else 100) and after the last: the same
   seeded sample of each whole validation split every time (`validation_losses`);
 - writes metrics as JSON lines and to wandb (opened on a thread of its own after the first step,
   `tracking.OpenedLater`), and a PNG of the loss curves at the end; after a resume the rows of
@@ -379,7 +380,8 @@ class _Run:
         self.last = values
 
     def _evaluate_after(self, done: StepDone) -> None:
-        """Validation every `eval_every` steps and after the last."""
+        """Validation every `eval_cadence` steps and after the last; not while the spike guard
+        replays steps it has already taken."""
         if not done.replaying and (done.completed % self.config.eval_cadence == 0
                                    or done.completed == self.config.num_steps):
             self._evaluate(done.completed, done.phase)

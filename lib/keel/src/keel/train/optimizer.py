@@ -101,7 +101,7 @@ def grouped(
 
 
 def optimizer_labels(optimizer, params):
-    """A tree shaped like `params` holding each parameter's group (`config.optimizer_group`)."""
+    """A tree shaped like `params` holding each parameter's group (`keel.spec.train.optimizer_group`)."""
     return jax.tree.map(lambda path: optimizer_group(optimizer, path), param_paths(params))
 
 
@@ -172,9 +172,9 @@ class Optimizer:
         return {name: values[step % _RATE_BLOCK] for name, values in self._blocks[block].items()}
 
     def _build(self, rate: Callable[[str], Schedule]) -> optax.GradientTransformation:
-        """Peak rates are `config.peak_lr`'s (AdamH at the MuonH rate). The router bias
-        (`config.FROZEN_PARAMS`) receives no update at all. A `WeightDecayChange` adds decoupled
-        weight decay on its groups, scaled by each parameter's own learning rate."""
+        """Peak rates are `keel.spec.train.peak_lr`'s (AdamH at the MuonH rate). The router
+        bias (`keel.spec.train.FROZEN_PARAMS`) receives no update at all. A `WeightDecayChange`
+        adds decoupled weight decay on its groups, scaled by each parameter's own learning rate."""
         opt, labels = self._train.optimizer, self._labels
         lr = {group: rate(f"lr/{group}") for group in self._groups}
         groups = (_adamw_groups(opt, lr["adamw"]) if isinstance(opt, AdamWConfig)
