@@ -23,17 +23,13 @@ from jax.sharding import PartitionSpec as P
 from levanter.utils.jax_utils import leaf_key_paths
 
 from keel.spec.placement import place
-from keel.spec.topology import BATCH_AXES, MESH_AXES, RackTopology, TopologyError
+from keel.spec.topology import BATCH_AXES, MESH_AXES, RackTopology
 
 
 def build_mesh(topology: RackTopology, devices=None) -> Mesh:
     """The explicit (replica_dcn, data, expert, model) mesh; racks are contiguous device blocks."""
     devices = list(jax.devices() if devices is None else devices)
-    if len(devices) != topology.num_devices:
-        raise TopologyError(
-            f"RackTopology: {len(devices)} devices are present but racks={topology.racks} x gpus_per_rack="
-            f"{topology.gpus_per_rack} = {topology.num_devices}: set racks and gpus_per_rack to match the devices"
-        )
+    topology.check_device_count(len(devices))
     ordered = sorted(devices, key=_rack_key(devices, topology.racks))
     shape = tuple(topology.axis_sizes[name] for name in MESH_AXES)
     return Mesh(np.array(ordered, dtype=object).reshape(shape), MESH_AXES, axis_types=(AxisType.Explicit,) * 4)

@@ -26,6 +26,9 @@ from haliax import Axis, NamedArray
 from jax.sharding import PartitionSpec as P
 from jax.sharding import get_abstract_mesh, reshard
 
+from keel.spec.placement import is_routed_experts
+from keel.spec.topology import BATCH_AXES
+
 
 def gathered(module):
     """`module` with every NamedArray except routed expert weights replicated on the current mesh."""
@@ -34,19 +37,11 @@ def gathered(module):
         return module
 
     def gather(leaf):
-        if isinstance(leaf, NamedArray) and not is_routed_expert_weight(leaf):
+        if isinstance(leaf, NamedArray) and not is_routed_experts({ax.name for ax in leaf.axes}):
             return hax.named(reshard(leaf.array, P(*([None] * leaf.ndim))), leaf.axes)
         return leaf
 
     return jax.tree.map(gather, module, is_leaf=lambda x: isinstance(x, NamedArray))
-
-
-def is_routed_expert_weight(array: NamedArray) -> bool:
-    names = {ax.name for ax in array.axes}
-    return "experts" in names and "expert_mlp" in names
-
-
-BATCH_AXES = ("replica_dcn", "data", "expert")
 
 
 def token_axes() -> tuple[str, ...]:

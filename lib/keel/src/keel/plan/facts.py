@@ -28,7 +28,7 @@ from keel.spec.resolved import ResolvedRun, resolve
 from keel.spec.dtypes import bytes_of
 from keel.plan.launch import launch
 from keel.plan.peak import transients
-from keel.plan.step_time import observed_here, step_time, stretches, transport_at
+from keel.plan.step_time import observed_here, step_time, stretches
 from keel.plan.verdicts import verdict
 from keel.spec.train import CLAIM_FIGURES, TrainStepConfig
 
@@ -102,8 +102,7 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
     compute = bytes_of(train.compute_dtype, "train.compute_dtype")
     bytes_of(train.master_dtype, "train.master_dtype")
     params = sum(run.per_device(p) for p in run.parameters)
-    tokens_per_gpu = train.batch_size // topo.batch_shards * train.seq_len
-    residual = tokens_per_gpu * model.hidden_dim * compute
+    residual = run.tokens_per_device * model.hidden_dim * compute
     # The train state's own bytes per device (`ResolvedRun.state_at`: what the running step records
     # and checks, leaf by leaf); gradients are laid out and typed like the trained parameters.
     state = run.state_at(0)
@@ -126,9 +125,9 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
         ]
         known = [parts[p] for p in device_parts]
         device = None if None in known else sum(known)
-        transport = transport_at(run, start)
-        a2a = next((r for r in a2a_rows if transport and r["from_step"] == transport.start_step), None)
-        transient = transients(run, a2a, transport and transport.capacity_factor, compute)
+        transport = run.transport_at(start)
+        a2a = next((r for r in a2a_rows if r["from_step"] == transport.start_step), None)
+        transient = transients(run, a2a, transport.capacity_factor, compute)
         if run.newton_schulz_bytes_per_device():
             transient["newton_schulz_gathered"] = run.newton_schulz_bytes_per_device() / GB
         host = sum(parts[p] for p in on_host)
@@ -139,7 +138,7 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
         host_per_host = host * hw.gpus_per_host if hw and hw.gpus_per_host else None
         phases.append({
             "from_step": start,
-            "transport": transport and transport.transport,
+            "transport": transport.transport,
             "on_device": device_parts,
             "on_host": on_host,
             "device_gb": device,
@@ -178,12 +177,12 @@ def all_to_all(run: ResolvedRun) -> list[dict]:
     if topo is None or not model.num_experts:
         return []
     compute = bytes_of(train.compute_dtype, "train.compute_dtype")
-    tokens = train.batch_size // topo.batch_shards * train.seq_len
+    tokens = run.tokens_per_device
     row_bytes = model.expert_input_dim * compute
     buffers_per_layer = 2 * (2 + (1 if train.remat else 0))
     out = []
     for phase in run.transports:
-        if phase.transport in ("dense", "local"):
+        if not TRANSPORTS[phase.transport].moves_tokens:
             continue
         if phase.transport == "ring":
             kind, factor, rows = "all_gather", 1.0, tokens * (topo.expert_parallel - 1)

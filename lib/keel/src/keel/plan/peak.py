@@ -52,9 +52,7 @@ def gathered_layer_gb(run: ResolvedRun, compute_bytes: int) -> float:
 def transients(run: ResolvedRun, a2a: dict | None, capacity_factor: float | None, compute_bytes: int) -> dict[str, float]:
     """The transient parts (GB per GPU) of a step under one transport phase (`a2a`: its all-to-all
     figures, None when it moves no tokens)."""
-    config = run.config
-    model, train, topo = config.model, config.train, config.topology
-    tokens = train.batch_size // topo.batch_shards * train.seq_len
+    model, tokens = run.config.model, run.tokens_per_device
     rows = tokens * model.experts_per_token * (capacity_factor or 1.0) if model.num_experts else 0
     return {
         "all_to_all_buffers": 2 * a2a["buffer_gb_per_layer"] if a2a else 0.0,

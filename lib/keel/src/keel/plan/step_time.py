@@ -121,17 +121,12 @@ def stretches(run: ResolvedRun) -> list[tuple[int, int]]:
     return [(s, (starts[i + 1] if i + 1 < len(starts) else train.num_steps) - 1) for i, s in enumerate(starts)]
 
 
-def transport_at(run: ResolvedRun, step: int):
-    """The resolved transport phase in force at `step` (None when the run declares none)."""
-    return next((t for t in reversed(run.transports) if t.start_step <= step), None)
-
-
 def loads(run: ResolvedRun, sheet: dict) -> list[Load]:
     """The calibration-free cost of each stretch of the run (needs a topology and `NEEDED` hardware figures)."""
     config = run.config
     model, train, topo, hw = config.model, config.train, config.topology, config.hardware
     compute_bytes = bytes_of(train.compute_dtype, "train.compute_dtype")
-    tokens = train.batch_size // topo.batch_shards * train.seq_len
+    tokens = run.tokens_per_device
     passes = 3 if train.remat else 2  # forward, (remat's second forward,) backward
     routed = 6 * model.param_counts()["active_components"]["routed_experts"]
     per_token = model.flops_per_token(train.seq_len)
@@ -151,8 +146,8 @@ def loads(run: ResolvedRun, sheet: dict) -> list[Load]:
     cross_gb = cross.get("gradient_all_reduce_gb", 0.0) + cross.get("router_histogram_gb", 0.0)
     out = []
     for start, end in stretches(run):
-        phase = transport_at(run, start)
-        a2a = next((r for r in sheet["all_to_all"] if phase and r["from_step"] == phase.start_step), None)
+        phase = run.transport_at(start)
+        a2a = next((r for r in sheet["all_to_all"] if r["from_step"] == phase.start_step), None)
         pad = a2a["capacity_factor"] if a2a and a2a["kind"] == "padded" else 1.0  # fixed buffers compute whole
         a2a_gb = a2a["gb_per_step_per_gpu"] * a2a["off_gpu_fraction"] if a2a else 0.0
         a2a_s, a2a_off = _spread(a2a_gb, topo.expert_parallel, hw)
@@ -161,9 +156,9 @@ def loads(run: ResolvedRun, sheet: dict) -> list[Load]:
         # written and read back, every all-to-all buffer written and read
         hbm_gb = (weights_read * (passes + 1) + update) / GB + 2 * (mem["parts_gb"]["saved_residuals"] or 0)
         hbm_gb += 2 * (a2a["gb_per_step_per_gpu"] if a2a else 0)
-        waves = phase.num_waves if phase and phase.transport in HIDDEN_BY_WAVES else 1
+        waves = phase.num_waves if phase.transport in HIDDEN_BY_WAVES else 1
         out.append(Load(
-            start, end, phase.transport if phase else "default",
+            start, end, phase.transport,
             flops=tokens * (per_token + routed * (pad - 1)) * (passes + 1) / 3,
             expert_flops=tokens * routed * pad * (passes + 1) / 3,
             model_flops=tokens * per_token,

@@ -12,6 +12,7 @@ from keel.spec.topology import TopologyError
 from keel.spec.data_steps import data_step_problem
 from keel.spec.mixture import Mixture
 from keel.spec.train import CLAIM_FIGURES, TrainStepConfig
+from keel.spec.transports import TRANSPORTS
 
 
 class PlanError(StepDeclarationError):
@@ -50,7 +51,7 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
             fail(f"topology.hbm_per_gpu_gb={topo.hbm_per_gpu_gb} differs from hardware.hbm_per_device_gb="
                  f"{hw.hbm_per_device_gb}: drop it from the topology or make them agree")
     for i, phase in enumerate(train.transports):
-        if phase.transport not in ("dense", "local") and (topo is None or topo.expert_parallel < 2):
+        if TRANSPORTS[phase.transport].moves_tokens and (topo is None or topo.expert_parallel < 2):
             fail(f"train.transports[{i}].transport={phase.transport!r} moves tokens over the expert axis, but "
                  + ("no topology is declared" if topo is None else f"topology.expert_parallel={topo.expert_parallel}")
                  + ": declare a topology with expert_parallel > 1, or use 'local'")
@@ -69,15 +70,10 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
         if start >= train.num_steps:
             fail(f"data.phases[{i}].start_step={start} is at or after the last step (train.num_steps={train.num_steps}): "
                  "move the phase earlier or train longer")
-    if starts and (starts[0] != 0 or starts != sorted(set(starts))):
-        fail(f"data.phases start at steps {starts}: the first must start at 0 and the rest strictly later")
     try:  # phases on mixture-block boundaries
         config.data.check_batch_size(train.batch_size)
     except ValueError as e:
         fail(f"data.block_size / train.batch_size: {e}")
-    wd = train.weight_decay_change
-    if wd is not None and wd.start_step >= train.num_steps:
-        fail(f"train.weight_decay_change.start_step={wd.start_step} is not before train.num_steps={train.num_steps}")
     offload = train.host_offload.master_weights_until_step
     if offload is not None and offload > train.num_steps:
         fail(f"train.host_offload.master_weights_until_step={offload} is after train.num_steps={train.num_steps}")

@@ -34,6 +34,11 @@ class PlacementRule:
     """(its axis sizes, mesh axis sizes) -> {array axis: mesh axis or axes}; the rest replicated."""
 
 
+def is_routed_experts(axis_names) -> bool:
+    """Whether an array with these axis names is a routed expert weight, split over `expert`."""
+    return "experts" in axis_names and "expert_mlp" in axis_names
+
+
 def _experts(sizes: dict[str, int], mesh: dict[str, int]) -> dict:
     out: dict = {"experts": "expert"}
     if "latent" in sizes and sizes["latent"] % mesh["data"] == 0:
@@ -42,7 +47,7 @@ def _experts(sizes: dict[str, int], mesh: dict[str, int]) -> dict:
 
 
 RULES: tuple[PlacementRule, ...] = (
-    PlacementRule("routed experts", lambda path, sizes, mesh: "experts" in sizes and "expert_mlp" in sizes, _experts),
+    PlacementRule("routed experts", lambda path, sizes, mesh: is_routed_experts(sizes), _experts),
     PlacementRule("token embedding", lambda path, sizes, mesh: path == "embedding", lambda sizes, mesh: {}),
     PlacementRule("fsdp", lambda path, sizes, mesh: "embed" in sizes and sizes["embed"] % (mesh["data"] * mesh["expert"]) == 0,
                   lambda sizes, mesh: {"embed": FSDP_AXES}),

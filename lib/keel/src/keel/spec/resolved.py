@@ -30,10 +30,7 @@ from keel.spec.topology import RackTopology
 from keel.spec.transports import TransportSpec
 from keel.spec.checks import check_train_step
 from keel.spec.dtypes import DTYPE_BYTES
-from keel.spec.train import MOMENTS, STACK_AXES, TrainStepConfig, TransportPhase, optimizer_group, peak_lr
-
-DEVICE, HOST = "device", "pinned_host"
-"""Memory kinds: HBM, and the host memory that offloaded state lives in between steps."""
+from keel.spec.train import DEVICE, MOMENTS, STACK_AXES, TrainStepConfig, TransportPhase, optimizer_group, peak_lr
 
 
 @dataclass(frozen=True)
@@ -129,11 +126,11 @@ class ResolvedRun:
     parameters: tuple[Parameter, ...]
     transports: tuple[TransportRun, ...]
 
-    def parameter(self, path: str) -> Parameter:
-        found = next((p for p in self.parameters if p.path == path), None)
-        if found is None:
-            raise KeyError(f"the model has no parameter {path!r}")
-        return found
+    @property
+    def tokens_per_device(self) -> int:
+        """Tokens in one device's share of the batch (a topology's `batch_shards` split the batch)."""
+        train = self.config.train
+        return train.batch_size // self.config.topology.batch_shards * train.seq_len
 
     def per_device(self, parameter: Parameter) -> float:
         """Entries of `parameter` that one device holds."""
@@ -142,20 +139,14 @@ class ResolvedRun:
     def transport_at(self, step: int) -> TransportRun:
         return next(t for t in reversed(self.transports) if t.start_step <= step)
 
-    def memory_kinds_at(self, step: int) -> dict[str, str]:
-        """Where the offloadable parts of the state live while step `step` runs (`HostOffload`'s rule)."""
-        offload = self.config.train.host_offload
-        return {"master_weights": HOST if offload.master_on_host(step) else DEVICE,
-                "optimizer_state": HOST if offload.optimizer_state else DEVICE}
-
     def state_at(self, step: int) -> tuple[StateLeaf, ...]:
         """Every array of the train state while step `step` runs, as the trainer lays it out: the
         parameters in the master dtype, each optimizer-state array placed and typed like its
-        parameter, in the memory kinds `memory_kinds_at(step)` gives; sorted by path (as the live
+        parameter, in the memory kinds `HostOffload.memory_kinds_at(step)` gives; sorted by path (as the live
         record is, so the two files diff line by line)."""
         if self.mesh_axes is None:
             raise ValueError("the run declares no topology, so it has no mesh to lay its state out on")
-        kinds, master = self.memory_kinds_at(step), self.config.train.master_dtype
+        kinds, master = self.config.train.host_offload.memory_kinds_at(step), self.config.train.master_dtype
         leaves = [StateLeaf("step", (), "int32", (), DEVICE, 4)]
         for p in self.parameters:
             spec = p.placement

@@ -81,13 +81,18 @@ class RackTopology:
     def experts_per_device(self, model: MoELMConfig) -> int:
         return model.num_experts // self.expert_parallel
 
-    def validate(self, model: MoELMConfig, global_batch: int, num_devices: int | None = None) -> None:
-        """Raise `TopologyError` naming the field and the fix if the layout cannot run this model and batch."""
-        if num_devices is not None and num_devices != self.num_devices:
+    def check_device_count(self, num_devices: int) -> None:
+        """Raise `TopologyError` naming the fix unless `num_devices` devices make this topology."""
+        if num_devices != self.num_devices:
             raise TopologyError(
                 f"RackTopology: {num_devices} devices are present but racks={self.racks} x gpus_per_rack="
                 f"{self.gpus_per_rack} = {self.num_devices}: set racks and gpus_per_rack to match the devices"
             )
+
+    def validate(self, model: MoELMConfig, global_batch: int, num_devices: int | None = None) -> None:
+        """Raise `TopologyError` naming the field and the fix if the layout cannot run this model and batch."""
+        if num_devices is not None:
+            self.check_device_count(num_devices)
         if model.num_experts and model.num_experts % self.expert_parallel:
             raise TopologyError(
                 f"RackTopology.expert_parallel={self.expert_parallel} does not divide MoELMConfig.num_experts="

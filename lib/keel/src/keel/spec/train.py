@@ -263,6 +263,10 @@ class TransportPhase:
             raise ValueError(f"TransportPhase.num_waves={self.num_waves} must be >= 1")
 
 
+DEVICE, HOST = "device", "pinned_host"
+"""Memory kinds: HBM, and the host memory that offloaded state lives in between steps."""
+
+
 @dataclass(frozen=True)
 class HostOffload:
     """What lives in host memory instead of HBM (execution-only; the memory fact sheet reads it).
@@ -276,6 +280,12 @@ class HostOffload:
 
     def master_on_host(self, step: int) -> bool:
         return self.master_weights_until_step is not None and step < self.master_weights_until_step
+
+    def memory_kinds_at(self, step: int) -> dict[str, str]:
+        """The memory kind of each offloadable part of the train state while step `step` (0-based)
+        runs: the one rule the planner's state table and the trainer's shardings both read."""
+        return {"master_weights": HOST if self.master_on_host(step) else DEVICE,
+                "optimizer_state": HOST if self.optimizer_state else DEVICE}
 
 
 @dataclass(frozen=True)

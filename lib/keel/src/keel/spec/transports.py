@@ -36,7 +36,8 @@ class Transport:
     capacity: str | None = None
     """What the capacity factor sizes, as a multiple of the even share of assignments: the fixed
     (sender, expert) cells, the destination pools, or the receiver's buffer of the ragged
-    transport; None: no capacity (dropless, or no tokens moved)."""
+    transport; None: no capacity (dropless, or no tokens moved). Assignments past a capacity are
+    dropped (contribute zero) and counted."""
     pads_sends: bool = False
     """Whether the bytes sent are the capacity-padded buffers (else only the real assignments)."""
     moves_tokens: bool = True
@@ -44,11 +45,6 @@ class Transport:
     """XLA:CPU answers `UNIMPLEMENTED: HLO opcode 'ragged-all-to-all' is not supported by XLA:CPU ThunkEmitter`."""
     cpu_stand_in: TransportName | None = None
     """The CPU-capable transport that plays its part on a simulated rack (same drop behaviour where possible)."""
-
-    @property
-    def drops(self) -> bool:
-        """Assignments past the capacity are dropped (contribute zero) and counted."""
-        return self.capacity is not None
 
 
 TRANSPORTS: dict[TransportName, Transport] = {

@@ -410,7 +410,7 @@ class _Run:
     def _transport_spec(self, phase: TransportPhase) -> TransportSpec:
         """What the MoE kernel is handed for `phase`: the resolved run's capacity, never recomputed."""
         if self.plan is None:
-            return TransportSpec(phase.transport, num_waves=phase.num_waves)
+            return TransportSpec(phase.transport, capacity_factor=phase.capacity_factor, num_waves=phase.num_waves)
         return self.plan.transport_at(phase.start_step).spec
 
     def _place(self, step: int) -> bool:

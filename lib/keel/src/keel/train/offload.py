@@ -8,7 +8,8 @@ The one rule, derived from `TrainConfig.host_offload` (a `HostOffload`):
   `optimizer_state` is declared;
 - everything else (the step counter, any non-float model array) lives on the device.
 
-`layout_at(offload, step)` is that rule; `shardings(state, layout)` turns it into the shardings of
+`layout_at(offload, step)` is that rule (`HostOffload.memory_kinds_at`, which the planner's state
+table reads too); `shardings(state, layout)` turns it into the shardings of
 the live state, which the training loop pins as the in/out shardings of its jitted step. Inside
 the step `to_device` copies the host arrays to device memory for compute; the new state goes
 back to the host through the step's out shardings, so both copies are part of the one
@@ -25,10 +26,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from keel.spec.train import HostOffload
-
-DEVICE = "device"
-HOST = "pinned_host"
+from keel.spec.train import DEVICE, HOST, HostOffload
 
 STATE_PARTS = ("master_weights", "optimizer_state")
 
@@ -50,10 +48,7 @@ class Layout:
 
 def layout_at(offload: HostOffload, step: int) -> Layout:
     """Where the state lives while step `step` (0-based, the state's `step` counter) runs."""
-    return Layout(
-        master_weights=HOST if offload.master_on_host(step) else DEVICE,
-        optimizer_state=HOST if offload.optimizer_state else DEVICE,
-    )
+    return Layout(**offload.memory_kinds_at(step))
 
 
 def part_of(key: str, leaf) -> str | None:
