@@ -142,11 +142,11 @@ def _fact_sheets(graph: Graph, runs: dict[str, dict]) -> list[dict[str, Any]]:
     out = []
     for sheet in sheets:
         run = runs.get(sheet["step"])
-        out.append({"step": sheet["step"], "text": sheet["text"], "measured": _measured(graph, run) if run else None})
+        out.append({"step": sheet["step"], "text": sheet["text"], "measured": _measured(run) if run else None})
     return out
 
 
-def _measured(graph: Graph, run: dict) -> dict[str, Any] | None:
+def _measured(run: dict) -> dict[str, Any] | None:
     """Seconds per training step (median of the steps that did not compile), steps done, and the
     end projected from them: now + the steps to go, or when the step finished."""
     if not run["tokens_per_s"]:

@@ -32,7 +32,6 @@ def next_token_weight(segment_ids: NamedArray) -> NamedArray:
 def loss_fn(
     model: MoELM,
     batch: TokenBatch,
-    router_bias: NamedArray | None = None,
     z_loss: float = 0.0,
     transport: TransportSpec = TransportSpec(),
     compute_dtype=jnp.float32,
@@ -44,8 +43,7 @@ def loss_fn(
     Run it under `keel.mesh.use_mesh(mesh)` when a mesh is used: the fused loss reads the Haliax
     axis mapping to place its shard_map.
     """
-    h, aux = model.activations(batch.input_ids, batch.segment_ids, router_bias, transport=transport,
-                               compute_dtype=compute_dtype)
+    h, aux = model.activations(batch.input_ids, batch.segment_ids, transport=transport, compute_dtype=compute_dtype)
     a = ModelAxes.of(model.config)
     # The fused loss's shard_map takes its in_specs from the axis mapping: lay the inputs out to match.
     lm_head = hax.shard(gathered(model.lm_head_weight()).astype(h.dtype))

@@ -83,10 +83,6 @@ class MoELM(eqx.Module):
     lm_head: NamedArray | None  # [Embed, Vocab]; None when tied to the embedding
     config: MoELMConfig = eqx.field(static=True)
 
-    @property
-    def Vocab(self):
-        return self.embedding.axes[0]
-
     def lm_head_weight(self) -> NamedArray:
         return self.embedding if self.lm_head is None else self.lm_head
 
@@ -94,7 +90,6 @@ class MoELM(eqx.Module):
         self,
         input_ids: NamedArray,
         segment_ids: NamedArray,
-        router_bias: NamedArray | None = None,
         *,
         transport: TransportSpec = TransportSpec(),
         compute_dtype=jnp.float32,
@@ -102,37 +97,32 @@ class MoELM(eqx.Module):
         """Final hidden states [Batch, Pos, Embed] and the aux dict (see `__call__`)."""
         cfg = self.config
         a = ModelAxes.of(cfg)
-        model = self if router_bias is None else with_router_bias(self, router_bias)
-        h = gathered(model.embedding).astype(compute_dtype).take(a.Vocab, input_ids)
-        if model.embed_norm is not None:
-            h = gathered(model.embed_norm)(h)
+        h = gathered(self.embedding).astype(compute_dtype).take(a.Vocab, input_ids)
+        if self.embed_norm is not None:
+            h = gathered(self.embed_norm)(h)
         flags = hax.named(jnp.array([cfg.is_global_layer(i) for i in range(cfg.num_layers)]), a.Layers)
         valid = segment_ids >= 0
-        h, stats = model.layers.scan(h, segment_ids, valid, flags, transport=transport)
-        h = gathered(model.final_norm)(h)
+        h, stats = self.layers.scan(h, segment_ids, valid, flags, transport=transport)
+        h = gathered(self.final_norm)(h)
         return h, _aux(stats, cfg)
 
     def __call__(
         self,
         input_ids: NamedArray,
         segment_ids: NamedArray,
-        router_bias: NamedArray | None = None,
         *,
         transport: TransportSpec = TransportSpec(),
         compute_dtype=jnp.float32,
     ) -> tuple[NamedArray, dict]:
         """input_ids, segment_ids [Batch, Pos] -> (logits [Batch, Pos, Vocab], aux).
 
-        router_bias [Layers, Experts] replaces the stored one for this call (None: use the stored one).
         aux (per-layer arrays carry the `layers` axis):
           routing_counts [Layers, Experts], max_load [Layers], load_balancing_loss [Layers],
           dropped_fraction [Layers] (assignments a fixed-capacity transport dropped),
           qb_beta [Layers, Experts] (quantile balancing only: feed to `next_router_bias`),
           aux_loss (scalar): aux_loss_coef x the summed load-balancing loss, 0 unless balancing='aux_loss'.
         """
-        h, aux = self.activations(
-            input_ids, segment_ids, router_bias, transport=transport, compute_dtype=compute_dtype
-        )
+        h, aux = self.activations(input_ids, segment_ids, transport=transport, compute_dtype=compute_dtype)
         Embed = ModelAxes.of(self.config).Embed
         return hax.dot(h, gathered(self.lm_head_weight()).astype(h.dtype), axis=Embed), aux
 

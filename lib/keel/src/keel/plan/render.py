@@ -1,8 +1,6 @@
-"""The fact sheet as text, for `keel plan`: one short line per figure, a red flag when memory does not fit."""
+"""The fact sheet as text, for `keel plan`: one short line per figure, DOES NOT FIT where memory does not."""
 
 from __future__ import annotations
-
-RED, RESET = "\033[31m", "\033[0m"
 
 
 def _n(x: float) -> str:
@@ -80,14 +78,13 @@ PEAK_PARTS = {"all_to_all_buffers": "all-to-all buffers", "expert_intermediates"
               "gathered_weights": "gathered weights"}
 
 
-def _verdict(fits: bool | None, hbm: float, color: bool) -> str:
+def _verdict(fits: bool | None, hbm: float) -> str:
     if fits is None:
         return ""
-    verdict = f"fits {_gb(hbm)} HBM" if fits else f"DOES NOT FIT {_gb(hbm)} HBM"
-    return f"{RED}{verdict}{RESET}" if not fits and color else verdict
+    return f"fits {_gb(hbm)} HBM" if fits else f"DOES NOT FIT {_gb(hbm)} HBM"
 
 
-def _memory(m: dict | None, color: bool) -> list[str]:
+def _memory(m: dict | None) -> list[str]:
     if m is None:
         return []
     p = m["parts_gb"]
@@ -109,7 +106,7 @@ def _memory(m: dict | None, color: bool) -> list[str]:
                                for k, v in phase["transient_gb"].items() if v)
             room = f", {_gb(phase['headroom_gb'])} headroom" if phase["fits"] else f", {_gb(-phase['headroom_gb'])} over"
             lines.append(f"    peak {_gb(phase['peak_gb'])} = {_gb(state)} state + {parts} "
-                         f"({phase['transport'] or 'no transport'}): {_verdict(phase['fits'], hbm, color)}"
+                         f"({phase['transport']}): {_verdict(phase['fits'], hbm)}"
                          + (room if phase["fits"] is not None else ""))
         if phase["host_fits"] is not None and phase["host_gb"]:
             host_verdict = "fits" if phase["host_fits"] else "DOES NOT FIT"
@@ -260,8 +257,8 @@ def _groups(table: list[dict]) -> list[str]:
             + " (every leaf's path, axes, placement and group: keel plan --json)"]
 
 
-def render_fact_sheet(sheet: dict, color: bool = False) -> str:
-    """Plain-text fact sheet; `color` paints the does-not-fit lines red for terminals."""
+def render_fact_sheet(sheet: dict) -> str:
+    """The plain-text fact sheet `keel plan` prints."""
     lines = [f"== fact sheet: {sheet['step']}" if sheet["step"] else "== fact sheet"]
     if sheet.get("stand_ins"):
         lines += ["stand-ins    a scaled-down twin: what plays the real run's part"] + [f"  {s}" for s in sheet["stand_ins"]]
@@ -269,7 +266,7 @@ def render_fact_sheet(sheet: dict, color: bool = False) -> str:
     lines += _groups(sheet["parameter_table"])
     lines += _mesh(sheet["mesh"])
     lines += _training(sheet["training"], sheet["optimizer"])
-    lines += _memory(sheet["memory"], color)
+    lines += _memory(sheet["memory"])
     lines += _all_to_all(sheet["all_to_all"])
     lines += _cross_rack(sheet["cross_rack"])
     lines += _time(sheet["time"])

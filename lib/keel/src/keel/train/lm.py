@@ -59,7 +59,7 @@ class KeelLM:
         )
         with hax.axis_mapping(compute_axis_mapping()):
             loss, aux = loss_fn(
-                self._for_phase(model, transport),
+                self._with_remat(model),
                 tokens,
                 z_loss=z_loss,
                 transport=transport,
@@ -79,7 +79,7 @@ class KeelLM:
         current = model.layers.stacked.moe.router_bias
         return with_router_bias(model, next_router_bias(aux["qb_beta"]).astype(current.dtype))
 
-    def _for_phase(self, model, phase):
+    def _with_remat(self, model):
         """The model with the run's remat choice (a static field)."""
         return dataclasses.replace(model, layers=dataclasses.replace(model.layers, gradient_checkpointing=self.remat))
 

@@ -166,7 +166,7 @@ def plot_loss_curves(metrics_path: str, png_path: str, *, title: str | None = No
     fig.tight_layout()
     with fsspec.open(png_path, "wb") as f:
         fig.savefig(f, format="png", dpi=100)
-    drawn = {"title": ax.get_title(), "marks": dict(sorted((marks or {}).items())),
+    drawn = {"title": ax.get_title(), "marks": {int(note.xy[0]): note.get_text() for note in ax.texts},
              "panels": [[line.get_label() for line in axis.lines if not line.get_label().startswith("_")]
                         for axis in fig.axes]}
     plt.close(fig)

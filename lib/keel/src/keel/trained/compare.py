@@ -114,7 +114,7 @@ def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None) -
             tokens_per_s=training_throughput(metrics),
             wall_s=wall,
             **split,
-            shared=_shared(path, records[label], status, neighbours),
+            shared=_shared(records[label], status, neighbours),
             prediction=prediction,
             verdict=ladder.judge(final, prediction),
             fields={name: identities[label].get(name) for name in differing},
@@ -185,7 +185,7 @@ def _attempts_near(paths) -> list[tuple[str, str | None, float, float]]:
     return found
 
 
-def _shared(path: str, record: dict, status, attempts) -> dict | None:
+def _shared(record: dict, status, attempts) -> dict | None:
     """The steps whose attempts overlapped this run's on its host, and for what share of its wall time."""
     if status is None or status.finished is None:
         return None
