@@ -40,7 +40,7 @@ def test_fits_is_judged_at_the_peak_not_between_steps():
     assert launch["device_gb"] < 192 < launch["peak_gb"]  # fits between steps, not at the peak
     assert launch["fits"] is False and sheet["verdict"]["fits"] is False
     assert "DOES NOT FIT 192.0 GB HBM" in render_fact_sheet(sheet)
-    with pytest.raises(PlanError, match=r"hero/2x: from step 0 the peak is .* over the 192 GB HBM.*refuse_unfit=false"):
+    with pytest.raises(PlanError, match=r"hero/2x: from step 0 the peak is .* over the 192 GB HBM.*--set hero/2x:train\.refuse_unfit=false"):
         check_fits([sheet])
     allowed = fact_sheet(hero_config(batch=2 * 11_264, refuse_unfit=False))
     check_fits([allowed])  # told otherwise: the verdict stands, nothing is refused

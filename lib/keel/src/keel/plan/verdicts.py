@@ -24,8 +24,9 @@ def verdict(sheet: dict, enforced: bool) -> dict:
 
 def check_fits(sheets: list[dict]) -> None:
     """Raise `PlanError` naming each step that does not fit and has not declared it may run anyway."""
-    refused = [f"{s['step'] or 'the training step'}: {'; '.join(s['verdict']['problems'])}"
-               for s in sheets if s["verdict"]["problems"] and s["verdict"]["enforced"]]
+    refused = [s for s in sheets if s["verdict"]["problems"] and s["verdict"]["enforced"]]
     if refused:
-        raise PlanError(" / ".join(refused) + ": does not fit; lower the batch per GPU (more racks or a smaller "
-                        "batch), offload more state, or run anyway with --set STEP.train.refuse_unfit=false")
+        named = [s["step"] or "STEP" for s in refused]  # a sheet made outside a graph has no step name
+        raise PlanError(" / ".join(f"{name}: {'; '.join(s['verdict']['problems'])}" for name, s in zip(named, refused))
+                        + ": does not fit; lower the batch per GPU (more racks or a smaller batch), offload more state, "
+                        "or run anyway with " + " ".join(f"--set {name}:train.refuse_unfit=false" for name in named))
