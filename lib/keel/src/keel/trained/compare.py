@@ -138,7 +138,8 @@ def training_throughput(metrics: list[dict]) -> float | None:
 
 
 _DONE = re.compile(r"done: steps \d+->\d+ in ([\d.]+)s \(compiling [\d.]+s, waited for ([\d.]+)s\)")
-_COMPILED = re.compile(r"compiled the (.+?) in ([\d.]+)s, (?:on first use|ahead \(.*? waited ([\d.]+)s for it\))")
+_COMPILED = re.compile(r"(?:compiled|loaded) the (.+?)(?: from the compilation cache)? in ([\d.]+)s(?: \([^)]*\))?, "
+                       r"(?:on first use|ahead \(.*? waited ([\d.]+)s for it\))")  # each form `Progress.compiled` prints
 
 
 def wall_split(log: str, metrics: list[dict], tokens_per_step: int, wall: float | None) -> dict[str, float | None]:
