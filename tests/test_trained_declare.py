@@ -99,6 +99,11 @@ def test_declaration_mistakes_name_the_fix():
         default_eval("e", run=run, data={"x": tokens}, checkpoint=21)
     with pytest.raises(ValueError, match="data is empty"):
         default_eval("e", run=run, data={})
+    silent = default_train("quiet", data=tokens, model=tiny_moe, train=TrainConfig(batch_size=8, seq_len=128, num_steps=20,
+                                                                                   eval_batches=0))
+    with pytest.raises(ValueError, match=r"EvalConfig.num_batches=None follows the run's eval_batches, which is 0"):
+        default_eval("e", run=silent, data={"x": tokens})
+    assert default_eval("e", run=silent, data={"x": tokens}, num_batches=2).config.batches == (8, 2)
     with pytest.raises(ValueError, match="name one step twice"):
         default_compare("c", runs=[run, run])
     with pytest.raises(ValueError, match="temperature"):

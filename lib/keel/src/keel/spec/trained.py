@@ -63,9 +63,10 @@ class TrainedModel:
 class EvalConfig:
     """Loss, perplexity and bits per byte of a checkpoint on each token cache of `data`.
 
-    `data` maps labels to token cache roots (tokenize steps or Externals). Each cache's `split` is
-    read in order, `num_batches` batches of `batch_size` sequences, exactly as the training loop
-    reads its validation batches: the run's own validation cache gives the run's last eval loss.
+    `data` maps labels to token cache roots (tokenize steps or Externals). Of each cache's `split`,
+    the same seeded sample of `num_batches` batches of `batch_size` sequences is read as the training
+    loop reads for its validation (`validation_losses`): the run's own validation cache gives the
+    run's last eval loss.
     """
 
     model: TrainedModel
@@ -83,6 +84,9 @@ class EvalConfig:
         for name in ("batch_size", "num_batches"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"EvalConfig.{name}={getattr(self, name)} must be positive (or None: the run's own)")
+        if self.num_batches is None and not self.model.train.eval_batches:
+            raise ValueError("EvalConfig.num_batches=None follows the run's eval_batches, which is 0 (it never "
+                             "evaluated): give num_batches")
 
     @property
     def batches(self) -> tuple[int, int]:
