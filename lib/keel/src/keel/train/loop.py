@@ -213,17 +213,18 @@ class _Run:
             for pending in self._step_fns.values():
                 pending.lowered.wait()
 
-    def _restore(self, path: str):
+    def _restore(self, path: str) -> bool:
         """The state of the checkpoint at `path` (or the newest older one that reads), read into the
-        layout of the step it resumes at; the initial state when no checkpoint reads."""
+        layout of the step it resumes at; the initial state when no checkpoint reads (False)."""
         target = offload.layout_at(self.config.host_offload, self.start)
         offload.check_supported(target, jax.devices()[0])
         exemplar = compile_ahead.abstract(self.state_shapes, offload.shardings(self.state_shapes, target))
         restored = self.checkpoints.restore(exemplar, path)
         if restored is None:
             self.state_arrays = self._initial_arrays()
-        else:
-            self.layout, self.state_arrays = target, restored
+            return False
+        self.layout, self.state_arrays = target, restored
+        return True
 
     # ------------------------------------------------------------------ main
     def run(self) -> dict[str, float]:
@@ -233,24 +234,28 @@ class _Run:
         # collectives' own first rendezvous (gloo's on CPUs) gives up after 30 s, and under load one
         # process can finish its compiles later than that.
         barrier_sync_named("keel-train-start", timeout=REPLICA_SKEW_S)
+        resumed = False
         if latest is not None:
             self._after_lowering_on_cpu()
-            self._restore(latest)
+            resumed = self._restore(latest)
         start = int(self.state_arrays["step"])
         self._place(start)  # an unreadable newest checkpoint may have sent it back to an older step's layout
-        if latest is not None:
+        if resumed:
             logger.info("Resumed from %s", latest if start == self.start else
                         os.path.join(self.checkpoints.root, f"step-{start}"))
         primary = jax.process_index() == 0
         self.progress = Progress(run_name(self.output_path), start, config.num_steps, enabled=primary)
-        if latest is not None:
+        if resumed:
             self.progress.event(f"resumed at step {start}" + (f" from {latest}" if start == self.start else
                                                                " (the newest checkpoint that reads)"))
+        elif latest is not None:
+            self.progress.event("no checkpoint reads: training again from step 0 (the earlier attempts' metrics rows "
+                                "are replaced)")
         if self.init_compile is not None:
             init = self.init_compile
             self.progress.compiled(init.what, init.seconds, "before the first step", loaded=init.loaded, queued=init.queued)
         if start < config.num_steps:
-            self._check_layout(start, "resume" if latest is not None else "start")
+            self._check_layout(start, "resume" if resumed else "start")
             self.progress.event(f"compiling the {self.transport_at(start).transport} training step ahead, while the run sets up ...")
         # every record goes to each tracker: metrics.jsonl (what compare, ladder and the dashboard
         # read), then wandb; a tracker that fails raises (Levanter's CompositeTracker would log and go on)
