@@ -105,6 +105,27 @@ def test_lease_takeover_on_memory_store():
     second.release()
 
 
+def test_a_lease_file_left_empty_is_taken_over_once_its_writer_is_surely_gone(tmp_path, monkeypatch):
+    from keel.executor import lease as leases
+
+    output = str(tmp_path / "step-abc")
+    monkeypatch.setattr(os, "write", lambda fd, data: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    with pytest.raises(OSError, match="No space left"):
+        leases.try_acquire(output)
+    monkeypatch.undo()
+    assert leases.current_lease(output) is None, "a claim that could not write its lease leaves no empty file"
+
+    empty = Path(output, ".keel", "lease-00000000")
+    empty.touch()  # a launcher that died between creating and writing it (a crash)
+    refused, holder = leases.try_acquire(output)
+    assert refused is None and holder.epoch == 0  # just created: perhaps being written right now
+    past = time.time() - leases.EMPTY_LEASE_S - 1
+    os.utime(empty, (past, past))
+    taken, superseded = leases.try_acquire(output)
+    assert taken is not None and taken.epoch == 1 and superseded.epoch == 0
+    taken.release()
+
+
 SHARING = HEADER + '''
 import time
 

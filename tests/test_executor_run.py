@@ -1,7 +1,9 @@
 """Running graphs: caching, failure, retry, --force/--only, manifests, overrides, records, gc."""
 
 import json
+import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -10,7 +12,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from keel import Step, execution_only, output_of, this_output
+from keel import Retries, Step, execution_only, output_of, this_output
 from keel.cli import console_main
 from keel.executor.plan import Graph, plan_graph
 from keel.executor.run import run_steps
@@ -349,3 +351,50 @@ def test_log_is_created_on_first_output(tmp_path):
     assert _log_or_none(graph.path(loud)) == keel_path(graph.path(loud), "log.txt")
     assert _log_or_none(graph.path(quiet)) == keel_path(graph.path(quiet), "log.txt") + " (no output)"
     assert [p.state for p in plan_graph(graph)] == ["cached", "cached"]
+
+
+def _signal_handlers() -> str:
+    """Each handler's name: the default ones, or the method the launcher installed."""
+    return " ".join(getattr(h, "__qualname__", None) or signal.Handlers(h).name
+                    for h in (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)))
+
+
+def fan_out(config: WriteConfig) -> None:
+    """A step in the launcher that forks worker processes, as a data step might."""
+    fork = multiprocessing.get_context("fork")
+    child = fork.Process(target=len, args=("a",))  # it ends through os._exit, as every forked process does
+    child.start()
+    child.join(timeout=60)
+    with fork.Pool(2) as pool:
+        handlers = pool.apply_async(_signal_handlers).get(timeout=60)
+    Path(config.output_path, "data.txt").write_text(handlers)
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")  # what is tested
+def test_a_step_in_the_launcher_may_fork_worker_processes(tmp_path):
+    step = Step("t/fan", fan_out, WriteConfig("fan"))
+    report = run_steps([step], str(tmp_path), echo=lambda _: None)
+    assert report.ok, report.failures
+    output = Graph([step], str(tmp_path)).path(step)
+    log = Path(output, ".keel", "log.txt")
+    assert "os._exit" not in (log.read_text() if log.exists() else ""), "the forked process's os._exit raised StepExited"
+    handlers = Path(output, "data.txt").read_text()
+    assert handlers == "default_int_handler SIG_DFL", handlers  # not the launcher's Runner._on_signal
+
+
+def flaky(config: WriteConfig) -> None:
+    CALLS.append(config.text)
+    print(f"attempt {len(CALLS)} starts", flush=True)
+    if len(CALLS) == 1:
+        raise ValueError("the first attempt fails")
+    with fsspec.open(f"{config.output_path}/data.txt", "w") as f:
+        f.write("done")
+
+
+def test_a_retried_steps_log_on_an_object_store_keeps_every_attempt(tmp_path):
+    prefix = f"memory://keel-log-{tmp_path.name}"
+    step = Step("t/flaky", flaky, WriteConfig("flaky"), retries=Retries(on_failure=1))
+    assert run_steps([step], prefix, echo=lambda _: None).ok
+    with fsspec.open(keel_path(Graph([step], prefix).path(step), "log.txt"), "r") as f:
+        log = f.read()
+    assert "attempt 1 starts" in log and "the first attempt fails" in log and "attempt 2 starts" in log, log

@@ -133,9 +133,8 @@ def _upload_staged_log(workdir: str, log: str) -> None:
     from keel.executor.job import STAGED_LOG_PREFIX
 
     for staged in glob.glob(os.path.join(workdir, "tmp", STAGED_LOG_PREFIX + "*")):
-        fs, path = storage.split(log)
         try:
-            fs.put_file(staged, path)
+            storage.append_local_file(staged, log)
         except Exception as e:  # noqa: BLE001 - the step's outcome stands; the lost log is named
             print(f"[keel] could not upload the log of a step whose process ended early to {log}: {e!r}",
                   file=sys.stderr)

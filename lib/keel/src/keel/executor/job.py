@@ -82,10 +82,11 @@ class StepExited(RuntimeError):
 
 _in_step = threading.local()
 _process_exit = os._exit
+_launcher_pid: int | None = None  # a process a step forks (a multiprocessing pool's worker) exits as it means to
 
 
 def _guarded_exit(code: int = 0) -> None:
-    if getattr(_in_step, "active", False):
+    if os.getpid() == _launcher_pid and getattr(_in_step, "active", False):
         raise StepExited(f"the step called os._exit({code}), which would end `keel run` itself: return (or raise) "
                          "instead, or declare the step isolated=True to run it in a process of its own")
     _process_exit(code)
@@ -93,6 +94,8 @@ def _guarded_exit(code: int = 0) -> None:
 
 def guard_process_exit() -> None:
     """Make `os._exit` inside a step running in this process's threads raise `StepExited` instead."""
+    global _launcher_pid
+    _launcher_pid = os.getpid()
     os._exit = _guarded_exit
 
 
@@ -143,7 +146,6 @@ def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = Fals
     only this step (an isolated step's child), not just the calling thread, and lets `warn()`
     from any of its threads record on this step (`step_warnings.py`).
     """
-    fs, path = storage.split(output_path)
     storage.make_folder(output_path)
     replica = replica_index()
     target = log_url(output_path) if replica == 0 else keel_path(output_path, f"log.replica{replica}.txt")
@@ -171,7 +173,7 @@ def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = Fals
             log.flush()
             if not local and log.opened:
                 log.close()
-                fs.put_file(log_file, storage.split(target)[1])
+                storage.append_local_file(log_file, target)  # after the earlier attempts' lines, as locally
                 os.remove(log_file)
     finally:
         log.close()

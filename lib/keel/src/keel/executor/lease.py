@@ -25,6 +25,9 @@ from keel.executor.status import KEEL_DIR
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("KEEL_LEASE_TIMEOUT", "60"))
 _PREFIX = "lease-"
+EMPTY_LEASE_S = 10.0
+"""How long an empty lease file counts as one being written: past that, its writer died between
+creating and writing it (a crash), and the lease is taken over."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,15 @@ class LeaseInfo:
         return f"{who}, last heartbeat {age:.0f}s ago ({when})"
 
 
+def _created(url: str) -> float:
+    """When the file at `url` was last written (now, where the storage does not say)."""
+    fs, path = storage.split(url)
+    try:
+        return fs.modified(path).timestamp()
+    except (OSError, NotImplementedError, ValueError, AttributeError):
+        return time.time()
+
+
 def _lease_url(output_path: str, epoch: int) -> str:
     return storage.join(output_path, KEEL_DIR, f"{_PREFIX}{epoch:08d}")
 
@@ -83,8 +95,8 @@ def current_lease(output_path: str) -> LeaseInfo | None:
         return None
     epoch = max(epochs)
     text = storage.read_text(_lease_url(output_path, epoch))
-    if not text:  # being written right now (created, still empty, or gone): treat as fresh
-        return LeaseInfo(epoch, "?", time.time(), DEFAULT_TIMEOUT_S)
+    if not text:  # being written right now (created, still empty, or gone): fresh, for a moment
+        return LeaseInfo(epoch, "?", _created(_lease_url(output_path, epoch)), EMPTY_LEASE_S)
     try:
         record = json.loads(text)
         return LeaseInfo(epoch, str(record["owner"]), float(record["heartbeat"]), float(record["timeout"]))

@@ -497,6 +497,17 @@ class Runner:
         os._exit(interrupt.EXIT_INTERRUPTED)
 
 
+def _forget_launcher_signals() -> None:
+    """In a process a step forks (a multiprocessing pool's worker), Ctrl-C and SIGTERM act as they
+    would in any process, not as the launcher's stop logic it inherited."""
+    for sig, default in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL)):
+        if getattr(signal.getsignal(sig), "__func__", None) is Runner._on_signal:
+            signal.signal(sig, default)
+
+
+os.register_at_fork(after_in_child=_forget_launcher_signals)
+
+
 def _log_or_none(output_path: str) -> str:
     """The step's log, or that it has none: a step that printed nothing leaves no log file."""
     url = log_url(output_path)

@@ -185,6 +185,25 @@ def create_exclusive(url: str, text: str) -> bool:
         return True
     except FileExistsError:
         return False
+    except BaseException:  # created but not written (a full disk): an empty file would block the next claim
+        with contextlib.suppress(OSError, FileNotFoundError):
+            fs.rm_file(path)
+        raise
+
+
+def append_local_file(local_path: str, url: str) -> None:
+    """Add a local file's bytes to the end of the file at `url` (made when missing). Object stores
+    cannot append: what is there is read and written back with the new bytes after it, so a step's
+    log on gs:// keeps every attempt's lines, as a local one does."""
+    fs, path = split(url)
+    with open(local_path, "rb") as f:
+        new = f.read()
+    try:
+        old = fs.cat_file(path)
+    except FileNotFoundError:
+        old = b""
+    _ensure_parent(fs, path)
+    fs.pipe_file(path, old + new)
 
 
 def list_names(url: str) -> list[str]:
