@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -35,6 +36,7 @@ class C:
     label: str = "x"
     checkpoint_every: int | None = 100
     retries: Optional[int] = 3
+    version: str | None = None
     output_path: str = this_output()
 
 
@@ -287,6 +289,22 @@ def test_set_none_on_optional_fields(tmp_path, capsys):
     (top,) = apply_overrides(graph.targets, graph.order, ["x/a.checkpoint_every=None", "x/a.retries=None", "x/a.label=None"])
     (a,) = top.deps
     assert a.config.checkpoint_every is None and a.config.retries is None and a.config.label == "None"
+
+
+def test_set_keeps_the_text_of_an_optional_string_as_written(tmp_path):
+    from keel.executor.overrides import apply_overrides
+
+    graph = Graph(keel.cli.load_experiment(experiment(tmp_path, PLAIN)), "memory://keel-text")
+    (top,) = apply_overrides(graph.targets, graph.order, ["x/a:version=1.10", "x/top:version=010", "x/a:label=yes"])
+    (a,) = top.deps
+    assert a.config.version == "1.10" and top.config.version == "010" and a.config.label == "yes"  # not 1.1, 8, True
+
+
+def test_a_cluster_run_on_a_memory_prefix_is_refused_before_anything_runs(capsys, monkeypatch):
+    monkeypatch.setenv("KEEL_TEST_COUNTER", "")
+    graph = str(Path(__file__).parent / "fixtures" / "cluster_graph.py")
+    line = keel_error(capsys, "run", graph, "--prefix", "memory://keel-cluster", "--cluster", "http://127.0.0.1:9")
+    assert "--prefix memory://keel-cluster lives in this process's memory" in line and "count/root" in line, line
 
 
 def test_set_none_on_a_field_that_refuses_it(tmp_path, capsys):

@@ -169,6 +169,19 @@ def test_config_must_be_a_dataclass_instance():
         Step("x/y", noop, Config)
 
 
+def test_a_step_function_whose_module_does_not_parse_has_no_fingerprint(tmp_path, monkeypatch):
+    """Planning reads the function's source to say whether it changed; a module with a syntax
+    error (or not UTF-8) gives none, instead of a traceback from the planner."""
+    from keel import StepFunction
+    from keel.executor.code import fingerprint
+
+    (tmp_path / "half_written.py").write_text("def train(config):\n    return (\n")
+    (tmp_path / "latin1.py").write_bytes("# caf\xe9\ndef train(config):\n    pass\n".encode("latin-1"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert fingerprint(StepFunction("half_written:train")) is None
+    assert fingerprint(StepFunction("latin1:train")) is None
+
+
 def test_a_step_function_named_by_module_has_the_identity_and_fingerprint_of_the_function_itself():
     """`StepFunction("module:function")` lets a graph name a function whose module imports jax
     without importing it: nothing about the step may differ from passing the function."""

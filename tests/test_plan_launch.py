@@ -94,3 +94,6 @@ def test_keel_plan_of_two_files_prints_one_table_of_variants(tmp_path):
     assert "2026-11-18" in hero_row and "| fits |" in hero_row
     assert "(predicted)" in doubled_row and "DOES NOT FIT" in doubled_row and "195,125" in doubled_row
     assert out.returncode == 2  # the doubled batch does not fit
+    narrowed = _keel("plan", HERO, doubled, "--prefix", str(tmp_path / "out"), "--only", "hero")
+    assert narrowed.returncode == 2 and narrowed.stderr.startswith("keel: error: --only does nothing when `keel plan` "
+                                                                   "compares several experiments"), narrowed.stderr

@@ -235,6 +235,10 @@ def _act(args, step_lists: list[list]) -> int:
             return 0
         return serve(source, graphs[0], args.port)
     if args.command == "plan" and len(graphs) > 1:
+        ignored = [flag for flag, value in (("--only", args.only), ("--force", args.force)) if value]
+        if ignored:  # the variants' table covers each graph whole
+            raise UsageError(f"{' and '.join(ignored)} does nothing when `keel plan` compares several experiments; "
+                             "plan one file to use it")
         return _plan_variants(args, graphs)
     graph = graphs[0]
     if args.command == "run":
@@ -309,11 +313,10 @@ def _plan_json(plans: list[StepPlan], sheets: list[dict]) -> str:
 
 
 def _fact_sheets(graph: Graph) -> list[dict]:
-    """Fact sheets of training steps (keel.plan), when that package is present; jax-free."""
-    try:
-        from keel.plan import fact_sheets_for
-    except ImportError:
-        return []
+    """Fact sheets of the graph's training steps (keel.plan, imported here: jax-free, but not needed
+    by every command)."""
+    from keel.plan import fact_sheets_for
+
     return fact_sheets_for(graph)
 
 
@@ -349,6 +352,12 @@ def _run(args, graph: Graph) -> int:
     from keel.executor.run import Runner
 
     url = args.cluster or os.environ.get("KEEL_CLUSTER")
+    on_cluster = [s.name for s in graph.steps() if getattr(s, "resources", None) is not None]
+    if (url or in_iris_job()) and on_cluster and not storage.is_shared_between_processes(graph.prefix):
+        print(f"keel: error: --prefix {graph.prefix} lives in this process's memory, where the cluster's workers cannot "
+              f"write {on_cluster[0]}'s outputs (it declares resources=): give a prefix they reach (gs://, s3://, or a "
+              "folder every worker mounts)", file=sys.stderr)
+        return 2
     try:
         cluster = cluster_client(url) if url or in_iris_job() else None  # a driver inside an Iris job uses that cluster
     except ClusterUnreachable as exc:

@@ -29,7 +29,7 @@ def fingerprint(fn) -> str | None:
     for jax), and gives the same text `inspect.getsource` gives for the imported function."""
     try:
         source = fn.source() if isinstance(fn, StepFunction) else inspect.getsource(fn)
-    except (OSError, TypeError):
+    except (OSError, TypeError, SyntaxError, ValueError):  # ValueError: not UTF-8; running the step says what is wrong
         return None
     return hashlib.blake2b(source.encode(), digest_size=8).hexdigest()
 

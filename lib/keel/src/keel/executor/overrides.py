@@ -56,8 +56,8 @@ def _parse_value(obj: Any, name: str, text: str, key: str) -> Any:
 
     current = getattr(obj, name)
     declared = _declared_type(obj, name, current)
-    if declared is str:
-        return text
+    if declared is str or set(typing.get_args(declared)) == {str, type(None)}:
+        return text  # as written: YAML would read a version `1.10` as the number 1.1 (`None` is handled before)
     try:
         raw = yaml.safe_load(_tuple_as_list(text))
     except yaml.YAMLError:
