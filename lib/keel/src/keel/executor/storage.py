@@ -119,12 +119,19 @@ def read_local(path: str) -> bytes:
 
 
 def _write_local(path: str, data: bytes, flags: int) -> None:
-    """`data` into a new local file, as `read_local` reads: open, write, close and nothing else."""
+    """`data` into a new local file, as `read_local` reads: open, write, close and nothing else.
+    With `os.O_EXCL` a file this call created but could not fill (a full disk) is removed again:
+    an empty lease would block the next claim."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, 0o666)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
+    except BaseException:
+        if flags & os.O_EXCL:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        raise
     finally:
         os.close(fd)
 
@@ -185,10 +192,6 @@ def create_exclusive(url: str, text: str) -> bool:
         return True
     except FileExistsError:
         return False
-    except BaseException:  # created but not written (a full disk): an empty file would block the next claim
-        with contextlib.suppress(OSError, FileNotFoundError):
-            fs.rm_file(path)
-        raise
 
 
 def append_local_file(local_path: str, url: str) -> None:
