@@ -78,6 +78,8 @@ CATALOGUE = [
              ("run", "EXP"), "failed", "called os._exit(0)"),
     BadInput("--set of the output path", GOOD + MAIN, ("run", "EXP", "--set", "x/a.output_path=/tmp/elsewhere"), "error",
              "is a path keel fills in"),
+    BadInput("--set inside the output path", GOOD + MAIN, ("run", "EXP", "--set", "x/a:output_path.subpath=../x"), "error",
+             "--set x/a:output_path.subpath=../x: output_path is a path keel fills in (this_output())"),
     BadInput("a topology this machine lacks",
              'from keel.spec import RackTopology, TopologyError\n'
              'def train(config):\n    raise TopologyError("RackTopology: 1 devices are present but racks=11 x gpus_per_rack=64 = 704")\n'
@@ -355,6 +357,17 @@ def test_binary_data_saved_as_text_is_not_a_document(tmp_path, data, why):
     result = keel(tmp_path, "run", "EXP")
     assert_failed(result, "not text (binary data)")
     assert why in result.stdout + result.stderr
+
+
+def test_two_inputs_whose_documents_would_share_ids_are_refused_before_anything_runs(tmp_path):
+    for year in ("2023", "2024"):
+        (tmp_path / year).mkdir()
+        (tmp_path / year / "notes.txt").write_text(f"the notes of {year}\n")
+    write_experiment(tmp_path, 'from defaults import ingest\nb = ingest("notes", ("2023/notes.txt", "2024/notes.txt"))\n' + MAIN)
+    result = keel(tmp_path, "run", "EXP")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "2023/notes.txt and" in result.stderr and "both give documents the ids 'notes.txt:N'" in result.stderr
+    assert not (tmp_path / "out").exists()  # nothing ran
 
 
 def test_a_tuple_written_as_a_set_value_parses_like_a_list(tmp_path):

@@ -31,7 +31,7 @@ import fsspec
 from keel.data.documents import Document, check_validation_fraction, write_documents
 from keel.data.quality import BadRecord, RecordLog, not_text
 from keel.executor import storage
-from keel.executor.step import execution_only, this_output
+from keel.executor.step import StepDeclarationError, execution_only, this_output
 
 FORMATS = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 
@@ -186,8 +186,15 @@ def _matches(pattern: str, field: str) -> list[InputFile]:
 def expand_inputs(inputs: tuple[str, ...]) -> list[InputFile]:
     """Every input file, in declaration order; each glob sorted. Checks formats first."""
     files = [f for pattern in inputs for f in _matches(pattern, "IngestConfig.inputs")]
+    by_prefix: dict[str, InputFile] = {}
     for f in files:
         _format_of(f.url)
+        other = by_prefix.setdefault(f.id_prefix, f)
+        if other is not f:  # their documents' ids would collide
+            raise StepDeclarationError(f"IngestConfig.inputs: {other.url} and {f.url} both give documents the "
+                                       f"ids '{f.id_prefix}:N' (a file's id is its path below its pattern's fixed "
+                                       "folder): match them with one glob from a folder above both, e.g. "
+                                       "'data/*/notes.txt'")
     return files
 
 

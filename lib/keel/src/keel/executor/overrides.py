@@ -98,16 +98,20 @@ def _replace_path(obj: Any, parts: list[str], text: str, key: str) -> Any:
 
 
 def _set_one(step: Step, parts: list[str], text: str, key: str) -> Step:
-    obj = step.config
-    for i, part in enumerate(parts):
+    obj, reached = step.config, []
+    for part in parts:
+        if isinstance(obj, (ThisOutput, OutputOf)):  # not a config to reach into: keel fills the whole path in
+            break
         if not (dataclasses.is_dataclass(obj) and part in {f.name for f in dataclasses.fields(obj)}):
             known = [f"{step.name}:{p[1:]}" for p in _field_paths(step.config, "")]
             close = difflib.get_close_matches(f"{step.name}:{'.'.join(parts)}", known, n=3, cutoff=0.5)
             hint = f"; closest: {', '.join(close)}" if close else f"; fields of {step.name}: {', '.join(known[:12])}"
-            raise OverrideError(f"--set {key}: step {step.name!r} has no config field {'.'.join(parts[: i + 1])!r}{hint}")
+            raise OverrideError(f"--set {key}: step {step.name!r} has no config field "
+                                f"{'.'.join(parts[: len(reached) + 1])!r}{hint}")
         obj = getattr(obj, part)
+        reached.append(part)
     if isinstance(obj, (ThisOutput, OutputOf, Step, External)):
-        raise OverrideError(f"--set {key}: {'.'.join(parts)} is a path keel fills in ({_placeholder(obj)}): a step writes "
+        raise OverrideError(f"--set {key}: {'.'.join(reached)} is a path keel fills in ({_placeholder(obj)}): a step writes "
                             "only under its own output; pass --prefix to put every output elsewhere")
     try:
         return step.with_config(_replace_path(step.config, parts, text, key))
