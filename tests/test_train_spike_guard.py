@@ -146,6 +146,13 @@ def test_giving_up_names_the_spikes_and_a_raised_budget_resumes_to_the_same_run(
     assert latest_by_step(records, "train/loss") == latest_by_step(_records(guarded), "train/loss")
     assert _final_eval(out) == _final_eval(guarded)
 
+    # Run once more: it is trained to the end already, and still says it rolled back twice.
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        _train(out, monkeypatch, spike_guard=GUARD)
+    done = [line for line in printed.getvalue().splitlines() if ": done: steps 30->30" in line]
+    assert done and "; with 2 rollbacks (skipped batch 17 at step 17, batch 23 at step 22)" in done[0], printed.getvalue()
+
 
 def test_the_guard_declares_what_counts_toward_identity():
     from keel.executor.step import is_execution_only
@@ -155,3 +162,6 @@ def test_the_guard_declares_what_counts_toward_identity():
                       "snapshot_every": True, "max_rollbacks": True}
     with pytest.raises(ValueError, match="min_history=20 exceeds window=10"):
         SpikeGuardConfig(window=10)
+    # its history after a resume comes from metrics.jsonl, so every step needs its row there
+    with pytest.raises(ValueError, match="TrainConfig.log_every=5 with a spike_guard.*keep log_every=1"):
+        TrainConfig(batch_size=8, seq_len=16, num_steps=10, spike_guard=SpikeGuardConfig(), log_every=5)

@@ -391,6 +391,10 @@ class TrainConfig:
                   **({} if self.seq_len is None else {"seq_len": self.seq_len}))
         if self.z_loss < 0:
             raise ValueError(f"TrainConfig.z_loss={self.z_loss} must be >= 0")
+        if self.spike_guard is not None and self.log_every != 1:
+            raise ValueError(f"TrainConfig.log_every={self.log_every} with a spike_guard: a resumed run reads the guard's "
+                             "history from metrics.jsonl, which would lack the steps between rows, and could skip other "
+                             "batches than an uninterrupted run: keep log_every=1 with the guard")
         for name in ("compute_dtype", "master_dtype"):
             if getattr(self, name) not in TRAINING_DTYPES:
                 raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} is not a dtype keel trains in: use "

@@ -71,7 +71,8 @@ from keel.train.checkpoint import TrainCheckpoints
 from keel.train.lm import TrainableLM
 from keel.train.optimizer import Optimizer
 from keel.train.progress import Progress
-from keel.train.spike_guard import NonFiniteTraining, SpikeGuard, poison_from_env  # noqa: F401 - NonFiniteTraining: the loop's failure, imported from here
+from keel.train.spike_guard import NonFiniteTraining  # noqa: F401 - the loop's failure, imported from here
+from keel.train.spike_guard import SpikeGuard, poison_from_env, read_record, warn_of_rollbacks
 from keel.train.tracking import LOSS_PLOT_FILE, MetricsLog, OpenedLater, open_wandb, plot_loss_curves, run_name
 
 logger = logging.getLogger(__name__)
@@ -291,7 +292,10 @@ class _Run:
         records = read_metrics(os.path.join(self.output_path, METRICS_FILE))
         evals = latest_by_step(records, "eval/loss")
         val = f", final validation loss {evals[max(evals)]:.4f}" if evals else ""
-        rollbacks = self.guard.finish() if self.guard is not None else None
+        if self.guard is not None:
+            rollbacks = self.guard.finish()
+        else:  # trained to the end by an earlier attempt: its rollbacks are on record
+            rollbacks = warn_of_rollbacks(read_record(self.output_path)["rollbacks"]) if self.config.spike_guard else None
         val += f"; with {rollbacks}" if rollbacks else ""
         first = self.progress.first_step_after  # after `(...)`: keel compare reads that part of the line
         first = f", first step {first:.1f}s after the process started" if first is not None else ""

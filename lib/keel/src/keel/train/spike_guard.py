@@ -10,7 +10,8 @@ The loop hands each training step to `SpikeGuard.step`, which runs it and judges
   over sqrt(2), so the steady fall of the loss early in a run does not count as noise. The history
   restarts where a mixture phase starts (the data changes on purpose); until `min_history` steps
   are known again only non-finite values are spikes. A resumed run takes the history of the steps
-  before its checkpoint from `metrics.jsonl`, so it judges each step as the uninterrupted run did.
+  before its checkpoint from `metrics.jsonl`, so it judges each step as the uninterrupted run did
+  (a guarded run therefore logs every step: `TrainConfig` refuses `log_every` > 1 with a guard).
 
 A spike at step s is blamed on the batch step s read: its loss came from weights that passed every
 check so far, on that batch. The guard throws the step's update away and hands back its newest
@@ -176,11 +177,7 @@ class SpikeGuard:
         """'2 rollbacks (...)' when the run rolled back (in this attempt or an earlier one), else
         None; a run that rolled back is recorded as a warning of its keel step, so `keel run` and
         `keel status` never show it as a plain SUCCESS (called by the writing process at the end)."""
-        if not self.rollbacks:
-            return None
-        said = describe_rollbacks(self.rollbacks)
-        step_warnings.warn(f"the spike guard rolled this run back: {said}; see {SPIKE_FILE}")
-        return said
+        return warn_of_rollbacks(self.rollbacks)
 
     # ------------------------------------------------------------------ pieces
     def _judge(self, step: int, values: dict[str, float]) -> tuple[str, float | None] | None:
@@ -232,6 +229,16 @@ class SpikeGuard:
         self.replay_until = max(self.replay_until, step)
         self.losses = [(s, x) for s, x in self.losses if s < to]
         return self.snapshot.restore(), None, Rollback(to, self.snapshot.layout)
+
+
+def warn_of_rollbacks(rollbacks: list[dict[str, Any]]) -> str | None:
+    """'2 rollbacks (...)', recorded as a warning of the running keel step; None when there were none.
+    A rerun that finds the run already trained (it trains no step) says it too, from the record."""
+    if not rollbacks:
+        return None
+    said = describe_rollbacks(rollbacks)
+    step_warnings.warn(f"the spike guard rolled this run back: {said}; see {SPIKE_FILE}")
+    return said
 
 
 def _earlier_losses(output_path: str, start: int, config) -> list[tuple[int, float]]:
