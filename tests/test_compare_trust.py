@@ -95,9 +95,11 @@ def test_compare_across_experiments_with_columns_defined_and_shared_runs_marked(
     assert "| 150 * |" in table and "- * train/pair/a shared its host for " in table
 
 
-def test_the_wall_split_counts_every_compile_line_the_loop_prints(capsys):
-    """Compiled, loaded from the compilation cache, and queued behind another run's compile: each
-    step compile's wait comes out of the training seconds (evaluations' do not)."""
+def test_the_wall_split_times_the_last_attempts_steps_less_every_compile_wait(capsys):
+    """The steps are the last attempt's (a resumed run keeps the earlier rows), each row standing
+    for the steps since the one before (`log_every`); every compile line the loop prints (compiled,
+    loaded from the compilation cache, queued behind another run's compile) takes its step's wait
+    out of the training seconds (evaluations' do not)."""
     from keel.train.progress import Progress
     from keel.trained.compare import wall_split
 
@@ -105,8 +107,9 @@ def test_the_wall_split_counts_every_compile_line_the_loop_prints(capsys):
     progress.compiled("the fixed_all_to_all training step", 10.0, "ahead (step 0 waited 4.0s for it)", queued=3.0)
     progress.compiled("the ring training step", 1.0, "on first use", loaded=True)
     progress.compiled("the fixed_all_to_all evaluation", 3.0, "on first use")
-    log = capsys.readouterr().out + "[train] x: done: steps 0->10 in 30.0s (compiling 14.0s, waited for 8.0s)\n"
-    metrics = [{"step": s, "throughput/tokens_per_s": 50.0} for s in range(10)]  # 100 tokens a step: 2 s each
-    split = wall_split(log, metrics, tokens_per_step=100, wall=40.0)
-    # 20 s of steps less the 5 s they waited for their programs; the loop's other 30 - 20 - (8 - 5) s
+    log = capsys.readouterr().out + "[train] x: done: steps 10->20 in 30.0s (compiling 14.0s, waited for 8.0s)\n"
+    earlier = [{"step": s, "throughput/tokens_per_s": 10.0} for s in range(10)]  # an earlier attempt's rows
+    rows = [{"step": s, "throughput/tokens_per_s": 50.0} for s in range(11, 20, 2)]  # log_every=2; 2 s a step
+    split = wall_split(log, earlier + rows, tokens_per_step=100, wall=40.0)
+    # this attempt's 10 steps, 20 s, less the 5 s they waited for their programs; the loop's other 30 - 20 - (8 - 5) s
     assert split == {"compile_s": 8.0, "train_s": 15.0, "eval_s": 7.0, "setup_s": 10.0}, split

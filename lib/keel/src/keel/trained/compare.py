@@ -137,7 +137,7 @@ def training_throughput(metrics: list[dict]) -> float | None:
     return statistics.median(steady) if steady else None
 
 
-_DONE = re.compile(r"done: steps \d+->\d+ in ([\d.]+)s \(compiling [\d.]+s, waited for ([\d.]+)s\)")
+_DONE = re.compile(r"done: steps (\d+)->\d+ in ([\d.]+)s \(compiling [\d.]+s, waited for ([\d.]+)s\)")
 _COMPILED = re.compile(r"(?:compiled|loaded) the (.+?)(?: from the compilation cache)? in ([\d.]+)s(?: \([^)]*\))?, "
                        r"(?:on first use|ahead \(.*? waited ([\d.]+)s for it\))")  # each form `Progress.compiled` prints
 
@@ -145,15 +145,20 @@ _COMPILED = re.compile(r"(?:compiled|loaded) the (.+?)(?: from the compilation c
 def wall_split(log: str, metrics: list[dict], tokens_per_step: int, wall: float | None) -> dict[str, float | None]:
     """The wall time as compile / training / eval+ckpt / setup seconds (see `COLUMNS`), from the
     loop's log of its last attempt (each compile and what waited for it; the loop's own time) and
-    each step's measured time. None where the log lacks the loop's summary line."""
+    the measured time of that attempt's steps: a row of `metrics.jsonl` times its own step and
+    stands for the steps since the row before it (`log_every`). None where the log lacks the
+    loop's summary line."""
     done = _DONE.findall(log)
-    speeds = [v for v in latest_by_step(metrics, "throughput/tokens_per_s").values() if v]
-    if wall is None or not done or not speeds or not tokens_per_step:
+    if wall is None or not done or not tokens_per_step:
+        return {"compile_s": None, "train_s": None, "eval_s": None, "setup_s": None}
+    start, loop_s, compile_s = int(done[-1][0]), float(done[-1][1]), float(done[-1][2])
+    rows = {s: v for s, v in latest_by_step(metrics, "throughput/tokens_per_s").items() if s >= start and v}
+    if not rows:
         return {"compile_s": None, "train_s": None, "eval_s": None, "setup_s": None}
     attempt = log[log.rfind("done: steps", 0, log.rfind("done: steps")) + 1:]  # since the previous attempt's summary
     step_waits = sum(float(waited or seconds) for what, seconds, waited in _COMPILED.findall(attempt) if "evaluation" not in what)
-    loop_s, compile_s = float(done[-1][0]), float(done[-1][1])
-    steps_s = sum(tokens_per_step / v for v in speeds)
+    steps = sorted(rows)
+    steps_s = sum((s - before) * tokens_per_step / rows[s] for before, s in zip([start - 1] + steps, steps))
     train_s = max(0.0, steps_s - step_waits)
     eval_s = max(0.0, loop_s - steps_s - (compile_s - step_waits))
     return {"compile_s": compile_s, "train_s": train_s, "eval_s": eval_s, "setup_s": max(0.0, wall - loop_s)}
