@@ -154,6 +154,23 @@ def test_giving_up_names_the_spikes_and_a_raised_budget_resumes_to_the_same_run(
     assert done and "; with 2 rollbacks (skipped batch 17 at step 17, batch 23 at step 22)" in done[0], printed.getvalue()
 
 
+def test_the_history_starts_again_where_the_data_changes_phase_after_skipped_batches(tmp_path):
+    """Phases are fixed by batch: with batches 3 and 5 skipped, steps 8 and 9 read the batches 10
+    and 11 of a phase starting at batch 10, so a jump there is the new data, not a spike."""
+    import jax.numpy as jnp
+
+    from keel.train.spike_guard import SpikeGuard
+
+    guard = SpikeGuard(SpikeGuardConfig(window=16, min_history=4), str(tmp_path), start=0, state={"w": jnp.zeros(2)},
+                       layout=None, event=print, write_row=lambda *_: None, writer=False, restarts=(10,))
+    guard.skipped = {3, 5}
+    guard.losses = [(s, 2.0 - 0.01 * s + 0.002 * (s % 3)) for s in range(8)]
+    assert guard.batch_index(8) == 10
+    assert guard._judge(8, {"train/loss": 3.0, "train/grad_norm": 1.0}) is None
+    guard.skipped = set()  # the same jump inside a phase is a spike
+    assert guard._judge(8, {"train/loss": 3.0, "train/grad_norm": 1.0}) is not None
+
+
 def test_the_guard_declares_what_counts_toward_identity():
     from keel.executor.step import is_execution_only
 

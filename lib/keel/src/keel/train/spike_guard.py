@@ -118,7 +118,7 @@ class SpikeGuard:
     def __init__(self, config, output_path: str, *, start: int, state, layout, event: Callable[[str], None],
                  write_row: Callable[[int, dict[str, Any]], None], writer: bool, restarts: tuple[int, ...] = ()):
         self.config, self.output_path, self.event, self.write_row, self.writer = config, output_path, event, write_row, writer
-        self.restarts = sorted(restarts)  # steps where the loss history starts again (mixture phases)
+        self.restarts = sorted(restarts)  # batches where the loss history starts again (mixture phases)
         self.rollbacks: list[dict[str, Any]] = read_record(output_path)["rollbacks"] if config else []
         self.skipped = {r["skipped_batch"] for r in self.rollbacks}
         self.replay_until = start  # steps before it have been trained and reported in this attempt
@@ -186,7 +186,8 @@ class SpikeGuard:
         if bad:
             return ", ".join(f"{k} = {v}" for k, v in bad.items()) + " is not finite", None
         c = self.config
-        since = max((r for r in self.restarts if r <= step), default=0)
+        phase = max((r for r in self.restarts if r <= self.batch_index(step)), default=0)  # the data's, by batch
+        since = phase - sum(1 for b in self.skipped if b < phase)  # the first step reading it: earlier by each skip
         recent = [loss for s, loss in self.losses if since <= s < step][-c.window:]
         if len(recent) < max(c.min_history, 2):
             return None
