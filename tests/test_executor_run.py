@@ -372,12 +372,16 @@ def test_a_process_a_launcher_step_forks_exits_and_takes_signals_as_any_process(
     assert exited == [4]
 
     runner = run.Runner(Graph([], "memory://keel-fork"), echo=lambda _: None)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        monkeypatch.setattr(signal, "getsignal", lambda s, sig=sig, h=runner._on_signal: h if s == sig else signal.SIG_DFL)
-        installed: list = []
-        monkeypatch.setattr(signal, "signal", lambda s, handler: installed.append((s, handler)))
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for sig in saved:
+            signal.signal(sig, runner._on_signal)  # as while the launcher runs a graph
         run._forget_launcher_signals()  # what os.register_at_fork runs in the child
-        assert installed == [(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def flaky(config: WriteConfig) -> None:

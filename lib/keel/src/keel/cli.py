@@ -352,14 +352,15 @@ def _run(args, graph: Graph) -> int:
     from keel.executor.run import Runner
 
     url = args.cluster or os.environ.get("KEEL_CLUSTER")
-    on_cluster = [s.name for s in graph.steps() if getattr(s, "resources", None) is not None]
-    if (url or in_iris_job()) and on_cluster and not storage.is_shared_between_processes(graph.prefix):
+    uses_cluster = bool(url) or in_iris_job()  # a driver inside an Iris job uses that cluster
+    on_cluster = [s.name for s in graph.steps() if getattr(s, "resources", None) is not None] if uses_cluster else []
+    if on_cluster and not storage.is_shared_between_processes(graph.prefix):
         print(f"keel: error: --prefix {graph.prefix} lives in this process's memory, where the cluster's workers cannot "
               f"write {on_cluster[0]}'s outputs (it declares resources=): give a prefix they reach (gs://, s3://, or a "
               "folder every worker mounts)", file=sys.stderr)
         return 2
     try:
-        cluster = cluster_client(url) if url or in_iris_job() else None  # a driver inside an Iris job uses that cluster
+        cluster = cluster_client(url) if uses_cluster else None
     except ClusterUnreachable as exc:
         print(f"keel: error: {exc}", file=sys.stderr)
         return 2

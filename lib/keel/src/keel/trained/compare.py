@@ -149,12 +149,11 @@ def wall_split(log: str, metrics: list[dict], tokens_per_step: int, wall: float 
     stands for the steps since the row before it (`log_every`). None where the log lacks the
     loop's summary line."""
     done = _DONE.findall(log)
-    if wall is None or not done or not tokens_per_step:
-        return {"compile_s": None, "train_s": None, "eval_s": None, "setup_s": None}
-    start, loop_s, compile_s = int(done[-1][0]), float(done[-1][1]), float(done[-1][2])
+    start = int(done[-1][0]) if done else 0
     rows = {s: v for s, v in latest_by_step(metrics, "throughput/tokens_per_s").items() if s >= start and v}
-    if not rows:
+    if wall is None or not done or not rows or not tokens_per_step:
         return {"compile_s": None, "train_s": None, "eval_s": None, "setup_s": None}
+    loop_s, compile_s = float(done[-1][1]), float(done[-1][2])
     attempt = log[log.rfind("done: steps", 0, log.rfind("done: steps")) + 1:]  # since the previous attempt's summary
     step_waits = sum(float(waited or seconds) for what, seconds, waited in _COMPILED.findall(attempt) if "evaluation" not in what)
     steps = sorted(rows)
