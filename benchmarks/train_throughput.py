@@ -6,8 +6,8 @@
 size where matmuls dominate; `tiny` (hidden 64) mostly measures per-feature overheads.
 
 Every model's training step is the one keel's loop builds (same optimizer, 8 simulated CPU devices
-as 2 racks x 4, the state laid out as its resolved run plans and checked against it), fed the same
-synthetic batches:
+as 2 racks x 4, the state laid out as its resolved run plans and checked against it, and after
+its first step, what its MoE kernels report they ran), fed the same synthetic batches:
 
 - the keel model, experts split 4 ways over `expert`, with each expert-parallel transport XLA:CPU
   runs (`keel.spec.transports.TRANSPORTS`: fixed-capacity all-to-all, the hero's pooled waves,
@@ -183,6 +183,7 @@ class Contender:
         from keel.train.progress import Progress
 
         self.name, self.mesh, self.data, self.seconds, self.cpu_seconds = name, mesh, data, [], []
+        self.transport = transport
         config = TrainConfig(batch_size=BATCH, seq_len=SEQ, num_steps=10_000, optimizer=AdamWConfig(lr=3e-3),
                              eval_batches=0, rolling_checkpoint_minutes=None, compute_dtype=compute_dtype,
                              transports=(transport,))
@@ -212,6 +213,8 @@ class Contender:
 
         import jax
 
+        from keel.train.loop import StepDone
+
         batch, rates = self.run._batch(self.data[index % len(self.data)]), self.run._rates(index)
         with jax.set_mesh(self.mesh):
             t0, c0 = time.perf_counter(), time.process_time()
@@ -219,6 +222,8 @@ class Contender:
             jax.block_until_ready(metrics)
             self.seconds.append(time.perf_counter() - t0)
             self.cpu_seconds.append(time.process_time() - c0)
+        # after the first step, the loop's own check of what the MoE kernels ran against the plan
+        self.run._check_kernel(StepDone(index, self.transport, metrics, t0))
 
     def tokens_per_s(self, warmup: int = 2) -> float:
         return BATCH * SEQ / statistics.median(self.seconds[warmup:])

@@ -72,7 +72,7 @@ def test_fixed_all_to_all_counts_the_assignments_over_capacity():
          enumerate([(Experts, Latent, Mlp), (Experts, Latent, Mlp), (Experts, Mlp, Latent)])]
     mesh = build_mesh(RACKS_2X4)
     with use_mesh(mesh):
-        _, dropped = jax.jit(
+        _, dropped, sized = jax.jit(
             lambda *a: dispatch(*a, transport=TransportSpec("fixed_all_to_all"), capacity_factor=1.0)
         )(x, selected, weights, valid, *w)
     shards = RACKS_2X4.batch_shards
@@ -84,6 +84,7 @@ def test_fixed_all_to_all_counts_the_assignments_over_capacity():
     )
     assert expected > 0
     assert int(dropped) == expected
+    assert float(sized) == 1.0, "the kernel reports the capacity it was called with"
 
 
 def test_ragged_all_to_all_is_a_configuration_error_on_cpu():

@@ -47,4 +47,8 @@ def test_the_twin_trains_through_its_phases_transport_and_offload_switch_as_plan
         assert live == [leaf.record() for leaf in plan.state_at(record["step"])]
     kinds = [{leaf["memory_kind"] for leaf in r["leaves"] if leaf["path"].startswith("model/")} for r in layout]
     assert kinds == [{"pinned_host"}, {"device"}], "master weights on the host until the swap, then on the device"
+    # what the step's kernels reported they ran after each phase's first step (the pooled waves' capacity as planned)
+    assert layout[0]["transport"] == {"transport": "fixed_pooled_all_to_all",
+                                      "capacity_factor": plan.transport_at(0).capacity_factor}
+    assert plan.transport_at(0).capacity_factor > 0
     assert layout[1]["transport"] == {"transport": "ring", "capacity_factor": None}

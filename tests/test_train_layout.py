@@ -117,7 +117,7 @@ def test_the_live_layout_of_random_models_is_the_resolved_runs(record, which):
     live = record(which)
     plan = resolve(step_config(which))
     assert _arrays(live) == [leaf.record() for leaf in plan.state_at(0)]
-    assert live["transport"] == {"transport": "fixed_all_to_all", "capacity_factor": plan.config.model.capacity_factor}
+    assert "transport" not in live, "what the kernels ran is added by the step that runs them, never from the plan"
 
 
 @pytest.mark.slow
@@ -132,3 +132,37 @@ def test_a_wrong_placement_stops_the_step_naming_the_leaf(tmp_path):
     done = _drive(tmp_path, "random1", "--misplace", "model/layers.stacked.attn.q")
     assert done.returncode != 0
     assert "LayoutMismatch" in done.stderr and "model/layers.stacked.attn.q.spec" in done.stderr, done.stderr[-2000:]
+
+
+def test_what_the_kernels_ran_is_held_to_the_plans_phase_layer_by_layer():
+    """The loop's check of the MoE kernels' own report (`kernel/` outputs of the step that ran)."""
+    import numpy as np
+
+    sys.path.insert(0, HERE)
+    from train_standin import micro_plan
+
+    from keel.spec.train import AdamWConfig, TrainConfig, TransportPhase
+    from keel.spec.transports import TransportName
+    from keel.train.layout import LayoutMismatch, check_kernel, kernel_report
+
+    config = TrainConfig(batch_size=16, seq_len=64, num_steps=8, optimizer=AdamWConfig(lr=1e-2),
+                         transports=(TransportPhase(0, "fixed_all_to_all"), TransportPhase(4, "ring")))
+    plan = micro_plan(config)  # MICRO: capacity factor 4.0, 2 layers
+    fixed, ring = TransportName.FIXED_ALL_TO_ALL.code, TransportName.RING.code
+
+    def ran(codes, factors):
+        return kernel_report({"kernel/transport": np.array(codes, np.int32),
+                              "kernel/capacity_factor": np.array(factors, np.float32), "train/loss": 3.0})
+
+    assert ran([fixed, fixed], [4.0, 4.0]) == {"transport": "fixed_all_to_all", "capacity_factor": 4.0}
+    check_kernel(ran([fixed, fixed], [4.0, 4.0]), 3, plan)
+    check_kernel(ran([ring, ring], [0.0, 0.0]), 4, plan)  # the ring can drop nothing: no capacity
+    with pytest.raises(LayoutMismatch, match="step 4: layer 0's MoE kernel ran 'fixed_all_to_all' with capacity factor "
+                                             "4.0, but the resolved run's phase is 'ring' with None"):
+        check_kernel(ran([fixed, fixed], [4.0, 4.0]), 4, plan)
+    mixed = ran([fixed, fixed], [4.0, 2.0])
+    assert mixed == [{"transport": "fixed_all_to_all", "capacity_factor": 4.0},
+                     {"transport": "fixed_all_to_all", "capacity_factor": 2.0}]
+    with pytest.raises(LayoutMismatch, match="layer 1's MoE kernel ran 'fixed_all_to_all' with capacity factor 2.0"):
+        check_kernel(mixed, 0, plan)
+    assert kernel_report({"train/loss": 3.0}) is None, "a model without routed experts reports no kernel"

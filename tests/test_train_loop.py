@@ -123,6 +123,12 @@ def test_transport_switch_checkpoints_at_the_switch_and_keeps_the_loss_continuou
     assert [r["transport"] for r in records] == ["fixed_all_to_all"] * 4 + ["ring"] * 4
     assert os.path.exists(os.path.join(out, "checkpoints", "step-4", "metadata.json"))
     assert all(r["moe/dropped_fraction"] == 0.0 for r in records)
+    # what the step's MoE kernels reported they ran after each phase's first step, as the run recorded it
+    with open(os.path.join(out, ".keel", "layout.json")) as f:
+        layout = json.load(f)["records"]
+    assert [(r["step"], r["reason"], r["transport"]) for r in layout] == [
+        (0, "start", {"transport": "fixed_all_to_all", "capacity_factor": 4.0}),
+        (4, "phase change", {"transport": "ring", "capacity_factor": None})]
     switched, unswitched = _losses(out), _losses(fixed_run)
     # Nothing is dropped, so the dropless transport computes the same function: the loss curve
     # carries on as if no switch happened.
@@ -271,6 +277,37 @@ def test_a_tracker_that_cannot_open_does_not_hide_why_the_run_stopped(tmp_path, 
         loop.train(config, loop_inputs(config), str(tmp_path / "tiny_stop-0123abcd89"))
     assert "the wandb tracker did not finish after the run stopped" in caplog.text
     assert "wandb: invalid API key" in caplog.text
+
+
+def test_a_kernel_that_runs_another_capacity_than_planned_stops_the_run_after_its_first_step(tmp_path):
+    """The check reads what the compiled step's kernels report, not what the loop meant to hand them:
+    here the model doubles the capacity on its way to the kernel."""
+    import dataclasses
+
+    from train_standin import loop_inputs
+
+    from keel.train.layout import LayoutMismatch
+    from keel.train.lm import KeelLM
+    from keel.train.loop import train
+
+    class DoublesCapacity(KeelLM):
+        def loss(self, model, batch, *, transport, **kwargs):
+            doubled = dataclasses.replace(transport, capacity_factor=2 * transport.capacity_factor)
+            return super().loss(model, batch, transport=doubled, **kwargs)
+
+    config = TrainConfig(num_steps=3, optimizer=AdamWConfig(lr=1e-2), transports=(TransportPhase(0, "fixed_all_to_all"),),
+                         **{**BASE, "eval_batches": 0})
+    inputs = loop_inputs(config, use_wandb=False)
+    inputs.lm = DoublesCapacity(inputs.lm.config, inputs.mesh)
+    out = tmp_path / "doubled-0123abcd89"
+    with pytest.raises(LayoutMismatch, match="step 0: layer 0's MoE kernel ran 'fixed_all_to_all' with capacity "
+                                             "factor 8.0, but the resolved run's phase is 'fixed_all_to_all' with 4.0"):
+        train(config, inputs, str(out))
+    records = json.loads((out / ".keel" / "layout.json").read_text())["records"]
+    assert records[-1]["transport"] == {"transport": "fixed_all_to_all", "capacity_factor": 8.0}
+    rows = read_metrics(str(out / METRICS_FILE)) if (out / METRICS_FILE).exists() else []
+    assert not [r for r in rows if "train/loss" in r], "the step is not reported"
+    assert not (out / "checkpoints").exists() or not os.listdir(out / "checkpoints"), "nor checkpointed"
 
 
 def test_a_dense_baseline_trains_on_the_plan_and_logs_no_moe_metrics(tmp_path):

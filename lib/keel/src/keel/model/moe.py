@@ -103,7 +103,7 @@ class LatentMoE(eqx.Module):
         else:
             z = apply_rms_norm(self.latent_norm, hax.dot(tokens, self.latent_down.astype(u.dtype), axis=a.Embed))
         experts = self.experts
-        out, dropped = dispatch(
+        out, dropped, sized = dispatch(
             z,
             routes.selected,
             routes.weights,
@@ -122,6 +122,9 @@ class LatentMoE(eqx.Module):
         stats = routing_stats(routes, valid_t, a.Experts)
         assignments = jnp.maximum(jnp.sum(valid_t.array) * cfg.experts_per_token, 1)
         stats["dropped_fraction"] = hax.named(dropped / assignments, ())
+        # The kernel's own word on what it ran (0: no capacity), for the loop to check against the plan.
+        stats["kernel_transport"] = hax.named(jnp.int32(transport.name.code), ())
+        stats["kernel_capacity_factor"] = hax.named(jnp.float32(sized or 0.0), ())
         if cfg.balancing is Balancing.QUANTILE:
             stats["qb_beta"] = quantile_beta(routes, valid_t, cfg)
         return unflatten_tokens(out, TOKEN, Batch, Pos), stats

@@ -119,6 +119,8 @@ class MoELM(eqx.Module):
         aux (per-layer arrays carry the `layers` axis):
           routing_counts [Layers, Experts], max_load [Layers], load_balancing_loss [Layers],
           dropped_fraction [Layers] (assignments a fixed-capacity transport dropped),
+          kernel_transport [Layers] (`TransportName.code` of the transport each layer's kernel ran),
+          kernel_capacity_factor [Layers] (the capacity factor it was called with; 0: none can drop),
           qb_beta [Layers, Experts] (quantile balancing only: feed to `next_router_bias`),
           aux_loss (scalar): aux_loss_coef x the summed load-balancing loss, 0 unless balancing='aux_loss'.
         """

@@ -47,16 +47,18 @@ def dispatch(
     *,
     transport: TransportSpec,
     capacity_factor: float,
-) -> tuple[NamedArray, jax.Array]:
+) -> tuple[NamedArray, jax.Array, float | None]:
     """x [Token, Latent], selected/weights [Token, TopK], valid [Token]; expert weights
     gate/up [Experts, Latent, ExpertMlp], down [Experts, ExpertMlp, Latent].
 
-    Returns (out [Token, Latent], dropped assignments: int32 scalar over the global batch).
+    Returns (out [Token, Latent], dropped assignments: int32 scalar over the global batch, the
+    capacity factor the kernel was called with: None where no assignment can be dropped). The
+    third is the kernel's own report, which the training loop checks against the resolved run.
     Invalid (padding) tokens get a zero output and are never counted as dropped.
     """
     check_transport_supported(transport, jax.default_backend())
     if transport.name == "dense":
-        return _dense(x, selected, weights, valid, gate, up, down), jnp.zeros((), jnp.int32)
+        return _dense(x, selected, weights, valid, gate, up, down), jnp.zeros((), jnp.int32), None
 
     Token, Latent = x.axes
     TopK = selected.resolve_axis(TOP_K)
@@ -68,6 +70,7 @@ def dispatch(
     )
     w13 = jnp.concatenate([gate.array, up.array], axis=-1)  # [E, Latent, 2F], gate first (grug's layout)
     w2 = down.array
+    sized = None
     if transport.name == "local":
         out, dropped = _local(raw, w13, w2)
     else:
@@ -91,7 +94,8 @@ def dispatch(
             report_capacity_overflow=True,
         )
         dropped = counts.dropped
-    return hax.named(out, (Token, Latent)), dropped.astype(jnp.int32)
+        sized = None if transport.name == "ring" else factor
+    return hax.named(out, (Token, Latent)), dropped.astype(jnp.int32), sized
 
 
 def _local(raw: dict, w13: jax.Array, w2: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -7,7 +7,8 @@ what both `keel plan` and the trainer read, so that the fact sheet and the run c
   with its named axes, master dtype, placement on the rack mesh (`keel.spec.placement`'s rule
   table, from which the runtime builds its partition specs), optimizer group
   (`keel.spec.train.optimizer_group`, which the optimizer calls too) and optimizer-state arrays;
-- the transport timeline, each phase with the capacity factor its transport will run with.
+- the transport timeline, each phase with the capacity factor its transport will run with (the
+  running step checks what its MoE kernels report they ran against it, `keel.train.layout`).
 
 - the train state as the trainer lays it out at any step (`state_at`): every array of the
   model and the optimizer state with its shape, dtype, partition spec, memory kind (host offload)

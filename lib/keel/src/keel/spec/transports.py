@@ -27,6 +27,15 @@ class TransportName(StrEnum):
     def __repr__(self) -> str:  # in messages, as the user wrote it: 'ring'
         return repr(self.value)
 
+    @property
+    def code(self) -> int:
+        """The member as a number, how a compiled step reports the transport it ran (`of_code`)."""
+        return list(TransportName).index(self)
+
+    @classmethod
+    def of_code(cls, code: int) -> "TransportName":
+        return list(cls)[code]
+
 
 @dataclass(frozen=True)
 class Transport:

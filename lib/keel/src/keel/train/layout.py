@@ -12,13 +12,19 @@ device. This module is the runtime's only source of placements:
 - `record(state, ...)` writes down the live state as jax reports it, in the table's form, and
   `check(live, run)` compares the two leaf by leaf at the record's step and raises
   `LayoutMismatch` naming the first difference. The training loop writes the record to `.keel/layout.json` and checks it
-  when it starts, resumes and changes phase (transport or host-offload switch).
+  when it starts, resumes and changes phase (transport or host-offload switch);
+- `kernel_report(metrics)` reads what the MoE kernels of the step that then ran report they ran
+  (transport and capacity factor, from the step's own outputs, `KeelLM.loss`), and
+  `check_kernel(report, step, run)` holds it to the resolved run's phase; the loop adds the report
+  to that record as its `transport`.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+import numpy as np
 
 import haliax as hax
 import jax
@@ -29,6 +35,8 @@ from levanter.utils.jax_utils import leaf_key_paths
 from keel.executor import storage
 from keel.executor.status import keel_path
 from keel.spec.resolved import DEVICE, ResolvedRun, spec_json
+from keel.spec.transports import TransportName
+from keel.train.lm import KERNEL
 
 LAYOUT_FILE = "layout.json"
 COUNTER = "opt_state/counter/"
@@ -75,14 +83,14 @@ def planned_shardings(run: ResolvedRun, state, mesh) -> Any:
     return jax.tree.unflatten(jax.tree.structure(state), [sharding(p) for p in state_paths(state)])
 
 
-def record(state, *, step: int, reason: str, transport: dict, learning_rates: dict[str, float],
+def record(state, *, step: int, reason: str, learning_rates: dict[str, float],
            peak_learning_rates: dict[str, float]) -> dict:
     """The live state as jax reports it: per array its path, shape, dtype, spec (null, a mesh axis
-    or a list of axes per dim), memory kind and the bytes of one device's shard; plus the phase
-    (transport and capacity), each group's learning rate at `step` and at its peak (the end of
-    warmup), read from the schedules the optimizer steps with, and how many devices hold the state
-    and how many jax processes those belong to (the replicas of a multi-host run form one world).
-    Leaves are sorted by path, as the plan's table is."""
+    or a list of axes per dim), memory kind and the bytes of one device's shard; plus each group's
+    learning rate at `step` and at its peak (the end of warmup), read from the schedules the
+    optimizer steps with, and how many devices hold the state and how many jax processes those
+    belong to (the replicas of a multi-host run form one world). Leaves are sorted by path, as the
+    plan's table is."""
     leaves = []
     devices = set().union(*(array.sharding.device_set for array in jax.tree.leaves(state)))
     for path, array in zip(state_paths(state), jax.tree.leaves(state)):
@@ -92,14 +100,14 @@ def record(state, *, step: int, reason: str, transport: dict, learning_rates: di
         leaves.append({"path": path, "shape": list(array.shape), "dtype": str(array.dtype), "spec": spec_json(spec),
                        "memory_kind": sharding.memory_kind,
                        "bytes_per_device": int(array.dtype.itemsize * math.prod(shard))})
-    return {"step": step, "reason": reason, "transport": transport, "learning_rates": learning_rates,
+    return {"step": step, "reason": reason, "learning_rates": learning_rates,
             "peak_learning_rates": peak_learning_rates,
             "devices": len(devices), "processes": len({device.process_index for device in devices}),
             "leaves": sorted(leaves, key=lambda leaf: leaf["path"])}
 
 
 def check(live: dict, run: ResolvedRun) -> None:
-    """Raise `LayoutMismatch` at the first leaf (or phase figure) where `live` differs from the
+    """Raise `LayoutMismatch` at the first leaf (or learning rate) where `live` differs from the
     resolved run at the live record's step; counters must be replicated int/float scalars."""
     step = live["step"]
     planned = {leaf.path: leaf.record() for leaf in run.state_at(step)}
@@ -119,11 +127,6 @@ def check(live: dict, run: ResolvedRun) -> None:
         if leaf["path"].startswith(COUNTER) and (leaf["shape"] or any(leaf["spec"])):
             raise LayoutMismatch(f"step {step}: optimizer counter {leaf['path']} should be a replicated scalar, "
                                  f"is shape {leaf['shape']} spec {leaf['spec']}")
-    want_phase = run.transport_at(step)
-    for field, value in (("transport", want_phase.transport), ("capacity_factor", want_phase.capacity_factor)):
-        if live["transport"][field] != value:
-            raise LayoutMismatch(f"step {step}: {field} is {live['transport'][field]!r} live but {value!r} in the "
-                                 "resolved run")
     for key, at in (("learning_rates", step), ("peak_learning_rates", run.warmup_steps)):
         for group, want in run.lr_at(at).items():
             got = live[key].get(group)
@@ -132,12 +135,48 @@ def check(live: dict, run: ResolvedRun) -> None:
                                      f"{want!r} in the resolved run")
 
 
+def kernel_report(metrics: dict[str, Any]) -> dict | list[dict] | None:
+    """What the MoE kernels of a step report they ran, from its metrics (`KeelLM.loss`'s `kernel/`
+    entries, one value per layer): {"transport", "capacity_factor" (None: none can drop)} when
+    every layer agrees, else one such dict per layer; None for a model without routed experts."""
+    if KERNEL + "transport" not in metrics:
+        return None
+    codes, factors = (np.asarray(metrics[KERNEL + k]).reshape(-1) for k in ("transport", "capacity_factor"))
+    layers = [{"transport": TransportName.of_code(int(code)).value,
+               "capacity_factor": float(f"{factor:.7g}") if factor > 0 else None} for code, factor in zip(codes, factors)]
+    return layers[0] if all(layer == layers[0] for layer in layers) else layers
+
+
+def check_kernel(report: dict | list[dict], step: int, run: ResolvedRun) -> None:
+    """Raise `LayoutMismatch` naming the first layer whose kernel ran another transport or capacity
+    than the resolved run's phase at `step`."""
+    want = run.transport_at(step)
+    for layer, got in enumerate(report if isinstance(report, list) else [report]):
+        factor = got["capacity_factor"]
+        same_factor = (factor is None) == (want.capacity_factor is None) and (
+            factor is None or abs(factor - want.capacity_factor) <= 1e-6 * want.capacity_factor)
+        if got["transport"] != want.transport or not same_factor:
+            raise LayoutMismatch(f"step {step}: layer {layer}'s MoE kernel ran {got['transport']!r} with capacity factor "
+                                 f"{factor!r}, but the resolved run's phase is {want.transport!r} with "
+                                 f"{want.capacity_factor!r}: the step was not built from the plan's transport")
+
+
 def append_record(output_path: str, entry: dict) -> None:
     """Add `entry` to the step's `.keel/layout.json` ({"records": [...]}, newest last)."""
-    path = keel_path(output_path, LAYOUT_FILE)
-    previous = storage.read_json(path)
-    records = previous.get("records", []) if isinstance(previous, dict) else []
-    storage.write_json(path, {"records": [*records, entry]}, indent=None)
+    records = _records(output_path)
+    storage.write_json(keel_path(output_path, LAYOUT_FILE), {"records": [*records, entry]}, indent=None)
+
+
+def add_to_last_record(output_path: str, **fields) -> None:
+    """Add `fields` to the newest record of the step's `.keel/layout.json`."""
+    records = _records(output_path)
+    storage.write_json(keel_path(output_path, LAYOUT_FILE), {"records": [*records[:-1], {**records[-1], **fields}]},
+                       indent=None)
+
+
+def _records(output_path: str) -> list[dict]:
+    previous = storage.read_json(keel_path(output_path, LAYOUT_FILE))
+    return previous.get("records", []) if isinstance(previous, dict) else []
 
 
 def _is_named(x) -> bool:

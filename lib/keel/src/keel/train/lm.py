@@ -7,7 +7,10 @@ handed fp32 master weights and the compute dtype), is told the transport in forc
 
 - `qb_beta` [layers, experts]: this step's quantile-balancing betas (absent without QB);
 - `dropped_fraction`: assignments dropped by expert capacity / all assignments;
-- `router_balance`: busiest expert's load / mean load (1.0 = perfectly even).
+- `router_balance`: busiest expert's load / mean load (1.0 = perfectly even);
+- `kernel/transport`, `kernel/capacity_factor` [layers]: what each layer's MoE kernel reports it
+  ran (`TransportName.code`; the capacity factor it was called with, 0 where none can drop). The
+  loop checks them against the resolved run after the first step of each phase (`KERNEL`).
 
 `apply_router_update(model, aux)` returns the model whose router bias is the one for the next
 step (the identity for models without quantile balancing).
@@ -26,6 +29,9 @@ from keel.model.axes import BATCH, POS
 from keel.model.loss import TokenBatch, loss_fn
 from keel.model.routing import next_router_bias
 from keel.model.transformer import init_model, with_router_bias
+
+KERNEL = "kernel/"
+"""The prefix of the aux entries that report what the MoE kernels ran (checked, never logged)."""
 
 
 class TrainableLM(Protocol):
@@ -69,6 +75,9 @@ class KeelLM:
         if "dropped_fraction" in aux:
             out["dropped_fraction"] = jnp.mean(aux["dropped_fraction"].array)
             out["router_balance"] = jnp.mean(aux["max_load"].array)
+        if "kernel_transport" in aux:
+            out[KERNEL + "transport"] = aux["kernel_transport"].array
+            out[KERNEL + "capacity_factor"] = aux["kernel_capacity_factor"].array
         if "qb_beta" in aux:
             out["qb_beta"] = aux["qb_beta"]
         return loss, out

@@ -28,7 +28,10 @@ The train state is laid out as the resolved run says (`LoopInputs.plan`, `keel.t
 every array's partition spec comes from the run's state table, never from the model or the
 arrays themselves. The loop records the live state to `.keel/layout.json` when it starts or
 resumes and at every phase change (transport switch, host-offload switch), and stops before
-training on the first array, transport capacity or learning rate that differs from the plan.
+training on the first array or learning rate that differs from the plan. After the first step of
+each phase it adds what the step's MoE kernels report they ran (transport and capacity factor, an
+output of the compiled step) and stops, before that step is reported or checkpointed, where it is
+not the plan's phase.
 
 The train state's shardings are pinned (inputs and outputs of the step), so a restored state and
 a state fresh out of the previous step run the very same executable: resumption is bit-exact.
@@ -68,7 +71,7 @@ from keel.spec.transports import TransportSpec
 from keel.train import compile_ahead, layout, offload
 from keel.train.batches import batch_loader, batch_shapes, batch_sharding
 from keel.train.checkpoint import TrainCheckpoints
-from keel.train.lm import TrainableLM
+from keel.train.lm import KERNEL, TrainableLM
 from keel.train.optimizer import Optimizer
 from keel.train.progress import Progress
 from keel.train.spike_guard import NonFiniteTraining  # noqa: F401 - the loop's failure, imported from here
@@ -158,6 +161,7 @@ class _Run:
         self.told_sample = False  # the first evaluation says how many sequences it samples
         self.guard: SpikeGuard | None = None  # made when training starts (keel.train.spike_guard)
         self._met = False  # the processes met before their first shared program (`_meet_before_first_program`)
+        self._kernel_unchecked = False  # a layout record waits for the kernels' report of the step after it
         if self.start < config.num_steps:  # the loop evaluates first: that compiles on this thread, alongside
             self._compile_ahead(self.start, evaluation=False, announce=False)
 
@@ -354,7 +358,7 @@ class _Run:
                 step, self.layout, previous = rollback.to_step, rollback.layout, self.transport_at(max(rollback.to_step - 1, 0))
                 continue
             done = StepDone(step, phase, metrics, started, replaying=self.guard.replaying(step))
-            for hook in (self._report, self._evaluate_after, self._checkpoint_or_stop):
+            for hook in (self._check_kernel, self._report, self._evaluate_after, self._checkpoint_or_stop):
                 hook(done)
             step = done.completed
         batches.close()
@@ -372,6 +376,22 @@ class _Run:
         return phase
 
     # ------------------------------------------------------------------ after-step hooks
+    def _check_kernel(self, done: StepDone) -> None:
+        """After the first step since the newest layout record (a start, resume or phase change):
+        add to that record what the step's MoE kernels report they ran, and stop unless it is the
+        resolved run's phase. The report is an output of the compiled step that trained, so a step
+        built or picked for another phase, or a kernel that ignored the capacity it was handed,
+        is caught here rather than trusted."""
+        if not self._kernel_unchecked:
+            return
+        self._kernel_unchecked = False
+        report = layout.kernel_report(jax.device_get({k: v for k, v in done.metrics.items() if k.startswith(KERNEL)}))
+        if report is None:  # no routed experts: no kernel to ask
+            return
+        if jax.process_index() == 0:
+            layout.add_to_last_record(self.output_path, transport=report)
+        layout.check_kernel(report, done.step, self.plan)
+
     def _report(self, done: StepDone) -> None:
         """Progress line every step; a metrics row (and wandb) every `log_every` steps and at the end.
         A replayed step was reported before the rollback and is not again."""
@@ -382,7 +402,7 @@ class _Run:
                            phase=self._mixture_phase(done.step))
         if done.replaying or not (done.completed % config.log_every == 0 or done.completed == config.num_steps):
             return
-        values = {k: float(v) for k, v in jax.device_get(done.metrics).items()}
+        values = {k: float(v) for k, v in jax.device_get(done.metrics).items() if not k.startswith(KERNEL)}
         values["throughput/tokens_per_s"] = config.tokens_per_step / (time.perf_counter() - done.started)
         values["transport"] = done.phase.transport
         self._log(done.step, values)
@@ -438,14 +458,12 @@ class _Run:
         if self.plan is None:
             self.progress.event(f"step {step}: no resolved run: the train state is replicated and unchecked")
             return
-        spec = self._transport_spec(self.transport_at(step))
-        live = layout.record(self.state_arrays, step=step, reason=reason,
-                             transport={"transport": spec.name, "capacity_factor": spec.capacity_factor},
-                             learning_rates=self._learning_rates(step),
+        live = layout.record(self.state_arrays, step=step, reason=reason, learning_rates=self._learning_rates(step),
                              peak_learning_rates=self._learning_rates(self.plan.warmup_steps))
         if jax.process_index() == 0:
             layout.append_record(self.output_path, live)
         layout.check(live, self.plan)
+        self._kernel_unchecked = True
 
     def _step_fn(self, phase: TransportPhase, step: int) -> compile_ahead.Pending:
         """The compiled step for `phase` and the current layout: compiled ahead, or here and now."""
@@ -540,6 +558,7 @@ class _Run:
             if routed:  # a dense model has no router: it logs no MoE metrics
                 metrics["moe/dropped_fraction"] = aux.get("dropped_fraction", jnp.zeros(()))
                 metrics["moe/router_balance"] = aux.get("router_balance", jnp.ones(()))
+            metrics.update({k: v for k, v in aux.items() if k.startswith(KERNEL)})
             metrics.update({f"lr/{group}": rates[f"lr/{group}"] for group in optimizer.lr_groups})
             return eqx.filter(new_state, eqx.is_array), metrics
 
