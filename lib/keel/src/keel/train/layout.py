@@ -24,10 +24,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
 import haliax as hax
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from levanter.utils.jax_utils import leaf_key_paths
