@@ -182,3 +182,20 @@ def test_the_guard_declares_what_counts_toward_identity():
     # its history after a resume comes from metrics.jsonl, so every step needs its row there
     with pytest.raises(ValueError, match="TrainConfig.log_every=5 with a spike_guard.*keep log_every=1"):
         TrainConfig(batch_size=8, seq_len=16, num_steps=10, spike_guard=SpikeGuardConfig(), log_every=5)
+
+
+def test_a_rollback_at_a_phase_start_checks_the_kernels_of_the_step_that_enters_the_phase_again(tmp_path, monkeypatch):
+    """A NaN at the ring phase's first step (17): the loop rolls back to its step-15 snapshot in the
+    fixed-capacity phase, replays, and enters the ring phase again. The rolled-back step's record
+    gets no kernel report, and no replayed step of the earlier phase lends it one: the report the
+    record holds is that of the step that entered the phase and stood."""
+    from keel.spec import TransportPhase
+
+    out = tmp_path / "guarded_switch-0123abcd89"
+    _train(out, monkeypatch, poison="17:padding", spike_guard=GUARD, num_steps=19, compute_dtype="float32",
+           transports=(TransportPhase(0, "fixed_all_to_all"), TransportPhase(17, "ring")))
+    records = json.loads((out / ".keel" / "layout.json").read_text())["records"]
+    fixed, ring = {"transport": "fixed_all_to_all", "capacity_factor": 4.0}, {"transport": "ring", "capacity_factor": None}
+    assert [(r["step"], r["reason"], r.get("transport")) for r in records] == [
+        (0, "start", fixed), (17, "phase change", None), (17, "phase change", ring)]
+    assert [r["spike/rollback_from"] for r in _records(out) if "spike/rollback_from" in r] == [17]

@@ -161,7 +161,7 @@ class _Run:
         self.told_sample = False  # the first evaluation says how many sequences it samples
         self.guard: SpikeGuard | None = None  # made when training starts (keel.train.spike_guard)
         self._met = False  # the processes met before their first shared program (`_meet_before_first_program`)
-        self._kernel_unchecked = False  # a layout record waits for the kernels' report of the step after it
+        self._kernel_pending: int | None = None  # the step of the layout record that waits for its kernels' report
         if self.start < config.num_steps:  # the loop evaluates first: that compiles on this thread, alongside
             self._compile_ahead(self.start, evaluation=False, announce=False)
 
@@ -382,9 +382,9 @@ class _Run:
         resolved run's phase. The report is an output of the compiled step that trained, so a step
         built or picked for another phase, or a kernel that ignored the capacity it was handed,
         is caught here rather than trusted."""
-        if not self._kernel_unchecked:
+        if done.step != self._kernel_pending:  # a rollback that replays into a phase records it again
             return
-        self._kernel_unchecked = False
+        self._kernel_pending = None
         report = layout.kernel_report(jax.device_get({k: v for k, v in done.metrics.items() if k.startswith(KERNEL)}))
         if report is None:  # no routed experts: no kernel to ask
             return
@@ -463,7 +463,7 @@ class _Run:
         if jax.process_index() == 0:
             layout.append_record(self.output_path, live)
         layout.check(live, self.plan)
-        self._kernel_unchecked = True
+        self._kernel_pending = step
 
     def _step_fn(self, phase: TransportPhase, step: int) -> compile_ahead.Pending:
         """The compiled step for `phase` and the current layout: compiled ahead, or here and now."""
