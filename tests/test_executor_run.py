@@ -11,11 +11,12 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from keel import Retries, Step, execution_only, output_of, this_output
+from keel import External, Retries, Step, execution_only, output_of, this_output
 from keel.cli import console_main
 from keel.executor.plan import Graph, plan_graph
 from keel.executor.run import run_steps
 from keel.executor.status import keel_path, read_status
+from keel.executor.step import StepDeclarationError
 
 REPO = Path(__file__).resolve().parent.parent
 COUNTING = str(REPO / "tests/fixtures/counting_graph.py")
@@ -141,6 +142,18 @@ def test_force_and_only(tmp_path):
     assert sorted(report.ran) == ["t/a", "t/c", "t/side"]
     assert read_status(Graph([a], prefix).path(a)).attempt == 2
     assert read_status(Graph([b], prefix).path(b)).attempt == 1
+
+
+def test_a_run_refuses_to_start_steps_that_read_an_empty_external_and_runs_the_rest_with_only(tmp_path):
+    empty = External("raw/empty", str(tmp_path / "nothing-here"))
+    reads = Step("t/reads", write, WriteConfig("reads", source=output_of(empty, "data.txt")))
+    alone = Step("t/alone", write, WriteConfig("alone"))
+    CALLS.clear()
+    with pytest.raises(StepDeclarationError, match=r"no files at the path of external input raw/empty at .*nothing-here"):
+        run_steps([reads, alone], str(tmp_path / "out"), echo=lambda _: None)
+    assert CALLS == [] and not (tmp_path / "out").exists()  # refused before any step started or wrote
+    report = run_steps([reads, alone], str(tmp_path / "out"), only="t/alone", echo=lambda _: None)
+    assert report.ran == ["t/alone"] and CALLS == ["alone"]
 
 
 def test_manifest_verified_on_cache_hit(tmp_path):

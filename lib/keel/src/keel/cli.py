@@ -22,7 +22,7 @@ import traceback
 
 from keel.executor import storage
 from keel.executor.overrides import apply_overrides
-from keel.executor.plan import EMPTY_EXTERNAL, Graph, StepPlan, plan_graph, select
+from keel.executor.plan import Graph, StepPlan, plan_graph
 from keel.executor.status import KEEL_DIR, RECORD
 from keel.executor.step import ReportsProgress, Step, StepDeclarationError
 
@@ -243,8 +243,7 @@ def _act(args, step_lists: list[list]) -> int:
     graph = graphs[0]
     if args.command == "run":
         _check_fits(_fact_sheets(graph))  # the training steps' declaration and memory checks, before any step runs
-        _check_externals(plan_graph(graph, force), only)
-        return _run(args, graph)
+        return _run(args, graph, force, only)  # the runner refuses to start steps that read an empty External
     plans = plan_graph(graph, force)
     if only is not None:  # what `run --only` would look at: the matching steps and their ancestry
         wanted = {id(s) for s in _with_ancestry([p.step for p in plans if only.search(p.name)])}
@@ -271,18 +270,6 @@ def _with_ancestry(steps: list) -> list:
             found[id(step)] = step
             stack.extend(step.deps)
     return list(found.values())
-
-
-def _check_externals(plans: list[StepPlan], only: re.Pattern | None) -> None:
-    """Refuse to start a run whose steps read an External path that holds no file (and declares
-    no version): each of them would start, then fail, or worse, read nothing."""
-    chosen = select(plans, only)
-    needed = {id(d) for p in plans if id(p.step) in chosen for d in p.step.deps}
-    empty = [p for p in plans if p.state == "external" and id(p.step) in needed and p.reason == EMPTY_EXTERNAL]
-    if empty:
-        shown = "; ".join(f"{p.name} at {p.output_path}" for p in empty)
-        raise StepDeclarationError(f"no files at the path of external input {shown}: put the data there or fix the "
-                                   "External's path (a declared version= stands for files keel does not list)")
 
 
 def _check_fits(sheets: list[dict]) -> None:
@@ -347,7 +334,7 @@ def render_table(plans: list[StepPlan], timings: bool = False) -> str:
     return "\n".join(rows + [f"-- {len(plans)} steps: {summary}"])
 
 
-def _run(args, graph: Graph) -> int:
+def _run(args, graph: Graph, force: re.Pattern | None, only: re.Pattern | None) -> int:
     from keel.executor.cluster import ClusterUnreachable, cluster_client, in_iris_job
     from keel.executor.run import Runner
 
@@ -364,11 +351,11 @@ def _run(args, graph: Graph) -> int:
     except ClusterUnreachable as exc:
         print(f"keel: error: {exc}", file=sys.stderr)
         return 2
-    runner = Runner(graph, cluster=cluster, max_concurrent=args.max_concurrent, force=re.compile(args.force) if args.force else None)
+    runner = Runner(graph, cluster=cluster, max_concurrent=args.max_concurrent, force=force)
     with contextlib.ExitStack() as stack:
         if url:
             stack.callback(cluster.shutdown)
-        report = runner.run(re.compile(args.only) if args.only else None)
+        report = runner.run(only)
     reused = f"{len(report.reused)} reused" + (" (finished by another launcher while this one waited)" if report.reused else "")
     print(f"[keel] {len(report.ran)} ran, {reused}, "
           f"{sum(p.state == 'cached' for p in report.plans)} cached, {len(report.failures)} failed, {len(report.blocked)} skipped"

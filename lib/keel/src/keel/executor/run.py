@@ -1,19 +1,20 @@
 """Run a graph: the steps that are not cached, in dependency order, concurrently where they can be.
 
-Each step is claimed with a lease on its output path (so concurrent launchers run it once),
-recorded in `step.json` (which marks the attempt RUNNING), dispatched (an `isolated` step in a
-child process of its own, see `child.py`; steps that declare `resources=` to the cluster client
-when one is given, see `cluster.py`; other steps as jobs of fray's in-process client, or of
-`client=` when one is given) and, once the job has finished, marked SUCCESS in one write that
-carries the manifest of its outputs (see `status.py`). Bookkeeping per step: the lease (create,
-delete), `step.json` and `status` (each written whole), and after a SUCCESS the content-index entry
-`{prefix}/.keel/content/<hash>.json` (`reuse.py`); the log file only if the step prints,
-`.keel/heartbeat` only if it declares `progress_timeout_s`. A
-failure marks the step FAILED, stops its dependents, lets independent branches finish and is
-reported with the step's name, output path, exception and log. So does a write outside the step's
-output: beside its folder (`_Beside`, seen from here) or anywhere else (`writes.py`, seen in the
-step's own thread or process). A step that recorded warnings (`step_warnings.py`) is SUCCESS, and
-the report lists it with them (`RunReport.warned`).
+A run that would start a step reading an External path that holds no file is refused before any step
+starts, from the same plan the run then follows. Each step is claimed with a lease on its output
+path (so concurrent launchers run it once), recorded in `step.json` (which marks the attempt
+RUNNING), dispatched (an `isolated` step in a child process of its own, see `child.py`; steps that
+declare `resources=` to the cluster client when one is given, see `cluster.py`; other steps as jobs
+of fray's in-process client, or of `client=` when one is given) and, once the job has finished,
+marked SUCCESS in one write that carries the manifest of its outputs (see `status.py`). Bookkeeping
+per step: the lease (create, delete), `step.json` and `status` (each written whole), and after a
+SUCCESS the content-index entry `{prefix}/.keel/content/<hash>.json` (`reuse.py`); the log file only
+if the step prints, `.keel/heartbeat` only if it declares `progress_timeout_s`. A failure marks the
+step FAILED, stops its dependents, lets independent branches finish and is reported with the step's
+name, output path, exception and log. So does a write outside the step's output: beside its folder
+(`_Beside`, seen from here) or anywhere else (`writes.py`, seen in the step's own thread or
+process). A step that recorded warnings (`step_warnings.py`) is SUCCESS, and the report lists it
+with them (`RunReport.warned`).
 
 Ctrl-C (SIGINT) or SIGTERM, the first time: no new step starts, the running ones are asked to stop
 at their next safe point (training steps checkpoint; a cluster job cannot be asked, so it is
@@ -42,12 +43,12 @@ from typing import Callable
 from keel.executor import code, heartbeat, interrupt, reuse, storage
 from keel.executor import lease as leases
 from keel.executor.job import guard_process_exit, log_url, run_step_job
-from keel.executor.plan import CACHED, Graph, StepPlan, plan_graph, select
+from keel.executor.plan import CACHED, EMPTY_EXTERNAL, EXTERNAL, Graph, StepPlan, plan_graph, select
 from keel.executor.provenance import _secret_values, provenance, scrub
 from keel.executor.resolve import resolve_config
 from keel.executor.identity import HASH_CHARS
 from keel.executor.status import KEEL_DIR, SUCCESS, Status, keel_path, mark_finished, mark_running, read_status, verify_manifest
-from keel.executor.step import DeclaresDevices, Step
+from keel.executor.step import DeclaresDevices, Step, StepDeclarationError
 
 _MAX_WAIT_POLL_S = 1.0
 _NOT_STARTED = "not started"  # a step's outcome: the run was interrupted while another launcher ran it
@@ -148,6 +149,17 @@ def _plain(value):
     return repr(value)
 
 
+def _refuse_empty_externals(plans: list[StepPlan], chosen: set[int]) -> None:
+    """Refuse to start a run whose chosen steps read an External path that holds no file (and
+    declares no version): each of them would start, then fail, or worse, read nothing."""
+    needed = {id(d) for p in plans if id(p.step) in chosen for d in p.step.deps}
+    empty = [p for p in plans if p.state == EXTERNAL and id(p.step) in needed and p.reason == EMPTY_EXTERNAL]
+    if empty:
+        shown = "; ".join(f"{p.name} at {p.output_path}" for p in empty)
+        raise StepDeclarationError(f"no files at the path of external input {shown}: put the data there or fix the "
+                                   "External's path (a declared version= stands for files keel does not list)")
+
+
 class Runner:
     """`client` runs the steps in the driver (default: an in-process `LocalClient`); `cluster`, when
     given, runs the steps that declare `resources=`."""
@@ -173,9 +185,10 @@ class Runner:
 
     def run(self, only: re.Pattern | None = None) -> RunReport:
         plans = plan_graph(self.graph, self.force)
+        chosen = select(plans, only)
+        _refuse_empty_externals(plans, chosen)
         self._index_cached(plans)
         report = RunReport(plans)
-        chosen = select(plans, only)
         if not chosen:
             return report
         self._isolated_in_run = sum(1 for p in plans if id(p.step) in chosen and getattr(p.step, "isolated", False))
