@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from defaults import default_tokenizer, ingest
+from defaults import default_tokenize, default_tokenizer, ingest
 from keel import External
 from keel.cli import console_main
 from keel.data import iter_documents
@@ -146,6 +146,34 @@ def test_an_external_without_a_version_is_fingerprinted_but_not_its_keel_folder(
     assert ext_hash(version="v1") == ext_hash(version="v1") != ext_hash()
     missing = External("shared/none", str(tmp_path / "none"))
     assert [p.reason for p in plan_graph(Graph([missing], str(tmp_path / "out")))] == [EMPTY_EXTERNAL]
+
+
+def test_a_tokenizer_given_by_path_is_fingerprinted_so_rewriting_it_makes_the_caches_stale(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+
+    def write_tokenizer(vocab):
+        Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(str(folder / "tokenizer.json"))
+
+    write_tokenizer({"[UNK]": 0, "a": 1})
+    docs = ingest("d", (_corpus(tmp_path / "a.jsonl", 5),))
+    by_folder = default_tokenize("t", docs, str(folder))
+    by_file = default_tokenize("t", docs, str(folder / "tokenizer.json"))
+    made = default_tokenize("t", docs, default_tokenizer("bpe", docs, vocab_size=300))
+    hub = default_tokenize("t", docs, "some-org/some-tokenizer")  # no such folder: a hub name, no files
+
+    def hashes():
+        return [Identities().hash(s) for s in (by_folder, by_file, made, hub)]
+
+    assert by_folder.config.input_files() == {str(folder / "tokenizer.json"): str(folder / "tokenizer.json")}
+    first = hashes()
+    write_tokenizer({"[UNK]": 0, "b": 1})  # the same path, another vocabulary
+    second = hashes()
+    assert [a != b for a, b in zip(first, second)] == [True, True, False, False]
+    (folder / "tokenizer_config.json").write_text('{"eos_token": "b"}')  # its special tokens count too
+    assert Identities().hash(by_folder) != second[0]
 
 
 def test_keel_plan_names_a_missing_input_before_anything_runs(tmp_path, capsys):

@@ -77,7 +77,7 @@ def test_eval_and_sample_follow_their_run_under_set():
         default_eval("e", model=run, data={"stdlib": _chain()[1]})
 
 
-def test_a_sample_uses_the_tokenizer_the_runs_data_was_tokenized_with():
+def test_a_sample_uses_the_tokenizer_the_runs_data_was_tokenized_with(tmp_path):
     tokenizer, tokens = _chain()
     sample = default_sample("s", run=_run(data=tokens), prompts=["def "], seed=3)
     assert sample.config.tokenizer is tokenizer and sample.config.add_bos is False and sample.isolated
@@ -87,6 +87,10 @@ def test_a_sample_uses_the_tokenizer_the_runs_data_was_tokenized_with():
     with pytest.raises(ValueError, match=r"not a keel tokenize step.*pass tokenizer="):
         default_sample("s", run=_run(data=cache), prompts=["a"])
     assert default_sample("s", run=_run(data=cache), prompts=["a"], tokenizer="/tok").config.tokenizer == "/tok"
+    (tmp_path / "tokenizer.json").write_text("{}")  # a tokenizer given by path: its file joins the identity
+    by_path = default_sample("s", run=_run(data=cache), prompts=["a"], tokenizer=str(tmp_path)).config
+    assert by_path.input_files() == {str(tmp_path / "tokenizer.json"): str(tmp_path / "tokenizer.json")}
+    assert sample.config.input_files() == {}  # the tokenize step's own tokenizer counts through that step
 
 
 def test_declaration_mistakes_name_the_fix():

@@ -20,12 +20,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from keel.data.documents import EmptyDataError, iter_documents, read_index
 from keel.data.summary import write_summary
 from keel.executor import storage
-from keel.spec.data import TrainTokenizerConfig
+from keel.spec.data import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, TrainTokenizerConfig, tokenizer_files
 
 logger = logging.getLogger(__name__)
-
-TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
 @dataclass(frozen=True)
@@ -97,10 +94,7 @@ def load_tokenizer(
     ref: str, *, bos_token: str | None = None, eos_token: str | None = None, pad_token: str | None = None
 ) -> LoadedTokenizer:
     """Load a tokenizer directory, a tokenizer.json path or a hub name; explicit special tokens win."""
-    if ref.endswith(".json"):
-        tokenizer_file, config_file = ref, storage.join(ref.rsplit("/", 1)[0] if "/" in ref else ".", TOKENIZER_CONFIG_FILE)
-    else:
-        tokenizer_file, config_file = storage.join(ref, TOKENIZER_FILE), storage.join(ref, TOKENIZER_CONFIG_FILE)
+    tokenizer_file, config_file = tokenizer_files(ref)
     text = storage.read_text(tokenizer_file)
     if text is not None:
         tokenizer = Tokenizer.from_str(text)

@@ -9,7 +9,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from keel.executor import storage
 from keel.executor.step import execution_only, this_output
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+
+
+def tokenizer_files(ref: str) -> tuple[str, str]:
+    """(tokenizer.json, tokenizer_config.json) of a tokenizer directory or a tokenizer.json path."""
+    if ref.endswith(".json"):
+        return ref, storage.join(ref.rsplit("/", 1)[0] if "/" in ref else ".", TOKENIZER_CONFIG_FILE)
+    return storage.join(ref, TOKENIZER_FILE), storage.join(ref, TOKENIZER_CONFIG_FILE)
+
+
+def tokenizer_input_files(ref) -> dict[str, str]:
+    """The files of a tokenizer given by path, for a step's identity (`ReadsFiles.input_files`):
+    a tokenizer.json rewritten in place then makes the step stale instead of serving what the old
+    vocabulary made. A tokenizer a step made (`output_of`) counts through that step; a hub name
+    has no files here. Each file is named as declared, so the identity does not depend on the machine."""
+    if not isinstance(ref, str):
+        return {}
+    return {path: path for path in tokenizer_files(ref) if storage.exists(path)}
 
 
 @dataclass(frozen=True)
@@ -46,7 +67,8 @@ class TokenizeConfig:
     a tokenizer.json path or a hub name) into `seq_len`-token packed sequences.
 
     `bos_token`/`eos_token` name the special tokens for a tokenizer that does not carry a
-    tokenizer_config.json; each document gets bos/eos added as `add_bos`/`add_eos` say.
+    tokenizer_config.json; each document gets bos/eos added as `add_bos`/`add_eos` say. A
+    tokenizer given by path counts toward the step's identity by its files' contents.
     """
 
     documents: str
@@ -64,3 +86,6 @@ class TokenizeConfig:
             raise ValueError(f"TokenizeConfig.seq_len must be positive, got {self.seq_len}")
         if self.batch_documents <= 0:
             raise ValueError(f"TokenizeConfig.batch_documents must be positive, got {self.batch_documents}")
+
+    def input_files(self) -> dict[str, str]:
+        return tokenizer_input_files(self.tokenizer)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keel.executor.step import execution_only, this_output
+from keel.spec.data import tokenizer_input_files
 from keel.spec.hardware import Hardware
 from keel.spec.topology import RackTopology
 from keel.spec.model import MoELMConfig
@@ -125,6 +126,9 @@ class SampleConfig:
             raise ValueError(f"SampleConfig.max_tokens={self.max_tokens} must be positive")
         if self.temperature < 0:
             raise ValueError(f"SampleConfig.temperature={self.temperature} must be >= 0 (0 is greedy)")
+
+    def input_files(self) -> dict[str, str]:
+        return tokenizer_input_files(self.tokenizer)
 
     def process_env(self, processes: int = 1) -> dict[str, str]:
         return self.model.process_env(processes)
