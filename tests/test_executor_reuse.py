@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import fsspec
 
 from keel import Step, output_of, this_output
+from keel.cli import console_main
 from keel.executor.plan import CACHED, RUN, Graph, plan_graph
 from keel.executor.run import run_steps
 
@@ -78,3 +79,25 @@ def test_a_damaged_or_deleted_original_is_not_reused(tmp_path):
     # x/a's fresh output is what the index names now; the damaged one is left as it was
     again = {p.name: p for p in plan_graph(Graph([chain("y/a", "y/b")], prefix))}
     assert again["y/a"].reused_from == "x/a"
+
+
+def test_two_experiment_files_own_functions_of_one_name_are_not_the_same_work(tmp_path, capsys):
+    def experiment(name: str, step: str, body: str) -> str:
+        path = tmp_path / f"{name}.py"
+        path.write_text("from dataclasses import dataclass\nimport os\nfrom keel import Step, main, this_output\n\n\n"
+                        "@dataclass(frozen=True)\nclass C:\n    output_path: str = this_output()\n\n\n"
+                        f"def make(config: C) -> None:\n    os.makedirs(config.output_path, exist_ok=True)\n"
+                        f"    open(os.path.join(config.output_path, 'out.txt'), 'w').write({body!r})\n\n\n"
+                        f"if __name__ == '__main__':\n    main([Step({step!r}, make, C())])\n")
+        return str(path)
+
+    prefix = str(tmp_path / "out")
+    assert console_main(["run", experiment("exp1", "x/a", "hello"), "--prefix", prefix]) == 0
+    # both files' `make` is `__main__.make` with an equal config, but it writes something else
+    assert console_main(["run", experiment("exp3", "x/z", "something else"), "--prefix", prefix]) == 0
+    assert "1 ran, 0 reused, 0 cached" in capsys.readouterr().out
+    assert [p.read_text() for p in sorted((tmp_path / "out" / "x").glob("*/out.txt"))] == ["hello", "something else"]
+    # a third file whose `make` reads as the first one's does the same work: it is reused
+    assert console_main(["run", experiment("exp4", "x/y", "hello"), "--prefix", prefix]) == 0
+    assert "0 ran, 0 reused, 1 cached" in capsys.readouterr().out
+

@@ -22,7 +22,7 @@ import threading
 from collections import ChainMap
 from typing import Any
 
-from keel.executor.code import qualified_name
+from keel.executor.code import fingerprint, qualified_name
 from keel.executor.graph import CycleError, topological_order
 from keel.executor.inputs import InputError, fingerprint_files, fingerprint_tree
 from keel.executor.step import (DATACLASS, DICT, ENUM, FLOAT, OUTPUT_OF, PATH, PLAIN, SEQUENCE, STEP, THIS_OUTPUT, External,
@@ -147,8 +147,10 @@ class Identities:
         return found
 
     def content_hash(self, step: Step | External) -> str:
-        """The hash of the work a step does, whatever its name: its function, config (with each
-        dependency by its content hash) and input files; an External by its path, version and files."""
+        """The hash of the work a step does, whatever its name: its function (by name and source:
+        every experiment file's own functions are `__main__.<name>`, so the name alone would make two
+        files' `make` the same work), config (with each dependency by its content hash) and input
+        files; an External by its path, version and files."""
         found = self._contents.get(step)
         if found is None:
             self.hash(step)  # encodes every payload once, refusing cycles and unencodable values
@@ -157,7 +159,7 @@ class Identities:
                 if isinstance(node, External):
                     content = {k: v for k, v in payload.items() if k != "external"}
                 else:
-                    content = {"fn": qualified_name(node.fn),
+                    content = {"fn": qualified_name(node.fn), "code": fingerprint(node.fn),
                                "config": encode(node.config, f"{node.name}.config", self.content_hash),
                                "inputs": payload.get("inputs")}
                 self._contents[node] = hashlib.sha256(canonical_json(content).encode()).hexdigest()[:2 * HASH_CHARS]

@@ -156,7 +156,7 @@ def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = No
         return StepPlan(step, path, EXTERNAL, described, deps)
     status = read_status(path) if listings.exists(path) else None
     forced = bool(force and force.search(step.name))
-    if status is None and not forced and not step.no_outputs and listings.any_indexed(graph.prefix):
+    if status is None and not forced and reuse.reusable(step) and listings.any_indexed(graph.prefix):
         entry = reuse.entry(graph.prefix, graph.identities.content_hash(step))
         same = reuse.find(graph.prefix, entry, path) if listings.exists(entry) else None
         if same is not None:

@@ -1,18 +1,19 @@
 """Reuse across names: a finished output serves every step that does the same work.
 
-Each finished step is indexed under its content hash (`Identities.content_hash`: its function,
-config, input files and dependencies' content, not its name) in `{prefix}/.keel/content/`. A step
-that has not run under its own path, but whose content hash points at a finished output, is
-`cached` there: its dependents read that output, and nothing is computed twice because two
-experiments named the same work differently. The entry is checked exactly as a cache hit is
-(status SUCCESS, manifest intact); an entry whose output is gone or damaged is ignored.
+Each finished step is indexed under its content hash (`Identities.content_hash`: its function by
+name and source, config, input files and dependencies' content, not its name) in
+`{prefix}/.keel/content/`. A step that has not run under its own path, but whose content hash
+points at a finished output, is `cached` there: its dependents read that output, and nothing is
+computed twice because two experiments named the same work differently. The entry is checked
+exactly as a cache hit is (status SUCCESS, manifest intact); an entry whose output is gone or
+damaged is ignored.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from keel.executor import storage
+from keel.executor import code, storage
 from keel.executor.status import KEEL_DIR, SUCCESS, Status, read_status, verify_manifest
 from keel.executor.step import Step
 
@@ -55,10 +56,16 @@ def find(prefix: str, entry_url: str, own_path: str) -> Reused | None:
     return Reused(found["name"], path, status)
 
 
+def reusable(step: Step) -> bool:
+    """Whether the index serves `step`: not when it declares `no_outputs` (nothing to reuse), nor
+    when its function has no source to read (a REPL lambda: its name says nothing of its work)."""
+    return not step.no_outputs and code.fingerprint(step.fn) is not None
+
+
 def record(prefix: str, content_hash: str, step: Step, output_path: str, known: set[str] | None = None) -> None:
     """Index a finished output under its content hash (skipped when `known`, the index's listing,
-    holds the entry; a step declared `no_outputs` has nothing to reuse)."""
-    if step.no_outputs or (known is not None and f"{content_hash}.json" in known):
+    holds the entry, or the step is not `reusable`)."""
+    if not reusable(step) or (known is not None and f"{content_hash}.json" in known):
         return
     relative = output_path[len(prefix.rstrip("/")) + 1:] if output_path.startswith(prefix.rstrip("/") + "/") else None
     if relative is None:  # an output outside the prefix (not keel's to index)
