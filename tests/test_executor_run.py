@@ -61,9 +61,14 @@ def _clear_calls():
     EXPLODE.clear()
 
 
-@pytest.mark.parametrize("prefix_kind", ["local", "memory"])
-def test_run_then_cached(tmp_path, prefix_kind):
-    prefix = str(tmp_path) if prefix_kind == "local" else f"memory://keel-test-{os.getpid()}-{tmp_path.name}"
+@pytest.mark.parametrize("prefix_kind", ["local", "memory", "memory-root"])
+def test_run_then_cached(tmp_path, prefix_kind, monkeypatch, request):
+    monkeypatch.chdir(tmp_path)  # a URL read as a local path would show up here
+    prefix = {"local": str(tmp_path / "out"), "memory": f"memory://keel-test-{os.getpid()}-{tmp_path.name}",
+              "memory-root": "memory://"}[prefix_kind]
+    if prefix == "memory://":  # the store's root, which this test alone writes to: emptied of it afterwards
+        memory = fsspec.filesystem("memory")
+        request.addfinalizer(lambda: [memory.rm(f"/{d}", recursive=True) for d in ("t", ".keel") if memory.exists(f"/{d}")])
     a, b, c, side = chain()
     report = run_steps([c, side], prefix, echo=lambda _: None)
     assert report.ok and sorted(report.ran) == ["t/a", "t/b", "t/c", "t/side"]
@@ -81,6 +86,7 @@ def test_run_then_cached(tmp_path, prefix_kind):
     status = json.loads(fsspec.open(f"{graph.path(b)}/.keel/status").open().read())
     assert status["state"] == "SUCCESS" and status["manifest"]["files"]["data.txt"]["size"] == 2
     assert record["attempt"] == status["attempt"] == 1 and record["started"] == status["started"]
+    assert os.listdir(tmp_path) == (["out"] if prefix_kind == "local" else [])
 
 
 def test_execution_only_change_reuses(tmp_path):

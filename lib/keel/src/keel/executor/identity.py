@@ -22,6 +22,7 @@ import threading
 from collections import ChainMap
 from typing import Any
 
+from keel.executor import storage
 from keel.executor.code import fingerprint, qualified_name
 from keel.executor.graph import CycleError, topological_order
 from keel.executor.inputs import InputError, fingerprint_files, fingerprint_tree
@@ -186,4 +187,4 @@ def output_path(prefix: str, step: Step | External, identities: Identities) -> s
     """`{prefix}/{name}-{hash}` for a step; the declared path for an external input."""
     if isinstance(step, External):
         return step.path
-    return f"{prefix.rstrip('/')}/{step.name}-{identities.hash(step)}"
+    return storage.join(prefix, f"{step.name}-{identities.hash(step)}")

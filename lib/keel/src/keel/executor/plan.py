@@ -64,7 +64,7 @@ class Graph:
 
     def __init__(self, targets: list[Step | External], prefix: str):
         self.targets = list(targets)
-        self.prefix = prefix.rstrip("/") if "://" in prefix else os.path.abspath(prefix)
+        self.prefix = storage.trim(prefix) if "://" in prefix else os.path.abspath(prefix)
         with no_cycle_collection():
             self.order = topological_order(self.targets)
             self.identities = Identities()

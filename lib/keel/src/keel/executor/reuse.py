@@ -67,7 +67,7 @@ def record(prefix: str, content_hash: str, step: Step, output_path: str, known: 
     holds the entry, or the step is not `reusable`)."""
     if not reusable(step) or (known is not None and f"{content_hash}.json" in known):
         return
-    relative = output_path[len(prefix.rstrip("/")) + 1:] if output_path.startswith(prefix.rstrip("/") + "/") else None
+    relative = storage.relative_to(output_path, prefix)
     if relative is None:  # an output outside the prefix (not keel's to index)
         return
     storage.write_json(entry(prefix, content_hash), {"name": step.name, "output": relative})

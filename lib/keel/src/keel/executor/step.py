@@ -270,7 +270,9 @@ class External:
         self.name = validate_name(name)
         if not isinstance(path, str) or not path:
             raise StepDeclarationError(f"external {name!r}: path must be a non-empty string")
-        self.path = path.rstrip("/")
+        from keel.executor.storage import trim  # fsspec's import waits for a graph that reads files
+
+        self.path = trim(path)
         self.version = version
         self.description = description
 

@@ -29,9 +29,9 @@ def _fs_for_protocol(protocol: str) -> fsspec.AbstractFileSystem:
 
 
 def split(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem for `url` and the path inside it."""
-    protocol, _, rest = url.partition("://")
-    if not rest:
+    """The filesystem for `url` and the path inside it (a bare `memory://` is that store's root)."""
+    protocol, sep, _ = url.partition("://")
+    if not sep:
         return _fs_for_protocol("file"), os.path.abspath(url)
     return _fs_for_protocol(protocol), fsspec.core.strip_protocol(url)
 
@@ -45,9 +45,24 @@ def is_shared_between_processes(url: str) -> bool:
     return not url.startswith("memory://")
 
 
+def trim(url: str) -> str:
+    """`url` without trailing slashes, but a store's root keeps its `scheme://`."""
+    scheme, sep, rest = url.partition("://")
+    return f"{scheme}{sep}{rest.rstrip('/')}" if sep else url.rstrip("/")
+
+
 def join(base: str, *parts: str) -> str:
     parts = tuple(p.strip("/") for p in parts if p)
-    return "/".join((base.rstrip("/"), *parts)) if parts else base
+    if not parts:
+        return base
+    root = trim(base)
+    return root + ("" if root.endswith("://") else "/") + "/".join(parts)
+
+
+def relative_to(url: str, base: str) -> str | None:
+    """The part of `url` under the folder `base`, or None when it lies elsewhere."""
+    head = join(base, "x")[:-1]  # `base` with the one separator its children start after
+    return url[len(head):] if url.startswith(head) and len(url) > len(head) else None
 
 
 def read_text(url: str) -> str | None:
