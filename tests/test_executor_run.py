@@ -13,6 +13,7 @@ import pytest
 
 from keel import External, Retries, Step, execution_only, output_of, this_output
 from keel.cli import console_main
+from keel.executor import lease as leases
 from keel.executor.plan import Graph, plan_graph
 from keel.executor.run import run_steps
 from keel.executor.status import keel_path, read_status
@@ -316,8 +317,22 @@ def test_gc_lists_and_deletes_unreached(tmp_path, capsys):
     listed = capsys.readouterr().out
     assert "3 unreached output(s)" in listed and "(pass --yes to delete)" in listed
     assert len(list(Path(prefix).glob("tutorial/*"))) == 6  # nothing deleted without --yes
+    # of the three: one an experiment reads as an External, one whose step another launcher runs now
+    reached = {p.output_path for p in plan_graph(Graph(_hello_steps(), prefix))}
+    read, running, abandoned = sorted(str(p) for p in Path(prefix).glob("tutorial/*") if str(p) not in reached)
+    reader = tmp_path / "reads_it.py"
+    reader.write_text(f"from keel import External, main\nif __name__ == '__main__':\n    main([External('prev', {read + '/'!r})])\n")
+    lease, _ = leases.try_acquire(running)
+    try:
+        assert console_main(["gc", HELLO, str(reader), "--prefix", prefix, "--yes"]) == 0
+    finally:
+        lease.release()
+    out = capsys.readouterr().out
+    assert f"{read} (an External reads {read})" in out and f"{running} (running now: lease held by" in out
+    assert "1 unreached output(s)" in out and "; 2 kept" in out
+    assert sorted(str(p) for p in Path(prefix).glob("tutorial/*")) == sorted(reached | {read, running})
     assert console_main(["gc", HELLO, "--prefix", prefix, "--yes"]) == 0
-    assert len(list(Path(prefix).glob("tutorial/*"))) == 3
+    assert len(list(Path(prefix).glob("tutorial/*"))) == 3 and not Path(abandoned).exists()
     plans = plan_graph(Graph(_hello_steps(), prefix))
     assert {p.state for p in plans} == {"cached"}
 

@@ -381,27 +381,39 @@ def _run(args, graph: Graph, force: re.Pattern | None, only: re.Pattern | None) 
 
 
 def _gc(args, graphs: list[Graph]) -> int:
-    """List (and with --yes delete) outputs under the prefix that none of the experiments reach."""
+    """List (and with --yes delete) outputs under the prefix that none of the experiments reach.
+
+    Kept whatever it finds: an output made with `--set` (only the same `--set` reaches it), one an
+    External of the experiments reads (or lies inside), and one whose step is running right now."""
+    from keel.executor.lease import current_lease
+
     prefix = _prefix(args)
     fs, root = storage.split(prefix)
-    reached = set()
+    reached, read = set(), set()
     for graph in graphs:  # a step that reuses another name's output reaches that output
-        reached.update(storage.split(p.output_path)[1] for p in plan_graph(graph) if isinstance(p.step, Step))
+        for p in plan_graph(graph):
+            (reached if isinstance(p.step, Step) else read).add(storage.split(p.output_path)[1])
     found = sorted({p.rsplit(f"/{KEEL_DIR}/", 1)[0] for p in fs.glob(f"{root.rstrip('/')}/**/{KEEL_DIR}/{RECORD}")})
     unreached, kept = [], []
     for path in (p for p in found if p not in reached):
         overrides = _recorded_overrides(fs, path)
-        (kept if overrides else unreached).append(path)
-        if overrides:
-            print(f"{'kept':>14}  {path} (made with --set {' --set '.join(overrides)}; gc with the same --set reaches it, "
-                  "or delete it by hand)")
+        external = next((e for e in read if e == path or e.startswith(f"{path}/") or path.startswith(f"{e}/")), None)
+        holder = current_lease(fs.unstrip_protocol(path))
+        why = (f"made with --set {' --set '.join(overrides)}; gc with the same --set reaches it, or delete it by hand"
+               if overrides else f"an External reads {external}" if external is not None
+               else f"running now: lease held by {holder.describe()}" if holder is not None and holder.is_live() else None)
+        if why is None:
+            unreached.append(path)
+        else:
+            kept.append(path)
+            print(f"{'kept':>14}  {path} ({why})")
     total = 0
     for path in unreached:
         size = int(fs.du(path, total=True))
         total += size
         print(f"{size:>14,d}  {path}")
     print(f"-- {len(unreached)} unreached output(s), {total:,d} bytes" + ("" if args.yes else " (pass --yes to delete)")
-          + (f"; {len(kept)} made with --set kept" if kept else ""))
+          + (f"; {len(kept)} kept" if kept else ""))
     if args.yes:
         for path in unreached:
             fs.rm(path, recursive=True)
