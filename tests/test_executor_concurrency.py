@@ -105,6 +105,22 @@ def test_lease_takeover_on_memory_store():
     second.release()
 
 
+def test_a_shorter_lease_taken_while_the_heartbeat_sleeps_is_beaten_within_its_timeout(monkeypatch):
+    from keel.executor import lease as leases
+
+    monkeypatch.setattr(leases, "_HEARTBEATS", leases._Heartbeats())  # its loop sleeps a quarter of 60 s
+    path = f"memory://lease-short-{os.getpid()}"
+    long_one, _ = leases.try_acquire(f"{path}/long", timeout=60)
+    time.sleep(0.2)  # the heartbeat thread is in its 15 s wait now
+    short_one, _ = leases.try_acquire(f"{path}/short", timeout=2.0)
+    try:
+        time.sleep(3.0)  # past the short lease's timeout: only heartbeats (every 0.5 s) keep it live
+        assert leases.current_lease(f"{path}/short").age() < 2.0
+    finally:
+        short_one.release()
+        long_one.release()
+
+
 def test_a_lease_file_left_empty_is_taken_over_once_its_writer_is_surely_gone(tmp_path, monkeypatch):
     from keel.executor import lease as leases
 

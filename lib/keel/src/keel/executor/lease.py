@@ -154,12 +154,15 @@ class _Heartbeats:
         self._leases: dict[int, Lease] = {}
         self._lock = threading.Lock()
         self._interval = DEFAULT_TIMEOUT_S / 4
+        self._shortened = threading.Event()  # wakes the loop's wait when a shorter lease joins
         self._thread: threading.Thread | None = None
 
     def add(self, lease: Lease, timeout: float) -> None:
         with self._lock:
             self._leases[id(lease)] = lease
-            self._interval = min(self._interval, timeout / 4)
+            if timeout / 4 < self._interval:
+                self._interval = timeout / 4
+                self._shortened.set()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="keel-lease-heartbeat", daemon=True)
                 self._thread.start()
@@ -170,7 +173,8 @@ class _Heartbeats:
 
     def _loop(self) -> None:
         while True:
-            time.sleep(self._interval)
+            self._shortened.wait(self._interval)
+            self._shortened.clear()
             with self._lock:
                 leases = list(self._leases.values())
             for lease in leases:
