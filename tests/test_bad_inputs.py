@@ -335,14 +335,20 @@ def test_an_output_rewritten_in_place_at_the_same_size_is_not_cached(tmp_path):
     assert output.read_text() == "1"
 
 
-def test_a_status_of_the_wrong_shape_names_its_file_and_reruns(tmp_path):
+@pytest.mark.parametrize("text, said", [
+    ('{"state": "SUCCESS"}', "{status} is not a status keel wrote (missing attempt, started)"),
+    ('{"state": "SUCCESS", "attempt": "1", "started": 0}', "{status} is not a status keel wrote (an attempt or start time"),
+    ('{"state": "SUCCESS", "attempt": 1, "started": 0, "manifest": {"total_bytes": 0}}',
+     "cache entry invalid: a manifest keel did not write"),
+], ids=["fields missing", "attempt a string", "manifest without files"])
+def test_a_status_of_the_wrong_shape_names_its_file_and_reruns(tmp_path, text, said):
     write_experiment(tmp_path, GOOD + MAIN)
     assert keel(tmp_path, "run", "EXP").returncode == 0
     [status] = (tmp_path / "out").glob("x/a-*/.keel/status")
-    status.write_text('{"state": "SUCCESS"}')
+    status.write_text(text)
     plan = keel(tmp_path, "plan", "EXP")
     assert plan.returncode == 0 and "Traceback" not in plan.stderr, plan.stderr
-    assert f"{status} is not a status keel wrote" in plan.stdout, plan.stdout
+    assert said.format(status=status) in plan.stdout, plan.stdout
     again = keel(tmp_path, "run", "EXP")
     assert again.returncode == 0 and "1 ran" in again.stdout, again.stdout + again.stderr
 

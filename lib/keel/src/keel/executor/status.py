@@ -85,6 +85,9 @@ def _status_from(record, where: str) -> Status:
     if missing or unknown or record["state"] not in (RUNNING, SUCCESS, FAILED, INTERRUPTED):
         why = f"missing {', '.join(missing)}" if missing else f"unknown fields {', '.join(unknown)}" if unknown else f"unknown state {record['state']!r}"
         return _not_keels(where, why)
+    if isinstance(record["attempt"], bool) or not isinstance(record["attempt"], int) or isinstance(record["started"], bool) \
+            or not isinstance(record["started"], (int, float)):
+        return _not_keels(where, "an attempt or start time that is not a number")
     if record["state"] == SUCCESS and not isinstance(record.get("manifest"), (dict, type(None))):
         return _not_keels(where, "a manifest that is not an object")
     if not isinstance(record.get("warnings"), (list, type(None))):
@@ -167,7 +170,9 @@ def verify_manifest(output_path: str, status: Status, no_outputs: bool = True) -
     manifest = status.manifest if status.manifest is not None else storage.read_json(keel_path(output_path, "manifest.json"))
     if manifest is None:
         return "no manifest: the step never finished writing its outputs"
-    files = manifest["files"]
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(e, dict) and isinstance(e.get("size"), int) for e in files.values()):
+        return "a manifest keel did not write (it lists no files with their sizes)"
     if not files:
         return None if no_outputs else NO_OUTPUTS_ERROR
     local = storage.is_local(output_path)
