@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,6 +162,36 @@ def test_a_run_refuses_to_start_steps_that_read_an_empty_external_and_runs_the_r
     assert CALLS == [] and not (tmp_path / "out").exists()  # refused before any step started or wrote
     report = run_steps([reads, alone], str(tmp_path / "out"), only="t/alone", echo=lambda _: None)
     assert report.ran == ["t/alone"] and CALLS == ["alone"]
+
+
+def _interrupt_then_free(config: WriteConfig) -> None:
+    """Ctrl-C this launcher while the other step sleeps between polls of its lease, and free that
+    lease the moment the launcher has taken the signal: the step's next poll finds it free."""
+    from keel.executor import interrupt
+
+    time.sleep(2.5)  # the waiting step's polls are a second apart by now
+    os.kill(os.getpid(), signal.SIGINT)
+    deadline = time.monotonic() + 10
+    while not interrupt.requested() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    HELD.pop().release()
+
+
+HELD: list = []
+
+
+@pytest.mark.waits  # on a launcher's lease polls
+def test_a_step_whose_lease_frees_after_ctrl_c_does_not_start(tmp_path):
+    from keel.executor import lease as leases
+
+    first = Step("t/first", _interrupt_then_free, WriteConfig("first"))
+    waits = Step("t/waits", write, WriteConfig("waits"))
+    prefix = str(tmp_path)
+    HELD.append(leases.try_acquire(Graph([waits], prefix).path(waits))[0])  # "another launcher" runs it
+    report = run_steps([first, waits], prefix, echo=lambda _: None)
+    assert "waits" not in CALLS and report.not_started == ["t/waits"]
+    assert read_status(Graph([waits], prefix).path(waits)) is None  # never marked RUNNING
+    assert leases.current_lease(Graph([waits], prefix).path(waits)) is None  # its lease let go
 
 
 def test_manifest_verified_on_cache_hit(tmp_path):

@@ -329,6 +329,10 @@ class Runner:
         if lease is None:
             self.echo(f"[keel] reuse {plan.name} (finished by another launcher)")
             return "reused"
+        if self._stopping:  # interrupted while the step waited for a free thread or its lease: it never starts
+            lease.release()
+            self.echo(f"[keel] stop  {plan.name}: not started, the run is interrupted")
+            return _NOT_STARTED
         try:
             resolved = resolve_config(step.config, plan.output_path, self.graph.path)
             record = _step_record(self.graph, step, resolved, self._launch, self._secrets)
