@@ -247,6 +247,38 @@ def test_an_interruption_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_
         assert got[step] == pytest.approx(expected[step], abs=1e-6), step
 
 
+STOP_VOTE = """
+import sys
+from keel.executor import interrupt
+from keel.train.loop import stop_requested_anywhere
+import jax
+
+jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]), coordinator_bind_address=sys.argv[1])
+before = stop_requested_anywhere()
+if jax.process_index() == 1:
+    interrupt.request()  # a signal only this process got
+print("votes", jax.process_count(), before, stop_requested_anywhere())
+"""
+
+
+def test_a_signal_to_one_process_of_a_run_stops_every_process_after_the_same_step():
+    """The loop's stop decision in a real 2-process jax world: process 1 alone is asked to stop, and
+    both decide to (process 0 writes the checkpoint, and neither waits in a collective for the other)."""
+    from iris_local import free_port
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    procs = [subprocess.Popen([sys.executable, "-c", STOP_VOTE, coordinator, str(i)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    votes = [next((line.split()[1:] for line in out.splitlines() if line.startswith("votes")), out) for out in outs]
+    assert votes == [["2", "False", "True"]] * 2, outs
+
+
 def test_a_non_finite_loss_fails_the_run_naming_the_step(tmp_path):
     from train_standin import loop_inputs
 

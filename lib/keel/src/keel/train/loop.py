@@ -84,6 +84,18 @@ REPLICA_SKEW_S = 1800.0
 """How long the processes of one run wait for each other at the start (their compiles differ)."""
 
 
+def stop_requested_anywhere() -> bool:
+    """Whether any of the run's processes was asked to stop (Ctrl-C, SIGTERM). Each process sees
+    only its own signals, yet all must stop after the same step: one checkpoint (which process 0
+    alone decides to write), and no process left in a collective waiting for one that has gone."""
+    asked = interrupt.requested()
+    if jax.process_count() == 1:
+        return asked
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(asked))))
+
+
 @dataclasses.dataclass
 class LoopInputs:
     """The runtime objects a training step assembles from its config before the loop starts."""
@@ -420,7 +432,7 @@ class _Run:
         transport; on an interruption (Ctrl-C, SIGTERM) a rolling checkpoint, then `StepInterrupted`."""
         config, completed = self.config, done.completed
         switching = completed < config.num_steps and self.transport_at(completed) != done.phase
-        stopping = interrupt.requested() and completed < config.num_steps
+        stopping = stop_requested_anywhere() and completed < config.num_steps
         if (not done.replaying or stopping) and self.checkpoints.on_step(
                 self.state_arrays, completed, force=completed == config.num_steps or switching, rolling=stopping):
             self.progress.event(f"step {completed}: checkpoint saved")
