@@ -1,10 +1,13 @@
-"""`keel.train.tracking.OpenedLater`: a tracker opened on a thread of its own while the run goes on."""
+"""`keel.train.tracking`: `OpenedLater`, a tracker opened on a thread of its own while the run goes
+on, and `MetricsLog`, the run's metrics file, as a resume finds it."""
 
+import json
 import threading
 
 import pytest
 
-from keel.train.tracking import OpenedLater
+from keel.spec.metrics import read_metrics
+from keel.train.tracking import MetricsLog, OpenedLater
 
 
 class Recorder:
@@ -75,3 +78,16 @@ def test_finish_gives_up_on_a_tracker_that_does_not_open_in_time():
             tracker.finish()
     finally:
         release.set()
+
+
+def test_a_resume_drops_the_line_the_attempt_before_tore_and_keeps_every_step(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    rows = "".join(json.dumps({"step": s, "train/loss": 5.0 - s}) + "\n" for s in range(10))
+    path.write_text(rows + '{"step": 10, "train/lo')  # the attempt died writing step 10's row
+    log = MetricsLog(str(path), resume_at=10)  # its checkpoint is at step 10: nothing past it to drop
+    for step in (10, 11):
+        log.log({"train/loss": 5.0 - step}, step=step)
+    log.finish()
+    assert [r["step"] for r in read_metrics(str(path))] == list(range(12))
+    assert path.read_text().count("\n") == 12 and "dropped 1 torn line(s)" in caplog.text
+

@@ -97,16 +97,21 @@ def _is_eval(record: Mapping[str, Any]) -> bool:
 
 
 def _drop_records_after(path: str, resume_at: int) -> None:
-    """Rewrite the file without the records a resume at `resume_at` will write again."""
+    """Rewrite the file without the records a resume at `resume_at` will write again, and without
+    a line torn by the attempt that died (the next record would be appended onto it, and both lost)."""
+    text = storage.read_text(path) or ""
     records = read_metrics(path)
+    torn = text.count("\n") + (not text.endswith("\n")) - len(records) if text else 0
     # The evaluation at the checkpoint's own step is not repeated on resume, except at step 0; nor is
     # a spike guard's rollback (keel.train.spike_guard: the resumed run skips its batch by the record).
     kept = [r for r in records if r["step"] < resume_at or (0 < r["step"] == resume_at and _is_eval(r))
             or "spike/rollback_from" in r]
-    if len(kept) == len(records):
+    if len(kept) == len(records) and not torn:
         return
     storage.write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     logger.info("Resuming at step %d: dropped %d metric records past the checkpoint", resume_at, len(records) - len(kept))
+    if torn:
+        logger.warning("Resuming at step %d: dropped %d torn line(s) of %s that the attempt before left", resume_at, torn, path)
 
 
 def _plain(value: Any) -> Any:
