@@ -108,17 +108,16 @@ def default_scaling_ladder(name: str, *, data: Any, model: MoELMConfig, train: T
 
     from defaults.train import default_train
 
-    runs, compute = [], {}
+    runs = []
     for hidden, num_steps in zip(sizes, steps):
         sized, trained = rung(hidden, num_steps)
         run = default_train(f"ladder/{name}/h{hidden}-s{num_steps}", data=data, model=sized, train=trained,
                             topology=topology, hardware=hardware, description=f"scaling ladder {name}: hidden {hidden}, "
                             f"{num_steps} steps")
         runs.append(run)
-        compute[run.name] = training_compute(sized, trained)
     target_model, target_train = rung(*target)
     target_compute = training_compute(target_model, target_train)
-    fit = Step(f"ladder/{name}", ladder_step, LadderConfig(runs={r.name: r for r in runs}, compute=compute,
+    fit = Step(f"ladder/{name}", ladder_step, LadderConfig(runs={r.name: r for r in runs},
                                                            target=f"hidden {target[0]}, {target[1]} steps",
                                                            target_compute=target_compute),
                description=f"fit of {len(runs)} rungs; predicts hidden {target[0]} x {target[1]} steps")

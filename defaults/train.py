@@ -69,13 +69,6 @@ def default_train(
 
 def _check_prediction(name: str, predicted: Any, model: MoELMConfig, train: TrainConfig) -> None:
     """A prediction is for one compute: refuse it for a run of another."""
-    from keel.trained.ladder import LadderConfig, training_compute
+    from keel.trained.ladder import check_predicted_compute
 
-    fit = predicted.step.config if isinstance(predicted, OutputOf) and isinstance(predicted.step, Step) else None
-    if not isinstance(fit, LadderConfig):
-        raise TypeError(f"default_train({name!r}): predicted_loss is a {type(predicted).__name__}; give a scaling "
-                        "ladder's prediction (default_scaling_ladder(...).prediction)")
-    compute = training_compute(model, train)
-    if abs(compute - fit.target_compute) > 1e-9 * fit.target_compute:
-        raise ValueError(f"default_train({name!r}): predicted_loss was made for {fit.target_compute:.4g} FLOPs, this run "
-                         f"trains {compute:.4g}: declare the run the ladder predicts (its target_model and target_train)")
+    check_predicted_compute(f"default_train({name!r})", predicted, model, train)

@@ -5,6 +5,7 @@ with a run that leaves the band flagged. The rungs and the target are stand-ins 
 validation loss a known law gives, so this runs in seconds; the real ladder is the tutorial's."""
 
 import dataclasses
+import glob
 import json
 import os
 import textwrap
@@ -13,7 +14,7 @@ import pytest
 
 from keel.cli import console_main, load_experiment
 from keel.executor.plan import Graph
-from keel.trained.ladder import LadderConfig, fit_power_law, judge
+from keel.trained.ladder import LadderConfig, fit_power_law, judge, training_compute
 
 
 def law(compute: float) -> float:
@@ -99,6 +100,18 @@ def test_a_prediction_through_plan_run_status_compare_and_the_dashboard(tmp_path
         default_train("other", data=target.config.data, model=target.config.model,
                       train=dataclasses.replace(target.config.train, num_steps=81),
                       predicted_loss=target.config.predicted_loss)
+
+    # `--set` reaches both sides of the prediction: a rung's compute, which the fit reads, and the target's
+    assert console_main(["plan", str(experiment), "--prefix", prefix, "--set", "train/big:train.num_steps=81"]) == 2
+    assert "train/big: predicted_loss was made for" in capsys.readouterr().err
+    longer = str(tmp_path / "longer")
+    assert console_main(["run", str(experiment), "--prefix", longer, "--set", "train/ladder/fake/h32-s20:train.num_steps=25"]) == 0
+    rung = {r["run"]: r for r in json.loads(open(glob.glob(f"{longer}/ladder/fake-*/fit.json")[0]).read())["rungs"]}
+    retrained = dataclasses.replace(steps["train/ladder/fake/h32-s20"].config.train, num_steps=25)
+    assert rung["train/ladder/fake/h32-s20"]["compute"] == training_compute(target.config.model.replace(hidden_dim=32), retrained)
+    assert rung["train/ladder/fake/h48-s30"]["compute"] == training_compute(steps["train/ladder/fake/h48-s30"].config.model,
+                                                                            steps["train/ladder/fake/h48-s30"].config.train)
+    capsys.readouterr()
 
     assert console_main(["plan", str(experiment), "--prefix", prefix]) == 0
     assert "prediction   not made yet: the ladder's fit writes" in capsys.readouterr().out

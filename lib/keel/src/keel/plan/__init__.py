@@ -14,7 +14,7 @@ from keel.plan.twin import architecture_features, scale_down
 from keel.plan.variants import render_variants, variant_row
 from keel.plan.verdicts import check_fits
 from keel.spec.train import TrainStepConfig
-from keel.trained.ladder import plan_line
+from keel.trained.ladder import check_predicted_compute, plan_line
 
 __all__ = [
     "PlanError",
@@ -38,6 +38,8 @@ def fact_sheets_for(steps) -> list[dict]:
     sheets = []
     for step in getattr(steps, "order", steps):
         if isinstance(step, Step) and isinstance(step.config, TrainStepConfig):
+            if step.config.predicted_loss is not None:  # after `--set`, which can change the run or its ladder
+                check_predicted_compute(step.name, step.config.predicted_loss, step.config.model, step.config.train)
             sheet = fact_sheet(step.config, step.name)
             sheet["text"] = render_fact_sheet(sheet)
             predicted = plan_line(steps, step) if hasattr(steps, "path") else None  # a graph knows where it is written

@@ -12,11 +12,11 @@ validation loss against it and flag a run that leaves the band. No jax here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from keel.executor import storage
 from keel.executor.status import keel_path
-from keel.executor.step import OutputOf, this_output
+from keel.executor.step import OutputOf, Step, StepDeclarationError, this_output
 from keel.spec.metrics import METRICS_FILE, latest_by_step, read_metrics
 
 FIT_FILE, PREDICTION_FILE, CHECK_FILE = "fit.json", "prediction.json", "check.json"
@@ -26,15 +26,23 @@ BAND = 0.95
 @dataclass(frozen=True)
 class LadderConfig:
     """The fit step: `runs` maps labels to finished training steps, `compute` the same labels to
-    their training FLOPs; `target` names the predicted run and `target_compute` its FLOPs."""
+    their training FLOPs; `target` names the predicted run and `target_compute` its FLOPs.
+
+    Where a run is a declared training step, its compute is derived from that step's own config,
+    so a `--set` that retrains a rung on more steps or another batch changes what the fit reads
+    too; `compute` stands for runs given as paths (and for the resolved config the step receives)."""
 
     runs: dict[str, str]
-    compute: dict[str, float]
     target: str
     target_compute: float
+    compute: dict[str, float] = field(default_factory=dict)
     output_path: str = this_output()
 
     def __post_init__(self):
+        derived = {label: training_compute(run.config.model, run.config.train) for label, run in self.runs.items()
+                   if isinstance(run, Step)}
+        if derived:
+            object.__setattr__(self, "compute", {**self.compute, **derived})
         if set(self.runs) != set(self.compute):
             raise ValueError(f"LadderConfig: runs {sorted(self.runs)} and compute {sorted(self.compute)} name different runs")
         if len(self.runs) < 4:
@@ -178,6 +186,19 @@ def describe(prediction: dict) -> str:
 def training_compute(model, train) -> float:
     """A run's training FLOPs: FLOPs per token (attention and lm_head included) x tokens trained."""
     return model.flops_per_token(train.seq_len) * train.total_tokens
+
+
+def check_predicted_compute(name: str, predicted, model, train) -> None:
+    """A prediction is for one compute: refuse it for a run of another. `default_train` checks the
+    declaration, and `keel plan` and `keel run` the graph after `--set`, which can change either side."""
+    fit = predicted.step.config if isinstance(predicted, OutputOf) and isinstance(predicted.step, Step) else None
+    if not isinstance(fit, LadderConfig):
+        raise TypeError(f"{name}: predicted_loss is a {type(predicted).__name__}; give a scaling ladder's prediction "
+                        "(default_scaling_ladder(...).prediction)")
+    compute = training_compute(model, train)
+    if abs(compute - fit.target_compute) > 1e-9 * fit.target_compute:
+        raise StepDeclarationError(f"{name}: predicted_loss was made for {fit.target_compute:.4g} FLOPs, this run trains "
+                                   f"{compute:.4g}: declare the run the ladder predicts (its target_model and target_train)")
 
 
 def prediction_location(graph, step) -> str | None:
