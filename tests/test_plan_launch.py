@@ -32,6 +32,17 @@ def test_checkpoints_hold_master_weights_and_optimizer_state_and_the_cadence_kee
     assert "written in" in text and "GPU-hours" in text
 
 
+def test_a_checkpoint_holds_the_state_the_state_table_lays_out_in_any_master_dtype():
+    from keel.spec.dtypes import DTYPE_BYTES
+    from keel.spec.resolved import resolve
+
+    for master in ("float32", "bfloat16"):
+        config = dataclasses.replace(hero_config(), train=dataclasses.replace(hero_config().train, master_dtype=master))
+        state = resolve(config).state_at(0)  # what the trainer holds: moments in the master dtype too
+        held = sum(math.prod(leaf.shape) * DTYPE_BYTES[leaf.dtype] for leaf in state if leaf.path != "step")
+        assert fact_sheet(config)["launch"]["checkpoint"]["gb"] == pytest.approx(held / 1e9), master
+
+
 def test_tokens_read_per_component_against_what_its_cache_holds():
     config = dataclasses.replace(hero_config(), launch=LaunchPlan(cache_tokens=(("math", 0.2e12), ("law", 1e12))))
     sheet = fact_sheet(config)

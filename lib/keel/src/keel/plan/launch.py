@@ -22,7 +22,7 @@ def checkpoints(run: ResolvedRun) -> dict:
     """Size of one checkpoint, the permanent ones the cadence keeps, and their total."""
     train = run.config.train
     master = bytes_of(train.master_dtype, "train.master_dtype")
-    size = sum(p.size * (master + 4 * p.moments) for p in run.parameters) / GB
+    size = sum(p.size * master * (1 + p.moments) for p in run.parameters) / GB  # moments in the master dtype, as `state_at`
     every = train.permanent_checkpoint_every
     steps = set(range(every, train.num_steps, every)) if every else set()
     steps |= {t.start_step for t in run.transports if t.start_step > 0} | {train.num_steps}

@@ -163,7 +163,8 @@ orthogonalises each matrix along them on its own, and they keep their split whil
 FROZEN_PARAMS = (r"\brouter_bias\b",)
 """Parameters the optimizer never updates: the router bias is set from quantile statistics."""
 MOMENTS = {"muonh": 1, "adamh": 2, "adam": 2, "adamw": 2, "frozen": 0}
-"""fp32 optimizer-state arrays each group keeps per parameter (momentum; Adam's two moments)."""
+"""Optimizer-state arrays each group keeps per parameter (momentum; Adam's two moments), each in the
+master dtype, as the trainer keeps them."""
 TRAINING_DTYPES = ("bfloat16", "float16", "float32")
 """The floating-point dtypes a run may compute in or keep its master weights in."""
 
