@@ -2,6 +2,7 @@
 follow the run, and `keel plan A.py B.py`'s table of variants."""
 
 import dataclasses
+import datetime
 import math
 from pathlib import Path
 
@@ -26,10 +27,16 @@ def test_checkpoints_hold_master_weights_and_optimizer_state_and_the_cadence_kee
     assert ckpt["retained_gb"] == pytest.approx(ckpt["gb"] * (ckpt["permanent"] + 1))
     assert ckpt["write_seconds"] == pytest.approx(ckpt["gb"] / 100.0)
     hours = sheet["launch"]["gpu_hours"]
-    assert hours["hours"] == pytest.approx(sheet["time"]["whole_run_days_at_projection"] * 24 * 704)
+    assert hours["hours"] == pytest.approx(sheet["time"]["projected_days"] * 24 * 704)  # start to the projected end
     assert hours["cost"] == pytest.approx(2.0 * hours["hours"])
     text = render_fact_sheet(sheet)
     assert "written in" in text and "GPU-hours" in text
+    # the run's length is one figure: the days from its start to the projected end it is shown with
+    from keel.plan import variant_row
+
+    row = variant_row("hero", sheet)
+    start = datetime.date.fromisoformat(sheet["time"]["start_date"])
+    assert start + datetime.timedelta(days=round(row["days"])) == datetime.date.fromisoformat(row["end_date"])
 
 
 def test_a_checkpoint_holds_the_state_the_state_table_lays_out_in_any_master_dtype():

@@ -277,7 +277,8 @@ def time(config: TrainStepConfig, train_facts: dict) -> dict | None:
     } for i, seen in enumerate(sorted(facts.observed, key=lambda s: s.step))]
     last = speeds[-1]
     rate = facts.projected_steps_per_day or last["steps_per_day"]
-    end = dt.date.fromisoformat(last["date"]) + dt.timedelta(days=(train.num_steps - last["step"]) / rate)
+    days = (dt.date.fromisoformat(last["date"]) - start).days + (train.num_steps - last["step"]) / rate
+    end = start + dt.timedelta(days=days)
     return {
         "run_id": facts.run_id,
         "start_date": start.isoformat(),
@@ -290,7 +291,7 @@ def time(config: TrainStepConfig, train_facts: dict) -> dict | None:
             "mfu": mfu(86_400 / rate, flops_per_step),
         },
         "projected_end_date": end.isoformat(),
-        "projected_days": (end - start).days,
+        "projected_days": days,  # from the start to the projected end: what the run holds its GPUs for
         "whole_run_days_at_projection": train.num_steps / rate,
     }
 

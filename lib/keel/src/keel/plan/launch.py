@@ -3,8 +3,8 @@
 - checkpoints: what one holds (every parameter in the master dtype and the optimizer state: what a
   resume needs), how many the declared cadence keeps, and the write time at the declared store
   bandwidth (`LaunchPlan.store_gb_per_s`);
-- GPU-hours at the run's length (the projection from its own observations, else the step-time
-  model's prediction at full goodput), and their cost at a declared price;
+- GPU-hours at the run's length (from its start to the end its own observations project, else the
+  step-time model's prediction at full goodput), and their cost at a declared price;
 - tokens read from each mixture component over the run against the tokens its cache holds
   (`LaunchPlan.cache_tokens`): above 1 the component repeats.
 """
@@ -31,10 +31,10 @@ def checkpoints(run: ResolvedRun) -> dict:
 
 
 def run_hours(sheet: dict) -> tuple[float, str] | None:
-    """(hours, how they were found) of the whole run: the projection from the run's own observed
-    speeds, else the step-time model's prediction."""
+    """(hours, how they were found) of the whole run: from its start to the end its observed speeds
+    project (the GPUs are held through its slower stretches too), else the step-time model's prediction."""
     if sheet.get("time"):
-        return sheet["time"]["whole_run_days_at_projection"] * 24, "projected from the observed speeds"
+        return sheet["time"]["projected_days"] * 24, "from the start to the projected end"
     predicted = sheet.get("step_time")
     if predicted and "run_days" in predicted:
         return predicted["run_days"] * 24, "predicted, at full goodput"

@@ -15,7 +15,7 @@ def variant_row(label: str, sheet: dict) -> dict:
     if t:
         seconds = [s["step_seconds"] for s in t["speeds"]]
         mfus = [s["mfu"] for s in t["speeds"]]
-        days, end = t["whole_run_days_at_projection"], t["projected_end_date"]
+        days, end = t["projected_days"], t["projected_end_date"]
     else:
         seconds = [s["step_seconds"] for s in stretches]
         mfus = [s["mfu"] for s in stretches]
