@@ -69,7 +69,21 @@ def test_hf_datasets_local_json_and_parquet_loaders(tmp_path):
     for builder, file in (("json", "d.jsonl"), ("parquet", "d.parquet")):
         spec = HfDatasetSpec(builder, data_files=(str(tmp_path / file),))
         out = _ingest(tmp_path, name=builder, hf_dataset=spec, validation_fraction=0.0)
-        assert _all_documents(out) == {f"hf:{builder}/train:{i + 1}": t for i, t in enumerate(TEXTS)}
+        assert _all_documents(out) == {f"hf:{builder}/train/{file}:{i + 1}": t for i, t in enumerate(TEXTS)}
+
+
+def test_a_file_added_before_another_in_hf_data_files_moves_none_of_its_documents_draws(tmp_path):
+    (tmp_path / "b.jsonl").write_bytes(_jsonl([{"text": f"bee {i}"} for i in range(40)]))
+    (tmp_path / "a.jsonl").write_bytes(_jsonl([{"text": f"ay {i}"} for i in range(40)]))
+
+    def splits(name, *files):
+        spec = HfDatasetSpec("json", data_files=tuple(str(tmp_path / f) for f in files))
+        out = _ingest(tmp_path, name=name, hf_dataset=spec, validation_fraction=0.3)
+        return {d.id: split for split in ("train", "validation") for d in iter_documents(out, split)}
+
+    before, after = splits("v1", "b.jsonl"), splits("v2", "a.jsonl", "b.jsonl")  # a.jsonl streams first now
+    assert 0 < sum(s == "validation" for s in before.values()) < 40
+    assert {i: s for i, s in after.items() if "/b.jsonl:" in i} == before
 
 
 def _bad_input(tmp_path):

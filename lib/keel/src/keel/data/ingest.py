@@ -129,8 +129,7 @@ class IngestConfig:
         if self.hf_dataset is not None:  # a hub dataset's `revision` pins it; a builder's data_files are files
             if self.hf_dataset.path not in HF_FILE_BUILDERS:
                 return {}
-            patterns = [p for p in self.hf_dataset.data_files if isinstance(p, str)]
-            return {f.name: f.url for pattern in patterns for f in _matches(pattern, "IngestConfig.hf_dataset.data_files")}
+            return {f.name: f.url for f in _hf_files(self.hf_dataset)}
         return {f.name: f.url for f in expand_inputs(tuple(p for p in self.inputs if isinstance(p, str)))}
 
 
@@ -185,13 +184,20 @@ def _matches(pattern: str, field: str) -> list[InputFile]:
 
 def expand_inputs(inputs: tuple[str, ...]) -> list[InputFile]:
     """Every input file, in declaration order; each glob sorted. Checks formats first."""
-    files = [f for pattern in inputs for f in _matches(pattern, "IngestConfig.inputs")]
-    by_prefix: dict[str, InputFile] = {}
+    files = _distinct_files(inputs, "IngestConfig.inputs")
     for f in files:
         _format_of(f.url)
+    return files
+
+
+def _distinct_files(patterns: tuple[str, ...], field: str) -> list[InputFile]:
+    """The files `patterns` match, refusing two whose documents' ids would collide."""
+    files = [f for pattern in patterns for f in _matches(pattern, field)]
+    by_prefix: dict[str, InputFile] = {}
+    for f in files:
         other = by_prefix.setdefault(f.id_prefix, f)
         if other is not f:  # their documents' ids would collide
-            raise StepDeclarationError(f"IngestConfig.inputs: {other.url} and {f.url} both give documents the "
+            raise StepDeclarationError(f"{field}: {other.url} and {f.url} both give documents the "
                                        f"ids '{f.id_prefix}:N' (a file's id is its path below its pattern's fixed "
                                        "folder): match them with one glob from a folder above both, e.g. "
                                        "'data/*/notes.txt'")
@@ -298,25 +304,32 @@ def _read_files(config: IngestConfig, files: list[InputFile], log: RecordLog) ->
             yield from _read_jsonl(file, config, log)
 
 
+def _hf_files(spec: HfDatasetSpec) -> list[InputFile]:
+    """The files a `datasets` file builder reads (`data_files`, as `inputs` are matched)."""
+    return _distinct_files(tuple(p for p in spec.data_files if isinstance(p, str)), "IngestConfig.hf_dataset.data_files")
+
+
 def _read_hf(spec: HfDatasetSpec, text_field: str, log: RecordLog) -> Iterator[Document]:
+    """A file builder's rows file by file, each document's id naming its file and row (as a local
+    input's does), so adding a file moves no other document's draw; a hub dataset's by its row in
+    the pinned revision's stream."""
     import datasets
 
-    rows = datasets.load_dataset(
-        spec.path,
-        spec.name,
-        split=spec.split,
-        data_files=list(spec.data_files) or None,
-        revision=spec.revision,
-        streaming=True,
-    )
     source = f"hf:{spec.path}" + (f"/{spec.name}" if spec.name else "") + f"/{spec.split}"
-    for row_number, record in enumerate(rows, start=1):
-        log.look()
-        text, kind, detail = _text_of(record, text_field)
-        if text is None:
-            log.skip(BadRecord(source, row_number, kind, detail))
-            continue
-        yield Document(f"{source}:{row_number}", text)
+    if spec.path in HF_FILE_BUILDERS:
+        streams = [(f"{source}/{f.id_prefix}", [f.url]) for f in _hf_files(spec)]
+    else:
+        streams = [(source, list(spec.data_files) or None)]
+    for prefix, data_files in streams:
+        rows = datasets.load_dataset(spec.path, spec.name, split=spec.split, data_files=data_files,
+                                     revision=spec.revision, streaming=True)
+        for row_number, record in enumerate(rows, start=1):
+            log.look()
+            text, kind, detail = _text_of(record, text_field)
+            if text is None:
+                log.skip(BadRecord(prefix, row_number, kind, detail))
+                continue
+            yield Document(f"{prefix}:{row_number}", text)
 
 
 def ingest_documents(config: IngestConfig) -> None:
