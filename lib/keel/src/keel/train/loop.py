@@ -58,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 from levanter.tracker import Tracker
 from levanter.utils.jax_utils import barrier_sync_named
@@ -91,8 +92,6 @@ def stop_requested_anywhere() -> bool:
     asked = interrupt.requested()
     if jax.process_count() == 1:
         return asked
-    from jax.experimental import multihost_utils
-
     return bool(np.any(multihost_utils.process_allgather(np.asarray(asked))))
 
 
