@@ -33,7 +33,8 @@ _EXPERIMENT = textwrap.dedent(
             deadline = time.monotonic() + 120
             while len(os.listdir(meet)) < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
-        print("[train] x: done: steps 0->4 in 9.9s (compiling 3.0s, waited for 1.5s), final validation loss 5.0")
+        print("[train] x: done: steps 0->4 in 9.9s (compiling 3.0s, waited for 1.5s, 1.0s of it by training steps), "
+              "final validation loss 5.0")
 
     def run(name, lr, seed=0):
         train = TrainConfig(batch_size=2, seq_len=8, num_steps=4, optimizer=AdamWConfig(lr=lr), seed=seed)
@@ -95,19 +96,17 @@ def test_compare_across_experiments_with_columns_defined_and_shared_runs_marked(
     assert "| 150 * |" in table and "- * train/pair/a shared its host for " in table
 
 
-def test_the_wall_split_times_the_last_attempts_steps_less_every_compile_wait(capsys):
-    """The steps are the last attempt's (a resumed run keeps the earlier rows), each row standing
-    for the steps since the one before (`log_every`); every compile line the loop prints (compiled,
-    loaded from the compilation cache, queued behind another run's compile) takes its step's wait
-    out of the training seconds (evaluations' do not)."""
-    from keel.train.progress import Progress
+def test_the_wall_split_times_the_last_attempts_steps_less_their_compile_waits():
+    """The steps are the last attempt's (a resumed run keeps the earlier rows, and an interrupted
+    attempt's lines stay in the log), each row standing for the steps since the one before
+    (`log_every`); the loop's summary says what its training steps waited for compiles, which comes
+    out of the training seconds (evaluations' waits do not)."""
     from keel.trained.compare import wall_split
 
-    progress = Progress("x", 0, 10)
-    progress.compiled("the fixed_all_to_all training step", 10.0, "ahead (step 0 waited 4.0s for it)", queued=3.0)
-    progress.compiled("the ring training step", 1.0, "on first use", loaded=True)
-    progress.compiled("the fixed_all_to_all evaluation", 3.0, "on first use")
-    log = capsys.readouterr().out + "[train] x: done: steps 10->20 in 30.0s (compiling 14.0s, waited for 8.0s)\n"
+    interrupted = ("[train] x: compiled the fixed_all_to_all training step in 9.0s, ahead (step 0 waited 9.0s for it)\n"
+                   "[train] x: interrupted: stopped after step 10 of 20, checkpoint saved\n")
+    log = interrupted + ("[train] x: resumed at step 10\n"
+                         "[train] x: done: steps 10->20 in 30.0s (compiling 14.0s, waited for 8.0s, 5.0s of it by training steps)\n")
     earlier = [{"step": s, "throughput/tokens_per_s": 10.0} for s in range(10)]  # an earlier attempt's rows
     rows = [{"step": s, "throughput/tokens_per_s": 50.0} for s in range(11, 20, 2)]  # log_every=2; 2 s a step
     split = wall_split(log, earlier + rows, tokens_per_step=100, wall=40.0)

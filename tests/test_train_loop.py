@@ -385,6 +385,13 @@ def test_progress_lines_name_compiles_validation_checkpoints_and_the_switch(tmp_
                      "step 3: checkpoint saved", "step 6/6, loss", "done: steps 0->6 in"):
         assert expected in text, (expected, text)
     assert "final validation loss" in lines[-1] and out in lines[-1]
+    # the summary's share of the compile waits that training steps stood through (keel compare's
+    # split) is what the compile lines say each training step waited, evaluations left out
+    waits = [float(m[1] or m[0]) for what, *m in re.findall(
+        r"(?:compiled|loaded) the (.+?)(?: from the compilation cache)? in ([\d.]+)s.*?, (?:on first use|ahead \(.*? waited ([\d.]+)s)",
+        text) if "evaluation" not in what]
+    by_steps = float(re.search(r"([\d.]+)s of it by training steps", lines[-1])[1])
+    assert len(waits) == 2 and by_steps == pytest.approx(sum(waits), abs=0.1 * len(waits)), (waits, lines[-1])
 
 
 def test_the_loss_plot_says_what_it_shows(switch_run):

@@ -169,6 +169,7 @@ class _Run:
         self._eval_fns: dict[tuple[TransportPhase, offload.Layout], compile_ahead.Pending] = {}
         self.compile_seconds = 0.0  # the compiles of every step/eval function used
         self.compile_waited = 0.0  # of which the loop stood waiting
+        self.steps_waited = 0.0  # of which training steps stood waiting (not evaluations): keel compare's split
         self.told_sample = False  # the first evaluation says how many sequences it samples
         self.guard: SpikeGuard | None = None  # made when training starts (keel.train.spike_guard)
         self._met = False  # the processes met before their first shared program (`_meet_before_first_program`)
@@ -315,7 +316,8 @@ class _Run:
         first = self.progress.first_step_after  # after `(...)`: keel compare reads that part of the line
         first = f", first step {first:.1f}s after the process started" if first is not None else ""
         self.progress.event(f"done: steps {start}->{self.config.num_steps} in {self.progress.wall_seconds:.1f}s "
-                            f"(compiling {self.compile_seconds:.1f}s, waited for {self.compile_waited:.1f}s){first}{val}; "
+                            f"(compiling {self.compile_seconds:.1f}s, waited for {self.compile_waited:.1f}s, {self.steps_waited:.1f}s of it "
+                            f"by training steps){first}{val}; "
                             f"outputs in {self.output_path}")
 
     def _title(self) -> str:
@@ -359,7 +361,7 @@ class _Run:
                 self.state_arrays, metrics, rollback = self.guard.step(
                     step, index, self.state_arrays, lambda arrays: step_fn.get()(arrays, batch, rates), self.layout)
             if first_use:
-                self._compiled(step_fn, f"step {step}")
+                self._compiled(step_fn, f"step {step}", by_step=True)
                 self._compile_ahead(self._next_change(step))
                 if self.wandb is not None:
                     self.wandb.open()
@@ -601,7 +603,7 @@ class _Run:
                              for name, (_, rows) in sampled.items())
             self.progress.event(f"validation: a seeded sample of each split, the same every time (sequences: {used})")
         if first_use:
-            self._compiled(evaluate, f"step {step}'s evaluation")
+            self._compiled(evaluate, f"step {step}'s evaluation", by_step=False)
         values = {f"eval/{name}/loss": loss for name, loss in losses.items()}
         values["eval/loss"] = sum(values.values()) / len(values)
         self._log(step, values)
@@ -617,10 +619,12 @@ class _Run:
             self._met = True
             barrier_sync_named("keel-first-program", timeout=REPLICA_SKEW_S)
 
-    def _compiled(self, pending: compile_ahead.Pending, user: str) -> None:
-        """Count and report a compile at the first use of its function."""
+    def _compiled(self, pending: compile_ahead.Pending, user: str, *, by_step: bool) -> None:
+        """Count and report a compile at the first use of its function (`by_step`: a training step's)."""
+        waited = pending.waited if pending.ahead else pending.seconds
         self.compile_seconds += pending.seconds
-        self.compile_waited += pending.waited if pending.ahead else pending.seconds
+        self.compile_waited += waited
+        self.steps_waited += waited if by_step else 0.0
         how = f"ahead ({user} waited {pending.waited:.1f}s for it)" if pending.ahead else "on first use"
         self.progress.compiled(pending.what, pending.seconds, how, loaded=pending.loaded, queued=pending.queued)
 

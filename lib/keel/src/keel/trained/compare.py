@@ -137,25 +137,22 @@ def training_throughput(metrics: list[dict]) -> float | None:
     return statistics.median(steady) if steady else None
 
 
-_DONE = re.compile(r"done: steps (\d+)->\d+ in ([\d.]+)s \(compiling [\d.]+s, waited for ([\d.]+)s\)")
-_COMPILED = re.compile(r"(?:compiled|loaded) the (.+?)(?: from the compilation cache)? in ([\d.]+)s(?: \([^)]*\))?, "
-                       r"(?:on first use|ahead \(.*? waited ([\d.]+)s for it\))")  # each form `Progress.compiled` prints
+_DONE = re.compile(r"done: steps (\d+)->\d+ in ([\d.]+)s \(compiling [\d.]+s, waited for ([\d.]+)s, ([\d.]+)s of it "
+                   r"by training steps\)")  # the loop's own summary of its attempt (`keel.train.loop`)
 
 
 def wall_split(log: str, metrics: list[dict], tokens_per_step: int, wall: float | None) -> dict[str, float | None]:
     """The wall time as compile / training / eval+ckpt / setup seconds (see `COLUMNS`), from the
-    loop's log of its last attempt (each compile and what waited for it; the loop's own time) and
-    the measured time of that attempt's steps: a row of `metrics.jsonl` times its own step and
-    stands for the steps since the row before it (`log_every`). None where the log lacks the
-    loop's summary line."""
+    loop's summary of its last attempt (its own time, what it waited for compiles, and how much of
+    that its training steps waited) and the measured time of that attempt's steps: a row of
+    `metrics.jsonl` times its own step and stands for the steps since the row before it
+    (`log_every`). None where the log lacks the loop's summary line."""
     done = _DONE.findall(log)
     start = int(done[-1][0]) if done else 0
     rows = {s: v for s, v in latest_by_step(metrics, "throughput/tokens_per_s").items() if s >= start and v}
     if wall is None or not done or not rows or not tokens_per_step:
         return {"compile_s": None, "train_s": None, "eval_s": None, "setup_s": None}
-    loop_s, compile_s = float(done[-1][1]), float(done[-1][2])
-    attempt = log[log.rfind("done: steps", 0, log.rfind("done: steps")) + 1:]  # since the previous attempt's summary
-    step_waits = sum(float(waited or seconds) for what, seconds, waited in _COMPILED.findall(attempt) if "evaluation" not in what)
+    loop_s, compile_s, step_waits = (float(x) for x in done[-1][1:])
     steps = sorted(rows)
     steps_s = sum((s - before) * tokens_per_step / rows[s] for before, s in zip([start - 1] + steps, steps))
     train_s = max(0.0, steps_s - step_waits)
