@@ -82,6 +82,26 @@ def test_compare_across_experiments_with_columns_defined_and_shared_runs_marked(
     assert "- train/moe rolled back past 1 loss spike(s), skipping the batch at step(s) 2" in "\n".join(notes)
     assert not [line for line in notes if line.startswith("- train/dense")]  # a plain run has no such note
 
+    # Beside them: a launcher killed mid-step days ago (step.json, no status, no lease) on this host, and a
+    # step.json torn by a crash. Neither shared the runs' host, and neither stops the table.
+    host = json.loads(next((tmp_path / "out" / "train").glob("dense-*/.keel/step.json")).read_text())["provenance"]["host"]
+    for name, text in (("crashed", json.dumps({"name": "train/crashed", "attempt": 1, "started": 1.0,
+                                               "provenance": {"host": host}})), ("torn", '{"name": "train/to')):
+        (tmp_path / "out" / "train" / f"{name}-0123456789" / ".keel").mkdir(parents=True)
+        (tmp_path / "out" / "train" / f"{name}-0123456789" / ".keel" / "step.json").write_text(text)
+    assert console_main(["compare", dense, moe, "--prefix", prefix, "--json"]) == 0
+    assert all(r["shared"] is None for r in json.loads(capsys.readouterr().out)["runs"])
+
+    # Two experiment files of one name in two folders, each declaring train/same: both rows, told apart
+    same = [_experiment(tmp_path / folder / "exp.py", f'[run("same", {lr})]') for folder, lr in (("v1", 0.25), ("v2", 0.75))
+            if (tmp_path / folder).mkdir() or True]
+    for experiment in same:
+        assert console_main(["run", experiment, "--prefix", prefix]) == 0
+    capsys.readouterr()
+    assert console_main(["compare", *same, "--prefix", prefix, "--json"]) == 0
+    rows = {r["run"]: r["experiment"] for r in json.loads(capsys.readouterr().out)["runs"]}
+    assert rows == {"v1/exp.py:train/same": "v1/exp.py", "v2/exp.py:train/same": "v2/exp.py"}
+
     (tmp_path / "meet").mkdir()
     monkeypatch.setenv("MEET_DIR", str(tmp_path / "meet"))
     assert console_main(["run", together, "--prefix", prefix]) == 0  # two runs at once on this host

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from keel.executor import storage
+from keel.executor.lease import current_lease
 from keel.executor.status import KEEL_DIR, RECORD, keel_path, read_status
 from keel.executor.plan import CACHED, plan_graph
 from keel.executor.step import Step
@@ -160,16 +161,27 @@ def wall_split(log: str, metrics: list[dict], tokens_per_step: int, wall: float 
     return {"compile_s": compile_s, "train_s": train_s, "eval_s": eval_s, "setup_s": max(0.0, wall - loop_s)}
 
 
+def _read_record(path: str) -> dict | None:
+    """The step's step.json, or None when it is absent, torn by a crash (it is not fsynced) or not keel's."""
+    try:
+        record = storage.read_json(keel_path(path, RECORD))
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def _record(path: str) -> dict:
-    record = storage.read_json(keel_path(path, RECORD))
+    record = _read_record(path)
     if record is None:
-        raise FileNotFoundError(f"{path} has no .keel/step.json: is it a keel step's output?")
+        raise FileNotFoundError(f"{path} has no readable .keel/step.json: is it a keel step's output?")
     return record
 
 
 def _attempts_near(paths) -> list[tuple[str, str | None, float, float]]:
     """(name, host, start, end) of every step attempt under the prefixes of `paths` (a step's
-    output is {prefix}/{name}-{hash}, its name one to four segments deep); running ones end now."""
+    output is {prefix}/{name}-{hash}, its name one to four segments deep). One with no end on
+    record ends now while its lease is live, else at its lease's last heartbeat (a launcher killed
+    or crashed mid-step); one that left neither is not counted."""
     roots = set()
     for path in paths:
         record = _record(path)
@@ -180,9 +192,14 @@ def _attempts_near(paths) -> list[tuple[str, str | None, float, float]]:
         for depth in range(1, 5):
             for record_path in fs.glob(f"{plain}/{'/'.join(['*'] * depth)}/{KEEL_DIR}/{RECORD}"):
                 step = root + record_path.rsplit(f"/{KEEL_DIR}/", 1)[0][len(plain):]
-                record, status = storage.read_json(keel_path(step, RECORD)), read_status(step)
-                if record is not None and status is not None:
-                    end = status.finished if status.finished is not None else time.time()
+                record, status = _read_record(step), read_status(step)
+                if record is None or status is None:
+                    continue
+                end = status.finished
+                if end is None:
+                    holder = current_lease(step)
+                    end = None if holder is None else time.time() if holder.is_live() else holder.heartbeat
+                if end is not None:
                     found.append((record.get("name", step), record.get("provenance", {}).get("host"), status.started, end))
     return found
 
@@ -339,6 +356,18 @@ def training_plans(experiments: list[tuple[str | None, Any]], only: re.Pattern |
     return out
 
 
+def _short_names(sources: list[str | None]) -> dict[str | None, str]:
+    """Each experiment file by the fewest trailing parts of its path that tell it from the others:
+    its basename, unless two files share it (sweeps/v1/exp.py and sweeps/v2/exp.py: v1/exp.py)."""
+    parts = {s: os.path.abspath(s).split(os.sep) for s in dict.fromkeys(sources) if s}
+    short = {}
+    for source, mine in parts.items():
+        n = next(n for n in range(1, len(mine) + 1)
+                 if all(theirs[-n:] != mine[-n:] for other, theirs in parts.items() if other != source))
+        short[source] = "/".join(mine[-n:])
+    return short
+
+
 def compare_finished(experiments: list[tuple[str | None, Any]], only: re.Pattern | None = None, as_json: bool = False) -> int:
     """`keel compare A.py [B.py ...] [--only REGEX] [--json]`: print the table (or its rows as JSON)
     of the cached training steps of the (experiment file, graph) pairs whose names match `only`;
@@ -346,10 +375,11 @@ def compare_finished(experiments: list[tuple[str | None, Any]], only: re.Pattern
     code 1 when no such step has finished."""
     plans = training_plans(experiments, only)
     names = [p.name for _, p in plans]
+    short = _short_names([source for source, _ in experiments])
     runs, files = {}, {}
     for source, plan in plans:
         if plan.state == CACHED:
-            file = os.path.basename(source) if source else None
+            file = short.get(source)
             label = plan.name if names.count(plan.name) == 1 else f"{file}:{plan.name}"
             runs[label], files[label] = plan.output_path, file
     waiting = [f"{p.name} ({p.state})" for _, p in plans if p.state != CACHED]
