@@ -157,3 +157,13 @@ def test_a_running_steps_curve_grows_without_reloading(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     assert json.loads(metrics.read_text().splitlines()[-1])["step"] >= first + 3
+    # killed, it is no longer running: its sheet projects no end (its lease names a process that is gone)
+    from keel.dashboard import build_state
+
+    def live_sheet():
+        return next(s for s in build_state(experiment, graph)["fact_sheets"] if s["step"] == "train/dash/live")["measured"]
+
+    deadline = time.monotonic() + 60  # until the killed process is reaped: a zombie still answers kill(pid, 0)
+    while (measured := live_sheet())["state"] == "running-elsewhere" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert measured["state"] != "running-elsewhere" and measured["projected_end"] is None, measured

@@ -422,3 +422,5 @@ def test_status_reads_a_running_steps_progress_from_its_metrics(tmp_path):
     line = config.progress(str(tmp_path))
     assert line.startswith("training: step 10/100, loss 4.1000, 1,024 tokens/s")
     assert "about 1.5 min to go" in line  # 90 steps x 1,024 tokens at 1,024 tokens/s
+    stopped = config.progress(str(tmp_path), running=False)  # interrupted or failed: no time to go
+    assert stopped.endswith("1,024 tokens/s; not running") and "to go" not in stopped

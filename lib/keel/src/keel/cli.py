@@ -320,7 +320,8 @@ def render_table(plans: list[StepPlan], timings: bool = False) -> str:
             rows.extend(f"{'':<17}   warning: {w}" for w in p.status.warnings)
         if timings and p.state in ("running-elsewhere", "interrupted", "failed"):
             config = getattr(p.step, "config", None)
-            shown = config.progress(p.output_path) if isinstance(config, ReportsProgress) else None
+            shown = (config.progress(p.output_path, running=p.state == "running-elsewhere")
+                     if isinstance(config, ReportsProgress) else None)
             if shown:
                 rows.append(f"{'':<17}   {shown}")
         if timings and p.status is not None and getattr(getattr(p.step, "config", None), "predicted_loss", None):

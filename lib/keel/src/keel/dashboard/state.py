@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from keel.executor import storage
-from keel.executor.plan import Graph, StepPlan, plan_graph
+from keel.executor.plan import RUNNING_ELSEWHERE, Graph, StepPlan, plan_graph
 from keel.executor.status import keel_path
 from keel.executor.step import Step
 from keel.spec.metrics import METRICS_FILE, read_metrics
@@ -148,7 +148,8 @@ def _fact_sheets(graph: Graph, runs: dict[str, dict]) -> list[dict[str, Any]]:
 
 def _measured(run: dict) -> dict[str, Any] | None:
     """Seconds per training step (median of the steps that did not compile), steps done, and the
-    end projected from them: now + the steps to go, or when the step finished."""
+    end projected from them: now + the steps to go while the step runs, when it finished once it
+    has; a step that is not running (interrupted, failed, not started again) projects no end."""
     if not run["tokens_per_s"]:
         return None
     step_s = run["tokens_per_step"] / run["tokens_per_s"]
@@ -159,8 +160,10 @@ def _measured(run: dict) -> dict[str, Any] | None:
 
         status = read_status(run["output_path"])
         end = status.finished if status and status.finished else time.time()
-    else:
+    elif run["state"] == RUNNING_ELSEWHERE:
         end = time.time() + remaining * step_s
+    else:
+        end = None
     return {"step_seconds": step_s, "steps_done": done, "num_steps": run["num_steps"], "remaining_s": remaining * step_s,
-            "projected_end": dt.datetime.fromtimestamp(end, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-            "finished": run["state"] == "cached"}
+            "projected_end": None if end is None else dt.datetime.fromtimestamp(end, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "finished": run["state"] == "cached", "state": run["state"]}

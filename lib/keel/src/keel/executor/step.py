@@ -92,7 +92,7 @@ class DeclaresDevices(Protocol):
 class ReportsProgress(Protocol):
     """A config whose step can say how far it got, read from its output while it runs (`keel status`)."""
 
-    def progress(self, output_path: str) -> str | None: ...
+    def progress(self, output_path: str, running: bool = True) -> str | None: ...
 
 
 def is_execution_only(field: dataclasses.Field) -> bool:

@@ -558,9 +558,10 @@ class TrainStepConfig:
                                  "External cache): declare train.seq_len")
             object.__setattr__(self, "train", dataclasses.replace(self.train, seq_len=seq_len))
 
-    def progress(self, output_path: str) -> str | None:
+    def progress(self, output_path: str, running: bool = True) -> str | None:
         """How far a running (or stopped) training step got, from its metrics: for `keel status`
-        in a second terminal, wherever the step runs (the prefix is shared storage)."""
+        in a second terminal, wherever the step runs (the prefix is shared storage). Only a step
+        that is `running` gets a time to go."""
         try:
             records = [r for r in read_metrics(f"{output_path.rstrip('/')}/{METRICS_FILE}") if "train/loss" in r]
         except (FileNotFoundError, OSError):
@@ -573,7 +574,8 @@ class TrainStepConfig:
         line = f"training: step {done}/{self.train.num_steps}, loss {last['train/loss']:.4f}"
         if speeds:
             seconds = (self.train.num_steps - done) * self.train.tokens_per_step / (sum(speeds) / len(speeds))
-            line += f", {sum(speeds) / len(speeds):,.0f} tokens/s, about {seconds / 60:.1f} min to go"
+            line += f", {sum(speeds) / len(speeds):,.0f} tokens/s" + (f", about {seconds / 60:.1f} min to go" if running
+                                                                     else "; not running")
         return line
 
     def process_env(self, processes: int = 1) -> dict[str, str]:

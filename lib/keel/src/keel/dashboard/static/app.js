@@ -198,9 +198,10 @@ function renderOverlay(state) {
 function renderSheets(state) {
   const out = state.fact_sheets.map((sheet) => {
     const m = sheet.measured;
-    const line = !m ? "no measured step time yet" : m.finished
-      ? `measured ${m.step_seconds.toFixed(3)} s/step (median of training steps); ${m.steps_done}/${m.num_steps} steps; finished ${m.projected_end}`
-      : `measured ${m.step_seconds.toFixed(3)} s/step (median of training steps); ${m.steps_done}/${m.num_steps} steps, ${seconds(m.remaining_s)} to go: projected end ${m.projected_end}`;
+    const measured = m && `measured ${m.step_seconds.toFixed(3)} s/step (median of training steps); ${m.steps_done}/${m.num_steps} steps`;
+    const line = !m ? "no measured step time yet" : m.finished ? `${measured}; finished ${m.projected_end}`
+      : m.projected_end ? `${measured}, ${seconds(m.remaining_s)} to go: projected end ${m.projected_end}`
+      : `${measured}; not running (${m.state}): no end projected until it runs again`;
     return html("div", { class: "sheet", "data-step": sheet.step }, html("h3", {}, sheet.step), html("p", { class: "measured" }, line), html("pre", {}, sheet.text));
   });
   document.getElementById("sheets").replaceChildren(...out);
