@@ -4,6 +4,7 @@ per logged step, the overlay, the fact sheets), the same page exported as static
 running step whose curve grows without a reload. Training is a stand-in that writes what a
 training step records (metrics.jsonl, checkpoints), so the test takes seconds, not minutes."""
 
+import http.client
 import json
 import os
 import signal
@@ -108,6 +109,16 @@ def test_the_page_of_a_finished_experiment_live_and_exported(tmp_path):
         assert "train.optimizer.lr" in details and "train.seq_len" in details and "pretend training of lr 0.5 done" in details
         assert "topology" not in details  # execution-only fields are not part of the config shown
         assert not local_only(page.requested) and not page.errors
+        # a request naming another host (a page elsewhere that resolves its name here) gets nothing
+        port = int(url.rsplit(":", 1)[1].strip("/"))
+        for host, code in ((f"attacker.example:{port}", 403), (f"localhost:{port}", 200)):
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            try:
+                connection.request("GET", "/state.json", headers={"Host": host})
+                response = connection.getresponse()
+                assert (response.status, b"train/dash/a" in response.read()) == (code, code == 200), host
+            finally:
+                connection.close()
 
     # The same run with another learning rate: the page says it is stale, and why.
     stale = _graph(experiment, prefix, FAKE_LR_A="0.75")

@@ -69,6 +69,11 @@ def make_server(experiment: str, graph, port: int = 0) -> ThreadingHTTPServer:
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
+            port = self.server.server_address[1]
+            if self.headers.get("Host") not in (f"127.0.0.1:{port}", f"localhost:{port}"):
+                # a page elsewhere whose name resolves here (DNS rebinding) must not read the run's state
+                self.send_error(403, explain="keel dashboard answers requests for 127.0.0.1 or localhost only")
+                return
             try:
                 self._route(self.path.split("?", 1)[0])
             except Exception as exc:  # noqa: BLE001 - a prefix mid-write or a record of another version: say so, keep serving
