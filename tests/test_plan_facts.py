@@ -187,6 +187,22 @@ def test_hero_claims_are_declared_and_recomputed(hero):
     assert claims["moe_to_dense_flops"]["value"] == pytest.approx(0.5) and not claims["moe_to_dense_flops"]["holds"]
 
 
+def test_the_activation_bound_counts_the_rows_of_the_run_s_own_transports():
+    """A layer's activations hold each token's expert rows as its transports pad them: the hero's
+    pooled and ragged phases at 1.15, a dropless ring run at 1.0, whatever the model's own factor."""
+    from keel.spec import TransportPhase
+
+    config = hero_config()
+    ring = dataclasses.replace(config, train=dataclasses.replace(config.train, transports=(TransportPhase(0, "ring"),)))
+    padded, dropless = (fact_sheet(c)["claims"] for c in (config, ring))
+    value = {name: {c["figure"]: c["value"] for c in claims}["activation_bytes_per_layer"]
+             for name, claims in (("padded", padded), ("dropless", dropless))}
+    model, tokens = config.model, config.train.tokens_per_step
+    rows_gone = model.experts_per_token * (1.15 - 1.0) * tokens  # rows a dropless transport never holds
+    assert value["padded"] - value["dropless"] == pytest.approx(
+        rows_gone * (3 * model.expert_dim + model.expert_input_dim) * 2, rel=1e-9)
+
+
 def test_a_run_that_declares_no_claims_prints_none(hero):
     config = hero_config()
     config = dataclasses.replace(config, facts=dataclasses.replace(config.facts, claims=()))

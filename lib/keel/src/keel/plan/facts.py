@@ -361,20 +361,21 @@ def _batch_bytes(config: TrainStepConfig, sheet: dict) -> tuple[float, str]:
                       f"2-byte ids cannot hold a {model.vocab_size:,}-token vocabulary"))
 
 
-def layer_activations_per_token(model) -> dict[str, float]:
+def layer_activations_per_token(model, capacity_factor: float) -> dict[str, float]:
     """Values one token leaves in one layer's forward for its backward (without rematerialisation),
     by site: the norms and GatedNorms, q/k/v (and the key convolution), the attention output before
     and after XSA and the gate, the output projection and its convolution; the router logits, the
-    latent projection, every routed expert's gate/up/activation/output over the capacity-padded
-    rows, the shared experts, the MoE output convolution. A lower bound: attention scores are not
-    kept (a fused kernel recomputes them)."""
+    latent projection, every routed expert's gate/up/activation/output over its rows (the token's
+    `experts_per_token` assignments x `capacity_factor`, a fixed-shape transport's padding), the
+    shared experts, the MoE output convolution. A lower bound: attention scores are not kept (a
+    fused kernel recomputes them)."""
     d, heads, hd = model.hidden_dim, model.num_heads, model.head_dim
     kv, gate_rank = model.num_kv_heads * hd, model.gated_norm_rank
     norms = 2 * (d + (gate_rank + d if gate_rank else 0))
     attention = heads * hd * (3 if model.xsa else 2) + 2 * kv + (kv if model.conv_sites else 0) + heads + 2 * d
     routed = 0.0
     if model.num_experts:
-        rows = model.experts_per_token * model.capacity_factor
+        rows = model.experts_per_token * capacity_factor
         routed = model.num_experts * 2 + (2 * model.latent_dim if model.latent_dim else 0) \
             + rows * (3 * model.expert_dim + model.expert_input_dim) + d
     shared = model.num_shared_experts * 3 * model.shared_expert_dim
@@ -382,10 +383,16 @@ def layer_activations_per_token(model) -> dict[str, float]:
             "residual_and_convolutions": 2 * d}
 
 
+def _fewest_rows(sheet: dict) -> float:
+    """The smallest capacity factor of the run's transport phases (1.0 for one that pads nothing):
+    a lower bound on activations holds in every phase."""
+    return min(((t["capacity_factor"] or 1.0) for t in sheet["transports"]), default=1.0)
+
+
 def _activation_bytes(config: TrainStepConfig, sheet: dict) -> tuple[float, str]:
     model, train = config.model, config.train
     value = train.tokens_per_step * model.hidden_dim * 2
-    real = sum(layer_activations_per_token(model).values()) * 2 * train.tokens_per_step
+    real = sum(layer_activations_per_token(model, _fewest_rows(sheet)).values()) * 2 * train.tokens_per_step
     per_gpu = f" (per GPU {sheet['memory']['parts_gb']['residual_per_layer']:.3g} GB)" if sheet.get("memory") else ""
     return real, (f"{value / GB:.4g} GB is one bf16 {model.hidden_dim}-wide tensor over the whole global batch "
                   f"({train.tokens_per_step:,} tokens){per_gpu}, not a layer's activations: a layer's forward "
@@ -395,7 +402,7 @@ def _activation_bytes(config: TrainStepConfig, sheet: dict) -> tuple[float, str]
 def _activation_bytes_all_layers(config: TrainStepConfig, sheet: dict) -> tuple[float, str]:
     model, train = config.model, config.train
     one_tensor = train.tokens_per_step * model.hidden_dim * 2 * model.num_layers
-    real = sum(layer_activations_per_token(model).values()) * 2 * train.tokens_per_step * model.num_layers
+    real = sum(layer_activations_per_token(model, _fewest_rows(sheet)).values()) * 2 * train.tokens_per_step * model.num_layers
     return real, (f"{one_tensor / 1e12:.3g} TB is one bf16 {model.hidden_dim}-wide tensor per layer for "
                   f"{model.num_layers} layers; without checkpointing the layers keep at least {real / 1e12:,.0f} TB "
                   f"({real / one_tensor:.0f}x), hence per-layer rematerialisation")
