@@ -71,20 +71,22 @@ def test_fixed_all_to_all_counts_the_assignments_over_capacity():
     w = [hax.random.normal(jax.random.PRNGKey(i), axes) for i, axes in
          enumerate([(Experts, Latent, Mlp), (Experts, Latent, Mlp), (Experts, Mlp, Latent)])]
     mesh = build_mesh(RACKS_2X4)
-    with use_mesh(mesh):
-        _, dropped, sized = jax.jit(
-            lambda *a: dispatch(*a, transport=TransportSpec("fixed_all_to_all"), capacity_factor=1.0)
-        )(x, selected, weights, valid, *w)
     shards = RACKS_2X4.batch_shards
     per_shard = tokens // shards
-    capacity = math.ceil(per_shard * K / E)
-    expected = sum(
-        max(int((skewed[s * per_shard:(s + 1) * per_shard] == e).sum()) - capacity, 0)
-        for s in range(shards) for e in range(E)
-    )
-    assert expected > 0
-    assert int(dropped) == expected
-    assert float(sized) == 1.0, "the kernel reports the capacity it was called with"
+    drops = {}
+    for factor in (1.0, 2.0):  # the kernel drops what the capacity it is handed leaves out, and says which it was
+        with use_mesh(mesh):
+            _, dropped, sized = jax.jit(
+                lambda *a: dispatch(*a, transport=TransportSpec("fixed_all_to_all"), capacity_factor=factor)
+            )(x, selected, weights, valid, *w)
+        capacity = math.ceil(per_shard * K / E * factor)
+        expected = sum(
+            max(int((skewed[s * per_shard:(s + 1) * per_shard] == e).sum()) - capacity, 0)
+            for s in range(shards) for e in range(E)
+        )
+        assert int(dropped) == expected and float(sized) == factor, factor
+        drops[factor] = expected
+    assert drops[1.0] > drops[2.0] > 0
 
 
 def test_ragged_all_to_all_is_a_configuration_error_on_cpu():

@@ -392,9 +392,10 @@ class _Run:
     def _check_kernel(self, done: StepDone) -> None:
         """After the first step since the newest layout record (a start, resume or phase change):
         add to that record what the step's MoE kernels report they ran, and stop unless it is the
-        resolved run's phase. The report is an output of the compiled step that trained, so a step
-        built or picked for another phase, or a kernel that ignored the capacity it was handed,
-        is caught here rather than trusted."""
+        resolved run's phase. The report is an output of the compiled step that trained (the
+        transport it dispatched to and the capacity it handed grug's kernel), so a step built or
+        picked for another phase, or a model that changes the capacity on its way to the kernel, is
+        caught here rather than trusted."""
         if done.step != self._kernel_pending:  # a rollback that replays into a phase records it again
             return
         self._kernel_pending = None
