@@ -46,13 +46,16 @@ def test_the_state_compiled_against_is_the_live_state_in_every_layout(tmp_path, 
     first = (TransportPhase(0, "fixed_all_to_all"), offload.layout_at(offload_until_3, 0))
     assert list(run._step_fns) == [first] and run._step_fns[first].ahead  # submitted before the state existed
     assert run.layout == first[1] and run.layout.on_host == ("master_weights", "optimizer_state")
+    with jax.set_mesh(run.inputs.mesh):
+        compiled = run._step_fns[first].get()  # the background compile finished, without error
+    # the program compiled ahead takes the live state as it lies: each leaf's sharding and memory kind
+    live = jax.tree.map(lambda x: x.sharding, run.state_arrays)
+    assert jax.tree.leaves(compiled.input_shardings[0][0]) == jax.tree.leaves(live)
     for step in (0, 3):
         run._place(step)
-        declared = compile_ahead_state(run, offload.layout_at(offload_until_3, step))
-        assert _described(declared) == _described(run.state_arrays), step
+        _, _, submitted, *_ = run._step_job(run.transport_at(step), offload.layout_at(offload_until_3, step))
+        assert _described(submitted) == _described(run.state_arrays), step  # what the loop hands its compiler
     assert run._next_change(0) == 3 and run._next_change(3) is None
-    with jax.set_mesh(run.inputs.mesh):
-        run._step_fns[first].get()  # the background compile finished, without error
     # the initial state's (run_once_options) and the step's (CPU_STEPS), compiled on two threads
     assert sorted(given, key=str) == [{"xla_backend_optimization_level": 0}, {"xla_backend_optimization_level": 1}]
 
@@ -125,12 +128,6 @@ def test_runs_that_differ_only_in_rates_schedule_and_length_lower_to_one_trainin
     assert rates["long"]["lr/adam"] == pytest.approx(2e-3 * 3 / 60)  # warming up over 60 steps
     assert rates["short"]["weight_decay/adam"] == pytest.approx(rates["short"]["lr/adam"] * 0.1 * (1 - 3 / 6))
     assert rates["long"]["weight_decay/adam"] == 0.0  # before its start step
-
-
-def compile_ahead_state(run, layout):
-    from keel.train import compile_ahead, offload
-
-    return compile_ahead.abstract(run.state_shapes, offload.shardings(run.state_shapes, layout))
 
 
 def test_the_eval_step_loads_the_evaluation_program_the_loop_compiled(tmp_path, monkeypatch):
