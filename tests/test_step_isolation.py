@@ -68,6 +68,8 @@ def test_the_readme_main_job_trains_then_everything_is_cached(tmp_path):
     sheet = next(s for s in json.loads(planned.stdout)["fact_sheets"] if s["step"] == "train/tiny_moe")
     layout = json.loads(Path(keel_path(graph.path(train), "layout.json")).read_text())["records"]
     assert [(r["step"], r["reason"]) for r in layout] == [(0, "start"), (150, "phase change")]
+    # the step's process saw the 2 racks x 4 devices its hardware declares (this test's environment sets none)
+    assert [(r["devices"], r["processes"]) for r in layout] == [(8, 1), (8, 1)]
     for record in layout:
         live = [leaf for leaf in record["leaves"] if not leaf["path"].startswith("opt_state/counter/")]
         assert live == sheet["state_layout"][0]["leaves"]

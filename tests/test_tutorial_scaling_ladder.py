@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from keel.cli import load_experiment
+from keel.spec.metrics import METRICS_FILE, latest_by_step, read_metrics
 from test_step_isolation import graph_as_run, keel
 
 pytestmark = pytest.mark.slow
@@ -29,6 +30,9 @@ def test_the_ladder_fits_four_sizes_and_reports_its_error_on_the_fifth(shared_pr
     prediction = fit["prediction"]
     assert prediction["low"] <= prediction["loss"] <= prediction["high"]
     check = json.loads((Path(graph.path(steps["ladder/tiny/check"])) / "check.json").read_text())
-    assert check["step"] == 64 and check["error"] == pytest.approx(check["actual"] - prediction["loss"])
+    target = steps["train/ladder/tiny/target"]
+    evals = latest_by_step(read_metrics(str(Path(graph.path(target)) / METRICS_FILE)), "eval/loss")
+    assert check["step"] == max(evals) == 64 and check["actual"] == evals[64]  # the target's own final validation loss
+    assert check["error"] == pytest.approx(check["actual"] - prediction["loss"])
     table = keel("compare", TUTORIAL, "--prefix", shared_prefix, "--only", "target", timeout=120)
     assert table.returncode == 0 and "| predicted |" in table.stdout.splitlines()[0], table.stdout + table.stderr
