@@ -61,6 +61,36 @@ def test_set_names_the_step_before_a_colon_and_refuses_an_ambiguous_dotted_key()
         apply_overrides(targets, order, ["documents/stdlib.max_bytes=1000", "documents/stdlib:max_bytes=2000"])
 
 
+def test_set_reads_texts_as_written_takes_a_configs_assignments_together_and_names_what_refuses():
+    from keel.executor.overrides import OverrideError
+
+    targets = load_experiment(SWEEP)
+    order = topological_order(targets)
+
+    def after(*assignments):
+        return {s.name: s for s in topological_order(apply_overrides(targets, order, list(assignments)))}
+
+    # a list of texts keeps each item as written (YAML would make `no` false and `1.10` the number 1.1)
+    prompts = after("sample/lr_sweep/lr1.0:prompts=[no, 1.10, 0x1F]")["sample/lr_sweep/lr1.0"].config.prompts
+    assert prompts == ("no", "1.10", "0x1F")
+    with pytest.raises(OverrideError, match=r"prompts holds several texts: write them as a list, e\.g\. "
+                                            r"sample/lr_sweep/lr1\.0:prompts=\[hello\]"):
+        after("sample/lr_sweep/lr1.0:prompts=hello")  # it used to become ('h', 'e', 'l', 'l', 'o')
+    # two fields a config checks against each other, set in either order
+    for pair in (("eval_every=5", "evaluations=None"), ("evaluations=None", "eval_every=5")):  # declared: evaluations=3
+        train = after(*(f"train/lr_sweep/lr1.0:train.{a}" for a in pair))["train/lr_sweep/lr1.0"].config.train
+        assert (train.eval_every, train.evaluations) == (5, None)
+    # a config given whole says what its own check refused; a field of a None config says to set it whole
+    with pytest.raises(OverrideError, match=r"ScheduleConfig\.warmup_fraction=2\.0 must lie in \[0, 1\)"):
+        after("train/lr_sweep/lr1.0:train.schedule={warmup_fraction: 2}")
+    with pytest.raises(OverrideError, match=r"train\.spike_guard is None, so it has no field 'window': set it whole"):
+        after("train/lr_sweep/lr1.0:train.spike_guard.window=10")
+    # a dependent whose own check refuses what the change made of it is named, with how to change it too
+    with pytest.raises(OverrideError, match=r"changes what eval/lr_sweep/lr1\.0 depends on, and eval/lr_sweep/lr1\.0 "
+                                            r"refuses it: EvalConfig\.num_batches=None .* --set eval/lr_sweep/lr1\.0:FIELD="):
+        after("train/lr_sweep/lr1.0:train.eval_batches=0")
+
+
 def test_the_twin_derives_its_rates_from_the_heros_law_at_its_own_size():
     from defaults.optimizers import hero_lr_law
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
 import typing
 from typing import Any
 
@@ -48,25 +49,55 @@ def _tuple_as_list(text: str) -> str:
     return f"[{stripped[1:-1]}]" if stripped.startswith("(") and stripped.endswith(")") else text
 
 
+def _is_texts(declared: Any) -> bool:
+    """A tuple or list of strings (`tuple[str, ...]`, `list[str] | None`)."""
+    inner = [a for a in typing.get_args(declared) if a is not type(None)] if typing.get_origin(declared) in (
+        typing.Union, types.UnionType) else [declared]
+    return len(inner) == 1 and typing.get_origin(inner[0]) in (tuple, list) and set(typing.get_args(inner[0])) <= {str, ...}
+
+
+def _innermost(exc: BaseException) -> str:
+    """The message of the error at the bottom of `exc`'s chain: what a config's own check said,
+    under the decoder's "couldn't instantiate" wrapping."""
+    while (exc.__cause__ or exc.__context__) is not None:
+        exc = exc.__cause__ or exc.__context__
+    return str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+
+
 def _parse_value(obj: Any, name: str, text: str, key: str) -> Any:
     """`text` as the field's declared type, decoded by draccus (Levanter's config parser) from YAML
-    syntax: `3`, `1e-3`, `true`, `ring`, `[a, b]`, `{start_step: 0, transport: ring}`."""
+    syntax: `3`, `1e-3`, `true`, `ring`, `[a, b]`, `{start_step: 0, transport: ring}`. Text stays
+    as written: a `str` field takes the whole value, a sequence of strings its items untyped (YAML
+    would read `no` as false and a version `1.10` as 1.1)."""
     import yaml
     from draccus.parsers.decoding import decode
 
     current = getattr(obj, name)
     declared = _declared_type(obj, name, current)
     if declared is str or set(typing.get_args(declared)) == {str, type(None)}:
-        return text  # as written: YAML would read a version `1.10` as the number 1.1 (`None` is handled before)
+        return text  # `None` is handled before
+    written = _tuple_as_list(text)
+    if _is_texts(declared):
+        if not (written.strip().startswith("[") and written.strip().endswith("]")):
+            raise OverrideError(f"--set {key}: {name} holds several texts: write them as a list, e.g. "
+                                f"{key.partition('=')[0]}=[{text}]")
+        try:
+            items = yaml.load(written, Loader=yaml.BaseLoader)  # every item a string, as written
+        except yaml.YAMLError as exc:
+            raise OverrideError(f"--set {key}: cannot read {text!r} as a list of texts ({_innermost(exc)})") from None
+        odd = [item for item in items if not isinstance(item, str)]
+        if odd:
+            raise OverrideError(f"--set {key}: {odd[0]!r} is not one text: quote an item that holds ': ' or brackets")
+        return tuple(items) if typing.get_origin(declared) is not list else list(items)
     try:
-        raw = yaml.safe_load(_tuple_as_list(text))
+        raw = yaml.safe_load(written)
     except yaml.YAMLError:
         raw = text
     try:
         return decode(declared, raw)
     except Exception as exc:  # noqa: BLE001 - draccus raises its own DecodingError, or the config's ValueError
         shown = getattr(declared, "__name__", None) or str(declared).replace("typing.", "")
-        raise OverrideError(f"--set {key}: cannot read {text!r} as a {shown} ({str(exc).splitlines()[0]})") from None
+        raise OverrideError(f"--set {key}: cannot read {text!r} as a {shown} ({_innermost(exc)})") from None
 
 
 def _parse_none(obj: Any, name: str, current: Any, key: str) -> Any:
@@ -86,22 +117,34 @@ def _parse_none(obj: Any, name: str, current: Any, key: str) -> Any:
                         f"give a value of type {type(current).__name__}, or declare the field `{written} | None`")
 
 
-def _replace_path(obj: Any, parts: list[str], text: str, key: str) -> Any:
-    current = getattr(obj, parts[0])
-    if len(parts) > 1:
-        new = _replace_path(current, parts[1:], text, key)
-    elif text == "None":
-        new = _parse_none(obj, parts[0], current, key)
-    else:
-        new = _parse_value(obj, parts[0], text, key)
-    return dataclasses.replace(obj, **{parts[0]: new})
+def _apply(obj: Any, changes: list[tuple[list[str], str, str]]) -> Any:
+    """`obj` with every (field path, text, --set) change applied: one `dataclasses.replace` per
+    config, so its own checks see all of its new values together, whatever their order."""
+    leaves: dict[str, tuple[str, str]] = {}
+    deeper: dict[str, list[tuple[list[str], str, str]]] = {}
+    for parts, text, key in changes:
+        if len(parts) == 1:
+            leaves[parts[0]] = (text, key)
+        else:
+            deeper.setdefault(parts[0], []).append((parts[1:], text, key))
+    for name in set(leaves) & set(deeper):
+        raise OverrideError(f"--set {leaves[name][1]} and --set {deeper[name][0][2]} both change {name}: give it whole, "
+                            "or set its fields one by one")
+    new = {name: _parse_none(obj, name, getattr(obj, name), key) if text == "None" else _parse_value(obj, name, text, key)
+           for name, (text, key) in leaves.items()}
+    new.update({name: _apply(getattr(obj, name), subs) for name, subs in deeper.items()})
+    return dataclasses.replace(obj, **new)
 
 
-def _set_one(step: Step, parts: list[str], text: str, key: str) -> Step:
+def _check_path(step: Step, parts: list[str], key: str) -> None:
+    """Refuse a field path the step's config does not have, or one keel fills in."""
     obj, reached = step.config, []
     for part in parts:
         if isinstance(obj, (ThisOutput, OutputOf)):  # not a config to reach into: keel fills the whole path in
             break
+        if obj is None and reached:
+            raise OverrideError(f"--set {key}: {step.name}'s {'.'.join(reached)} is None, so it has no field {part!r}: "
+                                f"set it whole, e.g. --set {step.name}:{'.'.join(reached)}={{{part}: ...}}")
         if not (dataclasses.is_dataclass(obj) and part in {f.name for f in dataclasses.fields(obj)}):
             known = [f"{step.name}:{p[1:]}" for p in _field_paths(step.config, "")]
             close = difflib.get_close_matches(f"{step.name}:{'.'.join(parts)}", known, n=3, cutoff=0.5)
@@ -113,12 +156,17 @@ def _set_one(step: Step, parts: list[str], text: str, key: str) -> Step:
     if isinstance(obj, (ThisOutput, OutputOf, Step, External)):
         raise OverrideError(f"--set {key}: {'.'.join(reached)} is a path keel fills in ({_placeholder(obj)}): a step writes "
                             "only under its own output; pass --prefix to put every output elsewhere")
+
+
+def _set_all(step: Step, changes: list[tuple[list[str], str, str]]) -> Step:
+    for parts, _, key in changes:
+        _check_path(step, parts, key)
     try:
-        return step.with_config(_replace_path(step.config, parts, text, key))
+        return step.with_config(_apply(step.config, changes))
     except OverrideError:
         raise
-    except ValueError as exc:  # a config's own validation refused the new value
-        raise OverrideError(f"--set {key}: {exc}") from exc
+    except ValueError as exc:  # a config's own validation refused the new values
+        raise OverrideError(f"--set {' --set '.join(key for _, _, key in changes)}: {exc}") from exc
 
 
 def _placeholder(value: Any) -> str:
@@ -135,7 +183,7 @@ def apply_overrides(targets: list[Step | External], order: list[Step | External]
     for step in order:
         if isinstance(step, Step):
             by_name.setdefault(step.name, []).append(step)
-    replaced: dict[int, Step] = {}
+    changes: dict[str, list[tuple[list[str], str, str]]] = {}
     seen: dict[str, str] = {}
     for assignment in assignments:
         key, eq, text = assignment.partition("=")
@@ -146,10 +194,9 @@ def apply_overrides(targets: list[Step | External], order: list[Step | External]
         if target in seen:
             raise OverrideError(f"--set {target} is given twice ({seen[target]!r} and {assignment!r}): keep the one you mean")
         seen[target] = assignment
-        for step in by_name[name]:
-            current = replaced.get(id(step), step)
-            replaced[id(step)] = _set_one(current, parts, text, assignment)
-    return _rebuild(targets, order, replaced)
+        changes.setdefault(name, []).append((parts, text, assignment))
+    replaced = {id(step): _set_all(step, changes[name]) for name in changes for step in by_name[name]}
+    return _rebuild(targets, order, replaced, assignments)
 
 
 def _split_key(key: str, assignment: str, by_name: dict[str, list[Step]]) -> tuple[str, list[str]]:
@@ -176,12 +223,17 @@ def _split_key(key: str, assignment: str, by_name: dict[str, list[Step]]) -> tup
     return names[0], key[len(names[0]) + 1:].split(".")
 
 
-def _rebuild(targets, order, replaced: dict[int, Step]):
-    """Swap replaced steps into every config that refers to them, bottom-up."""
+def _rebuild(targets, order, replaced: dict[int, Step], assignments: list[str]):
+    """Swap replaced steps into every config that refers to them, bottom-up; a dependent whose own
+    checks refuse what the change made of it is an error naming both."""
     new: dict[int, Step | External] = {}
     for step in order:
         base = replaced.get(id(step), step)
         if isinstance(base, Step) and any(id(d) in new and new[id(d)] is not d for d in step.deps):
-            base = base.with_config(substitute(base.config, new))
+            try:
+                base = base.with_config(substitute(base.config, new))
+            except (ValueError, TypeError) as exc:
+                raise OverrideError(f"--set {' --set '.join(assignments)} changes what {step.name} depends on, and "
+                                    f"{step.name} refuses it: {exc} (change {step.name} too: --set {step.name}:FIELD=...)") from exc
         new[id(step)] = base
     return [new.get(id(t), t) for t in targets]
