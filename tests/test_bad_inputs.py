@@ -113,6 +113,13 @@ CATALOGUE = [
     # --- the command line
     BadInput("--cluster not a URL", GOOD + MAIN, ("run", "EXP", "--cluster", "notaurl"), "error", "--cluster notaurl: not a controller URL"),
     BadInput("--only matching no step", GOOD + MAIN, ("run", "EXP", "--only", "nothing-like-this"), "error", "matches no step"),
+    BadInput("--force matching no step (a typo)", GOOD + MAIN, ("run", "EXP", "--force", "x/bb"), "error",
+             "--force 'x/bb' matches no step"),
+    BadInput("--port out of range", GOOD + MAIN, ("dashboard", "EXP", "--port", "70000"), "error", "give a TCP port"),
+    BadInput("a scale's function fails", GOOD + '\nif __name__ == "__main__":\n    main([b], scales={"tiny": lambda: [b, 1 / 0]})\n',
+             ("plan", "EXP", "--scale", "tiny"), "error", "ZeroDivisionError: division by zero"),
+    BadInput("a scale's function returns a step", GOOD + '\nif __name__ == "__main__":\n    main([b], scales={"tiny": lambda: b})\n',
+             ("plan", "EXP", "--scale", "tiny"), "error", "returned Step; return a list of steps"),
     BadInput("--max-concurrent 0", GOOD + MAIN, ("run", "EXP", "--max-concurrent", "0"), "error", "give at least 1"),
     BadInput("a repeated --set", GOOD + MAIN, ("plan", "EXP", "--set", "x/a.n=3", "--set", "x/a.n=4"), "error", "is given twice"),
     BadInput("an empty --prefix", GOOD + MAIN, ("plan", "EXP", "--prefix", ""), "error", "--prefix is empty"),

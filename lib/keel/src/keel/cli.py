@@ -24,7 +24,7 @@ from keel.executor import storage
 from keel.executor.overrides import apply_overrides
 from keel.executor.plan import Graph, StepPlan, plan_graph
 from keel.executor.status import KEEL_DIR, RECORD
-from keel.executor.step import ReportsProgress, Step, StepDeclarationError
+from keel.executor.step import External, ReportsProgress, Step, StepDeclarationError
 
 COMMANDS = ("run", "plan", "status", "gc", "compare", "dashboard")
 _collecting: list[tuple[list, dict]] | None = None
@@ -84,6 +84,8 @@ def _check_options(args) -> None:
             raise UsageError(f"{flag} does nothing for `keel {args.command}` (it applies to: {', '.join(users)}); leave it out")
     if args.max_concurrent < 1:
         raise UsageError(f"--max-concurrent {args.max_concurrent}: give at least 1 (steps running at once)")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: give a TCP port from 1 to 65535 (0 picks a free one)")
 
 
 def console_main(argv: list[str] | None = None) -> int:
@@ -167,7 +169,16 @@ def _scaled(steps, scales: dict, scale: str | None, where: str) -> list:
         known = ", ".join(sorted(scales)) or "none"
         raise StepDeclarationError(f"--scale {scale}: {where} declares no such scale (declared: {known}); "
                                    "pass scales={name: function returning steps} to keel.main")
-    return list(scales[scale]())
+    try:
+        made = scales[scale]()
+    except StepDeclarationError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a mistake in the scale's function is the file's: say where
+        raise ExperimentError(_where_it_failed(where, exc)) from None
+    if not isinstance(made, (list, tuple)) or not all(isinstance(s, (Step, External)) for s in made):
+        raise StepDeclarationError(f"--scale {scale}: {where}'s scales[{scale!r}]() returned {type(made).__name__}; "
+                                   "return a list of steps, as keel.main takes")
+    return list(made)
 
 
 def experiment_main(steps, argv: list[str] | None = None, scales: dict | None = None) -> int:
@@ -215,9 +226,10 @@ def _act(args, step_lists: list[list]) -> int:
     force = _regex("--force", args.force)
     only = _regex("--only", args.only)
     graphs = [_graph(args, steps) for steps in step_lists]
-    if only is not None and not any(only.search(s.name) for graph in graphs for s in graph.order):
-        names = ", ".join(s.name for s in graphs[0].order)
-        raise UsageError(f"--only {args.only!r} matches no step; the experiment's steps: {names}")
+    for option, pattern in (("--only", only), ("--force", force)):
+        if pattern is not None and not any(pattern.search(s.name) for graph in graphs for s in graph.order):
+            names = ", ".join(s.name for s in graphs[0].order)
+            raise UsageError(f"{option} {pattern.pattern!r} matches no step; the experiment's steps: {names}")
     storage.check_prefix(_prefix(args), write=args.command == "run" or (args.command == "gc" and args.yes))
     if args.command == "gc":
         return _gc(args, graphs)
