@@ -91,6 +91,9 @@ def test_floats_exact_and_distinct_from_ints():
     assert h(0.1) != h(0.1 + 1e-17 * 10)
     assert h(1.0) != h(1)
     assert h(0.30000000000000004) != h(0.3)
+    import numpy as np
+
+    assert h(np.logspace(-3, -1, 3)[0]) == h(0.001)  # a sweep's numpy float is its value, whatever numpy's repr
 
 
 def test_changing_a_dependency_rekeys_descendants_only():

@@ -55,8 +55,9 @@ def encode(value: Any, where: str, dep_hash) -> Any:
     if kind is SEQUENCE:
         return [encode(v, f"{where}[{i}]", dep_hash) for i, v in enumerate(value)]
     if kind is FLOAT:
-        # repr is the shortest string that round-trips exactly; a float never collides with an int.
-        return {"__float__": repr(value)}
+        # repr is the shortest string that round-trips exactly; a float never collides with an int. A
+        # float subclass (numpy's float64) is its value: its own repr names the class, and numpy's changed.
+        return {"__float__": repr(float(value))}
     if kind is ENUM:
         return {"__enum__": f"{type(value).__qualname__}.{value.name}"}
     if kind is OUTPUT_OF:
