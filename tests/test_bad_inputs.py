@@ -91,6 +91,10 @@ CATALOGUE = [
     # --- mistakes in the experiment file
     BadInput("invalid TrainConfig value", 'from keel.spec import TrainConfig\nTrainConfig(batch_size=8, seq_len=16, num_steps=0)\n' + GOOD + MAIN,
              ("plan", "EXP"), "error", "num_steps=0 must be positive"),
+    BadInput("an Adam beta of 1 or more", 'from keel.spec import AdamWConfig\nAdamWConfig(beta2=1.5)\n' + GOOD + MAIN,
+             ("plan", "EXP"), "error", "AdamWConfig.beta2=1.5 must lie in [0, 1)"),
+    BadInput("a negative eval_batches", 'from keel.spec import TrainConfig\nTrainConfig(batch_size=8, seq_len=16, num_steps=4, eval_batches=-1)\n' + GOOD + MAIN,
+             ("plan", "EXP"), "error", "TrainConfig.eval_batches=-1 must be >= 0"),
     BadInput("a dtype spelled as a short name", 'from keel.spec import TrainConfig\nTrainConfig(batch_size=8, seq_len=16, num_steps=4, master_dtype="fp32")\n' + GOOD + MAIN,
              ("plan", "EXP"), "error", "TrainConfig.master_dtype='fp32' is not a dtype keel trains in: use bfloat16, float16 or float32"),
     BadInput("the LR law given the run's size (the rates resolve from the run itself)",

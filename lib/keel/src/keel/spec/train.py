@@ -33,6 +33,14 @@ def _positive(owner: str, **values: float) -> None:
             raise ValueError(f"{owner}.{name}={value!r} must be positive")
 
 
+def _decay_rates(owner: str, **values: float) -> None:
+    """Moment decay rates (Adam's betas, Muon's momentum): in [0, 1), or the moments diverge."""
+    for name, value in values.items():
+        if not 0 <= value < 1:
+            raise ValueError(f"{owner}.{name}={value!r} must lie in [0, 1) (e.g. 0.9): at 1 or more the moments "
+                             "never forget and the run diverges")
+
+
 @dataclass(frozen=True)
 class AdamWConfig:
     """One AdamW for every parameter; decoupled weight decay on matrices (ndim >= 2) only."""
@@ -45,6 +53,7 @@ class AdamWConfig:
 
     def __post_init__(self):
         _positive("AdamWConfig", lr=self.lr, eps=self.eps)
+        _decay_rates("AdamWConfig", beta1=self.beta1, beta2=self.beta2)
         if self.weight_decay < 0:
             raise ValueError(f"AdamWConfig.weight_decay={self.weight_decay} must be >= 0")
 
@@ -142,6 +151,7 @@ class GroupedOptimizerConfig:
                              "not both (scale the law's rates with lr_scale)")
         _positive("GroupedOptimizerConfig", lr_scale=self.lr_scale, eps=self.eps, muon_ns_steps=self.muon_ns_steps,
                   muon_eps=self.muon_eps, **({} if self.lr_law else {"muon_lr": self.muon_lr, "adam_lr": self.adam_lr}))
+        _decay_rates("GroupedOptimizerConfig", beta1=self.beta1, beta2=self.beta2, muon_momentum=self.muon_momentum)
         if self.newton_schulz_batch < 0:
             raise ValueError(f"GroupedOptimizerConfig.newton_schulz_batch={self.newton_schulz_batch}: give 0 or more "
                              "elements (0: each Newton-Schulz loop holds at most the largest MuonH parameter)")
@@ -392,6 +402,8 @@ class TrainConfig:
                   **({} if self.seq_len is None else {"seq_len": self.seq_len}))
         if self.z_loss < 0:
             raise ValueError(f"TrainConfig.z_loss={self.z_loss} must be >= 0")
+        if self.eval_batches < 0:
+            raise ValueError(f"TrainConfig.eval_batches={self.eval_batches} must be >= 0 (0: no evaluation)")
         if self.spike_guard is not None and self.log_every != 1:
             raise ValueError(f"TrainConfig.log_every={self.log_every} with a spike_guard: a resumed run reads the guard's "
                              "history from metrics.jsonl, which would lack the steps between rows, and could skip other "
