@@ -112,7 +112,10 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
         "gradients": sum(leaf.bytes_per_device for leaf in state if leaf.path in trained) / GB,
         "optimizer_state": sum(leaf.bytes_per_device for leaf in state if leaf.path.startswith("opt_state/")) / GB,
         "residual_per_layer": residual / GB,
-        "saved_residuals": model.num_layers * residual / GB if train.remat else None,  # no estimate without remat
+        # what the forward keeps for the backward: one residual per layer with remat, else (at least)
+        # every activation of every layer
+        "saved_residuals": model.num_layers * (residual if train.remat else run.tokens_per_device * compute * sum(
+            layer_activations_per_token(model, _fewest_rows(t.capacity_factor for t in run.transports)).values())) / GB,
     }
     offload = train.host_offload
     phases = []
@@ -383,16 +386,16 @@ def layer_activations_per_token(model, capacity_factor: float) -> dict[str, floa
             "residual_and_convolutions": 2 * d}
 
 
-def _fewest_rows(sheet: dict) -> float:
-    """The smallest capacity factor of the run's transport phases (1.0 for one that pads nothing):
+def _fewest_rows(capacity_factors) -> float:
+    """The smallest of the run's transport phases' capacity factors (1.0 for one that pads nothing):
     a lower bound on activations holds in every phase."""
-    return min(((t["capacity_factor"] or 1.0) for t in sheet["transports"]), default=1.0)
+    return min((factor or 1.0 for factor in capacity_factors), default=1.0)
 
 
 def _activation_bytes(config: TrainStepConfig, sheet: dict) -> tuple[float, str]:
     model, train = config.model, config.train
     value = train.tokens_per_step * model.hidden_dim * 2
-    real = sum(layer_activations_per_token(model, _fewest_rows(sheet)).values()) * 2 * train.tokens_per_step
+    real = sum(layer_activations_per_token(model, _fewest_rows(t["capacity_factor"] for t in sheet["transports"])).values()) * 2 * train.tokens_per_step
     per_gpu = f" (per GPU {sheet['memory']['parts_gb']['residual_per_layer']:.3g} GB)" if sheet.get("memory") else ""
     return real, (f"{value / GB:.4g} GB is one bf16 {model.hidden_dim}-wide tensor over the whole global batch "
                   f"({train.tokens_per_step:,} tokens){per_gpu}, not a layer's activations: a layer's forward "
@@ -402,7 +405,7 @@ def _activation_bytes(config: TrainStepConfig, sheet: dict) -> tuple[float, str]
 def _activation_bytes_all_layers(config: TrainStepConfig, sheet: dict) -> tuple[float, str]:
     model, train = config.model, config.train
     one_tensor = train.tokens_per_step * model.hidden_dim * 2 * model.num_layers
-    real = sum(layer_activations_per_token(model, _fewest_rows(sheet)).values()) * 2 * train.tokens_per_step * model.num_layers
+    real = sum(layer_activations_per_token(model, _fewest_rows(t["capacity_factor"] for t in sheet["transports"])).values()) * 2 * train.tokens_per_step * model.num_layers
     return real, (f"{one_tensor / 1e12:.3g} TB is one bf16 {model.hidden_dim}-wide tensor per layer for "
                   f"{model.num_layers} layers; without checkpointing the layers keep at least {real / 1e12:,.0f} TB "
                   f"({real / one_tensor:.0f}x), hence per-layer rematerialisation")

@@ -92,8 +92,9 @@ def _memory(m: dict | None) -> list[str]:
     lines = [
         f"memory/GPU   {_n(m['parameters_per_gpu'])} parameters: master weights {_gb(p['master_weights'])}, gradients "
         f"{_gb(p['gradients'])}, optimizer state {_gb(p['optimizer_state'])} (the state table's bytes: keel plan --json)",
-        f"  one residual per layer {_gb(p['residual_per_layer'])}; saved with remat {_gb(p['saved_residuals'])}"
-        + ("" if m["remat"] else " (no remat: activations not estimated)"),
+        f"  one residual per layer {_gb(p['residual_per_layer'])}; "
+        + (f"saved with remat {_gb(p['saved_residuals'])}" if m["remat"] else
+           f"kept for the backward without remat: at least {_gb(p['saved_residuals'])} (every layer's activations)"),
     ]
     for phase in m["phases"]:
         host = (f"; host {_gb(phase['host_gb'])} ({', '.join(phase['on_host'])}) between steps, copied in for "

@@ -154,7 +154,7 @@ def loads(run: ResolvedRun, sheet: dict) -> list[Load]:
         host_gb = next(m for m in reversed(mem["phases"]) if m["from_step"] <= start)["host_gb"] * 2  # in and back
         # weights read each pass and their gradients written once, the update, the saved residuals
         # written and read back, every all-to-all buffer written and read
-        hbm_gb = (weights_read * (passes + 1) + update) / GB + 2 * (mem["parts_gb"]["saved_residuals"] or 0)
+        hbm_gb = (weights_read * (passes + 1) + update) / GB + 2 * mem["parts_gb"]["saved_residuals"]
         hbm_gb += 2 * (a2a["gb_per_step_per_gpu"] if a2a else 0)
         waves = phase.num_waves if phase.transport in HIDDEN_BY_WAVES else 1
         out.append(Load(

@@ -8,7 +8,8 @@ from keel.spec.checks import PlanError
 
 def verdict(sheet: dict, enforced: bool) -> dict:
     """The memory problems of a fact sheet: every stretch whose peak exceeds the HBM, every one
-    whose offloaded state exceeds a host's RAM; `fits` None when the sheet cannot tell."""
+    whose offloaded state exceeds a host's RAM; `fits` False with any problem, None when the sheet
+    cannot tell."""
     memory = sheet.get("memory") or {}
     problems = []
     for phase in memory.get("phases", ()):
@@ -19,7 +20,8 @@ def verdict(sheet: dict, enforced: bool) -> dict:
             problems.append(f"from step {phase['from_step']:,} the offloaded state is {phase['host_per_host_gb']:.1f} "
                             f"GB per host, over its {memory['host_ram_per_host_gb']:g} GB RAM")
     known = [p["fits"] for p in memory.get("phases", ())]
-    return {"fits": None if not known or None in known else not problems, "problems": problems, "enforced": enforced}
+    fits = False if problems else None if not known or None in known else True
+    return {"fits": fits, "problems": problems, "enforced": enforced}
 
 
 def check_fits(sheets: list[dict]) -> None:
