@@ -218,6 +218,18 @@ def test_without_remat_the_memory_holds_every_layers_activations_and_the_run_doe
     json.loads(json.dumps(sheet, allow_nan=False))
 
 
+def test_the_ring_holds_expert_rows_for_every_gathered_assignment():
+    """The ring gathers the tokens of its expert_parallel shards and its kernel sizes each device's
+    buffers to all of their assignments (`kernel_capacity_factor`): expert_parallel times the rows
+    of a transport at capacity 1.0."""
+    def intermediates(phase):
+        sheet = fact_sheet(hero_config(transports=(phase,)))
+        return sheet["memory"]["phases"][0]["transient_gb"]["expert_intermediates"]
+
+    ring, even = intermediates(TransportPhase(0, "ring")), intermediates(TransportPhase(0, "fixed_all_to_all", capacity_factor=1.0))
+    assert ring == pytest.approx(even * hero_config().topology.expert_parallel)
+
+
 def test_a_run_that_declares_no_claims_prints_none(hero):
     config = hero_config()
     config = dataclasses.replace(config, facts=dataclasses.replace(config.facts, claims=()))

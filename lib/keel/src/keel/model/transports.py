@@ -26,7 +26,7 @@ from levanter.grug.grug_moe import moe_mlp
 from keel.model.axes import TOP_K
 from keel.model.layout import split_tokens, token_axes
 from keel.model.tiled_experts import tiled_expert_mlp
-from keel.spec.transports import TransportSpec, check_transport_supported
+from keel.spec.transports import TransportSpec, check_transport_supported, kernel_capacity_factor
 
 _GRUG_NAMES = {
     "fixed_all_to_all": "fixed_all_to_all",
@@ -76,9 +76,8 @@ def dispatch(
     else:
         mesh = get_abstract_mesh()
         expert_size = 1 if mesh.empty else int(mesh.shape.get("expert", 1))
-        # `ring` is dropless here: a capacity of ep_size x the even share fits every assignment.
         declared = capacity_factor if transport.capacity_factor is None else transport.capacity_factor
-        factor = float(max(expert_size, 1)) if transport.name == "ring" else declared
+        factor = kernel_capacity_factor(transport.name, declared, expert_size)  # ring: dropless
         out, counts = moe_mlp(
             raw["x"],
             raw["selected"],

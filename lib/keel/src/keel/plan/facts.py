@@ -22,7 +22,7 @@ import datetime as dt
 import math
 from typing import Any
 
-from keel.spec.transports import TRANSPORTS
+from keel.spec.transports import TRANSPORTS, kernel_capacity_factor
 from keel.spec.checks import PlanError, mixture_phases
 from keel.spec.resolved import ResolvedRun, resolve
 from keel.spec.dtypes import bytes_of
@@ -130,7 +130,8 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
         device = None if None in known else sum(known)
         transport = run.transport_at(start)
         a2a = next((r for r in a2a_rows if r["from_step"] == transport.start_step), None)
-        transient = transients(run, a2a, transport.capacity_factor, compute)
+        rows = kernel_capacity_factor(transport.transport, transport.capacity_factor, topo.expert_parallel)
+        transient = transients(run, a2a, rows, compute)
         if run.newton_schulz_bytes_per_device():
             transient["newton_schulz_gathered"] = run.newton_schulz_bytes_per_device() / GB
         host = sum(parts[p] for p in on_host)

@@ -51,7 +51,8 @@ def gathered_layer_gb(run: ResolvedRun, compute_bytes: int) -> float:
 
 def transients(run: ResolvedRun, a2a: dict | None, capacity_factor: float | None, compute_bytes: int) -> dict[str, float]:
     """The transient parts (GB per GPU) of a step under one transport phase (`a2a`: its all-to-all
-    figures, None when it moves no tokens)."""
+    figures, None when it moves no tokens; `capacity_factor`: the one its kernel is handed,
+    `keel.spec.transports.kernel_capacity_factor`, None for a transport that pads nothing)."""
     model, tokens = run.config.model, run.tokens_per_device
     rows = tokens * model.experts_per_token * (capacity_factor or 1.0) if model.num_experts else 0
     return {

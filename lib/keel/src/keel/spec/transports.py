@@ -104,6 +104,16 @@ class TransportSpec:
             raise ValueError(f"TransportSpec.num_waves={self.num_waves} must be >= 1")
 
 
+def kernel_capacity_factor(name: str, capacity_factor: float | None, expert_parallel: int) -> float | None:
+    """The capacity factor grug's kernel is handed for `name`: each device's expert rows are that
+    many times its tokens x experts_per_token. A fixed-capacity transport's declared factor; `ring`'s
+    is `expert_parallel`, since it gathers every shard's tokens and sizes its buffers to hold all of
+    their assignments (dropless); None for `local` and `dense`, which pad nothing."""
+    if name in ("local", "dense"):
+        return None
+    return float(max(expert_parallel, 1)) if name == "ring" else capacity_factor
+
+
 def check_transport_supported(transport: "str | TransportSpec", platform: str) -> None:
     """Raise a ValueError naming the fix if `transport` cannot run on `platform` ('cpu', 'gpu', 'tpu')."""
     name = transport.name if isinstance(transport, TransportSpec) else TransportSpec(transport).name
