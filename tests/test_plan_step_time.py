@@ -76,6 +76,11 @@ def test_observed_speeds_are_not_applied_to_another_layout(hero):
         assert mine["step_seconds"] > heros["step_seconds"]  # twice the tokens per GPU take longer
         assert mine["mfu"] < 1.5 * heros["mfu"]  # not twice the MFU at the hero's step time
     assert "measured on another layout (batch 11264x4096 -> batch 22528x4096): not used" in render_fact_sheet(doubled)
+    # the model's own capacity pads the pooled phase's rows (more FLOPs, bigger buffers): another layout too
+    padded = fact_sheet(variant(model=HERO.model.replace(capacity_factor=2.0)))
+    assert padded["time"] is None and padded["step_time"]["observations"] == "other layout"
+    assert [d.split(" -> ")[1].split("+")[0] for d in padded["step_time"]["differs"] if "pooled" in d] == [
+        "fixed_pooled_all_to_all@0/3w/cf2"]
 
 
 def test_h100_hosts_as_a_64_gpu_rack_price_the_expert_axis_on_infiniband(predicted_hero):

@@ -43,9 +43,9 @@ def speed_key(config: TrainStepConfig) -> str:
     and FLOPs; transports; precision and remat; offload). Observed speeds apply to this key only."""
     model, train, topo, hw = config.model, config.train, config.topology, config.hardware
     counts = model.param_counts()
-    transports = "+".join(
-        t.transport + (f"/{t.num_waves}w" if t.num_waves > 1 else "")
-        + (f"/cf{t.capacity_factor:g}" if t.capacity_factor is not None else "") for t in train.transports) or "default"
+    transports = "+".join(  # each phase from its start step, at the capacity it runs with (the model's by default)
+        f"{t.transport}@{t.start_step}" + (f"/{t.num_waves}w" if t.num_waves > 1 else "")
+        + (f"/cf{t.capacity(model):g}" if t.capacity(model) is not None else "") for t in train.transports) or "default"
     offload = train.host_offload
     parts = [
         hw.name if hw else "no hardware",
