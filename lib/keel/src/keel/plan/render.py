@@ -100,7 +100,8 @@ def _memory(m: dict | None) -> list[str]:
         host = (f"; host {_gb(phase['host_gb'])} ({', '.join(phase['on_host'])}) between steps, copied in for "
                 f"compute: {_gb(phase['step_peak_gb'])} on device at the step's peak" if phase["on_host"] else "")
         rack = f"; per rack {_rack(phase['rack_gb'])} of {_rack(m['hbm_per_rack_gb'])}" if m["hbm_per_rack_gb"] else ""
-        lines.append(f"  from step {_n(phase['from_step'])}: device {_gb(phase['device_gb'])} between steps{rack}{host}")
+        lines.append(f"  from step {_n(phase['from_step'])}: device {_gb(phase['device_gb'])} in the step "
+                     f"({', '.join(p.replace('_', ' ') for p in phase['on_device'])}){rack}{host}")
         if phase["peak_gb"] is not None:
             state = phase["step_peak_gb"] or phase["device_gb"]
             parts = " + ".join(f"{_gb(v)} {PEAK_PARTS.get(k, k.replace('_', ' '))}"
