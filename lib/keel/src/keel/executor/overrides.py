@@ -4,9 +4,11 @@ The step name ends at the colon, so names holding dots (`train/lr_sweep/lr1.0`) 
 The older `STEP_NAME.field=value` is read where it can mean one thing only: a step name without
 dots that is the only name prefixing the key; otherwise it is an error that gives the colon form.
 
-The value is decoded as the field's declared type by draccus; the override rebuilds the step (and
-every step that depends on it, since their configs refer to it) with `dataclasses.replace`, so
-identities follow naturally. A key that matches no field is an error naming the closest ones.
+The value is decoded as the field's declared type by draccus (text as written: a list of texts
+keeps its items untyped); the overrides rebuild the step (and every step that depends on it, since
+their configs refer to it) with `dataclasses.replace`, every assignment to one config at once, so
+its own checks see the new values together and identities follow naturally. A key that matches no
+field is an error naming the closest ones; a dependent that refuses the change is named with it.
 """
 
 from __future__ import annotations
