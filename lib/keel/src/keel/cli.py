@@ -21,6 +21,7 @@ import sys
 import traceback
 
 from keel.executor import storage
+from keel.executor.lease import current_lease
 from keel.executor.overrides import apply_overrides
 from keel.executor.plan import Graph, StepPlan, plan_graph
 from keel.executor.status import KEEL_DIR, RECORD
@@ -398,8 +399,6 @@ def _gc(args, graphs: list[Graph]) -> int:
 
     Kept whatever it finds: an output made with `--set` (only the same `--set` reaches it), one an
     External of the experiments reads (or lies inside), and one whose step is running right now."""
-    from keel.executor.lease import current_lease
-
     prefix = _prefix(args)
     fs, root = storage.split(prefix)
     reached, read = set(), set()

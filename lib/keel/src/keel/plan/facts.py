@@ -393,10 +393,15 @@ def _fewest_rows(capacity_factors) -> float:
     return min((factor or 1.0 for factor in capacity_factors), default=1.0)
 
 
+def _activations_per_token(model, sheet: dict) -> float:
+    """Values one token leaves in one layer's forward, at the fewest expert rows any phase holds."""
+    return sum(layer_activations_per_token(model, _fewest_rows(t["capacity_factor"] for t in sheet["transports"])).values())
+
+
 def _activation_bytes(config: TrainStepConfig, sheet: dict) -> tuple[float, str]:
     model, train = config.model, config.train
     value = train.tokens_per_step * model.hidden_dim * 2
-    real = sum(layer_activations_per_token(model, _fewest_rows(t["capacity_factor"] for t in sheet["transports"])).values()) * 2 * train.tokens_per_step
+    real = _activations_per_token(model, sheet) * 2 * train.tokens_per_step
     per_gpu = f" (per GPU {sheet['memory']['parts_gb']['residual_per_layer']:.3g} GB)" if sheet.get("memory") else ""
     return real, (f"{value / GB:.4g} GB is one bf16 {model.hidden_dim}-wide tensor over the whole global batch "
                   f"({train.tokens_per_step:,} tokens){per_gpu}, not a layer's activations: a layer's forward "
@@ -406,7 +411,7 @@ def _activation_bytes(config: TrainStepConfig, sheet: dict) -> tuple[float, str]
 def _activation_bytes_all_layers(config: TrainStepConfig, sheet: dict) -> tuple[float, str]:
     model, train = config.model, config.train
     one_tensor = train.tokens_per_step * model.hidden_dim * 2 * model.num_layers
-    real = sum(layer_activations_per_token(model, _fewest_rows(t["capacity_factor"] for t in sheet["transports"])).values()) * 2 * train.tokens_per_step * model.num_layers
+    real = _activations_per_token(model, sheet) * 2 * train.tokens_per_step * model.num_layers
     return real, (f"{one_tensor / 1e12:.3g} TB is one bf16 {model.hidden_dim}-wide tensor per layer for "
                   f"{model.num_layers} layers; without checkpointing the layers keep at least {real / 1e12:,.0f} TB "
                   f"({real / one_tensor:.0f}x), hence per-layer rematerialisation")

@@ -37,8 +37,8 @@ def _decay_rates(owner: str, **values: float) -> None:
     """Moment decay rates (Adam's betas, Muon's momentum): in [0, 1), or the moments diverge."""
     for name, value in values.items():
         if not 0 <= value < 1:
-            raise ValueError(f"{owner}.{name}={value!r} must lie in [0, 1) (e.g. 0.9): at 1 or more the moments "
-                             "never forget and the run diverges")
+            raise ValueError(f"{owner}.{name}={value!r} must lie in [0, 1) (e.g. 0.9): outside it the moments do not "
+                             "decay and the run diverges")
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ def kernel_capacity_factor(name: str, capacity_factor: float | None, expert_para
     many times its tokens x experts_per_token. A fixed-capacity transport's declared factor; `ring`'s
     is `expert_parallel`, since it gathers every shard's tokens and sizes its buffers to hold all of
     their assignments (dropless); None for `local` and `dense`, which pad nothing."""
-    if name in ("local", "dense"):
+    if not TRANSPORTS[name].moves_tokens:
         return None
     return float(max(expert_parallel, 1)) if name == "ring" else capacity_factor
 
