@@ -222,13 +222,17 @@ def test_an_interruption_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_
         interrupt.request()
 
     threading.Thread(target=interrupt_after_step_2, daemon=True).start()
+    from keel.train import loop
+
+    votes = []  # the loop stops on the decision every process shares (`stop_requested_anywhere`), asked each step
+    monkeypatch.setattr(loop, "stop_requested_anywhere", lambda: votes.append(interrupt.requested()) or votes[-1])
     try:
         with pytest.raises(interrupt.StepInterrupted, match="training stopped after step") as stopped:
             train(config, loop_inputs(config, use_wandb=False, delay_per_item=0.02), out)
     finally:
         interrupt.clear()
     done = int(str(stopped.value).split("after step ")[1].split()[0])
-    assert 3 <= done < 8
+    assert 3 <= done < 8 and len(votes) == done and votes[-1] and not any(votes[:-1])
     assert os.path.exists(os.path.join(out, "checkpoints", f"step-{done}", "metadata.json"))
 
     # the resume reads its checkpoint once the first step's program is lowered (on XLA:CPU: beside the
