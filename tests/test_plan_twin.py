@@ -35,6 +35,9 @@ def test_twin_keeps_the_run_shape_at_scaled_steps():
     assert switch.start_step == round(81_716 * 60 / 390_251)
     assert switch.transport == "ring"  # cpu_sim has no ragged all-to-all: the dropless CPU transport stands in
     assert twin.train.transports[0].num_waves == 2  # 3 waves cannot split 2 experts per device; 2 can
+    # the kernels are handed the hero's capacity, not tiny_moe's own
+    assert tiny_moe.capacity_factor != hero.model.capacity_factor
+    assert [t.capacity_factor for t in resolve(step.config).transports] == [hero.model.capacity_factor, None]
     assert twin.train.weight_decay_change.start_step == round(54_000 * 60 / 390_251)
     assert twin.train.schedule == hero.train.schedule and twin.train.z_loss == hero.train.z_loss
     assert twin.train.optimizer.muonh_params == hero.train.optimizer.muonh_params

@@ -1,7 +1,8 @@
 """The scaled-down twin of a training step: the same run in shape, small enough for a laptop.
 
 A twin keeps what makes the run the run: every architecture feature that is switched on, the
-optimizer's groups and learning-rate law (a law's rates resolve at the twin's size), the schedule's shape, the mixture's phase structure and
+routing's capacity factor (which tokens drop), the optimizer's groups and learning-rate law (a
+law's rates resolve at the twin's size), the schedule's shape, the mixture's phase structure and
 weights, the weight-decay change and the transport switch, all at proportionally scaled steps.
 It swaps what only sizes it: model widths, batch, sequence length, step count, the data (a small
 token cache per mixture component, or one for all), the hardware, and what must follow them (a
@@ -65,7 +66,7 @@ def scale_down(
     **train_overrides: Any,
 ) -> Step:
     """The twin of training step `run`, named `train/<name>`: on `model` (which must keep every
-    feature the run's model has on), reading `data`: a token cache for every mixture component, or
+    feature the run's model has on; its capacity factor becomes the run's), reading `data`: a token cache for every mixture component, or
     {component: cache}. An optimizer whose rates are a law (`LrScalingLaw.optimizer`) gets them at
     the twin's size; given rates stay as declared. Mixture blocks hold at least `mixture_block`
     sequences (whole batches), so small components still get rows in every block, and phases start
@@ -79,6 +80,7 @@ def scale_down(
     if missing:
         raise PlanError(f"scale_down(model=...): the twin's model switches off {', '.join(sorted(missing))}; "
                         "a twin keeps every architecture feature of the run it mirrors")
+    model = model.replace(capacity_factor=config.model.capacity_factor)  # the same tokens drop as in the run
     train = config.train
     ratio = num_steps / train.num_steps
 
