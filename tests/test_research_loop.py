@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from keel.cli import load_experiment
-from keel.data.datasets import read_sequence_bytes
+from keel.data.datasets import load_token_cache, read_sequence_bytes
 from keel.executor.resolve import resolve_config
 from keel.executor.status import read_status
 from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
@@ -91,7 +91,12 @@ def test_the_eval_step_reproduces_the_runs_last_validation_loss(sweep):
     rows = np.random.default_rng(steps["train/lr_sweep/lr1.0"].config.train.seed).permutation(len(counts))[:sequences]  # the loop's sample
     num_bytes = int(counts[rows].sum())
     assert (result["sequences"], result["tokens"], result["bytes"]) == (sequences, sequences * 128, num_bytes)
-    assert result["bits_per_byte"] == pytest.approx(result["loss"] / math.log(2) * sequences * 128 / num_bytes)
+    # the loss is a mean over the targets it weighs: a next token of the same document, never past a row's end
+    segments = np.stack([load_token_cache(tokens_path, "validation", seq_len=128).as_sync_dataset()[int(i)]["segment_ids"]
+                         for i in rows])
+    targets = int(((segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] >= 0)).sum())
+    assert 0 < result["targets"] == targets < sequences * 128
+    assert result["bits_per_byte"] == pytest.approx(result["loss"] / math.log(2) * targets / num_bytes)
 
 
 def test_samples_are_fixed_by_their_seed(sweep, tmp_path):

@@ -3,18 +3,25 @@
 The loss is the training loop's own validation loss (`keel.train.loop.eval_loss_fn` over
 `validation_losses`: the same batches, model, transport and dtypes), so on the run's validation
 cache it equals the loop's last `eval/loss`. Bits per byte put runs with different tokenizers on
-one scale: loss / ln 2 x tokens / bytes over the evaluated sequences, with each sequence's bytes
-the UTF-8 length of its text as the tokenize step recorded it.
+one scale: loss / ln 2 x targets / bytes over the evaluated sequences. The loss is a mean over the
+next-token targets the loss weighs (not a row's last position, not across a document boundary),
+so it is multiplied by their count, not by every token; each sequence's bytes are the UTF-8
+length of its text as the tokenize step recorded it.
 """
 
 from __future__ import annotations
 
 import math
 
+import haliax as hax
 import jax
+import numpy as np
+from levanter.models.loss import next_token_loss_weight
 
 from keel.data.datasets import load_token_cache, read_sequence_bytes
 from keel.executor import storage
+from keel.model.axes import POS
+from keel.model.loss import next_token_weight
 from keel.spec.topology import BATCH_AXES
 from keel.spec.trained import EvalConfig
 from keel.train import compile_cache
@@ -40,7 +47,8 @@ def eval_step(config: EvalConfig) -> None:
         sampled = validation_losses(evaluate, loaded.arrays, datasets, batch_size=batch_size,
                                     num_batches=num_batches, mesh=loaded.mesh, batch_axes=BATCH_AXES,
                                     seed=config.model.train.seed)
-    results = {label: dataset_result(loss, config.data[label], config.split, rows, seq_len)
+    results = {label: dataset_result(loss, config.data[label], config.split, rows, seq_len,
+                                     targets_in(datasets[label], rows))
                for label, (loss, rows) in sampled.items()}
     losses = {label: loss for label, (loss, _) in sampled.items()}
     report = {
@@ -58,18 +66,28 @@ def eval_step(config: EvalConfig) -> None:
               f"{'n/a' if r['bits_per_byte'] is None else format(r['bits_per_byte'], '.4f')}")
 
 
-def dataset_result(loss: float, cache_root: str, split: str, rows, seq_len: int) -> dict:
+def targets_in(dataset, rows) -> int:
+    """How many next-token targets the loss averages over in the sequences `rows`: the weights the
+    loss applies (`next_token_weight`, and Levanter's mask of each row's last position), summed."""
+    items = dataset.as_sync_dataset().get_batch([int(i) for i in rows])
+    segments = hax.named(np.stack([item["segment_ids"] for item in items]), ("batch", POS))
+    weight = next_token_loss_weight(segments.resolve_axis(POS), next_token_weight(segments))
+    return int(hax.sum(weight).item())
+
+
+def dataset_result(loss: float, cache_root: str, split: str, rows, seq_len: int, targets: int) -> dict:
     """Loss, perplexity and bits per byte over the sequences `rows` of a cache split (the sample the
-    loss was taken on; bits per byte is None for a cache written without per-sequence byte counts)."""
+    loss was taken on, `targets` of its tokens predicted; bits per byte is None for a cache written
+    without per-sequence byte counts)."""
     counts = read_sequence_bytes(cache_root, split)
     num_bytes = int(counts[rows].sum()) if counts is not None else None
     sequences = len(rows)
-    tokens = sequences * seq_len
     return {
         "loss": loss,
         "perplexity": math.exp(loss),
-        "bits_per_byte": loss / math.log(2) * tokens / num_bytes if num_bytes else None,
+        "bits_per_byte": loss / math.log(2) * targets / num_bytes if num_bytes else None,
         "sequences": sequences,
-        "tokens": tokens,
+        "tokens": sequences * seq_len,
+        "targets": targets,
         "bytes": num_bytes,
     }
