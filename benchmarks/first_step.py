@@ -43,10 +43,14 @@ TRAIN_START = re.compile(r"start (train/\S+) -> (\S+)")
 
 def user_env(cache_home: str | None = None) -> dict[str, str]:
     """The user's environment: no simulated devices or compilation cache set from outside; with
-    `cache_home`, a machine whose caches start empty there."""
+    `cache_home`, a machine whose caches start empty there (keel's own cache folder too, which
+    `$KEEL_CACHE_DIR` would otherwise put elsewhere)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("XLA_FLAGS", "JAX_PLATFORMS") and not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT"))}
-    return {**env, "XDG_CACHE_HOME": cache_home} if cache_home else env
+    if not cache_home:
+        return env
+    env.pop("KEEL_CACHE_DIR", None)
+    return {**env, "XDG_CACHE_HOME": cache_home}
 
 
 def keel_command() -> list[str]:

@@ -42,7 +42,7 @@ from keel.spec.transports import TransportSpec  # noqa: E402
 TRANSPORTS = {
     "local": TransportSpec("local"),
     "fixed_all_to_all": TransportSpec("fixed_all_to_all"),
-    "fixed_pooled_all_to_all": TransportSpec("fixed_pooled_all_to_all", capacity_factor=1.25),
+    "fixed_pooled_all_to_all": TransportSpec("fixed_pooled_all_to_all"),  # the model's capacity, like fixed_all_to_all
     "ring": TransportSpec("ring"),
 }
 
