@@ -41,7 +41,7 @@ def _random_configs(n: int, seed: int = 7):
             latent_dim=rng.choice([None, 16]),
             num_shared_experts=rng.choice([0, 1, 2]),
             hidden_dim=rng.choice([32, 48]),
-            **rng.choice([{}, dict(balancing="aux_loss", aux_loss_coef=0.01, routing="softmax_topk")]),
+            **rng.choice([{}, dict(balancing="aux_loss", aux_loss_coef=0.01, routing="softmax_topk", routing_renorm_sum=1.0)]),
         )
 
 

@@ -12,7 +12,7 @@ from model_tiny import hero_like
 
 from defaults.models import tiny_moe
 from keel.spec import GroupedOptimizerConfig, ScheduleConfig, TrainConfig, WeightDecayChange
-from keel.train.muonh import matrix_axes
+from keel.spec.matrices import matrix_axes
 from keel.train.optimizer import Optimizer, lr_schedule, optimizer_labels, param_paths
 
 HERO_GROUPS = {  # the model's leaf paths (Stacked layers under `layers.stacked`)

@@ -7,12 +7,23 @@ how to fix it: a declaration that cannot run should fail in `keel plan`, not on 
 
 from __future__ import annotations
 
+import re
+
 from keel.executor.step import StepDeclarationError
 from keel.spec.topology import TopologyError
 from keel.spec.data_steps import data_step_problem
+from keel.spec.matrices import AxisName, matrix_axes
 from keel.spec.mixture import Mixture
-from keel.spec.train import CLAIM_FIGURES, TrainStepConfig
+from keel.spec.model import AttentionBackend
+from keel.spec.train import CLAIM_FIGURES, TrainStepConfig, optimizer_group
 from keel.spec.transports import TRANSPORTS
+
+
+BACKEND_PLATFORMS = {AttentionBackend.SPLASH: "tpu", AttentionBackend.NVTE: "gpu"}
+"""Attention kernels that run on one platform only: Pallas splash on TPUs, Transformer Engine on GPUs."""
+FLASH_BLOCK = 1024
+"""Levanter's jax_flash block: a sequence of at least one block must be whole blocks (shorter ones
+take its vanilla path)."""
 
 
 class PlanError(StepDeclarationError):
@@ -39,6 +50,13 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
     if train.seq_len > model.max_seq_len:
         fail(f"train.seq_len={train.seq_len} exceeds model.max_seq_len={model.max_seq_len}: shorten the sequences "
              "or raise max_seq_len")
+    backend = model.attention_backend
+    if hw is not None and backend in BACKEND_PLATFORMS and hw.platform != BACKEND_PLATFORMS[backend]:
+        fail(f"model.attention_backend='{backend.value}' runs on {BACKEND_PLATFORMS[backend]} only, and hardware "
+             f"{hw.name!r} is {hw.platform}: use '{AttentionBackend.JAX_FLASH.value}' or '{AttentionBackend.VANILLA.value}'")
+    if backend is AttentionBackend.JAX_FLASH and train.seq_len and train.seq_len > FLASH_BLOCK and train.seq_len % FLASH_BLOCK:
+        fail(f"train.seq_len={train.seq_len} with model.attention_backend='jax_flash': its blocks are {FLASH_BLOCK} "
+             f"tokens, so use a multiple of {FLASH_BLOCK} (or below it), or attention_backend='vanilla'")
     if topo is not None:
         try:
             topo.validate(model, train.batch_size)
@@ -74,6 +92,18 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
         config.data.check_batch_size(train.batch_size)
     except ValueError as e:
         fail(f"data.block_size / train.batch_size: {e}")
+    parameters = model.parameter_axes()
+    for path, axes in parameters.items():
+        if optimizer_group(train.optimizer, path) == "muonh":
+            try:
+                matrix_axes([AxisName(*axis) for axis in axes])
+            except ValueError as e:
+                fail(f"train.optimizer.muonh_params puts {path} in MuonH, which is no matrix: {e}")
+    decay = train.weight_decay_change
+    for pattern in decay.groups if decay else ():
+        if not any(re.search(pattern, path) for path in parameters):
+            fail(f"train.weight_decay_change.groups: {pattern!r} matches no parameter, so nothing would be decayed; "
+                 f"the paths are like {', '.join(sorted(parameters)[:4])} (keel plan lists every one)")
     offload = train.host_offload.master_weights_until_step
     if offload is not None and offload > train.num_steps:
         fail(f"train.host_offload.master_weights_until_step={offload} is after train.num_steps={train.num_steps}")

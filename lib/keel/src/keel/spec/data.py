@@ -47,6 +47,11 @@ class TrainTokenizerConfig:
     output_path: str = this_output()
 
     def __post_init__(self):
+        if self.min_frequency < 0:
+            raise ValueError(f"TrainTokenizerConfig.min_frequency={self.min_frequency} must be >= 0")
+        if self.max_training_bytes is not None and self.max_training_bytes <= 0:
+            raise ValueError(f"TrainTokenizerConfig.max_training_bytes={self.max_training_bytes} must be positive "
+                             "(None: every document of the train split)")
         specials = self.special_tokens
         if len(set(specials)) != len(specials):
             raise ValueError(f"TrainTokenizerConfig: bos/eos/pad tokens must differ, got {specials}")

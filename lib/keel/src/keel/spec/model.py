@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from keel.executor.step import execution_only
+from keel.spec.fields import not_whole
 
 
 class Routing(str, Enum):
@@ -185,6 +186,9 @@ class MoELMConfig:
     # ------------------------------------------------------------------ validation
     def _problems(self):
         """Yield 'field=value ...: fix' messages, the first of which __post_init__ raises."""
+        bad = not_whole(self)
+        if bad:
+            yield f"{bad} must be a whole number"
         for name in ("hidden_dim", "num_layers", "vocab_size", "max_seq_len", "num_heads", "head_dim", "num_kv_heads"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -270,6 +274,9 @@ class MoELMConfig:
             yield f"aux_loss_coef={self.aux_loss_coef} must be positive with balancing='aux_loss' (e.g. 0.01)"
         if self.balancing is not Balancing.AUX_LOSS and self.aux_loss_coef:
             yield f"aux_loss_coef={self.aux_loss_coef} is only used with balancing='aux_loss': set it to 0"
+        if self.routing is not Routing.SIGMOID_TOPK_THRESHOLD and self.routing_renorm_sum != 1.0:
+            yield (f"routing_renorm_sum={self.routing_renorm_sum} is only used with routing="
+                   f"'{Routing.SIGMOID_TOPK_THRESHOLD.value}' (softmax weights sum to 1): set it to 1.0")
 
     # ------------------------------------------------------------------ derived structure
     @property

@@ -37,6 +37,13 @@ class RackTopology:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise TopologyError(f"RackTopology.{name}={value!r} must be a positive integer")
+        if self.model_parallel > 1:
+            raise TopologyError(f"RackTopology.model_parallel={self.model_parallel}: no parameter is split over the "
+                                "`model` axis yet (keel.spec.placement), so its devices would hold the same weights and "
+                                "the same batch rows and repeat each other's work; use data or expert parallelism")
+        if self.hbm_per_gpu_gb is not None and not self.hbm_per_gpu_gb > 0:
+            raise TopologyError(f"RackTopology.hbm_per_gpu_gb={self.hbm_per_gpu_gb!r} must be positive (or None: the "
+                                "declared Hardware's)")
         if self.expert_parallel * self.model_parallel > self.gpus_per_rack:
             raise TopologyError(
                 f"RackTopology.expert_parallel={self.expert_parallel} (x model_parallel={self.model_parallel}) is larger "

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keel.executor.step import execution_only, this_output
+from keel.spec.fields import not_whole
 from keel.spec.hardware import Hardware
 from keel.spec.metrics import METRICS_FILE, read_metrics
 from keel.spec.mixture import Mixture
@@ -27,10 +28,25 @@ from keel.spec.model import MoELMConfig
 from keel.spec.transports import TRANSPORTS, TransportName, transport_name
 
 
+def _whole(owner: str, config) -> None:
+    bad = not_whole(config)
+    if bad:
+        raise ValueError(f"{owner}.{bad} must be a whole number")
+
+
 def _positive(owner: str, **values: float) -> None:
     for name, value in values.items():
         if not value > 0:
             raise ValueError(f"{owner}.{name}={value!r} must be positive")
+
+
+def _patterns(owner: str, name: str, patterns: tuple[str, ...]) -> None:
+    """Parameter-path regexes compile (a typo fails here, not inside the running step)."""
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"{owner}.{name}: {pattern!r} is not a regular expression ({e})") from None
 
 
 def _decay_rates(owner: str, **values: float) -> None:
@@ -90,6 +106,9 @@ class LrScalingLaw:
     width_exponent: float
     muon_to_adam: float
 
+    def __post_init__(self):
+        _positive("LrScalingLaw", coefficient=self.coefficient, muon_to_adam=self.muon_to_adam)
+
     def adam_lr(self, hidden_dim: int, total_tokens: int, tokens_per_step: int) -> float:
         return (self.coefficient * total_tokens**self.tokens_exponent * hidden_dim**self.width_exponent
                 * math.sqrt(tokens_per_step))
@@ -142,6 +161,9 @@ class GroupedOptimizerConfig:
     adamh_params: tuple[str, ...] = ADAMH_PARAMS
 
     def __post_init__(self):
+        _whole("GroupedOptimizerConfig", self)
+        for name in ("muonh_params", "adamh_params"):
+            _patterns("GroupedOptimizerConfig", name, getattr(self, name))
         rates = (self.muon_lr is not None, self.adam_lr is not None)
         if self.lr_law is None and rates != (True, True):
             raise ValueError("GroupedOptimizerConfig: give muon_lr and adam_lr, or lr_law (e.g. "
@@ -231,6 +253,8 @@ class WeightDecayChange:
     """Regexes over parameter paths; the default is the hero's: attention gates and router weights."""
 
     def __post_init__(self):
+        _whole("WeightDecayChange", self)
+        _patterns("WeightDecayChange", "groups", self.groups)
         if self.start_step < 0:
             raise ValueError(f"WeightDecayChange.start_step={self.start_step} must be >= 0")
         _positive("WeightDecayChange", peak=self.peak)
@@ -266,12 +290,19 @@ class TransportPhase:
 
     def __post_init__(self):
         object.__setattr__(self, "transport", transport_name(self.transport, "TransportPhase.transport"))
+        _whole("TransportPhase", self)
         if self.start_step < 0:
             raise ValueError(f"TransportPhase.start_step={self.start_step} must be >= 0")
         if self.capacity_factor is not None:
             _positive("TransportPhase", capacity_factor=self.capacity_factor)
         if self.num_waves < 1:
             raise ValueError(f"TransportPhase.num_waves={self.num_waves} must be >= 1")
+        if self.num_waves > 1 and self.transport != "fixed_pooled_all_to_all":
+            raise ValueError(f"TransportPhase.num_waves={self.num_waves} on {self.transport!r}: only "
+                             "'fixed_pooled_all_to_all' sends in waves; drop num_waves")
+        if self.capacity_factor is not None and TRANSPORTS[self.transport].capacity is None:
+            raise ValueError(f"TransportPhase.capacity_factor={self.capacity_factor} on {self.transport!r}, which has "
+                             "no capacity (it drops nothing or moves no tokens): drop capacity_factor")
 
 
 DEVICE, HOST = "device", "pinned_host"
@@ -288,6 +319,12 @@ class HostOffload:
 
     master_weights_until_step: int | None = None
     optimizer_state: bool = False
+
+    def __post_init__(self):
+        _whole("HostOffload", self)
+        if self.master_weights_until_step is not None and self.master_weights_until_step < 0:
+            raise ValueError(f"HostOffload.master_weights_until_step={self.master_weights_until_step} must be >= 0 "
+                             "(None: the master weights stay on device)")
 
     def master_on_host(self, step: int) -> bool:
         return self.master_weights_until_step is not None and step < self.master_weights_until_step
@@ -330,6 +367,7 @@ class SpikeGuardConfig:
     max_rollbacks: int = execution_only(default=3)
 
     def __post_init__(self):
+        _whole("SpikeGuardConfig", self)
         _positive("SpikeGuardConfig", threshold=self.threshold, window=self.window, min_history=self.min_history,
                   snapshot_every=self.snapshot_every)
         if self.min_history > self.window:
@@ -394,6 +432,10 @@ class TrainConfig:
     points load what one run compiled instead of compiling it again."""
 
     def __post_init__(self):
+        _whole("TrainConfig", self)
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"TrainConfig.seed={self.seed} must lie in [0, 2**32): a PRNG key holds 32 bits, so a "
+                             "larger seed trains what a smaller one does, and a negative one fails at evaluation")
         if self.eval_every is not None and self.evaluations is not None:
             raise ValueError(f"TrainConfig: eval_every={self.eval_every} and evaluations={self.evaluations} both set "
                              "the evaluation cadence: give one (set the other to None)")
@@ -529,6 +571,12 @@ class LaunchPlan:
     store_gb_per_s: float | None = None
     gpu_hour_price: float | None = None
     cache_tokens: tuple[tuple[str, float], ...] = ()
+
+    def __post_init__(self):
+        _positive("LaunchPlan", **{name: value for name, value in (("store_gb_per_s", self.store_gb_per_s),
+                                                                  ("gpu_hour_price", self.gpu_hour_price))
+                                   if value is not None},
+                  **{f"cache_tokens[{name!r}]": tokens for name, tokens in self.cache_tokens})
 
 
 @dataclass(frozen=True)

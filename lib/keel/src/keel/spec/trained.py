@@ -85,6 +85,10 @@ class EvalConfig:
         for name in ("batch_size", "num_batches"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"EvalConfig.{name}={getattr(self, name)} must be positive (or None: the run's own)")
+        shards = self.model.topology.batch_shards if self.model.topology else 1
+        if self.batch_size is not None and self.batch_size % shards:
+            raise ValueError(f"EvalConfig.batch_size={self.batch_size} does not split over the run's {shards} batch "
+                             f"shards: give a multiple of {shards} (or None: the run's own)")
         if self.num_batches is None and not self.model.train.eval_batches:
             raise ValueError("EvalConfig.num_batches=None follows the run's eval_batches, which is 0 (it never "
                              "evaluated): give num_batches")
