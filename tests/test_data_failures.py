@@ -88,6 +88,16 @@ def test_undecodable_bytes_are_handled_per_line_never_by_dropping_the_file(tmp_p
     out = _ingest(tmp_path, str(jsonl), validation_fraction=0.0)
     assert "caf\ufffd" in {d.text for d in iter_documents(out, "train")}
 
+    # a JSON escape of half a UTF-16 pair (an emoji cut in two) is text no UTF-8 file holds
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text('{"text": "emoji cut \\ud83d here"}\n' + "".join(json.dumps({"text": f"fine {i}"}) + "\n" for i in range(200)))
+    out = _ingest(tmp_path, str(cut), validation_fraction=0.0)
+    assert "emoji cut \ufffd here" in {d.text for d in iter_documents(out, "train")}
+    assert read_summary(out)["repaired"]["unpaired UTF-16 surrogate, replaced with U+FFFD"]["count"] == 1
+    out = _ingest(tmp_path, str(cut), validation_fraction=0.0, on_decode_error="skip")
+    assert len(list(iter_documents(out, "train"))) == 200
+    assert read_summary(out)["skipped"]["unpaired UTF-16 surrogate"]["count"] == 1
+
 
 def test_an_empty_corpus_fails_the_documents_step(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")

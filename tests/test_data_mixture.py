@@ -35,6 +35,9 @@ def _mixture(*phases, **kwargs):
         ([(0, {"a": 1.0}), (10, {"b": 1.0}), (10, {"a": 1.0})], {}, r"phase 2 \(start_step=10\): phase starts must strictly increase"),
         ([(0, {"c": 1.0})], {}, r"weight for unknown component 'c'; components: \['a', 'b'\]"),
         ([(0, {"a": float("nan"), "b": 1.0})], {}, "component 'a' has weight nan"),
+        ([(0, {"a": float("inf"), "b": 1.0})], {"normalize": True}, "component 'a' has weight inf; weights must be finite"),
+        ([(0, {"a": 0.9996, "b": 0.0004})], {"block_size": 2048},
+         r"component 'b' has 0.0004 of the weight, less than one sequence of a block of 2048.*at least 2500"),
         ([], {}, "Mixture.phases is empty"),
         ([(0, {"a": 1.0})], {"block_size": 2**16}, "block_size must be in"),
     ],
@@ -55,7 +58,7 @@ def test_normalize_rescales_each_phase_and_fills_missing_components():
 def test_hero_phases_over_external_cells_check_the_block_boundary():
     cells = {f"cell-{i:03d}": External(f"hero/data/cell-{i:03d}", f"gs://bucket/cache/cell-{i:03d}", version="v1")
              for i in range(200)}
-    shares = [np.random.default_rng(p).dirichlet(np.ones(200)) for p in range(3)]
+    shares = [np.random.default_rng(p).dirichlet(np.full(200, 50.0)) for p in range(3)]  # every cell drawn in a block
     phases = tuple(MixturePhase(start, {name: float(w) for name, w in zip(cells, share, strict=True)})
                    for start, share in zip((0, 108_000, 312_192), shares, strict=True))
     mixture = Mixture(cells, phases, normalize=True, block_size=49_152)

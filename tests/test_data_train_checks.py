@@ -100,7 +100,10 @@ def test_the_training_step_refuses_caches_that_do_not_fit_before_it_compiles(cac
         train_step(_config(cache, seq_len=32))
 
 
-def test_a_declared_evaluation_with_no_validation_sequences_is_refused(caches):
+def test_a_declared_evaluation_with_no_validation_sequences_is_refused(caches, tmp_path):
+    import shutil
+
+    from keel.data.cache_files import STATS_FILE
     from keel.spec import Mixture
     from keel.train.step import check_step_config
     from keel.spec import RackTopology
@@ -112,6 +115,13 @@ def test_a_declared_evaluation_with_no_validation_sequences_is_refused(caches):
                                          r"or set TrainConfig.eval_batches=0"):
         check_step_config(_planned(_config(bare), racks), num_devices=8, platform="cpu")
     check_step_config(_planned(_config(bare, eval_batches=0), racks), num_devices=8, platform="cpu")
+    # a cache keel did not make (no tokenize.json) is checked for its validation split too
+    external = tmp_path / "external"
+    shutil.copytree(bare, external)
+    (external / STATS_FILE).unlink()
+    shutil.rmtree(external / "validation", ignore_errors=True)
+    with pytest.raises(ValueError, match=r"no token cache has validation sequences \('data' has no validation split\)"):
+        check_step_config(_planned(_config(str(external)), racks), num_devices=8, platform="cpu")
     mixed = Mixture.constant({"a": bare, "b": caches["with_validation"]}, {"a": 0.5, "b": 0.5}, block_size=16)
     check_step_config(_planned(_config(mixed), racks), num_devices=8, platform="cpu")  # one component is enough
 
@@ -123,3 +133,32 @@ def _planned(config, topology):
     from keel.spec.resolved import resolve
 
     return resolve(dataclasses.replace(config, topology=topology))
+
+
+def test_keel_plan_refuses_a_mixture_of_differently_tokenized_caches_and_bos_a_tokenizer_lacks():
+    from defaults import default_tokenize, default_tokenizer, default_train, ingest
+    from keel.spec import Mixture, PlanError
+    from keel.spec.checks import check_train_step
+
+    notes, code = ingest("notes", ("/in/notes.jsonl",)), ingest("code", ("/in/code.jsonl",))
+    notes_bpe, code_bpe = (default_tokenizer(f"{d.name}-bpe", d, vocab_size=384) for d in (notes, code))
+    train = TrainConfig(batch_size=16, seq_len=64, num_steps=5, optimizer=AdamWConfig(lr=1e-3))
+
+    def mixture(**caches):
+        return default_train("mix", data=Mixture.constant(caches, dict.fromkeys(caches, 0.5)), model=tiny_moe,
+                             train=train).config
+
+    same = {"notes": default_tokenize("n", notes, notes_bpe, seq_len=64), "code": default_tokenize("c", code, notes_bpe, seq_len=64)}
+    check_train_step(mixture(**same))  # one tokenizer: the ids mean one thing
+    other = default_tokenize("c2", code, code_bpe, seq_len=64)
+    with pytest.raises(PlanError, match=r"components were tokenized differently \('notes': tokenizers/documents/notes-bpe, "
+                                        r"add_bos=False, add_eos=True; 'code': tokenizers/documents/code-bpe, .*one tokenizer"):
+        check_train_step(mixture(notes=same["notes"], code=other))
+    with pytest.raises(PlanError, match=r"components were tokenized differently .*add_bos=True"):
+        check_train_step(mixture(notes=same["notes"], code=default_tokenize("c3", code, notes_bpe, seq_len=64,
+                                                                           add_bos=True)))
+    no_bos = default_tokenizer("no-bos", notes, vocab_size=384, bos_token=None)
+    with pytest.raises(PlanError, match=r"TokenizeConfig.add_bos=True of data step 'tokenized/b', but its tokenizer step "
+                                        r"'tokenizers/no-bos' has bos_token=None"):
+        check_train_step(default_train("b", data=default_tokenize("b", notes, no_bos, seq_len=64, add_bos=True),
+                                       model=tiny_moe, train=train).config)

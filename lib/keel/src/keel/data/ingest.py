@@ -87,8 +87,9 @@ class IngestConfig:
     - `on_bad_record`: 'skip' a record that cannot be read (not JSON, no `text_field`, text not a
       string) and count it, or 'fail' at the first one. `max_bad_fraction` (execution-only): the
       share of skipped records above which the step fails anyway.
-    - `on_decode_error`: a line with bytes that are not UTF-8 gets them 'replace'd with U+FFFD
-      (counted as repaired) or is skipped (counted as a bad record).
+    - `on_decode_error`: a line with bytes that are not UTF-8 (or a JSON text escaping half of a
+      UTF-16 pair) gets them 'replace'd with U+FFFD (counted as repaired) or is skipped (counted
+      as a bad record).
     - `input_version`: stands for the input files' contents in the identity (see the module doc).
     """
 
@@ -217,6 +218,22 @@ def _decode(raw: bytes, url: str, line: int, config: IngestConfig, log: RecordLo
         return raw.decode("utf-8", errors="replace")
 
 
+def _without_lone_surrogates(text: str, url: str, line: int, config: IngestConfig, log: RecordLog) -> str | None:
+    """The text, when it is UTF-8 text. A JSON escape can spell half of a UTF-16 pair ("\\ud83d" of an
+    emoji cut in two), which no UTF-8 text holds: such a record is repaired (U+FFFD in its place)
+    or skipped as `on_decode_error` says, as undecodable bytes are."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError as e:
+        detail = f"{e.reason} at character {e.start}"
+        if config.on_decode_error is OnDecodeError.SKIP:
+            log.skip(BadRecord(url, line, "unpaired UTF-16 surrogate", detail + "; skipped, as on_decode_error='skip' says"))
+            return None
+        log.repair(BadRecord(url, line, "unpaired UTF-16 surrogate, replaced with U+FFFD", detail))
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def _text_of(record, text_field: str) -> tuple[str | None, str, str]:
     """(text, '', '') or (None, kind, detail) of a bad record."""
     if not isinstance(record, dict):
@@ -249,6 +266,9 @@ def _read_jsonl(file: InputFile, config: IngestConfig, log: RecordLog) -> Iterat
             text, kind, detail = _text_of(record, config.text_field)
             if text is None:
                 log.skip(BadRecord(file.url, line_number, kind, detail))
+                continue
+            text = _without_lone_surrogates(text, file.url, line_number, config, log)
+            if text is None:
                 continue
             yield Document(f"{file.id_prefix}:{line_number}", text)
 

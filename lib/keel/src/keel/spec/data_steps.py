@@ -29,6 +29,7 @@ def data_step_problem(config: TrainStepConfig) -> str | None:
     naming both fields and the fix; None when they agree (or the data steps are not declared here)."""
     model, train = config.model, config.train
     tokenizes = []
+    vocabularies = {}  # component -> what its ids mean: the tokenizer and the specials added
     for name, value in config.data.components.items():
         step = _producer(value)
         tokenizes.append(step if step is not None and isinstance(step.config, TokenizeConfig) else None)
@@ -39,13 +40,23 @@ def data_step_problem(config: TrainStepConfig) -> str | None:
             return (f"train.seq_len={train.seq_len} differs from TokenizeConfig.seq_len={cache.seq_len} of data step "
                     f"{step.name!r}: set train.seq_len={cache.seq_len}, or tokenize with seq_len={train.seq_len}")
         tokenizer = _producer(cache.tokenizer)
+        vocabularies[name] = (tokenizer.name if tokenizer is not None else str(cache.tokenizer), cache.add_bos,
+                              cache.add_eos)
         if tokenizer is not None and isinstance(tokenizer.config, TrainTokenizerConfig):
+            if cache.add_bos and tokenizer.config.bos_token is None and cache.bos_token is None:
+                return (f"TokenizeConfig.add_bos=True of data step {step.name!r}, but its tokenizer step "
+                        f"{tokenizer.name!r} has bos_token=None: give the tokenizer a bos_token, or set add_bos=False")
             vocab = tokenizer.config.vocab_size
             if vocab > model.vocab_size:
                 return (f"model.vocab_size={model.vocab_size} is smaller than TrainTokenizerConfig.vocab_size={vocab} of "
                         f"tokenizer step {tokenizer.name!r} (data step {step.name!r} tokenizes with it): ids >= "
                         f"{model.vocab_size} would be clamped into wrong embeddings; set model.vocab_size >= {vocab}, "
                         f"or train the tokenizer with vocab_size <= {model.vocab_size}")
+    if len(set(vocabularies.values())) > 1:
+        described = "; ".join(f"{name!r}: {tok}, add_bos={bos}, add_eos={eos}"
+                              for name, (tok, bos, eos) in vocabularies.items())
+        return (f"data: the mixture's components were tokenized differently ({described}), so one id means "
+                "different text in each: tokenize every component with one tokenizer and the same add_bos/add_eos")
     if train.eval_batches > 0 and tokenizes and all(s is not None for s in tokenizes):
         fractions = {s.name: getattr(getattr(_producer(s.config.documents), "config", None), "validation_fraction", None)
                      for s in tokenizes}

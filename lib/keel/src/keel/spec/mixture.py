@@ -65,8 +65,9 @@ class Mixture:
             for name, weight in phase.weights.items():
                 if name not in self.components:
                     raise MixtureError(f"{where}: weight for unknown component {name!r}; components: {sorted(self.components)}")
-                if not isinstance(weight, (int, float)) or math.isnan(weight) or weight < 0:
-                    raise MixtureError(f"{where}: component {name!r} has weight {weight!r}; weights must be numbers >= 0")
+                if not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+                    raise MixtureError(f"{where}: component {name!r} has weight {weight!r}; weights must be finite "
+                                       "numbers >= 0")
             total = sum(phase.weights.values())
             if total <= 0:
                 raise MixtureError(f"{where}: weights sum to {total}; at least one component needs a positive weight")
@@ -74,6 +75,13 @@ class Mixture:
                 raise MixtureError(
                     f"{where}: weights sum to {total:.6g}, not 1; fix them or declare Mixture(..., normalize=True)"
                 )
+            for name, weight in phase.weights.items():
+                if 0 < weight / total * self.block_size < 1:  # Levanter draws floor(share x block) per block
+                    raise MixtureError(
+                        f"{where}: component {name!r} has {weight / total:.3g} of the weight, less than one sequence "
+                        f"of a block of {self.block_size}, so it would never be drawn: raise Mixture.block_size to at "
+                        f"least {math.ceil(total / weight)}, or drop the component from the phase"
+                    )
 
     @staticmethod
     def constant(components: dict[str, Any], weights: dict[str, float], **kwargs) -> "Mixture":

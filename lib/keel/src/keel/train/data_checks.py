@@ -11,12 +11,13 @@ checked against the training step here, in the step's process, before any comput
   cache would silently never run.
 
 Where the producing steps' configs already say it, `keel plan` refuses the same mistakes first
-(`keel.spec.checks`). Caches keel did not make (no `tokenize.json`) are left to Levanter's checks.
+(`keel.spec.checks`). Of caches keel did not make (no `tokenize.json`), whether they hold a
+validation split is checked here; the rest is left to Levanter's checks.
 """
 
 from __future__ import annotations
 
-from keel.data.cache_files import STATS_FILE
+from keel.data.cache_files import LEDGER_FILE, STATS_FILE
 from keel.executor import storage
 from keel.spec.mixture import Mixture
 from keel.spec.train import TrainStepConfig
@@ -49,8 +50,12 @@ def check_token_caches(config: TrainStepConfig) -> None:
                 f"MoELMConfig.vocab_size >= {found['vocab_size']:,}, or train the tokenizer with "
                 f"TrainTokenizerConfig.vocab_size <= {model.vocab_size:,}"
             )
-    if train.eval_batches > 0 and stats and not any(_validation_sequences(found) for _, found in stats.values()):
-        detail = ", ".join(f"{name!r} has {_describe_validation(found)}" for name, (_, found) in stats.items())
+    roots = cache_components(config.data)
+    validation = {name: _validation_sequences(stats[name][1]) if name in stats
+                  else storage.exists(storage.join(root, "validation", LEDGER_FILE)) for name, root in roots.items()}
+    if train.eval_batches > 0 and roots and not any(validation.values()):
+        detail = ", ".join(f"{name!r} has " + (_describe_validation(stats[name][1]) if name in stats else
+                                               "no validation split") for name in roots)
         raise ValueError(
             f"TrainConfig.eval_batches={train.eval_batches} declares an evaluation, but no token cache has validation "
             f"sequences ({detail}): raise the documents step's validation_fraction (or give it more documents), "
