@@ -1,5 +1,7 @@
 """scale_down: the hero's twin keeps the run's shape (features, phases, switch) at CPU size."""
 
+import dataclasses
+
 import pytest
 
 from defaults.hardware import cpu_sim
@@ -56,3 +58,17 @@ def test_twin_passes_plan_on_cpu_hardware():
 def test_twin_must_keep_every_feature():
     with pytest.raises(PlanError, match="switches off qk_norm, xsa"):
         scale_down(hero_step(), model=tiny_moe.replace(xsa=False, qk_norm=False), data="/c", **CPU)
+
+
+def test_the_stand_ins_name_every_model_field_the_twin_changes_and_the_waves():
+    hero = hero_config()
+    step = scale_down(hero_step(), model=tiny_moe, data="/caches/stdlib", **CPU)
+    model_line, = (line for line in step.config.stand_ins if line.startswith("model "))
+    changed = {f.name for f in dataclasses.fields(hero.model) if getattr(tiny_moe, f.name) != getattr(hero.model, f.name)}
+    assert {"vocab_size", "experts_per_token", "qb_histogram_bins"} <= changed  # e.g. the 1k BPE plays the 128k vocabulary
+    named = {part.split(" ")[0] for part in model_line.split(": ", 1)[1].split(", ")}
+    assert named == changed - {"capacity_factor"}  # the capacity is the run's (kept, not swapped)
+    assert "vocab_size 1024 (128256)" in model_line
+    pooled, = (line for line in step.config.stand_ins if "waves" in line)
+    assert pooled == ("transport from step 0: fixed_pooled_all_to_all in 2 waves plays 3, which do not split the "
+                      "twin's 2 experts per device")

@@ -91,6 +91,7 @@ def scale_down(
         return name if hardware.supports_transport(name) else TRANSPORTS[name].cpu_stand_in or "fixed_all_to_all"
 
     offload_until = train.host_offload.master_weights_until_step
+    local_experts = topology.experts_per_device(model)
 
     twin_train = dataclasses.replace(
         train,
@@ -104,7 +105,7 @@ def scale_down(
         transports=_distinct_starts(tuple(
             dataclasses.replace(t, start_step=step(t.start_step),
                                 transport=transport(t.transport),
-                                num_waves=_waves(t.num_waves, topology.experts_per_device(model)))
+                                num_waves=_waves(t.num_waves, local_experts))
             for t in train.transports
         )),
         host_offload=dataclasses.replace(train.host_offload,
@@ -117,13 +118,16 @@ def scale_down(
     stand_ins = [f"hardware: {hardware.name} ({topology.racks} racks x {topology.gpus_per_rack}) plays "
                  + (f"{config.hardware.name} ({config.topology.racks} racks x {config.topology.gpus_per_rack})"
                     if config.hardware and config.topology else "the declared hardware"),
-                 f"model: {model.hidden_dim}-wide, {model.num_layers} layers, {model.num_experts} experts plays "
-                 f"{config.model.hidden_dim}-wide, {config.model.num_layers} layers, {config.model.num_experts} experts"]
+                 f"model (the twin's, the run's in brackets): {_model_stand_in(config.model, model)}"]
     for original in train.transports:
+        waves = _waves(original.num_waves, local_experts)
         if transport(original.transport) != original.transport:
             stand_ins.append(f"transport from step {step(original.start_step)}: {transport(original.transport)} "
                              f"plays {original.transport}, which {hardware.name} cannot run "
                              f"({TRANSPORTS[transport(original.transport)].description})")
+        elif waves != original.num_waves:
+            stand_ins.append(f"transport from step {step(original.start_step)}: {original.transport} in {waves} waves "
+                             f"plays {original.num_waves}, which do not split the twin's {local_experts} experts per device")
     stand_ins.append(f"data: {_data_stand_in(config.data, data)}")
     twin = dataclasses.replace(
         config,
@@ -137,6 +141,14 @@ def scale_down(
     )
     return Step(f"train/{name}", run.fn, twin, description=description or f"the scaled-down twin of {run.name}",
                 isolated=run.isolated, retries=run.retries, progress_timeout_s=run.progress_timeout_s)
+
+
+def _model_stand_in(original: MoELMConfig, twin: MoELMConfig) -> str:
+    """Every model field the twin sets otherwise, 'field twin's (run's)': widths and counts, and
+    what follows them (the vocabulary of the twin's tokenizer, top-k, histogram bins)."""
+    changed = [f"{f.name} {getattr(twin, f.name)!s} ({getattr(original, f.name)!s})"
+               for f in dataclasses.fields(original) if getattr(twin, f.name) != getattr(original, f.name)]
+    return ", ".join(changed) or "the run's"
 
 
 def _data_stand_in(original: Mixture, stand_in: Any) -> str:
