@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from keel import Resources, Retries, Step, StepFunction
-from keel.spec import Hardware, Mixture, MoELMConfig, RackTopology, RunFacts, TrainConfig, TrainStepConfig
+from keel.spec import Hardware, LaunchPlan, Mixture, MoELMConfig, RackTopology, RunFacts, TrainConfig, TrainStepConfig
 from keel.executor.step import External, OutputOf
 
 train_step = StepFunction("keel.train.step:train_step")  # named, not imported: it imports jax
@@ -36,6 +36,7 @@ def default_train(
     description: str | None = None,
     predicted_loss: OutputOf | None = None,
     facts: RunFacts | None = None,
+    launch: LaunchPlan | None = None,
     stand_ins: tuple[str, ...] = (),
     retries: Retries | None = None,
     progress_timeout_s: float | None = None,
@@ -44,7 +45,8 @@ def default_train(
 
     `predicted_loss` is a scaling ladder's prediction for this run (`default_scaling_ladder(...).prediction`):
     the run trains after it is made, and must have the compute it was made for. `facts` are what is
-    known of a real run (speeds, claims); `stand_ins` name what a scaled-down twin plays the real
+    known of a real run (speeds, claims); `launch` what a launch decision needs beyond it (checkpoint
+    bandwidth, GPU-hour price, cache sizes: `keel plan`'s launch figures); `stand_ins` name what a scaled-down twin plays the real
     run's part with (`keel.plan.scale_down` says them; `keel plan` prints them). `retries` and
     `progress_timeout_s` are the step's (`keel.Step`): how often a failed or preempted attempt is
     resumed from its newest checkpoint, and how long the launcher waits for a step's heartbeat."""
@@ -60,7 +62,7 @@ def default_train(
                              f"replicas = {asked}, but the topology lays out {topology.racks} racks x "
                              f"{topology.gpus_per_rack} = {topology.num_devices}: make them agree")
     config = TrainStepConfig(model=model, data=data, train=train, topology=topology, hardware=hardware,
-                             predicted_loss=predicted_loss, facts=facts, stand_ins=stand_ins)
+                             predicted_loss=predicted_loss, facts=facts, launch=launch, stand_ins=stand_ins)
     if predicted_loss is not None:
         _check_prediction(name, predicted_loss, model, config.train)
     return Step(f"train/{name}", train_step, config, resources=resources, description=description, isolated=True,

@@ -4,8 +4,8 @@
     uv run keel compare experiments/tutorials/scaling_ladder.py   # the target's actual loss against its band
 
 The rungs are the tiny MoE at hidden 32, 48, 64 and 96, each trained for more steps than the last
-(their compute spans about 4x); the fit step `ladder/tiny` fits L(C) = E + A (C/C0)^-alpha to their
-final validation losses and predicts hidden 128 trained for 64 steps (about 1.8x the largest rung's
+(their compute spans about 4.7x); the fit step `ladder/tiny` fits L(C) = E + A (C/C0)^-alpha to their
+final validation losses and predicts hidden 128 trained for 64 steps (about 1.7x the largest rung's
 compute). The target declares that prediction (`predicted_loss=`), so it trains after the fit and
 `keel plan`, `status`, `compare` and the dashboard show its actual loss against the band; the step
 `ladder/tiny/check` prints the prediction error. Learning
