@@ -19,7 +19,7 @@ from levanter.data.dataset import AsyncDataset
 from levanter.data.mixture import MixtureDataset, StopStrategy
 from levanter.store.tree_store import TreeStore
 
-from keel.data.cache_files import BYTES_FILE, CONSOLIDATED, LEDGER_FILE, STATS_FILE
+from keel.data.cache_files import BYTES_FILE, CONSOLIDATED, LEDGER_FILE, STATS_FILE, has_split
 from keel.executor import storage
 from keel.spec.mixture import Mixture
 
@@ -63,10 +63,6 @@ class StoredSequences(AsyncDataset[dict]):
 
     async def get_batch(self, indices) -> list[dict]:
         return await self.store.get_batch(indices)
-
-
-def has_split(cache_root: str, split: str) -> bool:
-    return storage.exists(storage.join(cache_root, split, LEDGER_FILE))
 
 
 def load_token_cache(cache_root: str, split: str, *, seq_len: int) -> AsyncDataset:

@@ -17,7 +17,7 @@ validation split is checked here; the rest is left to Levanter's checks.
 
 from __future__ import annotations
 
-from keel.data.cache_files import LEDGER_FILE, STATS_FILE
+from keel.data.cache_files import STATS_FILE, has_split
 from keel.executor import storage
 from keel.spec.mixture import Mixture
 from keel.spec.train import TrainStepConfig
@@ -51,9 +51,9 @@ def check_token_caches(config: TrainStepConfig) -> None:
                 f"TrainTokenizerConfig.vocab_size <= {model.vocab_size:,}"
             )
     roots = cache_components(config.data)
-    validation = {name: _validation_sequences(stats[name][1]) if name in stats
-                  else storage.exists(storage.join(root, "validation", LEDGER_FILE)) for name, root in roots.items()}
-    if train.eval_batches > 0 and roots and not any(validation.values()):
+    if train.eval_batches > 0 and roots and not any(
+            _validation_sequences(stats[name][1]) if name in stats else has_split(root, "validation")
+            for name, root in roots.items()):
         detail = ", ".join(f"{name!r} has " + (_describe_validation(stats[name][1]) if name in stats else
                                                "no validation split") for name in roots)
         raise ValueError(
