@@ -188,3 +188,25 @@ def test_the_training_and_evaluation_steps_import_no_cache_builder():
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'zephyr', 'iris'}), 'levanter.store.cache' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, check=True)
     assert out.stdout.split("\n")[-2] == "[] False"
+
+
+def test_the_block_counts_are_what_levanters_mixture_draws():
+    from types import SimpleNamespace
+
+    from levanter.data.mixture import MixtureDataset
+
+    from keel.cli import load_experiment
+
+    (twin,) = load_experiment("experiments/hero_535b.py", scale="tiny")
+    rng = np.random.default_rng(0)
+    names = [f"c{i}" for i in range(9)]
+    mixtures = [twin.config.data] + [
+        Mixture(dict.fromkeys(names, "/c"), (MixturePhase(0, {n: float(w) for n, w in zip(names, rng.dirichlet(np.ones(9) * 3))}),),
+                normalize=True, block_size=int(rng.integers(64, 4096)))
+        for _ in range(20)]
+    for mixture in mixtures:
+        for (_, weights), counts in zip(mixture.phase_weights(), mixture.block_counts(), strict=True):
+            levanter = SimpleNamespace(dataset_index=sorted(weights), datasets=dict.fromkeys(sorted(weights)))
+            drawn = MixtureDataset._compute_expected_counts_per_block(
+                levanter, MixtureDataset._normalize_weights(weights), mixture.block_size)
+            assert counts == dict(zip(sorted(weights), drawn.tolist()))

@@ -72,3 +72,21 @@ def test_the_stand_ins_name_every_model_field_the_twin_changes_and_the_waves():
     pooled, = (line for line in step.config.stand_ins if "waves" in line)
     assert pooled == ("transport from step 0: fixed_pooled_all_to_all in 2 waves plays 3, which do not split the "
                       "twin's 2 experts per device")
+
+
+def test_the_plan_says_how_far_the_twins_small_blocks_draw_a_weight_from_its_declaration():
+    from keel.plan import render_fact_sheet
+
+    step = scale_down(hero_step(), model=tiny_moe, data="/caches/stdlib", **CPU)
+    sheet = fact_sheet(step.config, "hero/train-tiny")
+    first = sheet["mixture"][0]
+    counts = step.config.data.block_counts()[0]
+    assert first["block_size"] == 256 and sum(counts.values()) == 256
+    assert first["drawn"] == {name: counts[name] / 256 for name in first["weights"]}
+    misses = {name: abs(first["drawn"][name] - w) / w for name, w in first["weights"].items()}
+    worst = max(misses, key=misses.get)
+    assert misses[worst] > 0.2  # a 1.1% weight is 2.8 sequences of a block: 2 are drawn
+    assert (f"blocks of 256 sequences draw {worst} at {first['drawn'][worst]:.2%} for its {first['weights'][worst]:.2%}"
+            in render_fact_sheet(sheet))
+    hero = fact_sheet(hero_config(), "hero")
+    assert "draw" not in "\n".join(line for line in render_fact_sheet(hero).splitlines() if line.startswith("mixture"))

@@ -301,10 +301,13 @@ def time(config: TrainStepConfig, train_facts: dict) -> dict | None:
 
 
 def mixture(config: TrainStepConfig) -> list[dict]:
+    """Each phase's steps, tokens and weights, and the shares its blocks draw (`Mixture.block_counts`):
+    whole sequences per block, so a small weight is drawn a little less than declared."""
     train = config.train
     phases = mixture_phases(config.data)
+    block = config.data.block_size
     out = []
-    for i, (start, weights) in enumerate(phases):
+    for i, ((start, weights), counts) in enumerate(zip(phases, config.data.block_counts() if phases else ())):
         end = phases[i + 1][0] if i + 1 < len(phases) else train.num_steps
         total = sum(weights.values())
         out.append({
@@ -313,6 +316,8 @@ def mixture(config: TrainStepConfig) -> list[dict]:
             "steps": end - start,
             "tokens": (end - start) * train.tokens_per_step,
             "weights": {k: v / total for k, v in weights.items()},
+            "block_size": block,
+            "drawn": {k: counts[k] / block for k in weights},
         })
     return out
 

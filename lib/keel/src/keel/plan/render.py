@@ -219,13 +219,24 @@ def _launch(lf: dict) -> list[str]:
     return lines
 
 
+def _drawn(phase: dict) -> str:
+    """The largest miss of a declared weight by the whole sequences its blocks draw, when it is
+    over 1% of that weight."""
+    misses = {k: abs(phase["drawn"][k] - w) / w for k, w in phase["weights"].items() if w > 0}
+    worst = max(misses, key=misses.get, default=None)
+    if worst is None or misses[worst] <= 0.01:
+        return ""
+    return (f"; blocks of {_n(phase['block_size'])} sequences draw {worst} at {phase['drawn'][worst]:.2%} for its "
+            f"{phase['weights'][worst]:.2%} (the largest miss)")
+
+
 def _mixture(phases: list[dict]) -> list[str]:
     lines = []
     for p in phases:
         top = sorted(p["weights"].items(), key=lambda kv: -kv[1])[:4]
         shares = ", ".join(f"{k} {v:.1%}" for k, v in top)
         lines.append(f"mixture      steps {_n(p['start_step'])}-{_n(p['end_step'])}: {_n(p['tokens'])} tokens"
-                     f"{_tera(p['tokens'])}; {len(p['weights'])} component(s), top: {shares}")
+                     f"{_tera(p['tokens'])}; {len(p['weights'])} component(s), top: {shares}{_drawn(p)}")
     return lines
 
 

@@ -119,6 +119,20 @@ class Mixture:
             out.append((phase.start_step, {name: phase.weights.get(name, 0.0) / total for name in self.components}))
         return out
 
+    def block_counts(self) -> list[dict[str, int]]:
+        """Per phase, the sequences each component gets in every block of `block_size`, as Levanter's
+        `MixtureDataset` draws them: floor(share x block), the rest to the component with the most
+        (the first by name). What a phase trains on: a share below 1 / block_size is refused, others
+        lose up to one sequence per block (a test pins this to Levanter's own rule)."""
+        out = []
+        for _, weights in self.phase_weights():
+            total = sum(weights.values())  # Levanter normalises again
+            counts = {name: int(weights[name] / total * self.block_size) for name in sorted(weights)}
+            largest = max(counts, key=counts.get)
+            counts[largest] += self.block_size - sum(counts.values())
+            out.append(counts)
+        return out
+
     def sequence_schedule(self, batch_size: int) -> list[tuple[int, dict[str, float]]]:
         """The phases in sequence indices (what Levanter's MixtureDataset takes): step x batch size."""
         self.check_batch_size(batch_size)
