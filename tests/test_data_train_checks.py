@@ -120,7 +120,8 @@ def test_a_declared_evaluation_with_no_validation_sequences_is_refused(caches, t
     shutil.copytree(bare, external)
     (external / STATS_FILE).unlink()
     shutil.rmtree(external / "validation", ignore_errors=True)
-    with pytest.raises(ValueError, match=r"no token cache has validation sequences \('data' has no validation split\)"):
+    with pytest.raises(ValueError, match=r"no token cache has validation sequences \('data' has no validation split\): "
+                                         r"build the cache with a validation split, or set TrainConfig.eval_batches=0"):
         check_step_config(_planned(_config(str(external)), racks), num_devices=8, platform="cpu")
     mixed = Mixture.constant({"a": bare, "b": caches["with_validation"]}, {"a": 0.5, "b": 0.5}, block_size=16)
     check_step_config(_planned(_config(mixed), racks), num_devices=8, platform="cpu")  # one component is enough
@@ -157,6 +158,9 @@ def test_keel_plan_refuses_a_mixture_of_differently_tokenized_caches_and_bos_a_t
     with pytest.raises(PlanError, match=r"components were tokenized differently .*add_bos=True"):
         check_train_step(mixture(notes=same["notes"], code=default_tokenize("c3", code, notes_bpe, seq_len=64,
                                                                            add_bos=True)))
+    with pytest.raises(PlanError, match=r"components were tokenized differently .*eos_token='<\|pad\|>'"):
+        check_train_step(mixture(notes=same["notes"], code=default_tokenize("c4", code, notes_bpe, seq_len=64,
+                                                                           eos_token="<|pad|>")))
     no_bos = default_tokenizer("no-bos", notes, vocab_size=384, bos_token=None)
     with pytest.raises(PlanError, match=r"TokenizeConfig.add_bos=True of data step 'tokenized/b', but its tokenizer step "
                                         r"'tokenizers/no-bos' has bos_token=None"):

@@ -90,3 +90,14 @@ def test_the_plan_says_how_far_the_twins_small_blocks_draw_a_weight_from_its_dec
             in render_fact_sheet(sheet))
     hero = fact_sheet(hero_config(), "hero")
     assert "draw" not in "\n".join(line for line in render_fact_sheet(hero).splitlines() if line.startswith("mixture"))
+
+
+def test_a_stand_in_without_a_capacity_drops_the_phases_capacity_and_a_block_too_small_names_mixture_block():
+    hero = hero_config()
+    ragged = dataclasses.replace(hero.train.transports[1], capacity_factor=1.3)  # valid on the run's GPUs
+    run = Step("train/hero", train_step, dataclasses.replace(
+        hero, train=dataclasses.replace(hero.train, transports=(hero.train.transports[0], ragged))), isolated=True)
+    twin = scale_down(run, model=tiny_moe, data="/caches/stdlib", **CPU).config
+    assert (twin.train.transports[1].transport, twin.train.transports[1].capacity_factor) == ("ring", None)  # dropless
+    with pytest.raises(PlanError, match=r"scale_down\(mixture_block=64\): .*less than one sequence of a block of 64"):
+        scale_down(hero_step(), model=tiny_moe, data="/caches/stdlib", mixture_block=64, **CPU)

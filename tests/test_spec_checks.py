@@ -44,8 +44,8 @@ OPTIMIZER = dict(muon_lr=1e-2, adam_lr=1e-3)
     (lambda: LrScalingLaw(coefficient=-1.0, tokens_exponent=-0.3, width_exponent=-0.5, muon_to_adam=4.0),
      r"LrScalingLaw.coefficient=-1.0 must be positive"),
     # knobs a transport does not read
-    (lambda: TransportPhase(0, "ring", num_waves=2), r"TransportPhase.num_waves=2 on 'ring': only "
-                                                     r"'fixed_pooled_all_to_all' sends in waves"),
+    (lambda: TransportPhase(0, "ring", num_waves=2), r"TransportPhase.num_waves=2 on 'ring', which does not send in "
+                                                     r"waves \(only 'fixed_pooled_all_to_all' does\)"),
     (lambda: TransportPhase(0, "ring", capacity_factor=1.5), r"TransportPhase.capacity_factor=1.5 on 'ring', which has "
                                                              r"no capacity"),
     (lambda: tiny_moe.replace(routing="softmax_topk", balancing="none"),
@@ -77,7 +77,7 @@ def _run(model=tiny_moe, hardware=cpu_sim, **train):
 
 @pytest.mark.parametrize("declare, message", [
     (lambda: _run(weight_decay_change=WeightDecayChange(start_step=200, peak=0.02, groups=("nomatch",))),
-     r"train.weight_decay_change.groups: 'nomatch' matches no parameter, so nothing would be decayed"),
+     r"train.weight_decay_change.groups=\['nomatch'\] match no parameter, so nothing would be decayed"),
     (lambda: _run(optimizer=GroupedOptimizerConfig(**OPTIMIZER, muonh_params=("norm",))),
      r"train.optimizer.muonh_params puts embed_norm.norm.weight in MuonH, which is no matrix"),
     (lambda: _run(model=tiny_moe.replace(attention_backend="splash")),
@@ -95,6 +95,9 @@ def test_the_defaults_and_their_neighbours_pass():
     check_train_step(_run(optimizer=GroupedOptimizerConfig(**OPTIMIZER), seed=2**32 - 1,
                           weight_decay_change=WeightDecayChange(start_step=200, peak=0.02)).config)
     check_train_step(_run(model=tiny_moe.replace(attention_backend="jax_flash", max_seq_len=2048), seq_len=2048).config)
+    # the hero's decay groups on a model without attention gates: the router is still decayed
+    check_train_step(_run(model=tiny_moe.replace(attention_gate=False),
+                          weight_decay_change=WeightDecayChange(start_step=200, peak=0.02)).config)
     TransportPhase(0, "fixed_pooled_all_to_all", capacity_factor=1.5, num_waves=2)
 
 

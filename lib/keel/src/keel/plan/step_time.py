@@ -6,7 +6,7 @@ Per GPU and step, each term is priced on what it uses (`keel.spec.Hardware`):
 |---|---|---|---|
 | compute | FLOPs: dense matmuls and attention; routed-expert matmuls (with the padded rows a fixed-capacity transport computes); remat's second forward | peak x compute efficiency | - |
 | hbm | bytes the step at least moves: weights per pass, gradients, the optimizer update, saved residuals, expert buffers | HBM bandwidth | with compute: the larger binds |
-| all_to_all | expert rows that leave the GPU, plus a sync per collective | in-domain link; the scale-out link for the share leaving the fast domain | declared per transport (`HIDDEN_BY_WAVES`) |
+| all_to_all | expert rows that leave the GPU, plus a sync per collective | in-domain link; the scale-out link for the share leaving the fast domain | 1/num_waves exposed for a transport that sends in waves (`Transport.waves`), else all |
 | fsdp | all-gathers of FSDP-split weights (each pass) and the gradient reduce-scatter | same | prefetched under compute: only the excess shows |
 | cross_rack | gradient all-reduce and router histograms across racks | scale-out link | under the backward: only the excess shows |
 | host | offloaded state copied in and back | host link | none: the update waits for it |
@@ -31,10 +31,6 @@ from keel.spec.resolved import ResolvedRun
 from keel.spec.train import TrainStepConfig
 
 GB = 1e9
-HIDDEN_BY_WAVES = frozenset({"fixed_pooled_all_to_all"})
-"""Transports whose waves overlap their transfers with expert compute (one wave's rows travel while
-the experts work on the previous wave's): 1/num_waves of the transfer is exposed. The step waits
-for every other transport's exchange."""
 NEEDED = ("peak_flops_per_device", "hbm_gb_per_s", "link_gb_per_s", "scale_out_gb_per_s", "host_link_gb_per_s")
 
 
@@ -156,7 +152,7 @@ def loads(run: ResolvedRun, sheet: dict) -> list[Load]:
         # written and read back, every all-to-all buffer written and read
         hbm_gb = (weights_read * (passes + 1) + update) / GB + 2 * mem["parts_gb"]["saved_residuals"]
         hbm_gb += 2 * (a2a["gb_per_step_per_gpu"] if a2a else 0)
-        waves = phase.num_waves if phase.transport in HIDDEN_BY_WAVES else 1
+        waves = phase.num_waves  # 1 but for a transport that sends in waves (TransportPhase refuses others)
         out.append(Load(
             start, end, phase.transport,
             flops=tokens * (per_token + routed * (pad - 1)) * (passes + 1) / 3,

@@ -22,7 +22,7 @@ from keel.spec.model import Balancing, MoELMConfig, Routing
 from keel.spec.transports import TRANSPORTS
 from keel.spec.checks import PlanError
 from keel.executor.step import Step
-from keel.spec.mixture import Mixture
+from keel.spec.mixture import Mixture, MixtureError
 from keel.spec.train import TrainStepConfig
 
 
@@ -105,6 +105,7 @@ def scale_down(
         transports=_distinct_starts(tuple(
             dataclasses.replace(t, start_step=step(t.start_step),
                                 transport=transport(t.transport),
+                                capacity_factor=t.capacity_factor if TRANSPORTS[transport(t.transport)].capacity else None,
                                 num_waves=_waves(t.num_waves, local_experts))
             for t in train.transports
         )),
@@ -129,10 +130,15 @@ def scale_down(
             stand_ins.append(f"transport from step {step(original.start_step)}: {original.transport} in {waves} waves "
                              f"plays {original.num_waves}, which do not split the twin's {local_experts} experts per device")
     stand_ins.append(f"data: {_data_stand_in(config.data, data)}")
+    try:
+        twin_data = _data(config.data, data, step, batch_size, -(-mixture_block // batch_size))
+    except MixtureError as e:
+        raise PlanError(f"scale_down(mixture_block={mixture_block}): {e} (the twin's blocks are mixture_block "
+                        "sequences, rounded up to whole batches)") from None
     twin = dataclasses.replace(
         config,
         model=model,
-        data=_data(config.data, data, step, batch_size, -(-mixture_block // batch_size)),
+        data=twin_data,
         train=twin_train,
         topology=topology,
         hardware=hardware,

@@ -100,10 +100,9 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
             except ValueError as e:
                 fail(f"train.optimizer.muonh_params puts {path} in MuonH, which is no matrix: {e}")
     decay = train.weight_decay_change
-    for pattern in decay.groups if decay else ():
-        if not any(re.search(pattern, path) for path in parameters):
-            fail(f"train.weight_decay_change.groups: {pattern!r} matches no parameter, so nothing would be decayed; "
-                 f"the paths are like {', '.join(sorted(parameters)[:4])} (keel plan lists every one)")
+    if decay and not any(re.search(pattern, path) for pattern in decay.groups for path in parameters):
+        fail(f"train.weight_decay_change.groups={list(decay.groups)} match no parameter, so nothing would be decayed; "
+             f"the paths are like {', '.join(sorted(parameters)[:4])} (keel plan lists every one)")
     offload = train.host_offload.master_weights_until_step
     if offload is not None and offload > train.num_steps:
         fail(f"train.host_offload.master_weights_until_step={offload} is after train.num_steps={train.num_steps}")

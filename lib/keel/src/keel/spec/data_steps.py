@@ -41,7 +41,7 @@ def data_step_problem(config: TrainStepConfig) -> str | None:
                     f"{step.name!r}: set train.seq_len={cache.seq_len}, or tokenize with seq_len={train.seq_len}")
         tokenizer = _producer(cache.tokenizer)
         vocabularies[name] = (tokenizer.name if tokenizer is not None else str(cache.tokenizer), cache.add_bos,
-                              cache.add_eos)
+                              cache.add_eos, cache.bos_token, cache.eos_token)
         if tokenizer is not None and isinstance(tokenizer.config, TrainTokenizerConfig):
             if cache.add_bos and tokenizer.config.bos_token is None and cache.bos_token is None:
                 return (f"TokenizeConfig.add_bos=True of data step {step.name!r}, but its tokenizer step "
@@ -54,9 +54,11 @@ def data_step_problem(config: TrainStepConfig) -> str | None:
                         f"or train the tokenizer with vocab_size <= {model.vocab_size}")
     if len(set(vocabularies.values())) > 1:
         described = "; ".join(f"{name!r}: {tok}, add_bos={bos}, add_eos={eos}"
-                              for name, (tok, bos, eos) in vocabularies.items())
+                              + (f", bos_token={b!r}" if b else "") + (f", eos_token={e!r}" if e else "")
+                              for name, (tok, bos, eos, b, e) in vocabularies.items())
         return (f"data: the mixture's components were tokenized differently ({described}), so one id means "
-                "different text in each: tokenize every component with one tokenizer and the same add_bos/add_eos")
+                "different text in each: tokenize every component with one tokenizer and the same add_bos/add_eos "
+                "and special tokens")
     if train.eval_batches > 0 and tokenizes and all(s is not None for s in tokenizes):
         fractions = {s.name: getattr(getattr(_producer(s.config.documents), "config", None), "validation_fraction", None)
                      for s in tokenizes}

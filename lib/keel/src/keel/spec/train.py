@@ -297,9 +297,10 @@ class TransportPhase:
             _positive("TransportPhase", capacity_factor=self.capacity_factor)
         if self.num_waves < 1:
             raise ValueError(f"TransportPhase.num_waves={self.num_waves} must be >= 1")
-        if self.num_waves > 1 and self.transport != "fixed_pooled_all_to_all":
-            raise ValueError(f"TransportPhase.num_waves={self.num_waves} on {self.transport!r}: only "
-                             "'fixed_pooled_all_to_all' sends in waves; drop num_waves")
+        if self.num_waves > 1 and not TRANSPORTS[self.transport].waves:
+            waved = ", ".join(repr(name.value) for name, t in TRANSPORTS.items() if t.waves)
+            raise ValueError(f"TransportPhase.num_waves={self.num_waves} on {self.transport!r}, which does not send "
+                             f"in waves (only {waved} does): drop num_waves")
         if self.capacity_factor is not None and TRANSPORTS[self.transport].capacity is None:
             raise ValueError(f"TransportPhase.capacity_factor={self.capacity_factor} on {self.transport!r}, which has "
                              "no capacity (it drops nothing or moves no tokens): drop capacity_factor")

@@ -49,6 +49,9 @@ class Transport:
     dropped (contribute zero) and counted."""
     pads_sends: bool = False
     """Whether the bytes sent are the capacity-padded buffers (else only the real assignments)."""
+    waves: bool = False
+    """Whether it sends in `num_waves` static waves, each overlapping its transfer with the expert
+    compute of the one before (1/num_waves of the transfer is exposed); others read no waves."""
     moves_tokens: bool = True
     accelerator_only: bool = False
     """XLA:CPU answers `UNIMPLEMENTED: HLO opcode 'ragged-all-to-all' is not supported by XLA:CPU ThunkEmitter`."""
@@ -65,7 +68,7 @@ TRANSPORTS: dict[TransportName, Transport] = {
                                   "dropped and counted", capacity="sender cell", pads_sends=True),
     TransportName.RING: Transport("expert parallel over `expert`: all-gather tokens, psum-scatter outputs; dropless"),
     TransportName.FIXED_POOLED_ALL_TO_ALL: Transport("expert parallel over `expert`: destination-pooled fixed buffers sent in "
-                                         "static waves", capacity="destination pool", pads_sends=True),
+                                         "static waves", capacity="destination pool", pads_sends=True, waves=True),
     TransportName.RAGGED_ALL_TO_ALL: Transport("expert parallel over `expert`: ragged all-to-all, rows grouped by expert, "
                                    "a receiver buffer of capacity x the even share (GPU/TPU only)",
                                    capacity="receiver buffer", accelerator_only=True,

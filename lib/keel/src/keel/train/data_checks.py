@@ -56,10 +56,11 @@ def check_token_caches(config: TrainStepConfig) -> None:
             for name, root in roots.items()):
         detail = ", ".join(f"{name!r} has " + (_describe_validation(stats[name][1]) if name in stats else
                                                "no validation split") for name in roots)
+        fix = ("raise the documents step's validation_fraction (or give it more documents)" if stats else
+               "build the cache with a validation split")
         raise ValueError(
             f"TrainConfig.eval_batches={train.eval_batches} declares an evaluation, but no token cache has validation "
-            f"sequences ({detail}): raise the documents step's validation_fraction (or give it more documents), "
-            "or set TrainConfig.eval_batches=0 to train without evaluation"
+            f"sequences ({detail}): {fix}, or set TrainConfig.eval_batches=0 to train without evaluation"
         )
 
 
