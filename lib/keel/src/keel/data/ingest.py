@@ -210,11 +210,9 @@ def _decode(raw: bytes, url: str, line: int, config: IngestConfig, log: RecordLo
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        detail = f"{e.reason} at byte {e.start}"
-        if config.on_decode_error is OnDecodeError.SKIP:
-            log.skip(BadRecord(url, line, "not valid UTF-8", detail + "; skipped, as on_decode_error='skip' says"))
+        if _skipped_as_declared("not valid UTF-8", "not valid UTF-8, bytes replaced with U+FFFD",
+                                f"{e.reason} at byte {e.start}", url, line, config, log):
             return None
-        log.repair(BadRecord(url, line, "not valid UTF-8, bytes replaced with U+FFFD", detail))
         return raw.decode("utf-8", errors="replace")
 
 
@@ -226,12 +224,21 @@ def _without_lone_surrogates(text: str, url: str, line: int, config: IngestConfi
         text.encode("utf-8")
         return text
     except UnicodeEncodeError as e:
-        detail = f"{e.reason} at character {e.start}"
-        if config.on_decode_error is OnDecodeError.SKIP:
-            log.skip(BadRecord(url, line, "unpaired UTF-16 surrogate", detail + "; skipped, as on_decode_error='skip' says"))
+        if _skipped_as_declared("unpaired UTF-16 surrogate", "unpaired UTF-16 surrogate, replaced with U+FFFD",
+                                f"{e.reason} at character {e.start}", url, line, config, log):
             return None
-        log.repair(BadRecord(url, line, "unpaired UTF-16 surrogate, replaced with U+FFFD", detail))
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _skipped_as_declared(kind: str, repaired: str, detail: str, url: str, line: int, config: IngestConfig,
+                         log: RecordLog) -> bool:
+    """Count a line that is not UTF-8 text as `on_decode_error` says: skipped as `kind` (True), or
+    repaired as `repaired` (False: the caller puts U+FFFD in place)."""
+    if config.on_decode_error is OnDecodeError.SKIP:
+        log.skip(BadRecord(url, line, kind, detail + "; skipped, as on_decode_error='skip' says"))
+        return True
+    log.repair(BadRecord(url, line, repaired, detail))
+    return False
 
 
 def _text_of(record, text_field: str) -> tuple[str | None, str, str]:
