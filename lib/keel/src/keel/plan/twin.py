@@ -66,12 +66,12 @@ def scale_down(
     **train_overrides: Any,
 ) -> Step:
     """The twin of training step `run`, named `train/<name>`: on `model` (which must keep every
-    feature the run's model has on; its capacity factor becomes the run's), reading `data`: a token cache for every mixture component, or
-    {component: cache}. An optimizer whose rates are a law (`LrScalingLaw.optimizer`) gets them at
-    the twin's size; given rates stay as declared. Mixture blocks hold at least `mixture_block`
-    sequences (whole batches), so small components still get rows in every block, and phases start
-    on block boundaries. `seq_len` None: the length `data` was tokenized at. `train_overrides` are
-    set last. The twin runs as its run would (its own
+    feature the run's model has on; its capacity factor becomes the run's), reading `data`: a token
+    cache for every mixture component, or {component: cache}. An optimizer whose rates are a law
+    (`LrScalingLaw.optimizer`) gets them at the twin's size; given rates stay as declared. Mixture
+    blocks hold at least `mixture_block` sequences (whole batches), so small components still get
+    rows in every block, and phases start on block boundaries. `seq_len` None: the length `data`
+    was tokenized at. `train_overrides` are set last. The twin runs as its run would (its own
     process, the same retries), on the devices `hardware` and `topology` declare."""
     if not isinstance(run, Step) or not isinstance(run.config, TrainStepConfig):
         raise PlanError(f"scale_down({run!r}): give the training step to scale down (what default_train returns)")
