@@ -175,10 +175,12 @@ hero_train = default_train(
 def twin(num_steps: int = 120, corpus_bytes: int = 4_000_000, mixture_block: int = 256, files_per_component: int = 24
          ) -> list:
     """The hero scaled down to this CPU: 8 simulated devices as 2 racks x 4, with the tutorials'
-    tokenizer. Each topic component reads its own family of the stdlib's packages (the first
-    `files_per_component` modules of it, a quarter of them for validation, so a phase change moves
-    the per-component validation losses); each phase's "other" component reads the stdlib as a
-    whole: the same work as tiny_moe.py's token cache, so either experiment finds it cached."""
+    tokenizer. Each phase's "other" component reads the stdlib's first `corpus_bytes`: the same
+    work as tiny_moe.py's token cache, so either experiment finds it cached. Each topic component
+    reads its own family of the packages that corpus does not reach (the first `files_per_component`
+    modules of it, a quarter of them for validation, so a phase change moves the per-component
+    validation losses): a topic module inside the general corpus would be trained on there while
+    its topic validated on it."""
     corpus = stdlib_corpus(max_bytes=corpus_bytes)
     bpe = default_tokenizer("stdlib-bpe-1k", corpus, vocab_size=tiny_moe.vocab_size)
     general = default_tokenize("hero-twin-general", corpus, bpe, seq_len=tiny_moe.max_seq_len)
@@ -188,7 +190,7 @@ def twin(num_steps: int = 120, corpus_bytes: int = 4_000_000, mixture_block: int
                                               include_tests=False, max_files=files_per_component,
                                               validation_fraction=0.25),
                                 bpe, seq_len=tiny_moe.max_seq_len)
-        for topic, family in zip(TOPIC_SHARES, stdlib_families(len(TOPIC_SHARES)))
+        for topic, family in zip(TOPIC_SHARES, stdlib_families(len(TOPIC_SHARES), disjoint_from=corpus.config))
     }
     caches = {component: topics.get(component, general) for component in mixture.components}
     return [scale_down(

@@ -129,3 +129,17 @@ def test_default_train_compares_the_resources_with_the_topology():
     with pytest.raises(ValueError, match=r"4 GPUs x 3 replicas = 12, but the topology lays out 2 racks x 4 = 8"):
         default_train("t", data=stdlib_tokens(), model=tiny_moe, train=train, topology=racks,
                       resources=Resources.with_gpu("H100", 4, replicas=3))
+
+
+def test_no_twin_topic_module_is_in_the_general_corpus_its_other_components_train_on():
+    """Documents are held out by their id's hash (`split_of`), so a topic corpus holding out a quarter
+    would validate on modules the general corpus (1% held out) trains on: the families leave out every
+    package the general corpus reads."""
+    from keel.data.stdlib_corpus import corpus_files
+
+    (twin,) = load_experiment("experiments/hero_535b.py", scale="tiny")
+    corpora = {name: cache.config.documents.config for name, cache in twin.config.data.components.items()}
+    general = set(corpus_files(corpora.pop("other-main")))
+    topics = {name: corpus_files(config) for name, config in corpora.items() if not name.startswith("other-")}
+    assert len(topics) == 10 and all(topics.values()), topics
+    assert {name: sorted(general & set(files)) for name, files in topics.items() if general & set(files)} == {}

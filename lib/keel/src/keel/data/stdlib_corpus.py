@@ -11,7 +11,8 @@ tutorials) deterministic too: the corpus ends before the first file that would e
 
 `packages` keeps only some top-level packages (a directory such as `email`, or a module's stem
 such as `typing`): topic-like components of one corpus, e.g. for the hero twin's mixture, where
-`stdlib_families(n)` splits the library into n families of about equal size.
+`stdlib_families(n, disjoint_from=general)` splits the packages the general corpus does not read
+into n families of about equal size.
 """
 
 from __future__ import annotations
@@ -59,13 +60,21 @@ def top_level(relative: str) -> str:
     return relative.split("/", 1)[0].removesuffix(".py")
 
 
-def stdlib_families(count: int, include_tests: bool = False) -> list[tuple[str, ...]]:
+def stdlib_families(count: int, include_tests: bool = False, disjoint_from: StdlibCorpusConfig | None = None
+                    ) -> list[tuple[str, ...]]:
     """The standard library's top-level packages in `count` families of about equal size: runs of
-    consecutive names (sorted), each closed once it holds its share of the bytes still left."""
+    consecutive names (sorted), each closed once it holds its share of the bytes still left.
+
+    `disjoint_from` leaves out every package that corpus reads a file of. Corpora that share
+    documents must not split them differently: `split_of` holds out a document by its id's hash, so
+    a corpus with a larger `validation_fraction` holds out documents that one with a smaller
+    fraction trains on, and its validation loss then measures memorisation."""
     root = sysconfig.get_paths()["stdlib"]
+    taken = {top_level(f) for f in corpus_files(disjoint_from)} if disjoint_from is not None else set()
     sizes: dict[str, int] = {}
     for relative in stdlib_files(include_tests):
-        sizes[top_level(relative)] = sizes.get(top_level(relative), 0) + os.path.getsize(os.path.join(root, relative))
+        if top_level(relative) not in taken:
+            sizes[top_level(relative)] = sizes.get(top_level(relative), 0) + os.path.getsize(os.path.join(root, relative))
     names, left = sorted(sizes), sum(sizes.values())
     families: list[list[str]] = [[]]
     filled = 0
@@ -94,18 +103,25 @@ def stdlib_files(include_tests: bool) -> list[str]:
     return sorted(found)
 
 
+def corpus_files(config: StdlibCorpusConfig) -> list[str]:
+    """Relative paths of the files `config` reads, in order: its packages, up to its caps."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = [f for f in stdlib_files(config.include_tests) if not config.packages or top_level(f) in config.packages]
+    kept, total_bytes = [], 0
+    for relative in files[: config.max_files]:
+        size = os.path.getsize(os.path.join(root, relative))
+        if config.max_bytes is not None and total_bytes + size > config.max_bytes:
+            break
+        total_bytes += size
+        kept.append(relative)
+    return kept
+
+
 def _documents(config: StdlibCorpusConfig, log: RecordLog) -> Iterator[Document]:
     root = sysconfig.get_paths()["stdlib"]
-    total_bytes = 0
-    files = [f for f in stdlib_files(config.include_tests) if not config.packages or top_level(f) in config.packages]
-    for count, relative in enumerate(files):
-        if config.max_files is not None and count >= config.max_files:
-            return
+    for relative in corpus_files(config):
         with open(os.path.join(root, relative), "rb") as f:
             data = f.read()
-        if config.max_bytes is not None and total_bytes + len(data) > config.max_bytes:
-            return
-        total_bytes += len(data)
         log.look()
         try:
             yield Document(f"stdlib/{relative}", data.decode("utf-8"))
