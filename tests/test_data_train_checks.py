@@ -4,6 +4,7 @@ at another sequence length, or a declared evaluation with no validation data is 
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -59,7 +60,8 @@ def test_keel_plan_refuses_what_the_data_steps_configs_already_say(tmp_path, cap
 
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory):
-    """Token caches from a 512-token tokenizer, packed at 64: one with a validation split, one without."""
+    """Token caches from a 512-token tokenizer, packed at 64: one with a validation split, one of other
+    documents without, and one of the first one's documents without."""
     root = tmp_path_factory.mktemp("caches")
     corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i} talks about topic {i % 11} at length " * 4}) + "\n"
@@ -68,8 +70,12 @@ def caches(tmp_path_factory):
     train_tokenizer(TrainTokenizerConfig(documents=str(root / "docs"), vocab_size=512, min_frequency=1,
                                          output_path=str(root / "tok")))
     out = {}
-    for name, docs in (("with_validation", root / "docs"), ("no_validation", root / "docs0")):
-        if name == "no_validation":
+    for name, docs in (("with_validation", root / "docs"), ("no_validation", root / "docs0"), ("same_documents", root / "same")):
+        if name == "no_validation":  # other documents: the same texts from another file, so other ids
+            (root / "corpus0.jsonl").write_text(corpus.read_text())
+            ingest_documents(IngestConfig(inputs=(str(root / "corpus0.jsonl"),), validation_fraction=0.0,
+                                          output_path=str(docs)))
+        if name == "same_documents":  # with_validation's documents, all of them trained on
             ingest_documents(IngestConfig(inputs=(str(corpus),), validation_fraction=0.0, output_path=str(docs)))
         tokenize_documents(TokenizeConfig(documents=str(docs), tokenizer=str(root / "tok"), seq_len=64,
                                           output_path=str(root / name)))
@@ -125,6 +131,27 @@ def test_a_declared_evaluation_with_no_validation_sequences_is_refused(caches, t
         check_step_config(_planned(_config(str(external)), racks), num_devices=8, platform="cpu")
     mixed = Mixture.constant({"a": bare, "b": caches["with_validation"]}, {"a": 0.5, "b": 0.5}, block_size=16)
     check_step_config(_planned(_config(mixed), racks), num_devices=8, platform="cpu")  # one component is enough
+
+
+def test_an_evaluation_on_documents_another_component_trains_on_is_refused(caches):
+    """The same documents ingested at validation_fraction 0.1 and 0: the first set's validation
+    documents are all training documents of the second."""
+    from keel.data import document_id_hashes
+    from keel.spec import Mixture, RackTopology
+    from keel.train.step import check_step_config
+
+    racks = RackTopology(racks=1, gpus_per_rack=8)
+    components = {"held": caches["with_validation"], "trained": caches["same_documents"]}
+    held_out = len(document_id_hashes(json.loads((Path(caches["with_validation"]) / "tokenize.json").read_text())["documents"],
+                                      "validation"))
+    assert held_out > 0
+    leaky = Mixture.constant(components, {"held": 0.5, "trained": 0.5}, block_size=16)
+    with pytest.raises(ValueError, match=rf"{held_out} of the {held_out} validation documents of token cache 'held' "
+                                         r"\(.*docs\) are training documents of 'trained' \(.*same\): its validation "
+                                         r"loss would measure memorisation.*give both document sets one "
+                                         r"validation_fraction"):
+        check_step_config(_planned(_config(leaky), racks), num_devices=8, platform="cpu")
+    check_step_config(_planned(_config(leaky, eval_batches=0), racks), num_devices=8, platform="cpu")  # nothing evaluated
 
 
 def _planned(config, topology):

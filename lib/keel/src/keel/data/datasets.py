@@ -9,7 +9,6 @@ root path) and gets a Levanter `MixtureDataset` whose items are
 
 from __future__ import annotations
 
-import io
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +18,7 @@ from levanter.data.dataset import AsyncDataset
 from levanter.data.mixture import MixtureDataset, StopStrategy
 from levanter.store.tree_store import TreeStore
 
+from keel.data.arrays import read_array
 from keel.data.cache_files import BYTES_FILE, CONSOLIDATED, LEDGER_FILE, STATS_FILE, has_split
 from keel.executor import storage
 from keel.spec.mixture import Mixture
@@ -89,11 +89,7 @@ def load_token_cache(cache_root: str, split: str, *, seq_len: int) -> AsyncDatas
 
 def read_sequence_bytes(cache_root: str, split: str):
     """The per-sequence UTF-8 byte counts of a split (None for a cache written without them)."""
-    url = storage.join(cache_root, BYTES_FILE.format(split=split))
-    if not storage.exists(url):
-        return None
-    fs, path = storage.split(url)
-    return np.load(io.BytesIO(fs.cat_file(path)))
+    return read_array(storage.join(cache_root, BYTES_FILE.format(split=split)))
 
 
 def build_train_dataset(mixture: Mixture, *, seq_len: int, batch_size: int, seed: int, shuffle: bool = True):

@@ -3,6 +3,8 @@
 Layout under a step's output path:
 
     documents.json                      counts, shard lists, bad-record report (written last)
+    train.ids.npy, validation.ids.npy   uint64: each document's `id_hash`, in shard order, so that
+                                        a training step can see one split's documents in another's
     .keel/summary.json                  documents, bytes, records skipped and repaired by kind
     train/docs-00000.jsonl.zst          one JSON object per line: {"id": ..., "text": ...}
     validation/docs-00000.jsonl.zst
@@ -32,6 +34,7 @@ from keel.executor import storage
 
 SPLITS = ("train", "validation")
 INDEX_FILE = "documents.json"
+IDS_FILE = "{split}.ids.npy"
 FORMAT = "keel.documents/v1"
 ZSTD_LEVEL = 3
 
@@ -46,11 +49,16 @@ class Document:
     text: str
 
 
+def id_hash(doc_id: str) -> int:
+    """A document id's 64-bit hash: where it falls in [0, 2**64), which decides its split."""
+    return int.from_bytes(hashlib.sha256(doc_id.encode("utf-8")).digest()[:8], "big")
+
+
 def split_of(doc_id: str, validation_fraction: float) -> str:
-    """'validation' for a stable `validation_fraction` share of ids, else 'train'."""
-    digest = hashlib.sha256(doc_id.encode("utf-8")).digest()
-    position = int.from_bytes(digest[:8], "big") / 2.0**64
-    return "validation" if position < validation_fraction else "train"
+    """'validation' for a stable `validation_fraction` share of ids, else 'train'. The shares nest: a
+    document held out at one fraction is held out at every larger one, so two document sets holding
+    the same document at different fractions can put it in different splits."""
+    return "validation" if id_hash(doc_id) / 2.0**64 < validation_fraction else "train"
 
 
 def check_validation_fraction(value: float) -> None:
@@ -66,12 +74,14 @@ class _ShardedSplitWriter:
         self.split = split
         self.shard_bytes = shard_bytes
         self.shards: list[str] = []
+        self.id_hashes: list[int] = []
         self.documents = 0
         self.bytes = 0
         self._buffer = io.BytesIO()
         self._buffer_text_bytes = 0
 
     def add(self, doc: Document) -> None:
+        self.id_hashes.append(id_hash(doc.id))
         text_bytes = len(doc.text.encode("utf-8"))
         self._buffer.write(json.dumps({"id": doc.id, "text": doc.text}, ensure_ascii=False).encode("utf-8"))
         self._buffer.write(b"\n")
@@ -98,7 +108,7 @@ class _ShardedSplitWriter:
 
 def clear_documents(output_path: str) -> None:
     """Remove what an earlier, interrupted attempt left, so a rerun starts from nothing."""
-    for name in (INDEX_FILE, *SPLITS):
+    for name in (INDEX_FILE, *SPLITS, *(IDS_FILE.format(split=s) for s in SPLITS)):
         url = storage.join(output_path, name)
         if storage.exists(url):
             storage.delete_tree(url)
@@ -204,6 +214,12 @@ def write_documents(
     near = (f"kept {len(moved)} near-copies of training documents out of validation (e.g. {moved[0]})"
             if moved else "")
     extra = [x for x in (log.describe(), f"dropped {empty} with empty text" if empty else "", near, *warnings) if x]
+    import numpy as np  # here: declaring a graph imports this module, and must not import numpy
+
+    from keel.data.arrays import write_array
+
+    for split, writer in writers.items():
+        write_array(storage.join(output_path, IDS_FILE.format(split=split)), np.array(writer.id_hashes, dtype=np.uint64))
     write_summary(output_path, summary, line + "".join(f"\n  {x}" for x in extra))
     storage.write_json(storage.join(output_path, INDEX_FILE), index)
     return index
@@ -228,6 +244,14 @@ def read_shard(url: str) -> Iterator[Document]:
     fs, path = storage.split(url)
     raw = zstandard.ZstdDecompressor().decompress(fs.cat_file(path), max_output_size=1 << 34)
     return (Document(**json.loads(line)) for line in raw.split(b"\n") if line)
+
+
+def document_id_hashes(documents_path: str, split: str):
+    """The `id_hash` of every document in a split, a uint64 array (None for a set written before
+    keel recorded them)."""
+    from keel.data.arrays import read_array
+
+    return read_array(storage.join(documents_path, IDS_FILE.format(split=split)))
 
 
 def iter_documents(documents_path: str, split: str) -> Iterator[Document]:

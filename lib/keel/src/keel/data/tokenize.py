@@ -43,7 +43,6 @@ identical one.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import queue
@@ -58,6 +57,7 @@ import numpy as np
 from levanter.store.cache import SerialCacheWriter
 from tqdm import tqdm
 
+from keel.data.arrays import write_array
 from keel.data.cache_files import BYTES_FILE, STATS_FILE
 from keel.data.documents import SPLITS, EmptyDataError, read_index, read_shard, shard_urls
 from keel.data.packing import SequencePacker
@@ -289,7 +289,7 @@ class _SplitPacker:
     def stats(self, bytes_url: str) -> dict:
         """Write the byte counts to `bytes_url`; the split's counts for tokenize.json."""
         sequence_bytes = np.concatenate(self.sequence_bytes) if self.sequence_bytes else np.zeros((0,), np.int64)
-        _write_array(bytes_url, sequence_bytes)
+        write_array(bytes_url, sequence_bytes)
         return {
             "documents": self.documents,
             "tokens": self.tokens,
@@ -323,14 +323,6 @@ def _tokenize_splits(config: TokenizeConfig, loaded, documents: int, count_bytes
                                 refresh=False)
     return {split: packer.stats(storage.join(config.output_path, BYTES_FILE.format(split=split)))
             for split, packer in packers.items()}
-
-
-def _write_array(url: str, array) -> None:
-
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    fs, path = storage.split(url)
-    fs.pipe_file(path, buffer.getvalue())
 
 
 def clear_token_cache(output_path: str) -> None:
@@ -371,6 +363,7 @@ def tokenize_documents(config: TokenizeConfig) -> None:
         "bos_id": loaded.bos_id,
         "eos_id": loaded.eos_id,
         "pad_id": loaded.pad_id,
+        "documents": config.documents,  # the document set, whose splits a training step compares (data_checks)
         "splits": splits,
     }
     warnings = []

@@ -8,7 +8,11 @@ checked against the training step here, in the step's process, before any comput
   gather, training a silently wrong model;
 - sequences packed at another length than `TrainConfig.seq_len` cannot be batched;
 - a declared evaluation (`TrainConfig.eval_batches > 0`) with no validation sequences in any
-  cache would silently never run.
+  cache would silently never run;
+- an evaluation on documents that another component trains on would report memorisation as
+  generalisation. Documents are held out by their id's hash (`keel.data.documents.split_of`), so
+  two document sets holding the same documents at different validation fractions do this; each
+  cache's `tokenize.json` names its document set, whose splits list their documents' id hashes.
 
 Where the producing steps' configs already say it, `keel plan` refuses the same mistakes first
 (`keel.spec.checks`). Of caches keel did not make (no `tokenize.json`), whether they hold a
@@ -17,7 +21,10 @@ validation split is checked here; the rest is left to Levanter's checks.
 
 from __future__ import annotations
 
+import numpy as np
+
 from keel.data.cache_files import STATS_FILE, has_split
+from keel.data.documents import document_id_hashes
 from keel.executor import storage
 from keel.spec.mixture import Mixture
 from keel.spec.train import TrainStepConfig
@@ -62,6 +69,30 @@ def check_token_caches(config: TrainStepConfig) -> None:
             f"TrainConfig.eval_batches={train.eval_batches} declares an evaluation, but no token cache has validation "
             f"sequences ({detail}): {fix}, or set TrainConfig.eval_batches=0 to train without evaluation"
         )
+    if train.eval_batches > 0:
+        check_held_out_documents(stats)
+
+
+def check_held_out_documents(stats: dict[str, tuple[str, dict]]) -> None:
+    """Raise a ValueError where one component's validation documents are another's training
+    documents; `stats` is {component: (cache root, its tokenize.json)}."""
+    sets = {name: found["documents"] for name, (_, found) in stats.items() if found.get("documents")}
+    if len(set(sets.values())) < 2:
+        return  # one document set splits each document one way
+    held_out = {path: document_id_hashes(path, "validation") for path in set(sets.values())}
+    trained = {path: document_id_hashes(path, "train") for path in set(sets.values())}
+    for name, path in sets.items():
+        for other, other_path in sets.items():
+            if other_path == path or held_out[path] is None or trained[other_path] is None:
+                continue
+            shared = int(np.isin(held_out[path], trained[other_path]).sum())
+            if shared:
+                raise ValueError(
+                    f"{shared} of the {len(held_out[path])} validation documents of token cache {name!r} ({path}) are "
+                    f"training documents of {other!r} ({other_path}): its validation loss would measure memorisation. "
+                    "Documents are held out by their id's hash, so give both document sets one validation_fraction "
+                    "(each document then falls in the same split in both), or make their documents disjoint"
+                )
 
 
 def _validation_sequences(stats: dict) -> int:
