@@ -70,6 +70,26 @@ def test_a_wrong_text_field_fails_naming_the_fields_there_are(tmp_path):
         _ingest(tmp_path, str(tmp_path / "p.parquet"))
 
 
+def test_a_large_input_whose_first_records_are_all_skipped_fails_before_reading_the_rest(tmp_path):
+    """A wrong text_field skips every record: the step stops at the 1,000th, not after the whole corpus,
+    while 999 bad records before a good one are left to the declared fraction at the end."""
+    from keel.data.quality import ALL_SKIPPED_AFTER
+
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"body": f"text {i}"}) + "\n" for i in range(3 * ALL_SKIPPED_AFTER)))
+    with pytest.raises(BadRecordError, match=r"the first 1,000 records were all skipped: 1000 missing text field 'text' "
+                                             r"\(first: .*c.jsonl:1, fields: body; IngestConfig.text_field names the one "
+                                             r"to read\); nothing has been written"):
+        _ingest(tmp_path, str(corpus))
+    assert not (tmp_path / "docs" / "documents.json").exists()
+    with pytest.raises(EmptyDataError, match=r"gave no documents \(3000 records: skipped 3000 of 3000"):
+        _ingest(tmp_path, str(corpus), max_bad_fraction=1.0)  # a declared loss of everything: read to the end
+    rows = [{"body": "x"}] * (ALL_SKIPPED_AFTER - 1) + [{"text": f"text {i}"} for i in range(2 * ALL_SKIPPED_AFTER + 1)]
+    corpus.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(BadRecordError, match=r"999 of 3000 records \(33.3%\) were skipped, more than"):
+        _ingest(tmp_path, str(corpus))
+
+
 def test_undecodable_bytes_are_handled_per_line_never_by_dropping_the_file(tmp_path, capsys):
     txt = tmp_path / "notes.txt"
     txt.write_bytes(b"first line\nsecond \xff line\nthird line\n")

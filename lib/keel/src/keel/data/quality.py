@@ -3,9 +3,10 @@
 Readers count every record they look at (`look`), report the ones they drop (`skip`, with a kind
 such as "not valid JSON" and the file:line it came from) and the ones they keep after a repair
 (`repair`: undecodable bytes replaced). Skipped records above `max_fraction` of those looked at
-fail the step (`check`), and `fail_fast` fails it at the first one; below the limit, the counts
-per kind, each with its first example, go to the console and to the step's summary.json. Losing
-data is never silent.
+fail the step (`check`), and `fail_fast` fails it at the first one; a step whose first
+`ALL_SKIPPED_AFTER` records were all skipped fails there (with a limit below 1), before reading
+the rest. Below the limit, the counts per kind, each with its first example, go to the console
+and to the step's summary.json. Losing data is never silent.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_EXAMPLES = 100
+ALL_SKIPPED_AFTER = 1000
+"""A step whose first this many records were all skipped fails there, not after reading the rest:
+a wrong `text_field` or format skips every record, and the corpus may be large."""
 MAX_NOISE_FRACTION = 0.1
 """Text with more of its characters undecodable bytes or control characters than this is binary
 data, not text to repair (text with a stray Latin-1 byte here and there has far fewer)."""
@@ -73,6 +77,12 @@ class RecordLog:
         _add(self.skipped, record)
         if len(self.examples) < MAX_EXAMPLES:
             self.examples.append(record)
+        if self.records == ALL_SKIPPED_AFTER == self.skipped_count and self.max_fraction is not None and self.max_fraction < 1:
+            raise BadRecordError(
+                f"the first {self.records:,} records were all skipped: {_kinds(self.skipped)}; nothing has been "
+                f"written. Fix the input or the config reading it ({self.limit}={self.max_fraction:g} allows "
+                "some loss, not all of it)"
+            )
 
     def repair(self, record: BadRecord) -> None:
         _add(self.repaired, record)
