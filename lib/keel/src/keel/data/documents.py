@@ -157,6 +157,10 @@ def write_documents(
     Fails (no index written) when `log` counted too many skipped records or when no document is
     left; `what` names the input in those messages. Writes summary.json and prints its line.
     """
+    import numpy as np  # here, not at the top: declaring a graph imports this module, and no numpy
+
+    from keel.data.arrays import write_array
+
     clear_documents(output_path)
     writers = {split: _ShardedSplitWriter(output_path, split, shard_bytes) for split in SPLITS}
     seen: set[str] = set()
@@ -214,10 +218,6 @@ def write_documents(
     near = (f"kept {len(moved)} near-copies of training documents out of validation (e.g. {moved[0]})"
             if moved else "")
     extra = [x for x in (log.describe(), f"dropped {empty} with empty text" if empty else "", near, *warnings) if x]
-    import numpy as np  # here: declaring a graph imports this module, and must not import numpy
-
-    from keel.data.arrays import write_array
-
     for split, writer in writers.items():
         write_array(storage.join(output_path, IDS_FILE.format(split=split)), np.array(writer.id_hashes, dtype=np.uint64))
     write_summary(output_path, summary, line + "".join(f"\n  {x}" for x in extra))
@@ -249,7 +249,7 @@ def read_shard(url: str) -> Iterator[Document]:
 def document_id_hashes(documents_path: str, split: str):
     """The `id_hash` of every document in a split, a uint64 array (None for a set written before
     keel recorded them)."""
-    from keel.data.arrays import read_array
+    from keel.data.arrays import read_array  # numpy, as in write_documents
 
     return read_array(storage.join(documents_path, IDS_FILE.format(split=split)))
 
