@@ -14,6 +14,7 @@ LEDGER_FILE = "shard_ledger.json"
 """Levanter's `levanter.store.cache.LEDGER_FILE_NAME`, in each split's folder: written when the split's
 cache is complete. Spelled here so the readers need not import that module (a test pins the two)."""
 
+
 def has_split(cache_root: str, split: str) -> bool:
     """Whether the cache holds a finished `split` (its ledger is there), keel's or another's."""
     return storage.exists(storage.join(cache_root, split, LEDGER_FILE))

@@ -85,8 +85,8 @@ class Hardware:
             )
         if self.hbm_per_device_gb <= 0:
             raise ValueError(f"Hardware.hbm_per_device_gb={self.hbm_per_device_gb} must be positive")
-        for name in ("peak_flops_per_device", "physical_gpus_per_rack", "hbm_gb_per_s", "fast_domain_gpus", "link_gb_per_s", "scale_out_gb_per_s", "gpus_per_host",
-                     "host_ram_per_host_gb", "host_link_gb_per_s"):
+        for name in ("peak_flops_per_device", "physical_gpus_per_rack", "hbm_gb_per_s", "fast_domain_gpus",
+                     "link_gb_per_s", "scale_out_gb_per_s", "gpus_per_host", "host_ram_per_host_gb", "host_link_gb_per_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"Hardware.{name}={value!r} must be positive (or None: unknown)")

@@ -30,7 +30,6 @@ from keel.spec.matrices import matrix_axes
 Schedule = Callable[[jax.Array], jax.Array]
 
 
-
 class MuonHState(NamedTuple):
     count: jax.Array
     momentum: optax.Updates
