@@ -60,27 +60,32 @@ def test_keel_plan_refuses_what_the_data_steps_configs_already_say(tmp_path, cap
 
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory):
-    """Token caches from a 512-token tokenizer, packed at 64: one with a validation split, one of other
-    documents without, and one of the first one's documents without."""
+    """Token caches from a 512-token tokenizer, packed at 64: one with a validation split; and, all
+    trained on, one of other texts under the same ids (`corpus.jsonl:N` of another folder), one of
+    the first one's documents, and one of its texts under other ids (a copy of its file)."""
     root = tmp_path_factory.mktemp("caches")
     corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i} talks about topic {i % 11} at length " * 4}) + "\n"
                               for i in range(300)))
+    (root / "other").mkdir()
+    (root / "other" / "corpus.jsonl").write_text("".join(json.dumps({"text": f"another text {i} on theme {i % 7} " * 4}) + "\n"
+                                                 for i in range(300)))
+    (root / "corpus0.jsonl").write_text(corpus.read_text())
     ingest_documents(IngestConfig(inputs=(str(corpus),), validation_fraction=0.1, output_path=str(root / "docs")))
     train_tokenizer(TrainTokenizerConfig(documents=str(root / "docs"), vocab_size=512, min_frequency=1,
                                          output_path=str(root / "tok")))
-    out = {}
-    for name, docs in (("with_validation", root / "docs"), ("no_validation", root / "docs0"), ("same_documents", root / "same")):
-        if name == "no_validation":  # other documents: the same texts from another file, so other ids
-            (root / "corpus0.jsonl").write_text(corpus.read_text())
-            ingest_documents(IngestConfig(inputs=(str(root / "corpus0.jsonl"),), validation_fraction=0.0,
-                                          output_path=str(docs)))
-        if name == "same_documents":  # with_validation's documents, all of them trained on
-            ingest_documents(IngestConfig(inputs=(str(corpus),), validation_fraction=0.0, output_path=str(docs)))
-        tokenize_documents(TokenizeConfig(documents=str(docs), tokenizer=str(root / "tok"), seq_len=64,
-                                          output_path=str(root / name)))
-        out[name] = str(root / name)
+    out = {"with_validation": _tokenize(root, root / "docs", "with_validation")}
+    for name, source in (("no_validation", root / "other" / "corpus.jsonl"), ("same_documents", corpus),
+                         ("copied_documents", root / "corpus0.jsonl")):
+        ingest_documents(IngestConfig(inputs=(str(source),), validation_fraction=0.0, output_path=str(root / f"{name}-docs")))
+        out[name] = _tokenize(root, root / f"{name}-docs", name)
     return out
+
+
+def _tokenize(root, documents, name):
+    tokenize_documents(TokenizeConfig(documents=str(documents), tokenizer=str(root / "tok"), seq_len=64,
+                                      output_path=str(root / name)))
+    return str(root / name)
 
 
 def _config(data, *, vocab=512, seq_len=64, eval_batches=4):
@@ -133,25 +138,68 @@ def test_a_declared_evaluation_with_no_validation_sequences_is_refused(caches, t
     check_step_config(_planned(_config(mixed), racks), num_devices=8, platform="cpu")  # one component is enough
 
 
-def test_an_evaluation_on_documents_another_component_trains_on_is_refused(caches):
-    """The same documents ingested at validation_fraction 0.1 and 0: the first set's validation
-    documents are all training documents of the second."""
+@pytest.mark.parametrize("trained", ["same_documents", "copied_documents"])
+def test_an_evaluation_on_documents_another_component_trains_on_is_refused(caches, trained):
+    """The first set's documents all trained on by a second set: the same file ingested at
+    validation_fraction 0 (same ids), or a copy of it under another name (other ids, same texts)."""
     from keel.data import read_index
     from keel.spec import Mixture, RackTopology
     from keel.train.step import check_step_config
 
     racks = RackTopology(racks=1, gpus_per_rack=8)
-    components = {"held": caches["with_validation"], "trained": caches["same_documents"]}
+    components = {"held": caches["with_validation"], "trained": caches[trained]}
     documents = json.loads((Path(caches["with_validation"]) / "tokenize.json").read_text())["documents"]
-    held_out = read_index(documents)["splits"]["validation"]["documents"]  # counted as written, not from the ids
+    held_out = read_index(documents)["splits"]["validation"]["documents"]  # counted as written, not from the hashes
     assert held_out > 0
     leaky = Mixture.constant(components, {"held": 0.5, "trained": 0.5}, block_size=16)
     with pytest.raises(ValueError, match=rf"{held_out} of the {held_out} validation documents of token cache 'held' "
-                                         r"\(.*docs\) are training documents of 'trained' \(.*same\): its validation "
-                                         r"loss would measure memorisation.*give both document sets one "
-                                         r"validation_fraction"):
+                                         rf"\(.*docs\) are training documents of 'trained' \(.*{trained}-docs\): its "
+                                         r"validation loss would measure memorisation.*give them one "
+                                         r"validation_fraction.*remove the shared texts"):
         check_step_config(_planned(_config(leaky), racks), num_devices=8, platform="cpu")
     check_step_config(_planned(_config(leaky, eval_batches=0), racks), num_devices=8, platform="cpu")  # nothing evaluated
+
+
+def test_other_texts_under_the_same_ids_are_not_a_leak(caches):
+    """Two folders' `corpus.jsonl` give their documents the same ids: their texts differ, so the
+    second set training on every id the first holds out leaks nothing."""
+    from keel.spec import Mixture, RackTopology
+    from keel.train.step import check_step_config
+
+    mixed = Mixture.constant({"held": caches["with_validation"], "other": caches["no_validation"]},
+                             {"held": 0.5, "other": 0.5}, block_size=16)
+    check_step_config(_planned(_config(mixed), RackTopology(racks=1, gpus_per_rack=8)), num_devices=8, platform="cpu")
+
+
+def test_a_few_shared_texts_are_a_warning_and_more_are_refused(tmp_path, capsys):
+    """One of ~150 validation texts trained on by the other set is under the 1% refused, and is
+    warned of on the console and in the step's record; two are over."""
+    from keel.data import iter_documents
+    from keel.data.documents import Document, write_documents
+    from keel.data.quality import RecordLog
+    from keel.executor import step_warnings
+    from keel.train.data_checks import check_held_out_documents
+
+    def documents(name, texts, fraction):
+        write_documents(str(tmp_path / name), (Document(f"{name}:{i}", t) for i, t in enumerate(texts)),
+                        validation_fraction=fraction, shard_bytes=1 << 20, log=RecordLog(), source={}, what=name,
+                        near_duplicate_overlap=None)
+        return {"documents": str(tmp_path / name)}
+
+    held = documents("held", [f"held out text number {i}" for i in range(1500)], 0.1)
+    validation = [d.text for d in iter_documents(held["documents"], "validation")]
+    assert 100 < len(validation) < 200  # 1 shared is under 1% of them, 2 are over
+    others = [f"other text {i}" for i in range(200)]
+    # one shared text, its whitespace changed: compared collapsed
+    one = documents("one", others + ["  " + validation[0].replace(" ", "\n")], 0.0)
+    with step_warnings.running(str(tmp_path / "step"), whole_process=False):
+        check_held_out_documents({"held": ("/h", held), "other": ("/o", one)})
+    message = f"1 of the {len(validation)} validation documents of token cache 'held'"
+    assert f"[data] warning: {message}" in capsys.readouterr().out
+    assert [w for w in step_warnings.read(str(tmp_path / "step")) if message in w]
+    two = documents("two", others + validation[:2], 0.0)
+    with pytest.raises(ValueError, match=rf"2 of the {len(validation)} validation documents .* memorisation"):
+        check_held_out_documents({"held": ("/h", held), "other": ("/o", two)})
 
 
 def _planned(config, topology):

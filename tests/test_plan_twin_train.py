@@ -40,10 +40,10 @@ def test_the_twin_trains_through_its_phases_transport_and_offload_switch_as_plan
     assert len(per_topic) == 10 and len(set(per_topic.values())) == len(per_topic), per_topic  # same data: the same float
     # each topic validates on documents no component trains on (the run's own document sets)
     documents = {name: graph.path(cache.config.documents) for name, cache in config.data.components.items()}
-    trained = {d.id for path in set(documents.values()) for d in iter_documents(path, "train")}
-    held_out = {name: {d.id for d in iter_documents(path, "validation")} for name, path in documents.items()}
-    assert all(ids for name, ids in held_out.items() if not name.startswith("other-")), held_out
-    assert {name: ids & trained for name, ids in held_out.items() if ids & trained} == {}
+    trained = {d.text for path in set(documents.values()) for d in iter_documents(path, "train")}
+    held_out = {name: {d.text for d in iter_documents(path, "validation")} for name, path in documents.items()}
+    assert all(texts for name, texts in held_out.items() if not name.startswith("other-")), held_out
+    assert {name: texts & trained for name, texts in held_out.items() if texts & trained} == {}
 
     # the live layout, as the run recorded it: planned at the start and after the swap
     layout = json.loads((run_dir / ".keel" / "layout.json").read_text())["records"]

@@ -1,5 +1,5 @@
 """numpy arrays as `.npy` files on any fsspec URL: the per-sequence byte counts of a token cache and
-the id hashes of a document set."""
+the text hashes of a document set."""
 
 from __future__ import annotations
 

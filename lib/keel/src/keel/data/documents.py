@@ -3,8 +3,10 @@
 Layout under a step's output path:
 
     documents.json                      counts, shard lists, bad-record report (written last)
-    train.ids.npy, validation.ids.npy   uint64: each document's `id_hash`, in shard order, so that
-                                        a training step can see one split's documents in another's
+    train.texts.npy, validation.texts.npy
+                                        uint64: each document's `text_hash`, in shard order, so that a
+                                        training step can see one set's held-out texts in another's
+                                        training split (`keel.train.data_checks`)
     .keel/summary.json                  documents, bytes, records skipped and repaired by kind
     train/docs-00000.jsonl.zst          one JSON object per line: {"id": ..., "text": ...}
     validation/docs-00000.jsonl.zst
@@ -34,7 +36,7 @@ from keel.executor import storage
 
 SPLITS = ("train", "validation")
 INDEX_FILE = "documents.json"
-IDS_FILE = "{split}.ids.npy"
+TEXTS_FILE = "{split}.texts.npy"
 FORMAT = "keel.documents/v1"
 ZSTD_LEVEL = 3
 
@@ -52,6 +54,12 @@ class Document:
 def id_hash(doc_id: str) -> int:
     """A document id's 64-bit hash: where it falls in [0, 2**64), which decides its split."""
     return int.from_bytes(hashlib.sha256(doc_id.encode("utf-8")).digest()[:8], "big")
+
+
+def text_hash(text: str) -> int:
+    """A document text's 64-bit hash, whitespace collapsed: two sets holding one text under other
+    ids (the same record in two files), or with other line endings, give it the same hash."""
+    return int.from_bytes(hashlib.sha256(" ".join(text.split()).encode("utf-8")).digest()[:8], "big")
 
 
 def split_of(doc_id: str, validation_fraction: float) -> str:
@@ -74,14 +82,14 @@ class _ShardedSplitWriter:
         self.split = split
         self.shard_bytes = shard_bytes
         self.shards: list[str] = []
-        self.id_hashes: list[int] = []
+        self.text_hashes: list[int] = []
         self.documents = 0
         self.bytes = 0
         self._buffer = io.BytesIO()
         self._buffer_text_bytes = 0
 
     def add(self, doc: Document) -> None:
-        self.id_hashes.append(id_hash(doc.id))
+        self.text_hashes.append(text_hash(doc.text))
         text_bytes = len(doc.text.encode("utf-8"))
         self._buffer.write(json.dumps({"id": doc.id, "text": doc.text}, ensure_ascii=False).encode("utf-8"))
         self._buffer.write(b"\n")
@@ -108,7 +116,7 @@ class _ShardedSplitWriter:
 
 def clear_documents(output_path: str) -> None:
     """Remove what an earlier, interrupted attempt left, so a rerun starts from nothing."""
-    for name in (INDEX_FILE, *SPLITS, *(IDS_FILE.format(split=s) for s in SPLITS)):
+    for name in (INDEX_FILE, *SPLITS, *(TEXTS_FILE.format(split=s) for s in SPLITS)):
         url = storage.join(output_path, name)
         if storage.exists(url):
             storage.delete_tree(url)
@@ -219,7 +227,7 @@ def write_documents(
             if moved else "")
     extra = [x for x in (log.describe(), f"dropped {empty} with empty text" if empty else "", near, *warnings) if x]
     for split, writer in writers.items():
-        write_array(storage.join(output_path, IDS_FILE.format(split=split)), np.array(writer.id_hashes, dtype=np.uint64))
+        write_array(storage.join(output_path, TEXTS_FILE.format(split=split)), np.array(writer.text_hashes, dtype=np.uint64))
     write_summary(output_path, summary, line + "".join(f"\n  {x}" for x in extra))
     storage.write_json(storage.join(output_path, INDEX_FILE), index)
     return index
@@ -246,12 +254,12 @@ def read_shard(url: str) -> Iterator[Document]:
     return (Document(**json.loads(line)) for line in raw.split(b"\n") if line)
 
 
-def document_id_hashes(documents_path: str, split: str):
-    """The `id_hash` of every document in a split, a uint64 array (None for a set written before
+def document_text_hashes(documents_path: str, split: str):
+    """The `text_hash` of every document in a split, a uint64 array (None for a set written before
     keel recorded them)."""
     from keel.data.arrays import read_array  # numpy, as in write_documents
 
-    return read_array(storage.join(documents_path, IDS_FILE.format(split=split)))
+    return read_array(storage.join(documents_path, TEXTS_FILE.format(split=split)))
 
 
 def iter_documents(documents_path: str, split: str) -> Iterator[Document]:

@@ -11,8 +11,9 @@ checked against the training step here, in the step's process, before any comput
   cache would silently never run;
 - an evaluation on documents that another component trains on would report memorisation as
   generalisation. Documents are held out by their id's hash (`keel.data.documents.split_of`), so
-  two document sets holding the same documents at different validation fractions do this; each
-  cache's `tokenize.json` names its document set, whose splits list their documents' id hashes.
+  two document sets of the same files at different validation fractions do this, and so do two
+  sets holding one text under other ids; each cache's `tokenize.json` names its document set,
+  whose splits list their documents' text hashes.
 
 Where the producing steps' configs already say it, `keel plan` refuses the same mistakes first
 (`keel.spec.checks`). Of caches keel did not make (no `tokenize.json`), whether they hold a
@@ -24,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from keel.data.cache_files import STATS_FILE, has_split
-from keel.data.documents import document_id_hashes
-from keel.executor import storage
+from keel.data.documents import document_text_hashes
+from keel.executor import storage, warn
 from keel.spec.mixture import Mixture
 from keel.spec.train import TrainStepConfig
 
@@ -73,26 +74,46 @@ def check_token_caches(config: TrainStepConfig) -> None:
         check_held_out_documents(stats)
 
 
+SHARED_VALIDATION_REFUSED_ABOVE = 0.01
+"""The share of a component's validation documents that may be training texts of another
+component before the run is refused; a smaller share (a boilerplate page two web sources both
+hold) moves its validation loss by at most that share, so the run goes on with a warning."""
+
+
 def check_held_out_documents(stats: dict[str, tuple[str, dict]]) -> None:
-    """Raise a ValueError where one component's validation documents are another's training
-    documents; `stats` is {component: (cache root, its tokenize.json)}."""
+    """Refuse a run where one component's validation documents are, by more than
+    `SHARED_VALIDATION_REFUSED_ABOVE`, texts another component trains on; warn of fewer. `stats`
+    is {component: (cache root, its tokenize.json)}. Texts are compared whitespace-collapsed
+    (`keel.data.documents.text_hash`), so the same record in two files counts and two files'
+    records that share only their ids (`data.jsonl:7` of two folders) do not."""
     sets = {name: found["documents"] for name, (_, found) in stats.items() if found.get("documents")}
     if len(set(sets.values())) < 2:
-        return  # one document set splits each document one way
-    held_out = {path: document_id_hashes(path, "validation") for path in set(sets.values())}
-    trained = {path: document_id_hashes(path, "train") for path in set(sets.values())}
+        return  # one document set splits each text one way
+    held_out = {path: document_text_hashes(path, "validation") for path in set(sets.values())}
+    trained = {path: document_text_hashes(path, "train") for path in set(sets.values())}
+    for path in sorted(p for p in held_out if held_out[p] is None or trained[p] is None):
+        print(f"[data] document set {path} was written before keel recorded its texts' hashes: whether its "
+              "documents are held out in one component and trained on in another is not checked (rerun its "
+              "ingestion step with keel run --force to check it)")
     for name, path in sets.items():
         for other, other_path in sets.items():
             if other_path == path or held_out[path] is None or trained[other_path] is None:
                 continue
             shared = int(np.isin(held_out[path], trained[other_path]).sum())
-            if shared:
+            if not shared:
+                continue
+            what = (f"{shared} of the {len(held_out[path])} validation documents of token cache {name!r} ({path}) are "
+                    f"training documents of {other!r} ({other_path})")
+            if shared > SHARED_VALIDATION_REFUSED_ABOVE * len(held_out[path]):
                 raise ValueError(
-                    f"{shared} of the {len(held_out[path])} validation documents of token cache {name!r} ({path}) are "
-                    f"training documents of {other!r} ({other_path}): its validation loss would measure memorisation. "
-                    "Documents are held out by their id's hash, so give both document sets one validation_fraction "
-                    "(each document then falls in the same split in both), or make their documents disjoint"
+                    f"{what}: its validation loss would measure memorisation. A document is held out by its id's "
+                    "hash: where both sets read the same files, give them one validation_fraction (each document "
+                    "then falls in the same split in both); else remove the shared texts from one set's inputs"
                 )
+            message = (f"{what} (at most {SHARED_VALIDATION_REFUSED_ABOVE:.0%} is allowed): its validation loss "
+                       "counts them as unseen; remove the shared texts from one set's inputs to measure it exactly")
+            print(f"[data] warning: {message}")
+            warn(message)
 
 
 def _validation_sequences(stats: dict) -> int:
