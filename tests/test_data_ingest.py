@@ -173,3 +173,53 @@ def test_bad_declarations_fail_before_reading(tmp_path):
     with pytest.raises(FileNotFoundError, match="matches no file"):
         _ingest(tmp_path, inputs=(str(tmp_path / "none" / "*.jsonl"),))
     assert not (tmp_path / "out" / "documents.json").exists()
+
+
+def test_a_validation_draw_that_copies_training_documents_goes_to_train_unless_told_otherwise(tmp_path):
+    """Each held-out draw gets a near-copy among the training documents (its lines reordered, their
+    spacing and case changed): by default it moves to train, counted; with
+    near_duplicate_overlap=None it stays held out."""
+    originals = [f"module {i}\n" + "\n".join(f"def function_{i}_{j}(argument): return {j} * argument" for j in range(6))
+                 for i in range(400)]
+    path = tmp_path / "code.jsonl"
+    path.write_text(_jsonl({"text": t} for t in originals).decode())
+    held_ids = {d_id for d_id in (f"code.jsonl:{n}" for n in range(1, 401)) if split_of(d_id, 0.2) == "validation"}
+    # every held-out original gets a copy appended, in train unless its own draw holds it out too
+    copies = ["\n".join(reversed(originals[int(i.split(":")[1]) - 1].upper().replace(" ", "  ").splitlines()))
+              for i in sorted(held_ids)]
+    path.write_text(_jsonl({"text": t} for t in originals + copies).decode())
+    default = _ingest(tmp_path, "default", inputs=(str(path),), validation_fraction=0.2)
+    kept = _ingest(tmp_path, "kept", inputs=(str(path),), validation_fraction=0.2, near_duplicate_overlap=None)
+    held_out = {d.id for d in iter_documents(kept, "validation")}
+    moved = {d.id for d in iter_documents(default, "validation")} ^ held_out
+    # an original held out with its copy trained on moves; one whose copy is held out too stays
+    copy_trained = {i for n, i in enumerate(sorted(held_ids))
+                    if split_of(f"code.jsonl:{401 + n}", 0.2) == "train"}
+    assert moved == copy_trained and len(moved) > 40
+    assert read_index(default)["splits"]["train"]["documents"] == read_index(kept)["splits"]["train"]["documents"] + len(moved)
+    from keel.data import read_summary
+    assert read_summary(default)["near_duplicates_kept_out_of_validation"]["count"] == len(moved)
+    with pytest.raises(ValueError, match=r"IngestConfig.near_duplicate_overlap=0: give a share of a document's lines "
+                                         r"in \(0, 1\], or None"):
+        IngestConfig(inputs=(str(path),), near_duplicate_overlap=0)
+
+
+def test_the_training_line_index_decides_as_a_set_of_the_lines_would_across_its_chunks(monkeypatch):
+    import random
+
+    from keel.data.documents import TrainingLines, normalised_lines
+
+    monkeypatch.setattr(TrainingLines, "CHUNK", 7)  # many chunks, lines repeated within and across them
+    rng = random.Random(0)
+    vocabulary = [f"line number {i} of the shared pool" for i in range(300)]
+    training = ["\n".join(rng.choices(vocabulary[:200], k=rng.randint(1, 12))) for _ in range(80)]
+    index, lines = TrainingLines(), set()
+    for text in training:
+        index.add(text)
+        lines |= normalised_lines(text)
+    assert len(index._chunks) > 10
+    for _ in range(300):
+        text = "\n".join(rng.choices(vocabulary, k=rng.randint(0, 10)))
+        mine = normalised_lines(text)
+        for overlap in (0.25, 0.5, 1.0):
+            assert index.near_duplicate(text, overlap) == (bool(mine) and len(mine & lines) >= overlap * len(mine))

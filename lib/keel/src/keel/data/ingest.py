@@ -28,7 +28,8 @@ from enum import StrEnum
 
 import fsspec
 
-from keel.data.documents import Document, check_validation_fraction, write_documents
+from keel.data.documents import (NEAR_DUPLICATE_OVERLAP, Document, check_near_duplicate_overlap, check_validation_fraction,
+                                 write_documents)
 from keel.data.quality import BadRecord, RecordLog, not_text
 from keel.executor import storage
 from keel.executor.step import StepDeclarationError, execution_only, this_output
@@ -84,6 +85,9 @@ class IngestConfig:
     - `text_field`: the field (JSON lines) or column (Parquet) holding a document's text; a .txt
       file is one document.
     - `validation_fraction`: the share of documents (by a hash of their id) in the validation split.
+    - `near_duplicate_overlap`: a validation draw with at least this share of its distinct lines
+      in the training documents is a near-copy and goes to train; None keeps every draw in
+      validation and skips the line index (8 bytes a distinct training line).
     - `on_bad_record`: 'skip' a record that cannot be read (not JSON, no `text_field`, text not a
       string) and count it, or 'fail' at the first one. `max_bad_fraction` (execution-only): the
       share of skipped records above which the step fails anyway.
@@ -97,6 +101,7 @@ class IngestConfig:
     hf_dataset: HfDatasetSpec | None = None
     text_field: str = "text"
     validation_fraction: float = 0.01
+    near_duplicate_overlap: float | None = NEAR_DUPLICATE_OVERLAP
     on_bad_record: OnBadRecord = OnBadRecord.SKIP
     on_decode_error: OnDecodeError = OnDecodeError.REPLACE
     shard_bytes: int = DEFAULT_SHARD_BYTES
@@ -120,6 +125,7 @@ class IngestConfig:
         if self.shard_bytes <= 0:
             raise ValueError(f"IngestConfig.shard_bytes must be positive, got {self.shard_bytes}")
         check_validation_fraction(self.validation_fraction)
+        check_near_duplicate_overlap(self.near_duplicate_overlap, "IngestConfig.near_duplicate_overlap")
 
     def input_files(self) -> dict[str, str]:
         """{name in the identity: url} of every file this step reads, for the executor to
@@ -380,4 +386,5 @@ def ingest_documents(config: IngestConfig) -> None:
         log=log,
         source=source,
         what=what,
+        near_duplicate_overlap=config.near_duplicate_overlap,
     )

@@ -23,7 +23,8 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from keel.data.documents import NEAR_DUPLICATE_OVERLAP, Document, check_validation_fraction, write_documents
+from keel.data.documents import (NEAR_DUPLICATE_OVERLAP, Document, check_near_duplicate_overlap, check_validation_fraction,
+                                 write_documents)
 from keel.data.quality import BadRecord, RecordLog
 from keel.executor.step import this_output
 
@@ -42,12 +43,13 @@ class StdlibCorpusConfig:
     validation_fraction: float = 0.01
     near_duplicate_overlap: float | None = NEAR_DUPLICATE_OVERLAP
     """A validation draw sharing this share of its lines with the training files goes to train
-    (`keel.data.documents.near_duplicate`: the codec tables under `encodings/` are near-copies)."""
+    (`keel.data.documents.TrainingLines`: the codec tables under `encodings/` are near-copies)."""
     shard_bytes: int = 8 * 2**20
     output_path: str = this_output()
 
     def __post_init__(self):
         check_validation_fraction(self.validation_fraction)
+        check_near_duplicate_overlap(self.near_duplicate_overlap, "StdlibCorpusConfig.near_duplicate_overlap")
         for name in ("max_files", "max_bytes"):
             value = getattr(self, name)
             if value is not None and value <= 0:
