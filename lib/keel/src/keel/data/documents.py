@@ -83,7 +83,7 @@ class _ShardedSplitWriter:
         self.split = split
         self.shard_bytes = shard_bytes
         self.shards: list[str] = []
-        self.text_hashes: list[int] = []
+        self.text_hashes = array.array("Q")
         self.documents = 0
         self.bytes = 0
         self._buffer = io.BytesIO()
@@ -264,7 +264,7 @@ def write_documents(
             if moved else "")
     extra = [x for x in (log.describe(), f"dropped {empty} with empty text" if empty else "", near, *warnings) if x]
     for split, writer in writers.items():
-        write_array(storage.join(output_path, TEXTS_FILE.format(split=split)), np.array(writer.text_hashes, dtype=np.uint64))
+        write_array(storage.join(output_path, TEXTS_FILE.format(split=split)), np.frombuffer(writer.text_hashes, dtype=np.uint64))
     write_summary(output_path, summary, line + "".join(f"\n  {x}" for x in extra))
     storage.write_json(storage.join(output_path, INDEX_FILE), index)
     return index
