@@ -87,7 +87,7 @@ class IngestConfig:
     - `validation_fraction`: the share of documents (by a hash of their id) in the validation split.
     - `near_duplicate_overlap`: a validation draw with at least this share of its distinct lines
       in the training documents is a near-copy and goes to train; None keeps every draw in
-      validation and skips the line index (8 bytes a distinct training line).
+      validation and skips the index of training lines (8 bytes a line).
     - `on_bad_record`: 'skip' a record that cannot be read (not JSON, no `text_field`, text not a
       string) and count it, or 'fail' at the first one. `max_bad_fraction` (execution-only): the
       share of skipped records above which the step fails anyway.

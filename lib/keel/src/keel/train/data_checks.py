@@ -22,6 +22,7 @@ validation split is checked here; the rest is left to Levanter's checks.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from keel.data.cache_files import STATS_FILE, has_split
@@ -91,10 +92,11 @@ def check_held_out_documents(stats: dict[str, tuple[str, dict]]) -> None:
         return  # one document set splits each text one way
     held_out = {path: document_text_hashes(path, "validation") for path in set(sets.values())}
     trained = {path: document_text_hashes(path, "train") for path in set(sets.values())}
-    for path in sorted(p for p in held_out if held_out[p] is None or trained[p] is None):
+    primary = jax.process_index() == 0  # one message per run, not one per replica
+    for path in sorted(p for p in held_out if primary and (held_out[p] is None or trained[p] is None)):
         print(f"[data] document set {path} was written before keel recorded its texts' hashes: whether its "
               "documents are held out in one component and trained on in another is not checked (rerun its "
-              "ingestion step with keel run --force to check it)")
+              "ingestion step with keel run --force NAME to check it)")
     for name, path in sets.items():
         for other, other_path in sets.items():
             if other_path == path or held_out[path] is None or trained[other_path] is None:
@@ -112,8 +114,9 @@ def check_held_out_documents(stats: dict[str, tuple[str, dict]]) -> None:
                 )
             message = (f"{what} (at most {SHARED_VALIDATION_REFUSED_ABOVE:.0%} is allowed): its validation loss "
                        "counts them as unseen; remove the shared texts from one set's inputs to measure it exactly")
-            print(f"[data] warning: {message}")
-            warn(message)
+            if primary:
+                print(f"[data] warning: {message}")
+                warn(message)
 
 
 def _validation_sequences(stats: dict) -> int:
