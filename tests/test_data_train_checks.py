@@ -200,6 +200,11 @@ def test_a_few_shared_texts_are_a_warning_and_more_are_refused(tmp_path, capsys)
     two = documents("two", others + validation[:2], 0.0)
     with pytest.raises(ValueError, match=rf"2 of the {len(validation)} validation documents .* memorisation"):
         check_held_out_documents({"held": ("/h", held), "other": ("/o", two)})
+    # a set written before keel recorded text hashes cannot be checked, and the console says so
+    (tmp_path / "two" / "train.texts.npy").unlink()
+    check_held_out_documents({"held": ("/h", held), "other": ("/o", two)})
+    assert f"[data] document set {two['documents']} was written before keel recorded its texts' hashes" in \
+        capsys.readouterr().out
 
 
 def _planned(config, topology):
