@@ -90,33 +90,47 @@ def check_held_out_documents(stats: dict[str, tuple[str, dict]]) -> None:
     sets = {name: found["documents"] for name, (_, found) in stats.items() if found.get("documents")}
     if len(set(sets.values())) < 2:
         return  # one document set splits each text one way
-    held_out = {path: document_text_hashes(path, "validation") for path in set(sets.values())}
-    trained = {path: document_text_hashes(path, "train") for path in set(sets.values())}
+    paths = sorted(set(sets.values()))
+    held_out = {path: document_text_hashes(path, "validation") for path in paths}  # the small splits, all at once
     primary = jax.process_index() == 0  # one message per run, not one per replica
-    for path in sorted(p for p in held_out if primary and (held_out[p] is None or trained[p] is None)):
-        print(f"[data] document set {path} was written before keel recorded its texts' hashes: whether its "
-              "documents are held out in one component and trained on in another is not checked (rerun its "
-              "ingestion step with keel run --force NAME to check it)")
-    for name, path in sets.items():
-        for other, other_path in sets.items():
-            if other_path == path or held_out[path] is None or trained[other_path] is None:
-                continue
-            shared = int(np.isin(held_out[path], trained[other_path]).sum())
-            if not shared:
-                continue
-            what = (f"{shared} of the {len(held_out[path])} validation documents of token cache {name!r} ({path}) are "
-                    f"training documents of {other!r} ({other_path})")
-            if shared > SHARED_VALIDATION_REFUSED_ABOVE * len(held_out[path]):
-                raise ValueError(
-                    f"{what}: its validation loss would measure memorisation. A document is held out by its id's "
-                    "hash: where both sets read the same files, give them one validation_fraction (each document "
-                    "then falls in the same split in both); else remove the shared texts from one set's inputs"
-                )
-            message = (f"{what} (at most {SHARED_VALIDATION_REFUSED_ABOVE:.0%} is allowed): its validation loss "
-                       "counts them as unseen; remove the shared texts from one set's inputs to measure it exactly")
+    for other_path in paths:  # the training splits one at a time: memory for the largest, not for all
+        trained = document_text_hashes(other_path, "train")
+        if held_out[other_path] is None or trained is None:
             if primary:
-                print(f"[data] warning: {message}")
-                warn(message)
+                print(f"[data] document set {other_path} was written before keel recorded its texts' hashes: whether "
+                      "its documents are held out in one component and trained on in another is not checked (rerun "
+                      "its ingestion step with keel run --force NAME to check it)")
+            continue
+        for path in paths:
+            if path == other_path or held_out[path] is None:
+                continue
+            shared = int(np.isin(held_out[path], trained).sum())
+            if shared:
+                _shared_texts(shared, _named(sets, path), path, _named(sets, other_path), other_path, len(held_out[path]),
+                              primary)
+
+
+def _named(sets: dict[str, str], path: str) -> str:
+    """The components that read one document set: 'a', or 'a' and 'b'."""
+    return " and ".join(repr(name) for name, p in sets.items() if p == path)
+
+
+def _shared_texts(shared: int, name: str, path: str, other: str, other_path: str, held_out: int, primary: bool) -> None:
+    """Refuse `shared` of a component's `held_out` validation texts trained on by another above the
+    allowed share; warn of fewer."""
+    what = (f"{shared} of the {held_out} validation documents of token cache {name} ({path}) are training documents "
+            f"of {other} ({other_path})")
+    if shared > SHARED_VALIDATION_REFUSED_ABOVE * held_out:
+        raise ValueError(
+            f"{what}: its validation loss would measure memorisation. A document is held out by its id's hash: where "
+            "both sets read the same files, give them one validation_fraction (each document then falls in the same "
+            "split in both); else remove the shared texts from one set's inputs"
+        )
+    message = (f"{what} (at most {SHARED_VALIDATION_REFUSED_ABOVE:.0%} is allowed): its validation loss counts them as "
+               "unseen; remove the shared texts from one set's inputs to measure it exactly")
+    if primary:
+        print(f"[data] warning: {message}")
+        warn(message)
 
 
 def _validation_sequences(stats: dict) -> int:
