@@ -223,3 +223,23 @@ def test_the_training_line_index_decides_as_a_set_of_the_lines_would_across_its_
         mine = normalised_lines(text)
         for overlap in (0.25, 0.5, 1.0):
             assert index.near_duplicate(text, overlap) == (bool(mine) and len(mine & lines) >= overlap * len(mine))
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_record(tmp_path):
+    (tmp_path / "notes.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS), encoding="utf-8-sig")
+    (tmp_path / "note.txt").write_text("a note saved by a Windows editor", encoding="utf-8-sig")
+    out = _ingest(tmp_path, inputs=(str(tmp_path / "notes.jsonl"), str(tmp_path / "note.txt")), validation_fraction=0.0)
+    assert _all_documents(out) == {**{f"notes.jsonl:{i}": t for i, t in enumerate(TEXTS, start=1)},
+                                   "note.txt:1": "a note saved by a Windows editor"}
+
+
+def test_no_line_index_is_built_where_nothing_can_be_held_out_or_none_is_asked_for(tmp_path, monkeypatch):
+    from keel.data.documents import TrainingLines
+
+    path = tmp_path / "data.jsonl"
+    path.write_text(_jsonl({"text": f"document {i}\nwith a second line {i}"} for i in range(200)).decode())
+    monkeypatch.setattr(TrainingLines, "add", lambda *_: pytest.fail("indexed training lines nobody looks up"))
+    _ingest(tmp_path, "all_train", inputs=(str(path),), validation_fraction=0.0)
+    kept = _ingest(tmp_path, "kept", inputs=(str(path),), validation_fraction=0.3, near_duplicate_overlap=None)
+    assert read_index(kept)["splits"]["validation"]["documents"] == sum(
+        split_of(f"data.jsonl:{n}", 0.3) == "validation" for n in range(1, 201))

@@ -10,7 +10,7 @@ import pytest
 
 from defaults.models import tiny_moe
 from keel.cli import console_main
-from keel.data import ingest_documents, IngestConfig, tokenize_documents, train_tokenizer
+from keel.data import ingest_documents, IngestConfig, split_of, tokenize_documents, train_tokenizer
 from keel.spec import AdamWConfig, TokenizeConfig, TrainConfig, TrainTokenizerConfig
 from keel.spec.train import TrainStepConfig
 
@@ -153,7 +153,8 @@ def test_an_evaluation_on_documents_another_component_trains_on_is_refused(cache
     assert held_out > 0
     leaky = Mixture.constant(components, {"held": 0.5, "trained": 0.5}, block_size=16)
     with pytest.raises(ValueError, match=rf"{held_out} of the {held_out} validation documents of token cache 'held' "
-                                         rf"\(.*docs\) are training documents of 'trained' \(.*{trained}-docs\): its "
+                                         rf"\(.*docs\), 100.0% of its validation text, are training documents of "
+                                         rf"'trained' \(.*{trained}-docs\): its "
                                          r"validation loss would measure memorisation.*give them one "
                                          r"validation_fraction.*remove the shared texts"):
         check_step_config(_planned(_config(leaky), racks), num_devices=8, platform="cpu")
@@ -172,8 +173,10 @@ def test_other_texts_under_the_same_ids_are_not_a_leak(caches):
 
 
 def test_a_few_shared_texts_are_a_warning_and_more_are_refused(tmp_path, capsys):
-    """One of ~150 validation texts trained on by the other set is under the 1% refused, and is
-    warned of on the console and in the step's record; two are over."""
+    """One of ~150 validation texts trained on by another component is under the 1% of validation
+    text refused, and is warned of on the console and in the step's record; two are over, whether
+    one component or two train on them, and so is one long text. Blank texts and components drawn
+    in no phase (evaluated only) count for nothing."""
     from keel.data import iter_documents
     from keel.data.documents import Document, write_documents
     from keel.data.quality import RecordLog
@@ -184,26 +187,44 @@ def test_a_few_shared_texts_are_a_warning_and_more_are_refused(tmp_path, capsys)
         write_documents(str(tmp_path / name), (Document(f"{name}:{i}", t) for i, t in enumerate(texts)),
                         validation_fraction=fraction, shard_bytes=1 << 20, log=RecordLog(), source={}, what=name,
                         near_duplicate_overlap=None)
-        return {"documents": str(tmp_path / name)}
+        return "/cache/" + name, {"documents": str(tmp_path / name)}
 
-    held = documents("held", [f"held out text number {i}" for i in range(1500)], 0.1)
-    validation = [d.text for d in iter_documents(held["documents"], "validation")]
-    assert 100 < len(validation) < 200  # 1 shared is under 1% of them, 2 are over
+    def check(**others):  # every component but `probe` is drawn in some phase
+        check_held_out_documents({"held": held, **others}, trained={"held", *others} - {"probe"})
+
+    texts = [f"held out text number {i:04d}" for i in range(1500)]
+    texts[next(i for i in range(1500) if split_of(f"held:{i}", 0.1) == "validation")] = " \n "  # a blank one
+    held = documents("held", texts, 0.1)
+    validation = [d.text for d in iter_documents(held[1]["documents"], "validation")]
+    assert 100 < len(validation) < 200 and " \n " in validation  # 1 shared is under 1% of their text, 2 are over
     others = [f"other text {i}" for i in range(200)]
-    # one shared text, its whitespace changed: compared collapsed
-    one = documents("one", others + ["  " + validation[0].replace(" ", "\n")], 0.0)
+    plain = [t for t in validation if t.strip()]
+    # one shared text, its whitespace changed (compared collapsed); a blank text on both sides
+    one = documents("one", others + ["  " + plain[0].replace(" ", "\n"), "\t"], 0.0)
     with step_warnings.running(str(tmp_path / "step"), whole_process=False):
-        check_held_out_documents({"held": ("/h", held), "other": ("/o", one)})
-    message = f"1 of the {len(validation)} validation documents of token cache 'held'"
+        check(other=one)
+    message = f"1 of the {len(validation)} validation documents of token cache 'held' (/"
     assert f"[data] warning: {message}" in capsys.readouterr().out
     assert [w for w in step_warnings.read(str(tmp_path / "step")) if message in w]
-    two = documents("two", others + validation[:2], 0.0)
-    with pytest.raises(ValueError, match=rf"2 of the {len(validation)} validation documents .* memorisation"):
-        check_held_out_documents({"held": ("/h", held), "other": ("/o", two)})
+    two = documents("two", others + plain[:2], 0.0)
+    with pytest.raises(ValueError, match=rf"2 of the {len(validation)} validation documents .* are training documents "
+                                         r"of 'other' \(.*two\): .*memorisation"):
+        check(other=two)
+    check(probe=two)  # evaluated, never drawn: it trains on nothing
+    another = documents("another", others + plain[1:2], 0.0)
+    with pytest.raises(ValueError, match=r"2 of the .* are training documents of 'another' \(.*another\) and 'other' \(.*one\)"):
+        check(other=one, another=another)
+    # one long text of the validation split is over 1% of its text on its own
+    first = next(i for i in range(1500) if split_of(f"long:{i}", 0.1) == "validation")
+    longer = [f"held out text number {i:04d}" * (50 if i == first else 1) for i in range(1500)]
+    with pytest.raises(ValueError, match=r"1 of the \d+ validation documents of token cache 'long' .*, 2\d\.\d% of its "
+                                         r"validation text"):
+        check_held_out_documents({"long": documents("long", longer, 0.1), "other": documents("copy", [longer[first]], 0.0)},
+                                 trained={"long", "other"})
     # a set written before keel recorded text hashes cannot be checked, and the console says so
     (tmp_path / "two" / "train.texts.npy").unlink()
-    check_held_out_documents({"held": ("/h", held), "other": ("/o", two)})
-    assert f"[data] document set {two['documents']} was written before keel recorded its texts' hashes" in \
+    check(other=two)
+    assert f"[data] document set {two[1]['documents']} was written before keel recorded its texts' hashes" in \
         capsys.readouterr().out
 
 

@@ -15,7 +15,7 @@ Training side: build_train_dataset / build_validation_datasets over a resolved M
 Each data step writes `.keel/summary.json` (read_summary): counts, and what was skipped or repaired.
 """
 
-from keel.data.documents import Document, document_text_hashes, EmptyDataError, iter_documents, read_index, split_of
+from keel.data.documents import Document, document_texts, EmptyDataError, iter_documents, read_index, split_of
 from keel.data.ingest import HfDatasetSpec, IngestConfig, OnBadRecord, OnDecodeError, ingest_documents
 from keel.data.quality import BadRecordError
 from keel.data.stdlib_corpus import StdlibCorpusConfig, build_stdlib_corpus, stdlib_families
@@ -38,7 +38,7 @@ __all__ = [
     "build_train_dataset",
     "build_validation_datasets",
     "ingest_documents",
-    "document_text_hashes",
+    "document_texts",
     "iter_documents",
     "load_token_cache",
     "load_tokenizer",

@@ -4,9 +4,10 @@ Layout under a step's output path:
 
     documents.json                      counts, shard lists, bad-record report (written last)
     train.texts.npy, validation.texts.npy
-                                        uint64: each document's `text_hash`, in shard order, so that a
-                                        training step can see one set's held-out texts in another's
-                                        training split (`keel.train.data_checks`)
+                                        uint64 (documents, 2): each document's `text_hash` and UTF-8
+                                        bytes, in shard order, so that a training step can see one
+                                        set's held-out texts in another's training split
+                                        (`keel.train.data_checks`)
     .keel/summary.json                  documents, bytes, records skipped and repaired by kind
     train/docs-00000.jsonl.zst          one JSON object per line: {"id": ..., "text": ...}
     validation/docs-00000.jsonl.zst
@@ -83,15 +84,15 @@ class _ShardedSplitWriter:
         self.split = split
         self.shard_bytes = shard_bytes
         self.shards: list[str] = []
-        self.text_hashes = array.array("Q")
+        self.texts = array.array("Q")  # text_hash, bytes; per document
         self.documents = 0
         self.bytes = 0
         self._buffer = io.BytesIO()
         self._buffer_text_bytes = 0
 
     def add(self, doc: Document) -> None:
-        self.text_hashes.append(text_hash(doc.text))
         text_bytes = len(doc.text.encode("utf-8"))
+        self.texts.extend((text_hash(doc.text), text_bytes))
         self._buffer.write(json.dumps({"id": doc.id, "text": doc.text}, ensure_ascii=False).encode("utf-8"))
         self._buffer.write(b"\n")
         self._buffer_text_bytes += text_bytes
@@ -210,7 +211,8 @@ def write_documents(
     writers = {split: _ShardedSplitWriter(output_path, split, shard_bytes) for split in SPLITS}
     seen: set[str] = set()
     empty = 0
-    held_out: list[Document] = []  # validation candidates, written once every training line is known
+    # validation draws wait until every training line is known, when near-copies are looked for
+    held_out: list[Document] | None = [] if near_duplicate_overlap is not None and validation_fraction > 0 else None
     train_lines = TrainingLines()
     for doc in documents:
         if doc.id in seen:
@@ -219,15 +221,17 @@ def write_documents(
         if not doc.text:
             empty += 1
             continue
-        if split_of(doc.id, validation_fraction) == "validation":
+        if split_of(doc.id, validation_fraction) == "train":
+            writers["train"].add(doc)
+            if held_out is not None:
+                train_lines.add(doc.text)
+        elif held_out is not None:
             held_out.append(doc)
         else:
-            writers["train"].add(doc)
-            if near_duplicate_overlap is not None:
-                train_lines.add(doc.text)
+            writers["validation"].add(doc)
     moved = []
-    for doc in held_out:
-        copy = near_duplicate_overlap is not None and train_lines.near_duplicate(doc.text, near_duplicate_overlap)
+    for doc in held_out or ():
+        copy = train_lines.near_duplicate(doc.text, near_duplicate_overlap)
         writers["train" if copy else "validation"].add(doc)
         if copy:
             moved.append(doc.id)
@@ -264,7 +268,8 @@ def write_documents(
             if moved else "")
     extra = [x for x in (log.describe(), f"dropped {empty} with empty text" if empty else "", near, *warnings) if x]
     for split, writer in writers.items():
-        write_array(storage.join(output_path, TEXTS_FILE.format(split=split)), np.frombuffer(writer.text_hashes, dtype=np.uint64))
+        texts = np.frombuffer(writer.texts, dtype=np.uint64).reshape(-1, 2)
+        write_array(storage.join(output_path, TEXTS_FILE.format(split=split)), texts)
     write_summary(output_path, summary, line + "".join(f"\n  {x}" for x in extra))
     storage.write_json(storage.join(output_path, INDEX_FILE), index)
     return index
@@ -291,12 +296,13 @@ def read_shard(url: str) -> Iterator[Document]:
     return (Document(**json.loads(line)) for line in raw.split(b"\n") if line)
 
 
-def document_text_hashes(documents_path: str, split: str):
-    """The `text_hash` of every document in a split, a uint64 array (None for a set written before
-    keel recorded them)."""
+def document_texts(documents_path: str, split: str):
+    """The `text_hash` and UTF-8 bytes of every document in a split, uint64 arrays (None for a set
+    written before keel recorded them)."""
     from keel.data.arrays import read_array  # numpy, as in write_documents
 
-    return read_array(storage.join(documents_path, TEXTS_FILE.format(split=split)))
+    texts = read_array(storage.join(documents_path, TEXTS_FILE.format(split=split)))
+    return None if texts is None or texts.ndim != 2 else (texts[:, 0], texts[:, 1])
 
 
 def iter_documents(documents_path: str, split: str) -> Iterator[Document]:

@@ -35,6 +35,9 @@ from keel.executor import storage
 from keel.executor.step import StepDeclarationError, execution_only, this_output
 
 FORMATS = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
+BOM = b"\xef\xbb\xbf"
+"""The UTF-8 byte-order mark that Windows tools (and `encoding="utf-8-sig"`) put before a file's
+first line: not part of its text, and `json.loads` refuses it."""
 
 
 class OnBadRecord(StrEnum):
@@ -265,6 +268,8 @@ def _read_jsonl(file: InputFile, config: IngestConfig, log: RecordLog) -> Iterat
     # every format's stream line iteration (fsspec's zstd stream, from `zstandard`, has none)
     with fsspec.open(file.url, "rb", compression="infer") as f, io.BufferedReader(f) as stream:
         for line_number, raw in enumerate(stream, start=1):
+            if line_number == 1:
+                raw = raw.removeprefix(BOM)
             if not raw.strip():
                 continue
             log.look()
@@ -290,7 +295,7 @@ def _read_txt(file: InputFile, config: IngestConfig, log: RecordLog) -> Iterator
     """The whole file as one document, decoded line by line when a few of its lines are not UTF-8;
     a file that is binary data (`quality.not_text`) is one skipped record."""
     fs, path = storage.split(file.url)
-    data = fs.cat_file(path)
+    data = fs.cat_file(path).removeprefix(BOM)
     binary = not_text(data)  # NUL bytes are valid UTF-8: text saved as UTF-16 decodes without an error
     if binary:
         log.look()

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from keel.data.cache_files import STATS_FILE, has_split
-from keel.data.documents import document_text_hashes
+from keel.data.documents import document_texts, text_hash
 from keel.executor import storage, warn
 from keel.spec.mixture import Mixture
 from keel.spec.train import TrainStepConfig
@@ -72,42 +72,58 @@ def check_token_caches(config: TrainStepConfig) -> None:
             f"sequences ({detail}): {fix}, or set TrainConfig.eval_batches=0 to train without evaluation"
         )
     if train.eval_batches > 0:
-        check_held_out_documents(stats)
+        drawn = {name for _, weights in config.data.phase_weights() for name, weight in weights.items() if weight > 0}
+        check_held_out_documents(stats, trained=drawn)
 
 
 SHARED_VALIDATION_REFUSED_ABOVE = 0.01
-"""The share of a component's validation documents that may be training texts of another
-component before the run is refused; a smaller share (a boilerplate page two web sources both
-hold) moves its validation loss by at most that share, so the run goes on with a warning."""
+"""The share of a component's validation text (in bytes, as the loss averages over tokens) that
+may be training text of the mixture's other components before the run is refused; a smaller share
+(a boilerplate page two web sources both hold) moves its validation loss by about that share, so
+the run goes on with a warning."""
 
 
-def check_held_out_documents(stats: dict[str, tuple[str, dict]]) -> None:
-    """Refuse a run where one component's validation documents are, by more than
-    `SHARED_VALIDATION_REFUSED_ABOVE`, texts another component trains on; warn of fewer. `stats`
-    is {component: (cache root, its tokenize.json)}. Texts are compared whitespace-collapsed
-    (`keel.data.documents.text_hash`), so the same record in two files counts and two files'
-    records that share only their ids (`data.jsonl:7` of two folders) do not."""
+BLANK = text_hash("")
+"""What every whitespace-only text hashes to: two corpora that each hold a blank record share nothing."""
+
+
+def check_held_out_documents(stats: dict[str, tuple[str, dict]], trained: set[str]) -> None:
+    """Refuse a run where more than `SHARED_VALIDATION_REFUSED_ABOVE` of a component's validation
+    text is training text of the components in `trained` (those drawn in some phase; an
+    evaluation-only one trains on nothing); warn of less. `stats` is {component: (cache root, its
+    tokenize.json)}. Texts are compared whitespace-collapsed (`keel.data.documents.text_hash`), so
+    the same record in two files counts and two files' records that share only their ids
+    (`data.jsonl:7` of two folders) do not; blank texts are left out."""
     sets = {name: found["documents"] for name, (_, found) in stats.items() if found.get("documents")}
     if len(set(sets.values())) < 2:
         return  # one document set splits each text one way
     paths = sorted(set(sets.values()))
-    held_out = {path: document_text_hashes(path, "validation") for path in paths}  # the small splits, all at once
-    primary = jax.process_index() == 0  # one message per run, not one per replica
+    held_out = {path: document_texts(path, "validation") for path in paths}  # the small splits, all at once
+    shared = {path: np.zeros(len(texts[0]), dtype=bool) for path, texts in held_out.items() if texts is not None}
+    by = {path: [] for path in shared}  # the document sets that train on some of a set's validation texts
+    unchecked = [path for path in paths if held_out[path] is None]
     for other_path in paths:  # the training splits one at a time: memory for the largest, not for all
-        trained = document_text_hashes(other_path, "train")
-        if held_out[other_path] is None or trained is None:
-            if primary:
-                print(f"[data] document set {other_path} was written before keel recorded its texts' hashes: whether "
-                      "its documents are held out in one component and trained on in another is not checked (rerun "
-                      "its ingestion step with keel run --force NAME to check it)")
+        if not any(sets[name] == other_path for name in trained) or other_path in unchecked:
             continue
-        for path in paths:
-            if path == other_path or held_out[path] is None:
-                continue
-            shared = int(np.isin(held_out[path], trained).sum())
-            if shared:
-                _shared_texts(shared, _named(sets, path), path, _named(sets, other_path), other_path, len(held_out[path]),
-                              primary)
+        texts = document_texts(other_path, "train")
+        if texts is None:
+            unchecked.append(other_path)
+            continue
+        for path in shared:
+            if path != other_path:
+                found = np.isin(held_out[path][0], texts[0]) & (held_out[path][0] != BLANK)
+                shared[path] |= found
+                if found.any():
+                    by[path].append(other_path)
+    primary = jax.process_index() == 0  # one message per run, not one per replica
+    for path in unchecked if primary else ():
+        print(f"[data] document set {path} was written before keel recorded its texts' hashes: whether its documents "
+              "are held out in one component and trained on in another is not checked (rerun its ingestion step "
+              "with keel run --force NAME to check it)")
+    for path, found in shared.items():
+        if found.any():
+            _shared_texts(found, held_out[path][1], f"token cache {_named(sets, path)} ({path})",
+                          " and ".join(f"{_named(sets, p)} ({p})" for p in by[path]), primary)
 
 
 def _named(sets: dict[str, str], path: str) -> str:
@@ -115,12 +131,13 @@ def _named(sets: dict[str, str], path: str) -> str:
     return " and ".join(repr(name) for name, p in sets.items() if p == path)
 
 
-def _shared_texts(shared: int, name: str, path: str, other: str, other_path: str, held_out: int, primary: bool) -> None:
-    """Refuse `shared` of a component's `held_out` validation texts trained on by another above the
-    allowed share; warn of fewer."""
-    what = (f"{shared} of the {held_out} validation documents of token cache {name} ({path}) are training documents "
-            f"of {other} ({other_path})")
-    if shared > SHARED_VALIDATION_REFUSED_ABOVE * held_out:
+def _shared_texts(found, sizes, held: str, trainers: str, primary: bool) -> None:
+    """Refuse a validation split whose `found` documents (of `sizes` bytes each) hold more than the
+    allowed share of its text; warn of less."""
+    share = float(sizes[found].sum()) / max(float(sizes.sum()), 1.0)
+    what = (f"{int(found.sum())} of the {len(found)} validation documents of {held}, {share:.1%} of its validation "
+            f"text, are training documents of {trainers}")
+    if share > SHARED_VALIDATION_REFUSED_ABOVE:
         raise ValueError(
             f"{what}: its validation loss would measure memorisation. A document is held out by its id's hash: where "
             "both sets read the same files, give them one validation_fraction (each document then falls in the same "
