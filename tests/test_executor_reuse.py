@@ -101,3 +101,30 @@ def test_two_experiment_files_own_functions_of_one_name_are_not_the_same_work(tm
     assert console_main(["run", experiment("exp4", "x/y", "hello"), "--prefix", prefix]) == 0
     assert "0 ran, 0 reused, 1 cached" in capsys.readouterr().out
 
+
+
+def test_an_output_made_by_old_code_is_not_indexed_as_the_new_codes_work(tmp_path, capsys):
+    """A step whose function changed stays cached under its own name (a note says so); the index
+    must not file that old output under the new code's content hash, where another experiment
+    doing the new work would be served it."""
+    def experiment(name: str, step: str, body: str) -> str:
+        path = tmp_path / f"{name}.py"
+        path.write_text("from dataclasses import dataclass\nimport os\nfrom keel import Step, output_of, main, this_output\n\n\n"
+                        "@dataclass(frozen=True)\nclass C:\n    source: object = None\n    output_path: str = this_output()\n\n\n"
+                        f"def make(config: C) -> None:\n    os.makedirs(config.output_path, exist_ok=True)\n"
+                        f"    open(os.path.join(config.output_path, 'out.txt'), 'w').write({body!r})\n\n\n"
+                        "def copy(config: C) -> None:\n    os.makedirs(config.output_path, exist_ok=True)\n"
+                        "    text = open(config.source).read()\n"
+                        "    open(os.path.join(config.output_path, 'out.txt'), 'w').write('copied ' + text)\n\n\n"
+                        f"a = Step({step + '/a'!r}, make, C())\n"
+                        f"b = Step({step + '/b'!r}, copy, C(source=output_of(a, 'out.txt')))\n"
+                        "if __name__ == '__main__':\n    main([b])\n")
+        return str(path)
+
+    prefix = str(tmp_path / "out")
+    assert console_main(["run", experiment("v1", "first", "version 1"), "--prefix", prefix]) == 0
+    assert console_main(["run", experiment("v1_edited", "first", "version 2"), "--prefix", prefix]) == 0
+    assert "0 ran, 0 reused, 2 cached" in capsys.readouterr().out  # the edit alone does not rerun it
+    assert console_main(["run", experiment("v2", "second", "version 2"), "--prefix", prefix]) == 0
+    assert "2 ran, 0 reused, 0 cached" in capsys.readouterr().out
+    assert [p.read_text() for p in sorted((tmp_path / "out" / "second").glob("b-*/out.txt"))] == ["copied version 2"]

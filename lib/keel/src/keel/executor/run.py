@@ -47,7 +47,7 @@ from keel.executor.plan import CACHED, EMPTY_EXTERNAL, EXTERNAL, Graph, StepPlan
 from keel.executor.provenance import _secret_values, provenance, scrub
 from keel.executor.resolve import resolve_config
 from keel.executor.identity import HASH_CHARS
-from keel.executor.status import KEEL_DIR, SUCCESS, Status, keel_path, mark_finished, mark_running, read_status, verify_manifest
+from keel.executor.status import KEEL_DIR, RECORD, SUCCESS, Status, keel_path, mark_finished, mark_running, read_status, verify_manifest
 from keel.executor.step import DeclaresDevices, Step, StepDeclarationError
 
 _MAX_WAIT_POLL_S = 1.0
@@ -124,6 +124,8 @@ def _step_record(graph: Graph, step: Step, resolved, launch: dict, secrets: list
             "name": step.name,
             "identity": graph.identities.payload(step),
             "hash": graph.identities.hash(step),
+            # the work this output is, for the index (`_index_cached`): its code may change while it stays cached
+            "content_hash": graph.identities.content_hash(step) if reuse.reusable(step) else None,
             "config": _plain(resolved),
             "dependencies": {d.name: graph.path(d) for d in step.deps},
             "description": step.description,
@@ -201,12 +203,18 @@ class Runner:
 
     def _index_cached(self, plans: list[StepPlan]) -> None:
         """Index the finished outputs this graph holds under their content hashes, so the same work
-        under another name finds them (outputs made before the index existed, or by another prefix's
-        copy); one listing of the index, a write only for what it lacks."""
+        under another name finds them (an entry lost, or another prefix's copy); one listing of the
+        index, a write only for what it lacks. Only an output whose step.json records that content
+        hash is the work it names: one cached across an edit of its (or an ancestor's) function was
+        made by the old code."""
         known = reuse.indexed(self.graph.prefix)
         for p in plans:
-            if p.state == CACHED and p.reused_from is None and isinstance(p.step, Step):
-                reuse.record(self.graph.prefix, self.graph.identities.content_hash(p.step), p.step, p.output_path, known)
+            if p.state != CACHED or p.reused_from is not None or not isinstance(p.step, Step) or not reuse.reusable(p.step):
+                continue
+            content = self.graph.identities.content_hash(p.step)
+            if f"{content}.json" not in known and (storage.read_json(keel_path(p.output_path, RECORD)) or {}).get(
+                    "content_hash") == content:
+                reuse.record(self.graph.prefix, content, p.step, p.output_path, known)
 
     def _schedule(self, plans: list[StepPlan], chosen: set[int], report: RunReport) -> RunReport:
         """Start each chosen step, in plan order and at most `max_concurrent` at a time, once its
