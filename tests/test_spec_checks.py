@@ -84,6 +84,12 @@ def _run(model=tiny_moe, hardware=cpu_sim, **train):
      r"model.attention_backend='splash' runs on tpu only, and hardware 'simulated CPU racks' is cpu"),
     (lambda: _run(model=tiny_moe.replace(attention_backend="jax_flash", max_seq_len=2048), seq_len=1500),
      r"train.seq_len=1500 with model.attention_backend='jax_flash': its blocks are 1024 tokens"),
+    # the experts expert_parallel splits would be gathered whole on every GPU, uncounted by the plan
+    (lambda: _run(transports=(TransportPhase(0, "local"),)),
+     r"train.transports\[0\].transport='local' computes every expert on every GPU, so each layer would gather whole "
+     r"the experts topology.expert_parallel=4 splits"),
+    (lambda: _run(transports=(TransportPhase(0, "fixed_all_to_all"), TransportPhase(100, "dense"))),
+     r"train.transports\[1\].transport='dense' computes every expert on every GPU"),
 ])
 def test_keel_plan_refuses_what_would_fail_only_inside_the_running_step(declare, message):
     with pytest.raises(PlanError, match=message):

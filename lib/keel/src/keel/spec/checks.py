@@ -73,6 +73,11 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
             fail(f"train.transports[{i}].transport={phase.transport!r} moves tokens over the expert axis, but "
                  + ("no topology is declared" if topo is None else f"topology.expert_parallel={topo.expert_parallel}")
                  + ": declare a topology with expert_parallel > 1, or use 'local'")
+        if not TRANSPORTS[phase.transport].moves_tokens and topo is not None and topo.expert_parallel > 1:
+            fail(f"train.transports[{i}].transport={phase.transport!r} computes every expert on every GPU, so each "
+                 f"layer would gather whole the experts topology.expert_parallel={topo.expert_parallel} splits, which "
+                 "keel plan does not count: use a transport that moves tokens (e.g. 'fixed_all_to_all' or 'ring'), "
+                 "or topology.expert_parallel=1")
         local_experts = topo.experts_per_device(model) if topo is not None else model.num_experts
         if phase.num_waves > 1 and local_experts % phase.num_waves:
             fail(f"train.transports[{i}].num_waves={phase.num_waves} must divide the {local_experts} experts per GPU "
