@@ -308,3 +308,29 @@ def test_pooled_waves_must_divide_the_experts_per_gpu():
     waves = (TransportPhase(0, "fixed_pooled_all_to_all", num_waves=4), TransportPhase(81_716, "ragged_all_to_all"))
     with pytest.raises(PlanError, match=r"train.transports\[0\].num_waves=4 must divide the 6 experts per GPU"):
         fact_sheet(hero_config(transports=waves))
+
+
+def test_activation_claims_count_the_compute_dtype_and_quote_the_bf16_tensor_per_gpu_as_its_share():
+    """What the layers keep is in the compute dtype (4 bytes in float32), as the memory line counts
+    it; the quoted "567 GB" stays one bf16 tensor of the whole batch, and its per-GPU share is that
+    tensor over the GPUs, whatever the run computes in."""
+    def with_all_layers_claim(config):
+        claim = Claim("27 TB of activations for 48 layers without checkpointing", "activation_bytes_all_layers", 27e12)
+        return dataclasses.replace(config, facts=dataclasses.replace(config.facts, claims=config.facts.claims + (claim,)))
+
+    fp32 = fact_sheet(with_all_layers_claim(hero_config(compute_dtype="float32", remat=False)))
+    bf16 = fact_sheet(with_all_layers_claim(hero_config(remat=False)))
+    claims = {c["figure"]: c for c in fp32["claims"]}
+    devices, layers = 11 * 64, 48
+    kept_gb = fp32["memory"]["parts_gb"]["saved_residuals"] * devices  # every GPU's layers, as the memory line counts them
+    all_layers, per_layer = claims["activation_bytes_all_layers"], claims["activation_bytes_per_layer"]
+    assert all_layers["value"] == pytest.approx(kept_gb * 1e9, rel=1e-9)
+    assert f"the layers keep at least {kept_gb / 1000:,.0f} TB" in all_layers["finding"]
+    assert per_layer["value"] == pytest.approx(kept_gb * 1e9 / layers, rel=1e-9)
+    assert f"a layer's forward leaves at least {kept_gb / layers:,.0f} GB" in per_layer["finding"]
+    for figure in ("activation_bytes_all_layers", "activation_bytes_per_layer"):  # 4-byte values, twice bf16's
+        assert claims[figure]["value"] == pytest.approx(2 * {c["figure"]: c for c in bf16["claims"]}[figure]["value"])
+    tensor_gb = 46_137_344 * 6144 * 2 / 1e9  # the quoted figure: one bf16 6144-wide tensor over the batch
+    assert f"{tensor_gb:.4g} GB is one bf16 6144-wide tensor" in per_layer["finding"]
+    assert f"(per GPU {tensor_gb / devices:.3g} GB)" in per_layer["finding"]  # 0.805, not 1.61
+    assert f"{tensor_gb * layers / 1000:.3g} TB is one bf16 6144-wide tensor per layer" in all_layers["finding"]

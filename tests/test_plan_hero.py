@@ -107,3 +107,26 @@ def test_a_hardware_variant_by_set_is_predicted_and_judged_at_its_hbm():
     assert out.returncode == 2 and "does not fit" in out.stderr
     assert "measured on another layout (GB200 NVL72 -> H100 SXM (HGX, InfiniBand)): not used" in out.stdout
     assert "DOES NOT FIT 80.0 GB HBM" in out.stdout
+
+
+def test_a_float32_variant_without_remat_claims_what_its_memory_line_holds():
+    """The claims' "the layers keep at least" is every GPU's "kept for the backward" of the memory
+    line, in the compute dtype; the quoted 567 GB stays one bf16 tensor, its per-GPU share / 704."""
+    import re
+
+    out = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b:train.compute_dtype=float32",
+                "--set", "train/hero_535b:train.remat=false")
+    assert out.returncode == 2 and "does not fit" in out.stderr  # planned; it does not fit
+    kept_gb = float(re.search(r"kept for the backward without remat: at least ([\d,.]+) GB", out.stdout)[1].replace(",", ""))
+    kept_tb = float(re.search(r"the layers keep at least ([\d,]+) TB", out.stdout)[1].replace(",", ""))
+    assert kept_tb == pytest.approx(kept_gb * 704 / 1000, abs=1)  # 2,730.9 GB x 704 GPUs = 1,923 TB
+    tensor_gb = 46_137_344 * 6144 * 2 / 1e9
+    assert f"{tensor_gb:.4g} GB is one bf16 6144-wide tensor" in out.stdout
+    assert f"(per GPU {tensor_gb / 704:.3g} GB)" in out.stdout
+
+
+def test_a_variant_whose_observations_are_rejected_prints_no_observed_switch_date():
+    out = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b:train.batch_size=22528")
+    assert "measured on another layout (batch 11264x4096 -> batch 22528x4096): not used" in out.stdout
+    (switch,) = [line for line in out.stdout.splitlines() if line.startswith("transport") and "ragged_all_to_all" in line]
+    assert "2026-09-09" not in switch and "(predicted)" in switch, switch

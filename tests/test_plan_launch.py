@@ -115,3 +115,37 @@ def test_keel_plan_of_two_files_prints_one_table_of_variants(tmp_path):
     narrowed = _keel("plan", HERO, doubled, "--prefix", str(tmp_path / "out"), "--only", "hero")
     assert narrowed.returncode == 2 and narrowed.stderr.startswith("keel: error: --only does nothing when `keel plan` "
                                                                    "compares several experiments"), narrowed.stderr
+
+
+def _drawn_tokens(config, component: str) -> float:
+    """Tokens a component is read for over the run, as the mixture blocks draw it: in every block of
+    `block_size` sequences floor(share x block) of them (the component is not any phase's largest,
+    which takes the rest), over each phase's steps."""
+    data, train = config.data, config.train
+    starts = [p.start_step for p in data.phases] + [train.num_steps]
+    read = 0.0
+    for phase, end in zip(data.phases, starts[1:]):
+        share = phase.weights[component] / sum(phase.weights.values())
+        read += math.floor(share * data.block_size) / data.block_size * (end - phase.start_step) * train.tokens_per_step
+    return read
+
+
+def test_tokens_read_per_component_are_what_its_blocks_draw_not_the_declared_weight():
+    config = dataclasses.replace(hero_config(), launch=LaunchPlan(cache_tokens=(("world-news", 0.3e12),)))
+    read = {r["component"]: r for r in fact_sheet(config)["launch"]["components"]}
+    drawn = _drawn_tokens(config, "world-news")  # 393 of 49,152 sequences for its 0.8% in the first phase, ...
+    assert read["world-news"]["tokens_read"] == pytest.approx(drawn, rel=1e-12)
+    assert read["world-news"]["epochs"] == pytest.approx(drawn / 0.3e12, rel=1e-12)
+
+
+def test_the_twin_prints_the_tokens_its_blocks_draw_per_component():
+    from keel.cli import load_experiment
+    from keel.spec import TrainStepConfig
+
+    (twin,) = [s.config for s in load_experiment(HERO, "tiny") if isinstance(s.config, TrainStepConfig)]
+    drawn = _drawn_tokens(twin, "world-news")
+    assert drawn == 4352  # 2, 6 and 4 of 256 sequences over 32, 64 and 24 steps of 2,048 tokens
+    out = _keel("plan", HERO, "--scale", "tiny", "--prefix", "/tmp/keel-hero-plan")
+    assert out.returncode == 0, out.stderr
+    (line,) = [line for line in out.stdout.splitlines() if "tokens read per component" in line]
+    assert f"world-news {drawn:.3g}".replace("e+", "e") in line, line

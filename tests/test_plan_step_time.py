@@ -114,3 +114,45 @@ def test_hardware_without_its_links_names_what_is_missing():
     sheet = fact_sheet(variant(hardware=bare))
     assert sheet["step_time"] == {"missing": ["hardware.link_gb_per_s", "hardware.host_link_gb_per_s"]}
     assert "not predicted: declare hardware.link_gb_per_s, hardware.host_link_gb_per_s" in render_fact_sheet(sheet)
+
+
+def test_the_ring_prices_the_other_gpus_rows_it_gathers_once():
+    """The ring all-gathers the other ep - 1 GPUs' tokens and reduce-scatters their outputs: every
+    row it counts comes from or goes to another GPU, so all of it leaves the GPU, and the step-time
+    model prices the all-to-all line's bytes as they are (not another (ep - 1) / ep of them)."""
+    from keel.spec import TransportPhase
+
+    sheet = fact_sheet(variant(train=dataclasses.replace(HERO.train, transports=(TransportPhase(0, "ring"),))))
+    (ring,) = sheet["all_to_all"]
+    tokens, ep, width, layers = 16 * 4096, 64, 3072, 48
+    exchanges = 2 * 3  # a gather and a scatter in the forward, the backward and remat's second forward
+    gb = tokens * (ep - 1) * width * 2 * exchanges * layers / 1e9  # bf16 rows of the other GPUs' tokens
+    assert ring["kind"] == "all_gather" and ring["gb_per_step_per_gpu"] == pytest.approx(gb)
+    assert ring["off_gpu_fraction"] == 1.0
+    for row in sheet["step_time"]["stretches"]:
+        assert row["terms"]["all_to_all"]["gb"] == pytest.approx(gb)
+    text = render_fact_sheet(sheet)
+    assert f"{gb:,.1f} GB per step per GPU (100% leaves the GPU)" in text
+    assert f"all-to-all {sheet['step_time']['stretches'][0]['terms']['all_to_all']['seconds']:.2f} s ({gb:,.0f} GB)" in text
+
+
+def test_a_variant_whose_observations_are_rejected_dates_its_switch_by_the_modelled_step_times(hero):
+    """The observed run switched on 2026-09-09; a variant the sheet predicts (its observations
+    belong to the hero's layout) reaches the switch when its own modelled steps take it there."""
+    import datetime
+
+    doubled = fact_sheet(variant(train=dataclasses.replace(HERO.train, batch_size=2 * 11_264)))
+    assert doubled["step_time"]["observations"] == "other layout"
+    start = datetime.datetime.fromisoformat(HERO.facts.start_date)
+    for phase in doubled["transports"]:
+        seconds = sum((min(r["to_step"] + 1, phase["start_step"]) - r["from_step"]) * r["step_seconds"]
+                      for r in doubled["step_time"]["stretches"] if r["from_step"] < phase["start_step"])
+        assert phase["date"] == (start + datetime.timedelta(seconds=seconds)).date().isoformat()
+    switch = doubled["transports"][1]
+    assert switch["start_step"] == 81_716 and switch["date"] != "2026-09-09"  # slower steps than the hero's
+    text = render_fact_sheet(doubled)
+    assert "from 2026-09-09" not in text
+    assert f"ragged_all_to_all (capacity 1.15), from {switch['date']} (predicted)" in text
+    # the hero's own observations date its switches as they happened
+    assert [p["date"] for p in hero["transports"]] == ["2026-08-19", "2026-09-09"]
+    assert "(predicted)" not in "\n".join(line for line in render_fact_sheet(hero).splitlines() if line.startswith("transport"))

@@ -172,9 +172,11 @@ def all_to_all(run: ResolvedRun) -> list[dict]:
     """Expert-parallel bytes each GPU sends per step, for each transport phase.
 
     Fixed-capacity transports send padded buffers of capacity_factor x the assignments; the ragged
-    one sends the assignments themselves; `ring` all-gathers every token of the expert group and
-    reduce-scatters the outputs instead. A layer sends one dispatch and one combine forward, two
-    more backward and, with remat, the forward pair again. `dense` and `local` move no tokens.
+    one sends the assignments themselves (of which 1/ep go to the GPU's own experts and stay on it);
+    `ring` all-gathers the other ep - 1 GPUs' tokens of the expert group and reduce-scatters their
+    outputs instead (every row counted leaves the GPU: `off_gpu_fraction` 1). A layer sends one
+    dispatch and one combine forward, two more backward and, with remat, the forward pair again.
+    `dense` and `local` move no tokens.
     """
     config = run.config
     topo, train, model = config.topology, config.train, config.model
@@ -188,12 +190,14 @@ def all_to_all(run: ResolvedRun) -> list[dict]:
     for phase in run.transports:
         if not TRANSPORTS[phase.transport].moves_tokens:
             continue
-        if phase.transport == "ring":
+        if phase.transport == "ring":  # the other GPUs' tokens only: every row counted leaves the GPU
             kind, factor, rows = "all_gather", 1.0, tokens * (topo.expert_parallel - 1)
+            off_gpu = 1.0
         else:  # padded buffers are sent whole; the ragged transport sends only the real assignments
             padded = TRANSPORTS[phase.transport].pads_sends
             factor = phase.capacity_factor if padded else 1.0
             kind, rows = ("padded" if padded else "ragged"), tokens * model.experts_per_token * factor
+            off_gpu = 1 - 1 / topo.expert_parallel  # rows routed to the GPU's own experts stay on it
         buffer = rows * row_bytes
         out.append({
             "transport": phase.transport,
@@ -205,7 +209,7 @@ def all_to_all(run: ResolvedRun) -> list[dict]:
             "buffer_gb_per_layer": buffer / GB,
             "gb_per_step_per_gpu": buffer * buffers_per_layer * model.num_layers / GB,
             "exchanges_per_step": buffers_per_layer * model.num_layers,
-            "off_gpu_fraction": 1 - 1 / topo.expert_parallel,
+            "off_gpu_fraction": off_gpu,  # share of gb_per_step_per_gpu that other GPUs send or receive
         })
     return out
 
@@ -322,8 +326,24 @@ def mixture(config: TrainStepConfig) -> list[dict]:
     return out
 
 
-def transports(run: ResolvedRun) -> list[dict]:
-    train, facts = run.config.train, run.config.facts
+def _predicted_date(start_date: str | None, predicted: dict | None, step: int) -> str | None:
+    """The date the run reaches `step` at the step-time model's speeds from its start (full goodput),
+    or None without a start date or a prediction."""
+    if not start_date or not predicted or "stretches" not in predicted:
+        return None
+    seconds = sum((min(r["to_step"] + 1, step) - r["from_step"]) * r["step_seconds"]
+                  for r in predicted["stretches"] if r["from_step"] < step)
+    start = _date(start_date, "facts.start_date")
+    return (dt.datetime.combine(start, dt.time()) + dt.timedelta(seconds=seconds)).date().isoformat()
+
+
+def transports(run: ResolvedRun, sheet: dict) -> list[dict]:
+    """Each transport phase's steps and knobs, and the date it starts: observed where this
+    declaration's own observations (`observed_here`) saw its first step, else (observations of
+    another layout, or none) predicted from the start date at the modelled step times."""
+    config = run.config
+    train, facts = config.train, config.facts
+    own = observed_here(config)[0]
     out = []
     for phase in run.transports:
         entry = {
@@ -334,9 +354,13 @@ def transports(run: ResolvedRun) -> list[dict]:
             "num_waves": phase.num_waves,
             "tokens_before": phase.start_step * train.tokens_per_step,
         }
-        seen = [s for s in (facts.observed if facts else ()) if s.step == phase.start_step]
+        seen = [s for s in (facts.observed if own else ()) if s.step == phase.start_step]
         if seen:
-            entry["date"] = seen[0].date
+            entry["date"], entry["date_basis"] = seen[0].date, "observed"
+        elif not own:
+            predicted = _predicted_date(facts.start_date if facts else None, sheet.get("step_time"), phase.start_step)
+            if predicted:
+                entry["date"], entry["date_basis"] = predicted, "predicted"
         out.append(entry)
     return out
 
@@ -403,11 +427,19 @@ def _activations_per_token(model, sheet: dict) -> float:
     return sum(layer_activations_per_token(model, _fewest_rows(t["capacity_factor"] for t in sheet["transports"])).values())
 
 
+BF16_BYTES = 2  # the quoted "one D-wide tensor" figures are a bf16 tensor, whatever the run computes in
+
+
 def _activation_bytes(config: TrainStepConfig, sheet: dict) -> tuple[float, str]:
+    """(what one layer's forward leaves for its backward over the whole batch, in the compute dtype
+    as the run holds it; the finding, which names the quoted figure as one bf16 D-wide tensor and
+    that tensor's share per GPU)."""
     model, train = config.model, config.train
-    value = train.tokens_per_step * model.hidden_dim * 2
-    real = _activations_per_token(model, sheet) * 2 * train.tokens_per_step
-    per_gpu = f" (per GPU {sheet['memory']['parts_gb']['residual_per_layer']:.3g} GB)" if sheet.get("memory") else ""
+    value = train.tokens_per_step * model.hidden_dim * BF16_BYTES
+    compute = bytes_of(train.compute_dtype, "train.compute_dtype")
+    real = _activations_per_token(model, sheet) * compute * train.tokens_per_step
+    devices = config.topology.num_devices if config.topology else None
+    per_gpu = f" (per GPU {value / devices / GB:.3g} GB)" if devices else ""
     return real, (f"{value / GB:.4g} GB is one bf16 {model.hidden_dim}-wide tensor over the whole global batch "
                   f"({train.tokens_per_step:,} tokens){per_gpu}, not a layer's activations: a layer's forward "
                   f"leaves at least {real / GB:,.0f} GB ({real / value:.0f}x) for its backward")
@@ -415,8 +447,9 @@ def _activation_bytes(config: TrainStepConfig, sheet: dict) -> tuple[float, str]
 
 def _activation_bytes_all_layers(config: TrainStepConfig, sheet: dict) -> tuple[float, str]:
     model, train = config.model, config.train
-    one_tensor = train.tokens_per_step * model.hidden_dim * 2 * model.num_layers
-    real = _activations_per_token(model, sheet) * 2 * train.tokens_per_step * model.num_layers
+    one_tensor = train.tokens_per_step * model.hidden_dim * BF16_BYTES * model.num_layers
+    compute = bytes_of(train.compute_dtype, "train.compute_dtype")
+    real = _activations_per_token(model, sheet) * compute * train.tokens_per_step * model.num_layers
     return real, (f"{one_tensor / 1e12:.3g} TB is one bf16 {model.hidden_dim}-wide tensor per layer for "
                   f"{model.num_layers} layers; without checkpointing the layers keep at least {real / 1e12:,.0f} TB "
                   f"({real / one_tensor:.0f}x), hence per-layer rematerialisation")
@@ -497,7 +530,7 @@ def fact_sheet(config: TrainStepConfig, name: str = "") -> dict:
     sheet["time"] = time(config, sheet["training"])
     sheet["step_time"] = step_time(run, sheet)
     sheet["mixture"] = mixture(config)
-    sheet["transports"] = transports(run)
+    sheet["transports"] = transports(run, sheet)
     sheet["launch"] = launch(run, sheet)
     sheet["claims"] = claims(config, sheet)
     sheet["verdict"] = verdict(sheet, config.train.refuse_unfit)

@@ -5,7 +5,8 @@
   bandwidth (`LaunchPlan.store_gb_per_s`);
 - GPU-hours at the run's length (from its start to the end its own observations project, else the
   step-time model's prediction at full goodput), and their cost at a declared price;
-- tokens read from each mixture component over the run against the tokens its cache holds
+- tokens read from each mixture component over the run (the shares its mixture blocks draw, whole
+  sequences per block: `Mixture.block_counts`) against the tokens its cache holds
   (`LaunchPlan.cache_tokens`): above 1 the component repeats.
 """
 
@@ -55,9 +56,9 @@ def launch(run: ResolvedRun, sheet: dict) -> dict:
         out["gpu_hours"] = {"hours": gpu_hours, "basis": hours[1],
                             "cost": gpu_hours * plan.gpu_hour_price if plan and plan.gpu_hour_price else None}
     read: dict[str, float] = {}
-    for phase in sheet["mixture"]:
-        for name, weight in phase["weights"].items():
-            read[name] = read.get(name, 0.0) + weight * phase["tokens"]
+    for phase in sheet["mixture"]:  # what the blocks draw (whole sequences), not the declared weights
+        for name, share in phase["drawn"].items():
+            read[name] = read.get(name, 0.0) + share * phase["tokens"]
     held = dict(plan.cache_tokens) if plan else {}
     unknown = sorted(set(held) - set(read))
     if unknown:

@@ -249,7 +249,7 @@ def _transports(rows: list[dict]) -> list[str]:
 
     return [
         f"transport    steps {_n(r['start_step'])}-{_n(r['end_step'])}: {r['transport']}{knobs(r)}"
-        + (f", from {r['date']}" if r.get("date") else "")
+        + (f", from {r['date']}" + (" (predicted)" if r.get("date_basis") == "predicted" else "") if r.get("date") else "")
         + (f", after {_n(r['tokens_before'])} tokens{_tera(r['tokens_before'])}" if r["start_step"] else "")
         for r in rows
     ]

@@ -145,6 +145,7 @@ def loads(run: ResolvedRun, sheet: dict) -> list[Load]:
         phase = run.transport_at(start)
         a2a = next((r for r in sheet["all_to_all"] if r["from_step"] == phase.start_step), None)
         pad = a2a["capacity_factor"] if a2a and a2a["kind"] == "padded" else 1.0  # fixed buffers compute whole
+        # the share of the line's bytes that crosses to other GPUs (all of the ring's, which counts only theirs)
         a2a_gb = a2a["gb_per_step_per_gpu"] * a2a["off_gpu_fraction"] if a2a else 0.0
         a2a_s, a2a_off = _spread(a2a_gb, topo.expert_parallel, hw)
         host_gb = next(m for m in reversed(mem["phases"]) if m["from_step"] <= start)["host_gb"] * 2  # in and back
