@@ -156,3 +156,15 @@ def test_a_variant_whose_observations_are_rejected_dates_its_switch_by_the_model
     # the hero's own observations date its switches as they happened
     assert [p["date"] for p in hero["transports"]] == ["2026-08-19", "2026-09-09"]
     assert "(predicted)" not in "\n".join(line for line in render_fact_sheet(hero).splitlines() if line.startswith("transport"))
+
+
+def test_a_float32_variant_is_not_timed_at_the_bfloat16_peak():
+    """The hardware's peak and its preset calibration are bf16 matmul rates: a float32 variant's
+    compute time is not predicted from them (it printed the bf16 run's 15.30 s)."""
+    sheet = fact_sheet(variant(train=dataclasses.replace(HERO.train, compute_dtype="float32")))
+    assert sheet["step_time"]["missing"][0].startswith("train.compute_dtype='bfloat16'")
+    assert "step time    not predicted: declare train.compute_dtype='bfloat16'" in render_fact_sheet(sheet)
+    assert "stretches" in fact_sheet(variant())["step_time"]  # the bf16 run is
+    # its claims on the run's length are listed unchecked, not an error that stops the plan
+    claims = {c["claim"]: c for c in fact_sheet(variant(train=dataclasses.replace(HERO.train, compute_dtype="float32")))["claims"]}
+    assert claims["trains in 60 days"]["holds"] is None and claims["trains in 60 days"]["finding"].startswith("not checked")

@@ -289,6 +289,9 @@ def render_fact_sheet(sheet: dict) -> str:
     lines += _launch(sheet["launch"])
     if sheet["claims"]:
         lines.append("claims checked")
-        lines += [f"  \"{c['claim']}\" ({'holds' if c['holds'] else 'does not hold'}): {c['finding']}"
-                  for c in sheet["claims"]]
+        lines += [f"  \"{c['claim']}\" ({_claim_verdict(c)}): {c['finding']}" for c in sheet["claims"]]
     return "\n".join(lines)
+
+
+def _claim_verdict(claim: dict) -> str:
+    return "unchecked" if claim["holds"] is None else "holds" if claim["holds"] else "does not hold"

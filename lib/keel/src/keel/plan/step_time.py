@@ -251,6 +251,10 @@ def calibrate(config: TrainStepConfig, all_loads: list[Load], fallback: StepTime
     return StepTimeCalibration(efficiency, sync, f"{facts.run_id or 'this run'}: {where}")
 
 
+PEAK_DTYPE = "bfloat16"
+"""The dtype of `Hardware.peak_flops_per_device` (its dense matmul peak)."""
+
+
 def step_time(run: ResolvedRun, sheet: dict) -> dict | None:
     """The predicted step time of each stretch of the run with its terms, the calibration used and
     the run's length at that speed; None without a topology, or hardware with a peak FLOP rate
@@ -270,6 +274,11 @@ def step_time(run: ResolvedRun, sheet: dict) -> dict | None:
         calibration = fitted
     if calibration is None:
         return {"missing": ["hardware.calibration (or observed speeds of this run to fit it on)"]}
+    if train.compute_dtype != PEAK_DTYPE and not isinstance(fitted, StepTimeCalibration):
+        # neither the peak nor a preset's efficiency says how fast another dtype's matmuls run
+        return {"missing": [f"train.compute_dtype='{PEAK_DTYPE}' (hardware.peak_flops_per_device and its calibration "
+                            f"are the dense {PEAK_DTYPE} rate; at {train.compute_dtype} only this run's own observed "
+                            "speeds can say)"]}
     rows = [timing(load, hw, calibration) for load in all_loads]
     for row in rows:
         seen = [o for o in (config.facts.observed if own else ()) if row["from_step"] <= o.step <= row["to_step"]]
