@@ -15,10 +15,12 @@ import json
 import linecache
 import os
 import re
+import reprlib
 import runpy
 import shlex
 import sys
 import traceback
+from collections.abc import Iterable
 
 from keel.executor import storage
 from keel.executor.lease import current_lease
@@ -185,22 +187,37 @@ def _scaled(steps, scales: dict, scale: str | None, where: str) -> list:
 def experiment_main(steps, argv: list[str] | None = None, scales: dict | None = None) -> int:
     """What `keel.main(steps)` does: hand the steps to `keel`, or act on this script's own argv.
     Run as a script, a mistake in the file ends in one `keel: error:` block (`script_error`)."""
-    steps, scales = list(steps), dict(scales or {})
+    scales = dict(scales or {})
     if _collecting is not None:
-        _collecting.append((steps, scales))
+        _collecting.append((_targets(steps), scales))
         return 0
     own_argv = sys.argv[1:] if argv is None else argv
     args = _parser(os.path.basename(sys.argv[0]) or "experiment", with_experiment=False).parse_args(own_argv)
     args.again = shlex.join(["python", sys.argv[0], *own_argv])
     args.scales = sorted(scales)
     try:
-        code = _act(args, [_scaled(steps, scales, args.scale, sys.argv[0])])
+        code = _act(args, [_scaled(_targets(steps), scales, args.scale, sys.argv[0])])
     except USER_ERRORS as exc:
         print(f"keel: error: {exc}", file=sys.stderr)
         code = 2
     if argv is None:
         sys.exit(code)
     return code
+
+
+def _targets(steps) -> list:
+    """The steps given to `keel.main`, checked to be one flat list of Steps and Externals: a nested
+    list or a `dict.values()` inside it would fail deep in the planner, in a traceback."""
+    if isinstance(steps, (Step, External, str, dict)) or not isinstance(steps, Iterable):
+        raise StepDeclarationError(f"keel.main: got a {type(steps).__name__}, not a list of steps: pass "
+                                   "keel.main([step, ...]) (the steps to make; what they depend on is found)")
+    steps = list(steps)
+    for i, item in enumerate(steps):
+        if not isinstance(item, (Step, External)):
+            raise StepDeclarationError(f"keel.main: item {i} is a {type(item).__name__} ({reprlib.repr(item)}), not a Step or "
+                                       "External: pass one flat list, keel.main([step, ...]), unpacking a collection of "
+                                       "steps into it: keel.main([*steps]) or keel.main([*steps.values()])")
+    return steps
 
 
 def _graph(args, steps) -> Graph:
@@ -405,7 +422,7 @@ def _gc(args, graphs: list[Graph]) -> int:
     for graph in graphs:  # a step that reuses another name's output reaches that output
         for p in plan_graph(graph):
             (reached if isinstance(p.step, Step) else read).add(storage.split(p.output_path)[1])
-    found = sorted({p.rsplit(f"/{KEEL_DIR}/", 1)[0] for p in fs.glob(f"{root.rstrip('/')}/**/{KEEL_DIR}/{RECORD}")})
+    found = _outermost(_recorded_outputs(fs, root), reached)
     unreached, kept = [], []
     for path in (p for p in found if p not in reached):
         overrides = _recorded_overrides(fs, path)
@@ -431,6 +448,22 @@ def _gc(args, graphs: list[Graph]) -> int:
             fs.rm(path, recursive=True)
         print(f"-- deleted {len(unreached)}")
     return 0
+
+
+def _recorded_outputs(fs, root: str) -> list[str]:
+    """Every folder under `root` that holds a step's record. Listed, not globbed: a `[`, `*` or `?`
+    in the prefix is part of its name, where a glob would read a pattern and reach the outputs of
+    another prefix (`--prefix runs[12]` matching `runs1/` and `runs2/`)."""
+    marker = f"/{KEEL_DIR}/{RECORD}"
+    return sorted({p[:-len(marker)] for p in fs.find(root) if p.endswith(marker)})
+
+
+def _outermost(found: list[str], reached: set[str]) -> list[str]:
+    """The found outputs inside no reached output and no other found one. A record nested in an
+    output is a copy the step made (an export of its dependency's folder): part of that output, to
+    keep with it or delete with it, not an output of its own."""
+    outputs = reached | set(found)
+    return [path for path in found if not any(path[:i] in outputs for i, c in enumerate(path) if c == "/" and i)]
 
 
 def _recorded_overrides(fs, output_path: str) -> list[str]:

@@ -5,10 +5,17 @@ The code is not part of a step's identity: a comment or a refactor would re-key 
 library upgrades would invalidate every cache. Instead each SUCCESS records the fingerprint of the
 function that made it, and a cached step whose function now reads differently is still cached but
 says so, with the `--force` that reruns it. Only the function's own source counts, not what it calls.
+
+A `functools.partial` is the function it wraps plus its bound arguments, a callable object its
+class plus its attributes: the bound values join the fingerprint (encoded canonically, as a config
+is), so `partial(train, lr=0.1)` and `partial(train, lr=0.2)` are different work to the content
+hash. A bound value with no canonical encoding (an open file, a model) leaves the function without
+a fingerprint, as a function without source is: such a step never reuses another name's output.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -16,17 +23,59 @@ import inspect
 from keel.executor.step import StepFunction
 
 
+def _named(fn):
+    """What names and holds the source of `fn`: `fn` itself when it has a name (a function, a
+    class, a `StepFunction`), else its class (a callable object)."""
+    return fn if isinstance(getattr(fn, "__qualname__", None), str) else type(fn)
+
+
 def qualified_name(fn) -> str:
-    """`module.qualname` of a step's function: what its content identity names."""
-    return f"{fn.__module__}.{fn.__qualname__}"
+    """`module.qualname` of a step's function: what its content identity names. A partial is named
+    after the function it wraps (its arguments are in the fingerprint), a callable object after its class."""
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({qualified_name(fn.func)})"
+    named = _named(fn)
+    return f"{named.__module__}.{named.__qualname__}"
 
 
-@functools.lru_cache(maxsize=None)
+def _shown(fn) -> str:
+    """The function's short name, for messages."""
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({_shown(fn.func)})"
+    return _named(fn).__qualname__
+
+
 def fingerprint(fn) -> str | None:
-    """BLAKE2b of the function's source, or None when it has none to read (a builtin, a REPL lambda).
+    """BLAKE2b of the function's source (and bound values), or None when it has none to read (a
+    builtin, a REPL lambda) or a bound value has no canonical encoding.
 
     A `StepFunction` is read from its module's file without importing it (the planner must not pay
     for jax), and gives the same text `inspect.getsource` gives for the imported function."""
+    try:
+        hash(fn)
+    except TypeError:  # a callable object compared by value that holds a list: nothing to cache it by
+        return _fingerprint(fn)
+    return _cached_fingerprint(fn)
+
+
+def _fingerprint(fn) -> str | None:
+    """`fingerprint` uncached: a plain function's is its source's hash (as recorded before partials
+    were read), a partial's or callable object's that of its function's plus its bound values."""
+    if isinstance(fn, functools.partial):
+        inner, bound = fingerprint(fn.func), _encoded({"args": list(fn.args), "keywords": dict(fn.keywords)})
+    elif _named(fn) is fn:
+        inner, bound = _source_hash(fn), ""
+    else:
+        inner, bound = _source_hash(type(fn)), _encoded(_state(fn))
+    if inner is None or bound is None:
+        return None
+    return hashlib.blake2b(f"{inner}:{bound}".encode(), digest_size=8).hexdigest() if bound else inner
+
+
+_cached_fingerprint = functools.lru_cache(maxsize=None)(_fingerprint)
+
+
+def _source_hash(fn) -> str | None:
     try:
         source = fn.source() if isinstance(fn, StepFunction) else inspect.getsource(fn)
     except (OSError, TypeError, SyntaxError, ValueError):  # ValueError: not UTF-8; running the step says what is wrong
@@ -34,10 +83,37 @@ def fingerprint(fn) -> str | None:
     return hashlib.blake2b(source.encode(), digest_size=8).hexdigest()
 
 
+_UNREADABLE = object()
+
+
+def _state(obj):
+    """A callable object's attributes: the object itself when it is a dataclass (its fields, as a
+    config's are encoded), else its `__dict__`; unreadable (`__slots__`) without one."""
+    if dataclasses.is_dataclass(obj):
+        return obj
+    return getattr(obj, "__dict__", _UNREADABLE)
+
+
+def _encoded(value) -> str | None:
+    """The canonical JSON of bound values, or None when one has no canonical encoding (nor has a
+    step: its output would be a dependency the graph does not know)."""
+    from keel.executor.identity import IdentityError, canonical_json, encode  # identity imports this module
+
+    def no_step(step):
+        raise IdentityError(f"{step!r} is bound to a step's function")
+
+    if value is _UNREADABLE:
+        return None
+    try:
+        return canonical_json(encode(value, "bound", no_step))
+    except IdentityError:
+        return None
+
+
 def describe_change(name: str, fn, recorded: str | None) -> str:
     """Why a cached output may be out of date with its step's function, or '' when it is not."""
     now = fingerprint(fn)
     if recorded is None or now is None or now == recorded:
         return ""
-    return (f"{getattr(fn, '__qualname__', 'its function')} changed since this output was made "
+    return (f"{_shown(fn)} changed since this output was made "
             f"(the code is not part of the identity): `--force '^{name}$'` reruns it")

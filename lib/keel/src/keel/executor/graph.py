@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Container
 
@@ -65,10 +66,27 @@ def substitute(value: Any, new: dict[int, Any]) -> Any:
         if all(changes[k] is getattr(value, k) for k in changes):
             return value
         return dataclasses.replace(value, **{k: v for k, v in changes.items() if v is not getattr(value, k)})
-    if isinstance(value, list):
-        return [substitute(v, new) for v in value]
-    if isinstance(value, tuple):
-        return tuple(substitute(v, new) for v in value)
+    if isinstance(value, (list, tuple)):
+        return rebuilt(value, [substitute(v, new) for v in value])
     if isinstance(value, dict):
-        return {k: substitute(v, new) for k, v in value.items()}
+        return rebuilt(value, {k: substitute(v, new) for k, v in value.items()})
     return value
+
+
+def rebuilt(container: list | tuple | dict, items: list | dict, *, fresh: bool = False) -> Any:
+    """`container` itself when every item of `items` is its own (unless `fresh`: a new container
+    even then), else a container of its class holding `items`: a NamedTuple, an OrderedDict or a
+    list subclass in a config must reach the step as what it was declared (`span.end`, not a plain
+    tuple's AttributeError)."""
+    old, now = (container.values(), items.values()) if isinstance(container, dict) else (container, items)
+    if not fresh and all(a is b for a, b in zip(old, now)):
+        return container
+    kind = type(container)
+    if kind in (list, tuple, dict):
+        return kind(items)
+    if isinstance(container, tuple):  # a NamedTuple takes its items as arguments
+        return kind._make(items) if hasattr(kind, "_make") else kind(items)
+    clone = copy.copy(container)  # a list or dict subclass: its class and attributes, new items
+    for key in (items if isinstance(items, dict) else range(len(items))):
+        clone[key] = items[key]
+    return clone

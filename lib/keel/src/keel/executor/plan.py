@@ -86,7 +86,7 @@ class Graph:
         for step in self.order:
             kept = first.setdefault(step.name, step)
             if kept is not step:
-                diff = diff_payloads(self.identities.payload(kept), self.identities.payload(step))
+                diff = diff_functions(kept, step) + diff_payloads(self.identities.payload(kept), self.identities.payload(step))
                 if diff:
                     raise StepDeclarationError(f"two different steps are named {step.name!r} ({'; '.join(diff)}); "
                                                "rename one of them: step names must be unique in a graph")
@@ -132,15 +132,26 @@ class _Listings:
             found = self._indexed[prefix] = bool(self.names(reuse.index(prefix)))
         return found
 
+    @staticmethod
+    def split(url: str) -> tuple[str, str]:
+        """The folder that lists `url`, and its base name. A store's root keeps its `scheme://`
+        (`memory://a-1` lies in `memory://`, not `memory:/`), as `storage.join` builds it."""
+        scheme, sep, rest = url.partition("://")
+        if not sep:
+            folder, _, base = url.rpartition("/")
+            return folder or ("/" if url.startswith("/") else ""), base  # `/a-1`: directly under the local root
+        folder, _, base = rest.rpartition("/")
+        return f"{scheme}{sep}{folder}", base
+
     def exists(self, url: str) -> bool:
-        parent, _, base = url.rpartition("/")
+        parent, base = self.split(url)
         return base in self.names(parent)
 
     def earlier_runs(self, url: str) -> list[str]:
-        parent, _, base = url.rpartition("/")
-        self.exists(url)
+        parent, base = self.split(url)
         stem = base.rsplit("-", 1)[0] + "-"
-        return [f"{parent}/{n}" for n in self._names[parent] if n.startswith(stem) and n != base and re.fullmatch(r"[0-9a-f]+", n[len(stem):])]
+        return [storage.join(parent, n) for n in self.names(parent)
+                if n.startswith(stem) and n != base and re.fullmatch(r"[0-9a-f]+", n[len(stem):])]
 
 
 def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = None, listings: _Listings | None = None) -> StepPlan:
@@ -149,7 +160,7 @@ def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = No
     path = graph.path(step)
     deps = [graph.path(d) for d in step.deps]
     if isinstance(step, External):
-        if step.version:
+        if step.version is not None:  # as its identity reads it: a version stands for its files
             return StepPlan(step, path, EXTERNAL, f"version {step.version}", deps)
         files = graph.identities.payload(step)["inputs"]
         described = f"{len(files)} files fingerprinted" if files else EMPTY_EXTERNAL
@@ -244,6 +255,20 @@ def diff_payloads(old, new, where: str = "") -> list[str]:
     if old != new:
         suffix = " (dependency changed)" if isinstance(new, dict) and "__output_of__" in new else ""
         return [f"{where}: {_display(old)} -> {_display(new)}{suffix}"]
+    return []
+
+
+def diff_functions(old: Step | External, new: Step | External) -> list[str]:
+    """How two steps' functions differ, e.g. `fn: exp.make_a -> exp.make_b`: an identity payload
+    leaves the function out (changing code keeps its outputs), but two steps under one name that
+    run different functions are two steps, not one declared twice."""
+    if not (isinstance(old, Step) and isinstance(new, Step)) or old.fn is new.fn:
+        return []
+    before, after = code.qualified_name(old.fn), code.qualified_name(new.fn)
+    if before != after:
+        return [f"fn: {before} -> {after}"]
+    if code.fingerprint(old.fn) != code.fingerprint(new.fn):
+        return [f"fn: the source or bound arguments of {after} differ"]
     return []
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, Callable
 
 from keel.executor import storage
+from keel.executor.graph import rebuilt
 from keel.executor.step import External, OutputOf, Step, ThisOutput
 
 
@@ -35,12 +36,11 @@ def resolve_config(config: Any, own_output: str, path_of: Callable[[Step | Exter
                 for k, v in changes.items():
                     object.__setattr__(clone, k, v)
                 return clone
-        if isinstance(value, list):
-            return [walk(v) for v in value]
-        if isinstance(value, tuple):
-            return tuple(walk(v) for v in value)
+        # a list or dict the step gets is its own: changing it must not change the declared config
+        if isinstance(value, (list, tuple)):
+            return rebuilt(value, [walk(v) for v in value], fresh=isinstance(value, list))
         if isinstance(value, dict):
-            return {k: walk(v) for k, v in value.items()}
+            return rebuilt(value, {k: walk(v) for k, v in value.items()}, fresh=True)
         return value
 
     return walk(config)

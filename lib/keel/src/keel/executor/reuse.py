@@ -58,7 +58,9 @@ def find(prefix: str, entry_url: str, own_path: str) -> Reused | None:
 
 def reusable(step: Step) -> bool:
     """Whether the index serves `step`: not when it declares `no_outputs` (nothing to reuse), nor
-    when its function has no source to read (a REPL lambda: its name says nothing of its work)."""
+    when its function has no fingerprint (`code.fingerprint`): no source to read (a REPL lambda,
+    a builtin: its name says nothing of its work), or a partial's argument or a callable object's
+    attribute with no canonical encoding (which of two such values did the work cannot be told)."""
     return not step.no_outputs and code.fingerprint(step.fn) is not None
 
 

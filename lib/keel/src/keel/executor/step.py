@@ -273,6 +273,10 @@ class External:
         from keel.executor.storage import trim  # fsspec's import waits for a graph that reads files
 
         self.path = trim(path)
+        if version is not None and not (isinstance(version, str) and version.strip()):
+            raise StepDeclarationError(f"external {name!r}: version={version!r} says nothing of the data: give a non-empty "
+                                       "string that changes when the data does (e.g. version='2024-06'), or leave version "
+                                       "out to fingerprint the files under its path")
         self.version = version
         self.description = description
 

@@ -1,0 +1,140 @@
+"""A step's function: a plain function, a `functools.partial`, a callable object. Each runs, caches
+and has a content hash (its bound arguments or state included), and two steps under one name
+that run different functions are refused, not merged."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import pytest
+
+from keel import Step, output_of, this_output
+from keel.executor import code, reuse
+from keel.executor.identity import Identities
+from keel.executor.plan import CACHED, RUN, Graph, plan_graph
+from keel.executor.run import run_steps
+from keel.executor.step import StepDeclarationError
+
+
+@dataclass(frozen=True)
+class Cfg:
+    n: int
+    output_path: str = this_output()
+
+
+@dataclass(frozen=True)
+class Pair:
+    first: object
+    second: object
+    output_path: str = this_output()
+
+
+def write(path: str, text: str) -> None:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "out.txt"), "w") as f:
+        f.write(text)
+
+
+def scaled(config: Cfg, scale: int = 1) -> None:
+    write(config.output_path, str(config.n * scale))
+
+
+def other(config: Cfg, scale: int = 1) -> None:
+    write(config.output_path, f"other {config.n * scale}")
+
+
+class Scaler:
+    """A callable object: its class is the function, its attributes are bound like a partial's."""
+
+    def __init__(self, scale: int):
+        self.scale = scale
+
+    def __call__(self, config: Cfg) -> None:
+        write(config.output_path, str(config.n * self.scale))
+
+
+def pair(config: Pair) -> None:
+    write(config.output_path, "pair")
+
+
+def quiet(_):
+    pass
+
+
+def read(path: str) -> str:
+    with open(os.path.join(path, "out.txt")) as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("fn", [functools.partial(scaled, scale=2), Scaler(2)], ids=["partial", "callable-object"])
+def test_a_partial_or_a_callable_object_runs_and_is_cached(tmp_path, fn):
+    step = Step("f/a", fn, Cfg(3))
+    report = run_steps([step], str(tmp_path), echo=lambda _: None)
+    assert report.ok and report.ran == ["f/a"]
+    [plan] = plan_graph(Graph([step], str(tmp_path)))
+    assert read(plan.output_path) == "6"
+    assert plan.state == CACHED and plan.reason == ""  # the recorded fingerprint is the one planned
+    assert run_steps([step], str(tmp_path), echo=lambda _: None).ran == []
+
+
+def test_the_names_of_a_partial_and_a_callable_object():
+    assert code.qualified_name(functools.partial(scaled, scale=2)) == f"functools.partial({__name__}.scaled)"
+    assert code.qualified_name(Scaler(2)) == f"{__name__}.Scaler"
+
+
+@pytest.mark.parametrize("make", [lambda s: functools.partial(scaled, scale=s), Scaler], ids=["partial", "callable-object"])
+def test_bound_arguments_and_object_state_are_part_of_the_content_hash(make):
+    def content(fn):
+        return Identities().content_hash(Step("f/a", fn, Cfg(3)))
+
+    assert content(make(2)) == content(make(2))  # two objects, one work: encoded by value, not by id
+    assert content(make(2)) != content(make(5))
+    assert code.fingerprint(make(2)) == code.fingerprint(make(2)) != code.fingerprint(make(5))
+
+
+@pytest.mark.parametrize("make", [lambda s: functools.partial(scaled, scale=s), Scaler], ids=["partial", "callable-object"])
+def test_the_same_bound_work_under_another_name_is_reused_and_other_work_is_not(tmp_path, make):
+    prefix = str(tmp_path)
+    assert run_steps([Step("one/a", make(2), Cfg(3))], prefix, echo=lambda _: None).ok
+    [same] = plan_graph(Graph([Step("two/a", make(2), Cfg(3))], prefix))
+    assert same.state == CACHED and same.reused_from == "one/a"
+    [changed] = plan_graph(Graph([Step("three/a", make(5), Cfg(3))], prefix))
+    assert changed.state == RUN and changed.reused_from is None
+
+
+def test_a_function_without_readable_source_or_state_is_never_reused():
+    unreadable = [
+        functools.partial(len),  # a builtin: no source
+        functools.partial(scaled, scale=object()),  # a bound value with no canonical encoding
+        Scaler(object()),
+    ]
+    for fn in unreadable:
+        assert code.fingerprint(fn) is None, fn
+        assert not reuse.reusable(Step("f/a", fn, Cfg(1)))
+        Identities().content_hash(Step("f/a", fn, Cfg(1)))  # still hashed: planning such a step works
+
+
+def test_two_steps_with_one_name_and_config_but_other_functions_are_refused():
+    graph = Graph([Step("use", pair, Pair(Step("gen", scaled, Cfg(1)), Step("gen", scaled, Cfg(1))))], "memory://fns")
+    assert [s.name for s in graph.order] == ["gen", "use"]  # one function declared twice: one step
+    with pytest.raises(StepDeclarationError, match=rf"two different steps are named 'gen' \(fn: {__name__}.scaled -> {__name__}.other\); rename"):
+        Graph([Step("use", pair, Pair(Step("gen", scaled, Cfg(1)), Step("gen", other, Cfg(1))))], "memory://fns")
+    differ = Pair(Step("gen", functools.partial(scaled, scale=2), Cfg(1)), Step("gen", functools.partial(scaled, scale=3), Cfg(1)))
+    with pytest.raises(StepDeclarationError, match=r"two different steps are named 'gen' \(fn: the source or bound arguments "
+                                                   rf"of functools.partial\({__name__}.scaled\) differ\)"):
+        Graph([Step("use", pair, differ)], "memory://fns")
+
+
+def test_two_steps_with_one_name_and_function_still_merge_when_they_are_partials():
+    twice = Pair(Step("gen", functools.partial(scaled, scale=2), Cfg(1)), Step("gen", functools.partial(scaled, scale=2), Cfg(1)))
+    graph = Graph([Step("use", pair, twice)], "memory://fns")
+    assert [s.name for s in graph.order] == ["gen", "use"]
+    assert graph.order[1].config.first is graph.order[1].config.second is graph.order[0]
+
+
+def test_a_dependency_with_another_function_under_a_reused_name_is_refused_end_to_end(tmp_path):
+    a, b = Step("gen", scaled, Cfg(1)), Step("gen", other, Cfg(1))
+    with pytest.raises(StepDeclarationError, match="two different steps are named 'gen'"):
+        run_steps([Step("use", quiet, Pair(output_of(a), output_of(b)), no_outputs=True)], str(tmp_path), echo=lambda _: None)
