@@ -49,3 +49,20 @@ def test_an_earlier_run_at_the_root_of_a_memory_store_makes_the_step_stale(memor
     [plan] = plan_graph(Graph([Step(name, make, Cfg(2))], memory_root))
     assert plan.state == STALE and plan.reason == "config.n: 1 -> 2", (plan.state, plan.reason)
 
+
+
+@pytest.mark.parametrize("how", ["--prefix=~/out", "KEEL_PREFIX=~/out"])
+def test_a_tilde_the_shell_left_in_a_prefix_is_the_home_folder(tmp_path, monkeypatch, how):
+    """bash leaves `~` after `=` as it is; keel reads it as the user's home, not a folder named `~`."""
+    from pathlib import Path
+
+    from keel.cli import console_main
+
+    hello = str(Path(__file__).resolve().parent.parent / "experiments/tutorials/hello_world.py")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    option, value = how.split("=", 1)
+    if option == "KEEL_PREFIX":
+        monkeypatch.setenv("KEEL_PREFIX", value)
+    assert console_main(["run", hello] + ([how] if option == "--prefix" else [])) == 0
+    assert (tmp_path / "home" / "out" / "tutorial").is_dir() and not (tmp_path / "~").exists()

@@ -75,7 +75,8 @@ _OPTION_USERS = {"yes": ("gc",), "force": ("run", "plan", "status"), "only": ("r
 def _prefix(args) -> str:
     if args.prefix == "":
         raise UsageError("--prefix is empty: give a folder or an fsspec URL (or leave --prefix out for $KEEL_PREFIX, else ./outputs)")
-    return args.prefix or os.environ.get("KEEL_PREFIX") or "outputs"
+    # `~` is the user's home even where the shell left it (`--prefix=~/out`, KEEL_PREFIX='~/out')
+    return os.path.expanduser(args.prefix or os.environ.get("KEEL_PREFIX") or "outputs")
 
 
 def _check_options(args) -> None:
