@@ -10,7 +10,8 @@ import pytest
 
 from keel import External, Step, execution_only, output_of, this_output
 from keel.executor.graph import CycleError, topological_order
-from keel.executor.identity import Identities, IdentityError
+from keel.executor.encoding import IdentityError
+from keel.executor.identity import Identities
 from keel.executor.plan import Graph
 from keel.executor.step import StepDeclarationError
 

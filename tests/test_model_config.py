@@ -223,7 +223,7 @@ def test_nvte_is_refused_for_windowed_layers_naming_the_field_the_layers_and_the
 
 
 def test_the_attention_backend_is_execution_only():
-    from keel.executor.identity import encode
+    from keel.executor.encoding import encode
 
     assert encode(tiny_moe, "model", None) == encode(tiny_moe.replace(attention_backend="jax_flash"), "model", None)
     assert encode(tiny_moe, "model", None) != encode(tiny_moe.replace(sliding_window=32), "model", None)

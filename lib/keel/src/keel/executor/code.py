@@ -20,6 +20,7 @@ import functools
 import hashlib
 import inspect
 
+from keel.executor.encoding import IdentityError, canonical_json, encode
 from keel.executor.step import StepFunction
 
 
@@ -97,8 +98,6 @@ def _state(obj):
 def _encoded(value) -> str | None:
     """The canonical JSON of bound values, or None when one has no canonical encoding (nor has a
     step: its output would be a dependency the graph does not know)."""
-    from keel.executor.identity import IdentityError, canonical_json, encode  # identity imports this module
-
     def no_step(step):
         raise IdentityError(f"{step!r} is bound to a step's function")
 

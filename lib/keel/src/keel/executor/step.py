@@ -379,7 +379,7 @@ PLAIN, ENUM, FLOAT, OUTPUT_OF, STEP, THIS_OUTPUT, PATH, DATACLASS, SEQUENCE, DIC
 @functools.cache
 def value_kind(value_type: type) -> str | None:
     """What a config value of this type is, decided once per type: identity encodes by it
-    (`identity.encode`) and the dependency walk follows it (`_references`); a 10,000-step plan
+    (`encoding.encode`) and the dependency walk follows it (`_references`); a 10,000-step plan
     meets ~70,000 values, and a chain of isinstance checks per value cost it 0.1 s. The order is
     the rule: an Enum that is also an int is an enum, a bool is plain. None: no known kind."""
     for kind, bases in ((PLAIN, (type(None), bool, str)), (ENUM, enum.Enum), (PLAIN, int), (FLOAT, float),

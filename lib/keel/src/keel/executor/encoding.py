@@ -1,0 +1,72 @@
+"""Canonical JSON of config values: what an identity (and a step function's bound values) hashes.
+
+The encoding is stable across processes, hash seeds and machines; changing it re-keys every
+output, so `tests/test_executor_identity.py` pins golden hashes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any
+
+from keel.executor.step import (DATACLASS, DICT, ENUM, FLOAT, OUTPUT_OF, PATH, PLAIN, SEQUENCE, STEP, THIS_OUTPUT,
+                                StepDeclarationError, is_execution_only, value_kind)
+
+
+class IdentityError(StepDeclarationError):
+    """A config value that has no canonical encoding."""
+
+
+@functools.cache
+def _identity_fields(config_type: type) -> tuple[str, ...]:
+    """The names of a dataclass's fields that count toward identity (all but `execution_only` ones)."""
+    return tuple(f.name for f in dataclasses.fields(config_type) if not is_execution_only(f))
+
+
+def encode(value: Any, where: str, dep_hash) -> Any:
+    """The canonical JSON form of a config value; `where` is its field path for error messages."""
+    kind = value_kind(type(value))
+    if kind is PLAIN:
+        return value
+    if kind is DATACLASS:
+        out: dict[str, Any] = {"__class__": type(value).__qualname__}
+        for name in _identity_fields(type(value)):
+            out[name] = encode(getattr(value, name), f"{where}.{name}", dep_hash)
+        return out
+    if kind is SEQUENCE:
+        return [encode(v, f"{where}[{i}]", dep_hash) for i, v in enumerate(value)]
+    if kind is FLOAT:
+        # repr is the shortest string that round-trips exactly; a float never collides with an int. A
+        # float subclass (numpy's float64) is its value: its own repr names the class, and numpy's changed.
+        return {"__float__": repr(float(value))}
+    if kind is ENUM:
+        return {"__enum__": f"{type(value).__qualname__}.{value.name}"}
+    if kind is OUTPUT_OF:
+        return {"__output_of__": dep_hash(value.step), "subpath": value.subpath}
+    if kind is STEP:
+        return {"__output_of__": dep_hash(value), "subpath": ""}
+    if kind is THIS_OUTPUT:
+        return {"__this_output__": value.subpath}
+    if kind is PATH:
+        return {"__path__": value.as_posix()}
+    if kind is DICT:
+        for k in value:
+            if not isinstance(k, str):
+                raise IdentityError(f"{where}: dict keys must be strings, got {type(k).__name__} key {k!r}")
+        return {k: encode(value[k], f"{where}.{k}", dep_hash) for k in sorted(value)}
+    raise IdentityError(
+        f"{where}: a value of type {type(value).__name__} has no canonical encoding; use a dataclass, "
+        "enum, number, string, bool, None, list/tuple, dict with string keys, path or a placeholder"
+    )
+
+
+def canonical_json(payload: Any) -> str:
+    """Sorted keys, no spaces, ASCII: the text an identity hashes."""
+    return _CANONICAL.encode(payload)
+
+
+# One encoder for every payload: `json.dumps` with these settings builds a new one per call, a
+# fifth of the cost of hashing a step in a 10,000-step plan.
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True)
