@@ -81,15 +81,41 @@ def test_a_damaged_or_deleted_original_is_not_reused(tmp_path):
     assert again["y/a"].reused_from == "x/a"
 
 
+_EXPERIMENT = """from dataclasses import dataclass
+import os
+from keel import Step, main, output_of, this_output
+
+
+@dataclass(frozen=True)
+class C:
+    source: object = None
+    output_path: str = this_output()
+
+
+def make(config: C) -> None:
+    os.makedirs(config.output_path, exist_ok=True)
+    open(os.path.join(config.output_path, 'out.txt'), 'w').write({body!r})
+
+
+def copy(config: C) -> None:
+    os.makedirs(config.output_path, exist_ok=True)
+    text = open(config.source).read()
+    open(os.path.join(config.output_path, 'out.txt'), 'w').write('copied ' + text)
+
+
+{steps}
+"""
+
+
+def _experiment(path, body: str, steps: str) -> str:
+    """An experiment file whose `make` writes `body` (and whose `copy` copies its source), declaring `steps`."""
+    path.write_text(_EXPERIMENT.format(body=body, steps=steps))
+    return str(path)
+
+
 def test_two_experiment_files_own_functions_of_one_name_are_not_the_same_work(tmp_path, capsys):
     def experiment(name: str, step: str, body: str) -> str:
-        path = tmp_path / f"{name}.py"
-        path.write_text("from dataclasses import dataclass\nimport os\nfrom keel import Step, main, this_output\n\n\n"
-                        "@dataclass(frozen=True)\nclass C:\n    output_path: str = this_output()\n\n\n"
-                        f"def make(config: C) -> None:\n    os.makedirs(config.output_path, exist_ok=True)\n"
-                        f"    open(os.path.join(config.output_path, 'out.txt'), 'w').write({body!r})\n\n\n"
-                        f"if __name__ == '__main__':\n    main([Step({step!r}, make, C())])\n")
-        return str(path)
+        return _experiment(tmp_path / f"{name}.py", body, f"if __name__ == '__main__':\n    main([Step({step!r}, make, C())])")
 
     prefix = str(tmp_path / "out")
     assert console_main(["run", experiment("exp1", "x/a", "hello"), "--prefix", prefix]) == 0
@@ -102,24 +128,14 @@ def test_two_experiment_files_own_functions_of_one_name_are_not_the_same_work(tm
     assert "0 ran, 0 reused, 1 cached" in capsys.readouterr().out
 
 
-
 def test_an_output_made_by_old_code_is_not_indexed_as_the_new_codes_work(tmp_path, capsys):
     """A step whose function changed stays cached under its own name (a note says so); the index
     must not file that old output under the new code's content hash, where another experiment
     doing the new work would be served it."""
     def experiment(name: str, step: str, body: str) -> str:
-        path = tmp_path / f"{name}.py"
-        path.write_text("from dataclasses import dataclass\nimport os\nfrom keel import Step, output_of, main, this_output\n\n\n"
-                        "@dataclass(frozen=True)\nclass C:\n    source: object = None\n    output_path: str = this_output()\n\n\n"
-                        f"def make(config: C) -> None:\n    os.makedirs(config.output_path, exist_ok=True)\n"
-                        f"    open(os.path.join(config.output_path, 'out.txt'), 'w').write({body!r})\n\n\n"
-                        "def copy(config: C) -> None:\n    os.makedirs(config.output_path, exist_ok=True)\n"
-                        "    text = open(config.source).read()\n"
-                        "    open(os.path.join(config.output_path, 'out.txt'), 'w').write('copied ' + text)\n\n\n"
-                        f"a = Step({step + '/a'!r}, make, C())\n"
-                        f"b = Step({step + '/b'!r}, copy, C(source=output_of(a, 'out.txt')))\n"
-                        "if __name__ == '__main__':\n    main([b])\n")
-        return str(path)
+        return _experiment(tmp_path / f"{name}.py", body, f"a = Step({step + '/a'!r}, make, C())\n"
+                           f"b = Step({step + '/b'!r}, copy, C(source=output_of(a, 'out.txt')))\n"
+                           "if __name__ == '__main__':\n    main([b])")
 
     prefix = str(tmp_path / "out")
     assert console_main(["run", experiment("v1", "first", "version 1"), "--prefix", prefix]) == 0

@@ -302,7 +302,7 @@ def document_texts(documents_path: str, split: str):
     from keel.data.arrays import read_array  # numpy, as in write_documents
 
     texts = read_array(storage.join(documents_path, TEXTS_FILE.format(split=split)))
-    return None if texts is None or texts.ndim != 2 else (texts[:, 0], texts[:, 1])
+    return None if texts is None else (texts[:, 0], texts[:, 1])
 
 
 def iter_documents(documents_path: str, split: str) -> Iterator[Document]:

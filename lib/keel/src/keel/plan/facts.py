@@ -28,7 +28,7 @@ from keel.spec.resolved import ResolvedRun, resolve
 from keel.spec.dtypes import bytes_of
 from keel.plan.launch import launch
 from keel.plan.peak import transients
-from keel.plan.step_time import observed_here, step_time, stretches
+from keel.plan.step_time import observed_here, seconds_to, step_time, stretches
 from keel.plan.verdicts import verdict
 from keel.spec.train import CLAIM_FIGURES, TrainStepConfig
 
@@ -331,8 +331,7 @@ def _predicted_date(start_date: str | None, predicted: dict | None, step: int) -
     or None without a start date or a prediction."""
     if not start_date or not predicted or "stretches" not in predicted:
         return None
-    seconds = sum((min(r["to_step"] + 1, step) - r["from_step"]) * r["step_seconds"]
-                  for r in predicted["stretches"] if r["from_step"] < step)
+    seconds = seconds_to(predicted["stretches"], step)
     start = _date(start_date, "facts.start_date")
     return (dt.datetime.combine(start, dt.time()) + dt.timedelta(seconds=seconds)).date().isoformat()
 

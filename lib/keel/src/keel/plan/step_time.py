@@ -251,6 +251,11 @@ def calibrate(config: TrainStepConfig, all_loads: list[Load], fallback: StepTime
     return StepTimeCalibration(efficiency, sync, f"{facts.run_id or 'this run'}: {where}")
 
 
+def seconds_to(stretches: list[dict], step: int) -> float:
+    """Seconds the predicted stretches take from step 0 to `step` (full goodput)."""
+    return sum((min(r["to_step"] + 1, step) - r["from_step"]) * r["step_seconds"] for r in stretches if r["from_step"] < step)
+
+
 PEAK_DTYPE = "bfloat16"
 """The dtype of `Hardware.peak_flops_per_device` (its dense matmul peak)."""
 
@@ -283,7 +288,7 @@ def step_time(run: ResolvedRun, sheet: dict) -> dict | None:
     for row in rows:
         seen = [o for o in (config.facts.observed if own else ()) if row["from_step"] <= o.step <= row["to_step"]]
         row["observed_seconds"] = seen[0].step_seconds if seen else None
-    seconds = sum((r["to_step"] - r["from_step"] + 1) * r["step_seconds"] for r in rows)
+    seconds = seconds_to(rows, train.num_steps)
     start = config.facts.start_date if config.facts else None
     return {
         "end_date": (dt.date.fromisoformat(start) + dt.timedelta(seconds=seconds)).isoformat() if start else None,
