@@ -1,5 +1,5 @@
-"""A step's function: a plain function, a `functools.partial`, a callable object. Each runs, caches
-and has a content hash (its bound arguments or state included), and two steps under one name
+"""A step's function: a plain function, a `functools.partial`, a callable object, a bound method.
+Each runs, caches and has a content hash (its bound arguments or state included), and two steps under one name
 that run different functions are refused, not merged."""
 
 from __future__ import annotations
@@ -55,6 +55,26 @@ class Scaler:
         write(config.output_path, str(config.n * self.scale))
 
 
+class Multiplier:
+    """A bound method's object is bound like a partial's arguments; a classmethod's, its class."""
+
+    scale = 1
+
+    def __init__(self, scale: int):
+        self.scale = scale
+
+    def write(self, config: Cfg) -> None:
+        write(config.output_path, str(config.n * self.scale))
+
+    @classmethod
+    def write_at_class_scale(cls, config: Cfg) -> None:
+        write(config.output_path, str(config.n * cls.scale))
+
+
+class Doubler(Multiplier):
+    scale = 2
+
+
 def pair(config: Pair) -> None:
     write(config.output_path, "pair")
 
@@ -68,7 +88,11 @@ def read(path: str) -> str:
         return f.read()
 
 
-@pytest.mark.parametrize("fn", [functools.partial(scaled, scale=2), Scaler(2)], ids=["partial", "callable-object"])
+BOUND = {"partial": lambda s: functools.partial(scaled, scale=s), "callable-object": Scaler,
+         "bound-method": lambda s: Multiplier(s).write}
+
+
+@pytest.mark.parametrize("fn", [make(2) for make in BOUND.values()], ids=list(BOUND))
 def test_a_partial_or_a_callable_object_runs_and_is_cached(tmp_path, fn):
     step = Step("f/a", fn, Cfg(3))
     report = run_steps([step], str(tmp_path), echo=lambda _: None)
@@ -82,9 +106,10 @@ def test_a_partial_or_a_callable_object_runs_and_is_cached(tmp_path, fn):
 def test_the_names_of_a_partial_and_a_callable_object():
     assert code.qualified_name(functools.partial(scaled, scale=2)) == f"functools.partial({__name__}.scaled)"
     assert code.qualified_name(Scaler(2)) == f"{__name__}.Scaler"
+    assert code.qualified_name(Multiplier(2).write) == f"{__name__}.Multiplier.write"
 
 
-@pytest.mark.parametrize("make", [lambda s: functools.partial(scaled, scale=s), Scaler], ids=["partial", "callable-object"])
+@pytest.mark.parametrize("make", list(BOUND.values()), ids=list(BOUND))
 def test_bound_arguments_and_object_state_are_part_of_the_content_hash(make):
     def content(fn):
         return Identities().content_hash(Step("f/a", fn, Cfg(3)))
@@ -94,7 +119,13 @@ def test_bound_arguments_and_object_state_are_part_of_the_content_hash(make):
     assert code.fingerprint(make(2)) == code.fingerprint(make(2)) != code.fingerprint(make(5))
 
 
-@pytest.mark.parametrize("make", [lambda s: functools.partial(scaled, scale=s), Scaler], ids=["partial", "callable-object"])
+def test_a_classmethod_is_bound_to_its_class():
+    assert code.fingerprint(Multiplier.write_at_class_scale) == code.fingerprint(Multiplier.write_at_class_scale)
+    assert code.fingerprint(Multiplier.write_at_class_scale) != code.fingerprint(Doubler.write_at_class_scale)
+    assert code.qualified_name(Doubler.write_at_class_scale) == f"{__name__}.Multiplier.write_at_class_scale"
+
+
+@pytest.mark.parametrize("make", list(BOUND.values()), ids=list(BOUND))
 def test_the_same_bound_work_under_another_name_is_reused_and_other_work_is_not(tmp_path, make):
     prefix = str(tmp_path)
     assert run_steps([Step("one/a", make(2), Cfg(3))], prefix, echo=lambda _: None).ok
@@ -109,6 +140,7 @@ def test_a_function_without_readable_source_or_state_is_never_reused():
         functools.partial(len),  # a builtin: no source
         functools.partial(scaled, scale=object()),  # a bound value with no canonical encoding
         Scaler(object()),
+        Multiplier(object()).write,
     ]
     for fn in unreadable:
         assert code.fingerprint(fn) is None, fn

@@ -7,10 +7,12 @@ function that made it, and a cached step whose function now reads differently is
 says so, with the `--force` that reruns it. Only the function's own source counts, not what it calls.
 
 A `functools.partial` is the function it wraps plus its bound arguments, a callable object its
-class plus its attributes: the bound values join the fingerprint (encoded canonically, as a config
-is), so `partial(train, lr=0.1)` and `partial(train, lr=0.2)` are different work to the content
-hash. A bound value with no canonical encoding (an open file, a model) leaves the function without
-a fingerprint, as a function without source is: such a step never reuses another name's output.
+class plus its attributes, a bound method its function plus its object's attributes (a
+classmethod's object is its class, bound by name): the bound values join the fingerprint (encoded
+canonically, as a config is), so `partial(train, lr=0.1)` and `partial(train, lr=0.2)`, or
+`Trainer(0.1).run` and `Trainer(0.2).run`, are different work to the content hash. A bound value
+with no canonical encoding (an open file, a model) leaves the function without a fingerprint, as a
+function without source is: such a step never reuses another name's output.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import dataclasses
 import functools
 import hashlib
 import inspect
+import types
 
 from keel.executor.encoding import IdentityError, canonical_json, encode
 from keel.executor.step import StepFunction
@@ -61,9 +64,14 @@ def fingerprint(fn) -> str | None:
 
 def _fingerprint(fn) -> str | None:
     """`fingerprint` uncached: a plain function's is its source's hash (as recorded before partials
-    were read), a partial's or callable object's that of its function's plus its bound values."""
+    were read), a partial's, callable object's or bound method's that of its function's plus its
+    bound values."""
     if isinstance(fn, functools.partial):
         inner, bound = fingerprint(fn.func), _encoded({"args": list(fn.args), "keywords": dict(fn.keywords)})
+    elif isinstance(fn, types.MethodType):
+        owner = fn.__self__
+        state = f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else _state(owner)
+        inner, bound = _source_hash(fn.__func__), None if state is _UNREADABLE else _encoded({"self": state})
     elif _named(fn) is fn:
         inner, bound = _source_hash(fn), ""
     else:
