@@ -243,3 +243,49 @@ def test_no_line_index_is_built_where_nothing_can_be_held_out_or_none_is_asked_f
     kept = _ingest(tmp_path, "kept", inputs=(str(path),), validation_fraction=0.3, near_duplicate_overlap=None)
     assert read_index(kept)["splits"]["validation"]["documents"] == sum(
         split_of(f"data.jsonl:{n}", 0.3) == "validation" for n in range(1, 201))
+
+
+def test_a_duplicate_id_is_refused_by_name_within_a_batch_and_across_merged_batches(monkeypatch):
+    from keel.data.documents import DocumentIds, id_digest
+
+    def add(ids, doc_id):
+        ids.add(doc_id, id_digest(doc_id))
+
+    monkeypatch.setattr(DocumentIds, "BATCH", 5)  # batches of 5, merged as they pile up
+    ids = DocumentIds()
+    for i in range(103):
+        add(ids, f"data.jsonl:{i}")
+    ids.seal()
+    assert sum(len(c) for c in ids._chunks) == 103 and len(ids._chunks) <= 5  # merged, none lost
+    with pytest.raises(ValueError, match=r"duplicate document id 'data.jsonl:1000'"):
+        add(ids, "data.jsonl:1000")
+        add(ids, "data.jsonl:1000")  # in the same batch: refused at once
+    for earlier in ("data.jsonl:0", "data.jsonl:57", "data.jsonl:102"):
+        again = DocumentIds()
+        for i in range(103):
+            add(again, f"data.jsonl:{i}")
+        with pytest.raises(ValueError, match=rf"duplicate document id '{earlier}'"):
+            for i in range(1001, 1009):  # the repeat lands mid-batch; it is found when its batch seals
+                add(again, earlier if i == 1003 else f"data.jsonl:{i}")
+            again.seal()
+
+
+def test_a_document_set_with_a_duplicate_id_writes_no_index(tmp_path):
+    from keel.data.documents import Document, write_documents
+    from keel.data.quality import RecordLog
+
+    docs = [Document(f"d{i}", f"text {i}") for i in range(50)] + [Document("d7", "another text")]
+    with pytest.raises(ValueError, match=r"duplicate document id 'd7'"):
+        write_documents(str(tmp_path / "set"), docs, validation_fraction=0.2, shard_bytes=1 << 20,
+                        log=RecordLog("test"), source={}, what="a test")
+    assert not (tmp_path / "set" / "documents.json").exists()
+
+
+def test_held_out_draws_come_back_from_their_spill_exactly_and_in_order(tmp_path):
+    texts = [f"held {i}: ünïcödé ✓ \ud800 a lone surrogate, \"quoted\"\nline two {i}\u2028" for i in range(400)]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))  # escaped, as JSON allows
+    checked = _ingest(tmp_path, "checked", inputs=(str(path),), validation_fraction=0.3)  # validation spilled, then read back
+    direct = _ingest(tmp_path, "direct", inputs=(str(path),), validation_fraction=0.3, near_duplicate_overlap=None)
+    spilled = [(d.id, d.text) for d in iter_documents(checked, "validation")]
+    assert len(spilled) > 50 and spilled == [(d.id, d.text) for d in iter_documents(direct, "validation")]

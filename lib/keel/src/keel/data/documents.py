@@ -27,6 +27,7 @@ import hashlib
 import io
 import json
 import posixpath
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -53,9 +54,10 @@ class Document:
     text: str
 
 
-def id_hash(doc_id: str) -> int:
-    """A document id's 64-bit hash: where it falls in [0, 2**64), which decides its split."""
-    return int.from_bytes(hashlib.sha256(doc_id.encode("utf-8")).digest()[:8], "big")
+def id_digest(doc_id: str) -> bytes:
+    """A document id's SHA-256: its first 8 bytes, a number in [0, 2**64), decide its split
+    (`split_of`); its first 16 tell it from every other id (`DocumentIds`)."""
+    return hashlib.sha256(doc_id.encode("utf-8")).digest()
 
 
 def text_hash(text: str) -> int:
@@ -68,7 +70,11 @@ def split_of(doc_id: str, validation_fraction: float) -> str:
     """'validation' for a stable `validation_fraction` share of ids, else 'train'. The shares nest: a
     document held out at one fraction is held out at every larger one, so two document sets holding
     the same document at different fractions can put it in different splits."""
-    return "validation" if id_hash(doc_id) / 2.0**64 < validation_fraction else "train"
+    return _split_of_digest(id_digest(doc_id), validation_fraction)
+
+
+def _split_of_digest(digest: bytes, validation_fraction: float) -> str:
+    return "validation" if int.from_bytes(digest[:8], "big") / 2.0**64 < validation_fraction else "train"
 
 
 def check_validation_fraction(value: float) -> None:
@@ -182,6 +188,67 @@ class TrainingLines:
         return bool(len(lines)) and int(found.sum()) >= overlap * len(lines)
 
 
+class DocumentIds:
+    """The ids seen so far, to refuse a duplicate: 16 bytes of each id's SHA-256 in sorted numpy
+    chunks (a set of the ids held ~100 bytes a document, 10 GB per 10^8 documents). The latest
+    batch is a dict of digest -> id, so a duplicate within it is refused at once and one of an
+    earlier batch when the batch is sealed; either way the message names the id. Chunks of equal
+    size merge, so a batch is searched in O(log n) chunks."""
+
+    BATCH = 1 << 18
+
+    def __init__(self) -> None:
+        self._chunks: list = []  # sorted 'V16' arrays, sizes decreasing
+        self._batch: dict[bytes, str] = {}
+
+    def add(self, doc_id: str, digest: bytes) -> None:
+        """Note `doc_id`, whose `id_digest` is `digest`."""
+        key = digest[:16]
+        if key in self._batch:
+            raise _duplicate(doc_id)
+        self._batch[key] = doc_id
+        if len(self._batch) >= self.BATCH:
+            self.seal()
+
+    def seal(self) -> None:
+        """Check the batch against every earlier id (before a document set's index is written)."""
+        import numpy as np  # here, as in write_documents: declaring a graph imports this module
+
+        if not self._batch:
+            return
+        batch = np.sort(np.frombuffer(b"".join(self._batch), dtype="V16"))
+        for chunk in self._chunks:
+            found = chunk[np.searchsorted(chunk, batch).clip(max=len(chunk) - 1)] == batch
+            if found.any():
+                raise _duplicate(self._batch[batch[found.argmax()].tobytes()])
+        self._batch = {}
+        while self._chunks and len(self._chunks[-1]) <= len(batch):  # two sorted runs: a merge, not a quicksort
+            batch = np.sort(np.concatenate((self._chunks.pop(), batch)), kind="stable")
+        self._chunks.append(batch)
+
+
+def _duplicate(doc_id: str) -> ValueError:
+    return ValueError(f"duplicate document id {doc_id!r}: ids must be unique within a document set")
+
+
+class _HeldOut:
+    """Validation draws waiting until every training line is known, in a temporary file: in a list
+    they held the whole validation split in memory."""
+
+    def __init__(self) -> None:
+        self._file = tempfile.TemporaryFile()
+
+    def add(self, doc: Document) -> None:
+        self._file.write(json.dumps([doc.id, doc.text]).encode("ascii") + b"\n")
+
+    def drain(self) -> Iterator[Document]:
+        """Every document added, in order; the file is gone afterwards."""
+        with self._file as f:
+            f.seek(0)
+            for line in f:
+                yield Document(*json.loads(line))
+
+
 def write_documents(
     output_path: str,
     documents: Iterable[Document],
@@ -209,28 +276,28 @@ def write_documents(
 
     clear_documents(output_path)
     writers = {split: _ShardedSplitWriter(output_path, split, shard_bytes) for split in SPLITS}
-    seen: set[str] = set()
+    ids = DocumentIds()
     empty = 0
     # validation draws wait until every training line is known, when near-copies are looked for
-    held_out: list[Document] | None = [] if near_duplicate_overlap is not None and validation_fraction > 0 else None
+    held_out = _HeldOut() if near_duplicate_overlap is not None and validation_fraction > 0 else None
     train_lines = TrainingLines()
     for doc in documents:
-        if doc.id in seen:
-            raise ValueError(f"duplicate document id {doc.id!r}: ids must be unique within a document set")
-        seen.add(doc.id)
+        digest = id_digest(doc.id)
+        ids.add(doc.id, digest)
         if not doc.text:
             empty += 1
             continue
-        if split_of(doc.id, validation_fraction) == "train":
+        if _split_of_digest(digest, validation_fraction) == "train":
             writers["train"].add(doc)
             if held_out is not None:
                 train_lines.add(doc.text)
         elif held_out is not None:
-            held_out.append(doc)
+            held_out.add(doc)
         else:
             writers["validation"].add(doc)
+    ids.seal()
     moved = []
-    for doc in held_out or ():
+    for doc in held_out.drain() if held_out is not None else ():
         copy = train_lines.near_duplicate(doc.text, near_duplicate_overlap)
         writers["train" if copy else "validation"].add(doc)
         if copy:
