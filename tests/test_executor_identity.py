@@ -1,6 +1,7 @@
 """Identity: golden hashes, what counts and what does not, and canonical encoding."""
 
 import enum
+import json
 import pathlib
 import subprocess
 import sys
@@ -206,3 +207,15 @@ def test_a_step_function_named_by_module_has_the_identity_and_fingerprint_of_the
             "print(sorted(m for m in ('jax', 'levanter', 'keel.train', 'keel.train.step') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr  # read, never imported
+
+
+def test_the_canonical_text_is_the_standard_encoders_for_every_kind_of_value():
+    from keel.executor.encoding import canonical_json, encode
+
+    standard = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    a = Step("golden/a", noop, Config(n=1))
+    values = [Config(n=3, inner=Inner(1e-3, ("x", output_of(a, "f.txt"))), mapping={"z": [1, None, True], "a": "ünï\n\"q\"\ud800"}),
+              {"b": {"d": 2**70, "c": -0.0}, "a": [[], {}]}, "\u2028", None, False, 1.5e300]
+    for value in values:
+        payload = encode(value, "v", lambda step: "h")
+        assert canonical_json(payload) == standard.encode(payload)
