@@ -49,6 +49,24 @@ def test_schedule_warms_up_then_decays_linearly_to_its_fraction():
     assert float(lr(100)) == pytest.approx(0.1)
 
 
+def test_adamw_decays_matrices_and_no_norm_gain_or_bias_of_any_layer():
+    from keel.model.transformer import init_model
+    from keel.spec import AdamWConfig
+    from keel.train.loop import _params
+
+    params = _params(init_model(hero_like(), jax.random.PRNGKey(0)))
+    train = TrainConfig(batch_size=1, seq_len=1, num_steps=10, schedule=ScheduleConfig(0.0, 1.0),
+                        optimizer=AdamWConfig(lr=0.1, weight_decay=0.5))
+    tx = Optimizer(train, params).transform()
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    moved = {path: bool(jnp.any(u != 0)) for path, u in zip(jax.tree.leaves(param_paths(params)), jax.tree.leaves(updates))}
+    vectors = [p for p in moved if p.endswith("norm.weight") or p.endswith("router_bias")]
+    assert {"layers.stacked.attn_norm.norm.weight", "final_norm.norm.weight", "layers.stacked.moe.router_bias"} <= set(vectors)
+    assert not any(moved[p] for p in vectors), [p for p in vectors if moved[p]]  # [layers, embed] is a gain per layer
+    assert all(moved[p] for p in ("layers.stacked.attn.q", "layers.stacked.moe.router", "layers.stacked.moe.experts.gate",
+                                  "embedding", "lm_head"))
+
+
 def test_weight_decay_change_hits_named_groups_from_its_step_and_the_router_bias_never_moves():
     params = {
         "layers": {"attn": {"gate": jnp.ones((4, 2)), "q": jnp.ones((4, 4))},

@@ -17,6 +17,8 @@ POS = "position"
 KEY_POS = "key_position"
 TOKEN = "token"
 TOP_K = "top_k"
+LAYERS = "layers"
+"""The axis that stacks every layer's copy of a parameter (scanned layers)."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ class ModelAxes:
             GateRank=Axis("gate_rank", config.gated_norm_rank),
             ConvKernel=Axis("conv_kernel", config.conv_kernel),
             Vocab=Axis("vocab", config.vocab_size),
-            Layers=Axis("layers", config.num_layers),
+            Layers=Axis(LAYERS, config.num_layers),
         )
 
 

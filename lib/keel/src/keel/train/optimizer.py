@@ -21,6 +21,7 @@ from levanter.optim.adamh import scale_by_adamh as levanter_adamh
 from levanter.optim.config import AdamConfig
 from levanter.utils.jax_utils import leaf_key_paths
 
+from keel.model.axes import LAYERS
 from keel.spec.train import AdamWConfig, GroupedOptimizerConfig, optimizer_group, peak_lr
 from keel.train.muonh import scale_by_muonh
 
@@ -196,9 +197,18 @@ def _product(a: Schedule, b: Schedule) -> Schedule:
     return lambda step: a(step) * b(step)
 
 
+def _is_matrix(param) -> bool:
+    """Two axes or more besides `layers`: a norm's gain, stored [layers, embed], is a vector per
+    layer (decaying it shrinks every layer's norm but the first and last), a router [layers, embed,
+    experts] a matrix per layer."""
+    if isinstance(param, hax.NamedArray):
+        return sum(ax.name != LAYERS for ax in param.axes) >= 2
+    return param.ndim >= 2
+
+
 def _adamw_groups(opt, lr: Schedule) -> dict[str, optax.GradientTransformation]:
     def matrices(group_params):  # decay matrices only; computed on the group's own (masked) tree
-        return jax.tree.map(lambda x: x.ndim >= 2, group_params)
+        return jax.tree.map(_is_matrix, group_params, is_leaf=lambda x: isinstance(x, hax.NamedArray))
 
     adamw = optax.adamw(lr, opt.beta1, opt.beta2, opt.eps, weight_decay=opt.weight_decay, mask=matrices)
     return {"adamw": adamw}
