@@ -211,6 +211,8 @@ def test_a_few_shared_texts_are_a_warning_and_more_are_refused(tmp_path, capsys)
                                          r"of 'other' \(.*two\): .*memorisation"):
         check(other=two)
     check(probe=two)  # evaluated, never drawn: it trains on nothing
+    with pytest.raises(ValueError, match=r"2 of the .* training documents of 'other'"):
+        check(other=two, probe=one, external=("/cache/external", {}))  # a trained cache keel did not tokenize: no set
     another = documents("another", others + plain[1:2], 0.0)
     with pytest.raises(ValueError, match=r"2 of the .* are training documents of 'another' \(.*another\) and 'other' \(.*one\)"):
         check(other=one, another=another)

@@ -103,7 +103,7 @@ def check_held_out_documents(stats: dict[str, tuple[str, dict]], trained: set[st
     by = {path: [] for path in shared}  # the document sets that train on some of a set's validation texts
     unchecked = [path for path in paths if held_out[path] is None]
     for other_path in paths:  # the training splits one at a time: memory for the largest, not for all
-        if not any(sets[name] == other_path for name in trained) or other_path in unchecked:
+        if not any(sets.get(name) == other_path for name in trained) or other_path in unchecked:
             continue
         texts = document_texts(other_path, "train")
         if texts is None:
