@@ -3,6 +3,7 @@ on, and `MetricsLog`, the run's metrics file, as a resume finds it."""
 
 import json
 import threading
+import uuid
 
 import pytest
 
@@ -91,3 +92,30 @@ def test_a_resume_drops_the_line_the_attempt_before_tore_and_keeps_every_step(tm
     assert [r["step"] for r in read_metrics(str(path))] == list(range(12))
     assert path.read_text().count("\n") == 12 and "dropped 1 torn line(s)" in caplog.text
 
+
+
+def test_on_a_store_without_appends_the_file_is_rewritten_and_a_resume_keeps_every_step(monkeypatch):
+    """`memory://` refuses append mode and gcsfs turns it into overwrite: there the file is rewritten
+    whole, when a checkpoint starts (`flush`), every REWRITE_SECONDS and at the end."""
+    import keel.train.tracking as tracking
+
+    clock = [1000.0]
+    monkeypatch.setattr(tracking.time, "monotonic", lambda: clock[0])
+    url = f"memory://metrics-{uuid.uuid4().hex}/run/metrics.jsonl"
+    log = MetricsLog(url)
+    assert read_metrics(url) == []  # there from the start, as a local file is
+    for step in range(3):
+        log.log({"train/loss": 5.0 - step}, step=step)
+    assert read_metrics(url) == []  # within REWRITE_SECONDS of the start: not rewritten yet
+    log.flush()  # a checkpoint of step 3 starts
+    assert [r["step"] for r in read_metrics(url)] == [0, 1, 2]
+    log.log({"train/loss": 2.0}, step=3)  # the attempt dies here: its unflushed record is lost, and retrained
+    resumed = MetricsLog(url, resume_at=3)
+    resumed.log({"train/loss": 2.0}, step=3)
+    clock[0] += MetricsLog.REWRITE_SECONDS
+    resumed.log({"train/loss": 1.0}, step=4)
+    assert [r["step"] for r in read_metrics(url)] == [0, 1, 2, 3, 4]  # its interval passed: rewritten
+    resumed.log({"train/loss": 0.5}, step=5)
+    resumed.finish()
+    assert [(r["step"], r["train/loss"]) for r in read_metrics(url)] == [(0, 5.0), (1, 4.0), (2, 3.0), (3, 2.0), (4, 1.0),
+                                                                          (5, 0.5)]

@@ -276,7 +276,8 @@ class _Run:
             self.progress.event(f"compiling the {self.transport_at(start).transport} training step ahead, while the run sets up ...")
         # every record goes to each tracker: metrics.jsonl (what compare, ladder and the dashboard
         # read), then wandb; a tracker that fails raises (Levanter's CompositeTracker would log and go on)
-        self.trackers: list[Tracker] = [MetricsLog(os.path.join(self.output_path, METRICS_FILE), writer=primary, resume_at=start)]
+        self.metrics = MetricsLog(os.path.join(self.output_path, METRICS_FILE), writer=primary, resume_at=start)
+        self.trackers: list[Tracker] = [self.metrics]
         self.wandb: OpenedLater | None = None  # opened after the first step (OpenedLater says why)
         if primary and self.inputs.use_wandb:
             self.wandb = OpenedLater(lambda: open_wandb(self.output_path, project=self.inputs.wandb_project, entity=None),
@@ -437,6 +438,7 @@ class _Run:
         stopping = stop_requested_anywhere() and completed < config.num_steps
         if (not done.replaying or stopping) and self.checkpoints.on_step(
                 self.state_arrays, completed, force=completed == config.num_steps or switching, rolling=stopping):
+            self.metrics.flush()  # the records up to the checkpoint, for a resume from it (an object store's file)
             self.progress.event(f"step {completed}: checkpoint saved")
         if stopping:
             self.checkpoints.wait()

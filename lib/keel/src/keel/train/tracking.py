@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import threading
+import time
 from typing import Any, Callable, Mapping
 
 import fsspec
@@ -47,9 +48,17 @@ def wandb_mode() -> str:
 
 
 class MetricsLog(Tracker):
-    """Append-only JSON lines, one record per step (train) or evaluation; flushed on every write.
-    A Levanter tracker, beside wandb's; it keeps per-step metrics only (summaries, hyperparameters
-    and artifacts belong to wandb and the step's own files).
+    """Append-only JSON lines, one record per step (train) or evaluation. A Levanter tracker, beside
+    wandb's; it keeps per-step metrics only (summaries, hyperparameters and artifacts belong to
+    wandb and the step's own files).
+
+    On a local disk every record is appended and flushed. An object store cannot append (gcsfs
+    turns append into overwrite and uploads nothing below 5 MiB; `memory://` refuses it), so there
+    the file is rewritten whole (`storage.write_atomic`): at the end, whenever a checkpoint save
+    starts (`flush`; a resume then finds every record up to its checkpoint) and otherwise at most
+    every `REWRITE_SECONDS`, or 20 times the last rewrite's duration when that is longer (a long
+    run's file stays within 5% of its time). A killed attempt loses only records past its last
+    checkpoint, which the resumed run writes again.
 
     A record is `{"step": int, <metric>: float, ...}`; a train record's step is the index of the
     update (0-based), an evaluation's the number of updates done before it. A run resumed from the
@@ -59,28 +68,48 @@ class MetricsLog(Tracker):
     """
 
     name = "metrics.jsonl"
+    REWRITE_SECONDS = 10.0
 
     def __init__(self, path: str, *, writer: bool = True, resume_at: int = 0):
         """`writer=False` (every process of a multi-process run but the first) writes nothing."""
         self.path = path
-        self._file = None
+        self._file = None  # a local disk: appended to
+        self._lines: list[str] | None = None  # an object store: every record, rewritten whole
+        self._rewritten_at, self._rewrite_seconds = 0.0, 0.0
         if writer:
             fs, plain = fsspec.core.url_to_fs(path)
             fs.makedirs(os.path.dirname(plain) or ".", exist_ok=True)
             if fs.exists(plain):
                 _drop_records_after(path, resume_at)
-            self._file = fsspec.open(path, "a").open()
+            if storage.is_local(path):
+                self._file = fsspec.open(path, "a").open()
+            else:
+                self._lines = [storage.read_text(path) or ""]
+                self.flush()  # the file is there from the start, as on a local disk
 
     def log(self, metrics: Mapping[str, Any], *, step: int | None, commit: bool | None = None) -> None:
-        if self._file is None:
-            return
         record = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        elif self._lines is not None:
+            self._lines.append(json.dumps(record) + "\n")
+            if time.monotonic() - self._rewritten_at >= max(self.REWRITE_SECONDS, 20 * self._rewrite_seconds):
+                self.flush()
+
+    def flush(self) -> None:
+        """Every record so far on storage (an object store's file rewritten now)."""
+        if self._lines is None:
+            return
+        t0 = time.monotonic()
+        storage.write_atomic(self.path, "".join(self._lines))
+        self._rewritten_at = time.monotonic()
+        self._rewrite_seconds = self._rewritten_at - t0
 
     def finish(self) -> None:
         if self._file is not None:
             self._file.close()
+        self.flush()
 
     def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
         pass
