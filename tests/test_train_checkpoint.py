@@ -1,5 +1,6 @@
 """Checkpoint retention under a step's output path follows the declaration: rolling checkpoints
-(by time or every N steps) keep the newest N, permanent ones every N steps stay."""
+(by time or every N steps) keep the newest N, permanent ones every N steps stay. A damaged
+checkpoint falls back to an older one; a storage error stops the run."""
 
 import os
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from keel.train.checkpoint import TrainCheckpoints, restore_like
 
@@ -79,3 +81,27 @@ def test_none_leaves_load_without_a_warning(tmp_path, caplog):
     restored = restore_like({"w": jnp.zeros((4,)), "bias": None}, checkpoints.latest())
     assert restored["bias"] is None
     assert "Unknown leaf type" not in caplog.text, caplog.text
+
+
+def test_a_storage_error_stops_the_restore_instead_of_falling_back(tmp_path, monkeypatch, capsys):
+    """A checkpoint that fails to read for its storage (a 503, a permission) is not damaged: falling
+    back to an older one, or to step 0, would throw away the run's progress for a passing outage."""
+    import keel.train.checkpoint as checkpoint
+
+    checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=1)
+    _save_steps(checkpoints, (1, 2))
+    newest = checkpoints.latest()
+
+    def unavailable(exemplar, path):
+        raise ValueError(f'UNAVAILABLE: Error reading "{path}/manifest.ocdbt": HTTP response code: 503')
+
+    monkeypatch.setattr(checkpoint, "restore_like", unavailable)
+    with pytest.raises(RuntimeError, match=r"step-2 could not be read \(ValueError: UNAVAILABLE: .*503\), and not because "
+                                           r"it is damaged: the run stops"):
+        checkpoints.restore(_abstract_w(), newest)
+    assert "skipping" not in capsys.readouterr().out
+
+
+def test_a_training_step_under_a_store_tensorstore_cannot_write_is_refused_before_it_compiles():
+    with pytest.raises(ValueError, match=r"cannot run under memory:// \(memory://exp/train-1\): .*local path, gs:// or s3://"):
+        TrainCheckpoints("memory://exp/train-1", permanent_every=None)

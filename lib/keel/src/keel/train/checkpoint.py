@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import os
+import urllib.parse
 
 import fsspec
 import haliax as hax
@@ -39,6 +40,8 @@ from levanter.tensorstore_serialization import ReplicaRestoreMode, TensorStoreRe
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
+TENSORSTORE_SCHEMES = ("", "file", "gs", "s3")
+"""The stores Levanter's checkpoints reach (`levanter.tensorstore_serialization.build_kvstore_spec`)."""
 
 
 def checkpoint_root(output_path: str) -> str:
@@ -51,6 +54,11 @@ class TrainCheckpoints:
     def __init__(self, output_path: str, *, permanent_every: int | None, rolling_every: int | None = None,
                  rolling_minutes: float | None = None, keep_rolling: int = 1):
         self.root = checkpoint_root(output_path)
+        scheme = urllib.parse.urlparse(self.root).scheme
+        if scheme not in TENSORSTORE_SCHEMES:  # refused before anything compiles, not at the first save
+            raise ValueError(f"a training step cannot run under {scheme}:// ({output_path}): Levanter writes its "
+                             "checkpoints with tensorstore, which takes a local path, gs:// or s3://; give the run "
+                             "such a prefix (`keel run --prefix`)")
         self.rolling_every = rolling_every
         policies = [CheckpointInterval(every=permanent_every)] if permanent_every else []
         interval = datetime.timedelta(minutes=rolling_minutes) if rolling_minutes else None
@@ -61,15 +69,19 @@ class TrainCheckpoints:
 
     def restore(self, exemplar, path: str):
         """The state saved at `path`, laid out like `exemplar` (arrays or ShapeDtypeStructs: the same
-        tree, shardings, memory kinds and dtypes); when `path` cannot be read, the newest older
-        checkpoint that can, else None."""
+        tree, shardings, memory kinds and dtypes); when `path` is damaged (`_damaged`), the newest
+        older checkpoint that reads, else None. Any other error stops the run."""
         skipped: list[str] = []
         candidate: str | None = path
         while candidate is not None:
             try:
                 state = restore_like(exemplar, candidate)
-            except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint: a truncated or missing array file
+            except Exception as exc:
                 why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+                if not _damaged(exc):  # a storage outage, a permission, memory: skipping would throw away the run
+                    raise RuntimeError(f"checkpoint {candidate} could not be read ({type(exc).__name__}: {why}), and not "
+                                       "because it is damaged: the run stops rather than train again from an older "
+                                       "checkpoint or from step 0; fix the cause and rerun the step") from exc
                 print(f"[train] skipping checkpoint {candidate}: it cannot be read ({type(exc).__name__}: {why})", flush=True)
                 skipped.append(candidate)
                 candidate = discover_latest_checkpoint(self.root, exclude_paths=skipped)
@@ -97,6 +109,19 @@ class TrainCheckpoints:
 
     def wait(self) -> None:
         self._checkpointer.wait_until_finished()
+
+
+DAMAGE = ("OUT_OF_RANGE", "NOT_FOUND", "DATA_LOSS")
+"""Tensorstore's status codes for a checkpoint's own damage: a truncated data file (a full disk, a
+killed copy), a missing one, an undecodable manifest."""
+
+
+def _damaged(exc: Exception) -> bool:
+    """Whether a restore failed on the checkpoint's own damage, which the next older checkpoint
+    survives, rather than on its storage (UNAVAILABLE, PERMISSION_DENIED) or this host."""
+    if isinstance(exc, (FileNotFoundError, json.JSONDecodeError)):  # a missing or torn metadata file
+        return True
+    return isinstance(exc, ValueError) and str(exc).startswith(DAMAGE)
 
 
 @functools.cache
