@@ -55,14 +55,11 @@ def default_train(
             f"default_train({name!r}): data is a {type(data).__name__}; give a keel.spec.Mixture, a tokenize Step "
             "or an External token cache"
         )
-    if resources is not None and topology is not None and resources.gpu_count:
-        asked = resources.gpu_count * resources.replicas
-        if asked != topology.num_devices:
-            raise ValueError(f"default_train({name!r}): resources ask for {resources.gpu_count} GPUs x {resources.replicas} "
-                             f"replicas = {asked}, but the topology lays out {topology.racks} racks x "
-                             f"{topology.gpus_per_rack} = {topology.num_devices}: make them agree")
     config = TrainStepConfig(model=model, data=data, train=train, topology=topology, hardware=hardware,
                              predicted_loss=predicted_loss, facts=facts, launch=launch, stand_ins=stand_ins)
+    problem = config.resources_problem(resources)
+    if problem:
+        raise ValueError(f"default_train({name!r}): {problem}")
     if predicted_loss is not None:
         _check_prediction(name, predicted_loss, model, config.train)
     return Step(f"train/{name}", train_step, config, resources=resources, description=description, isolated=True,

@@ -73,8 +73,12 @@ def test_keel_plan_prints_the_fact_sheet_without_jax():
 
 def test_a_broken_hero_variant_fails_in_plan_naming_the_field():
     out = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b.topology.racks=10")
+    assert out.returncode == 2  # the step's resources still start 704 GPUs
+    assert ("--set train/hero_535b.topology.racks=10: resources ask for 4 GPUs x 176 replicas = 704, but the topology "
+            "lays out 10 racks x 64 = 640") in out.stderr
+    out = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b:train.batch_size=11000")
     assert out.returncode == 2
-    assert "TrainConfig.batch_size=11264 is not divisible by the 640 batch shards" in out.stderr
+    assert "TrainConfig.batch_size=11000 is not divisible by the 704 batch shards" in out.stderr
 
 
 def test_the_twin_plans_on_cpu_hardware():

@@ -17,7 +17,7 @@ import dataclasses
 import difflib
 import types
 import typing
-from typing import Any
+from typing import Any, Protocol
 
 from keel.executor.graph import substitute
 from keel.executor.step import External, OutputOf, Step, StepDeclarationError, ThisOutput
@@ -95,11 +95,27 @@ def _parse_value(obj: Any, name: str, text: str, key: str) -> Any:
         raw = yaml.safe_load(written)
     except yaml.YAMLError:
         raw = text
+    if isinstance(raw, bool) and not _admits_bool(declared):
+        raise OverrideError(f"--set {key}: YAML reads {text!r} as the boolean {str(raw).lower()}, but {name} is declared "
+                            f"{_shown(declared)}, which would take it as {int(raw)}: write the {_shown(declared)} you mean, "
+                            f"e.g. {key.partition('=')[0]}={int(raw)}")
     try:
         return decode(declared, raw)
     except Exception as exc:  # noqa: BLE001 - draccus raises its own DecodingError, or the config's ValueError
-        shown = getattr(declared, "__name__", None) or str(declared).replace("typing.", "")
-        raise OverrideError(f"--set {key}: cannot read {text!r} as a {shown} ({_innermost(exc)})") from None
+        raise OverrideError(f"--set {key}: cannot read {text!r} as a {_shown(declared)} ({_innermost(exc)})") from None
+
+
+def _shown(declared: Any) -> str:
+    return getattr(declared, "__name__", None) or str(declared).replace("typing.", "")
+
+
+def _admits_bool(declared: Any) -> bool:
+    """Whether a field of this type may hold a bool (`bool`, `bool | None`, `Any`): YAML reads
+    true/yes/on as one, and draccus would turn it into 1 for an int or float field, which Python's
+    own `replace(num_layers=True)` refuses."""
+    if typing.get_origin(declared) in (typing.Union, types.UnionType):
+        return any(_admits_bool(arg) for arg in typing.get_args(declared))
+    return declared in (bool, Any, object)
 
 
 def _parse_none(obj: Any, name: str, current: Any, key: str) -> Any:
@@ -160,15 +176,29 @@ def _check_path(step: Step, parts: list[str], key: str) -> None:
                             "only under its own output; pass --prefix to put every output elsewhere")
 
 
+@typing.runtime_checkable
+class ChecksResources(Protocol):
+    """A config that must agree with its step's declared resources (a training step's topology)."""
+
+    def resources_problem(self, resources: Any) -> str | None: ...
+
+
 def _set_all(step: Step, changes: list[tuple[list[str], str, str]]) -> Step:
+    """`step` with `changes` applied; the resources are declared with the step, not set here, so
+    the new config is checked against them: a layout they cannot run would fail only at dispatch."""
     for parts, _, key in changes:
         _check_path(step, parts, key)
+    keys = " --set ".join(key for _, _, key in changes)
     try:
-        return step.with_config(_apply(step.config, changes))
+        new = step.with_config(_apply(step.config, changes))
     except OverrideError:
         raise
     except ValueError as exc:  # a config's own validation refused the new values
-        raise OverrideError(f"--set {' --set '.join(key for _, _, key in changes)}: {exc}") from exc
+        raise OverrideError(f"--set {keys}: {exc}") from exc
+    problem = new.config.resources_problem(new.resources) if isinstance(new.config, ChecksResources) else None
+    if problem:
+        raise OverrideError(f"--set {keys}: {problem}")
+    return new
 
 
 def _placeholder(value: Any) -> str:

@@ -59,7 +59,8 @@ def _decay_rates(owner: str, **values: float) -> None:
 
 @dataclass(frozen=True)
 class AdamWConfig:
-    """One AdamW for every parameter; decoupled weight decay on matrices (ndim >= 2) only."""
+    """One AdamW for every parameter; decoupled weight decay on matrices only: two axes or more
+    besides `layers` (a norm's gain, stored one per layer, is no matrix)."""
 
     lr: float = 3e-3
     beta1: float = 0.9
@@ -608,16 +609,39 @@ class TrainStepConfig:
     """Where the loss predicted for this run is written (a scaling ladder's prediction.json:
     `default_train(..., predicted_loss=ladder.prediction)`), so the run trains after its prediction
     is made and `keel plan`, `status`, `compare` and the dashboard set its loss against the band."""
+    derived_seq_len: int | None = execution_only(default=None)
+    """The train.seq_len this config took from its data because it was left out (None: declared).
+    Kept so that a rebuild (`dataclasses.replace`, a `--set` on the tokenize step) takes the new
+    data's length again, while a seq_len set to another value stays the one declared."""
 
     def __post_init__(self):
         if not isinstance(self.data, Mixture):
             object.__setattr__(self, "data", Mixture.single(self.data))
-        if self.train.seq_len is None:  # the length the data was tokenized at
+        if self.train.seq_len in (None, self.derived_seq_len):  # left out: the length the data was tokenized at
             seq_len = self.data.tokenized_seq_len()
             if seq_len is None:
                 raise ValueError("TrainConfig.seq_len is not declared and the data are not keel tokenize steps (an "
                                  "External cache): declare train.seq_len")
             object.__setattr__(self, "train", dataclasses.replace(self.train, seq_len=seq_len))
+            object.__setattr__(self, "derived_seq_len", seq_len)
+
+    def resources_problem(self, resources: Any) -> str | None:
+        """Why the step's `resources` (a `keel.Resources`) cannot run this layout, as a message with
+        the fix; None when they ask for exactly the GPUs the topology lays out. The launcher starts
+        gpu_count x replicas GPUs and the mesh needs topology.num_devices of them, so a mismatch would
+        fail only at dispatch: `default_train` and a `--set` (`keel.executor.overrides`) both ask here."""
+        topology = self.topology
+        if resources is None or topology is None or not resources.gpu_count:
+            return None
+        asked = resources.gpu_count * resources.replicas
+        if asked == topology.num_devices:
+            return None
+        replicas, left = divmod(topology.num_devices, resources.gpu_count)
+        fix = (f"Resources.with_gpu({resources.gpu_type!r}, {resources.gpu_count}, replicas={replicas})" if not left
+               else f"resources for {topology.num_devices} GPUs")
+        return (f"resources ask for {resources.gpu_count} GPUs x {resources.replicas} replicas = {asked}, but the "
+                f"topology lays out {topology.racks} racks x {topology.gpus_per_rack} = {topology.num_devices}: declare "
+                f"{fix} with the step, or a topology of {asked} GPUs")
 
     def progress(self, output_path: str, running: bool = True) -> str | None:
         """How far a running (or stopped) training step got, from its metrics: for `keel status`

@@ -1,0 +1,52 @@
+"""`--set` values are checked as the declaration is: against the step's resources, against the
+field's declared type, and with derived values (a left-out seq_len) resolved again."""
+
+import pytest
+
+from keel.cli import load_experiment
+from keel.executor.graph import topological_order
+from keel.executor.overrides import OverrideError, apply_overrides
+
+HERO = "experiments/hero_535b.py"
+TINY = "experiments/tutorials/tiny_moe.py"
+
+
+def _after(path: str, *assignments: str) -> dict:
+    targets = load_experiment(path)
+    return {s.name: s for s in topological_order(apply_overrides(targets, topological_order(targets), list(assignments)))}
+
+
+def test_a_topology_the_resources_cannot_run_is_refused_naming_the_field_and_the_fix():
+    """8 racks of 64 are 512 GPUs; the step's resources still start 4 x 176 = 704: dispatch would fail."""
+    with pytest.raises(OverrideError, match=r"--set train/hero_535b:topology\.racks=8: resources ask for 4 GPUs x 176 "
+                                            r"replicas = 704, but the topology lays out 8 racks x 64 = 512: declare "
+                                            r"Resources\.with_gpu\('GB200', 4, replicas=128\)"):
+        _after(HERO, "train/hero_535b:topology.racks=8")
+    assert _after(HERO, "train/hero_535b:topology.expert_parallel=32")["train/hero_535b"].config.topology.num_devices == 704
+
+
+@pytest.mark.parametrize("assignment, field", [("model.num_layers=yes", "num_layers"), ("model.capacity_factor=on", "capacity_factor"),
+                                               ("train.seed=true", "seed")])
+def test_a_yaml_boolean_is_refused_for_a_number_field(assignment, field):
+    """YAML reads yes/on/true as a bool, which draccus would turn into 1 (one layer)."""
+    value = assignment.partition("=")[2]
+    with pytest.raises(OverrideError, match=rf"YAML reads '{value}' as the boolean true, but {field} is declared "
+                                            rf"(int|float), .*e\.g\. train/hero_535b:{assignment.partition('=')[0]}=1"):
+        _after(HERO, f"train/hero_535b:{assignment}")
+    assert _after(HERO, "train/hero_535b:train.remat=no")["train/hero_535b"].config.train.remat is False  # a bool field
+
+
+def test_a_left_out_seq_len_follows_a_set_on_the_tokenize_step_and_a_declared_one_stays_refused():
+    """tiny_moe leaves train.seq_len out: it is the length its data are tokenized at, after --set too."""
+    from keel.spec import PlanError
+    from keel.spec.checks import check_train_step
+
+    train = _after(TINY, "tokenized/stdlib-bpe-1k-128:seq_len=64")["train/tiny_moe"].config
+    assert train.train.seq_len == 64
+    check_train_step(train)  # what `keel plan` checks: the lengths agree
+    declared = _after(TINY, "train/tiny_moe:train.seq_len=32")["train/tiny_moe"].config
+    with pytest.raises(PlanError, match=r"train\.seq_len=32 differs from TokenizeConfig\.seq_len=128"):
+        check_train_step(declared)
+    both = _after(TINY, "train/tiny_moe:train.seq_len=32", "tokenized/stdlib-bpe-1k-128:seq_len=64")["train/tiny_moe"].config
+    with pytest.raises(PlanError, match=r"train\.seq_len=32 differs from TokenizeConfig\.seq_len=64"):
+        check_train_step(both)
