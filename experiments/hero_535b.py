@@ -146,7 +146,8 @@ facts = RunFacts(
     # the layout these speeds were measured on (`keel.plan.step_time.speed_key`): a variant of this
     # file or a --set that changes any of it is predicted by the step-time model instead
     measured_on="GB200 NVL72; 11x64 ep64 mp1; batch 11264x4096; model 535477106688/22762487808 1.48203e+11 FLOP/token; "
-    "fixed_pooled_all_to_all@0/3w/cf1.15+ragged_all_to_all@81716/cf1.15; bfloat16/float32 remat; offload master<81716 optimizer",
+    "attention jax_flash; fixed_pooled_all_to_all@0/3w/cf1.15+ragged_all_to_all@81716/cf1.15; bfloat16/float32 remat; "
+    "offload master<81716 optimizer",
     claims=(
         Claim("trains in 60 days", figure="run_days", quoted=60),
         Claim("about 3 months", figure="run_days", quoted=91),

@@ -62,3 +62,16 @@ def test_keel_plan_exits_non_zero_and_keel_run_refuses_a_plan_that_does_not_fit(
     assert "keel: error: train/hero_535b: from step 0 the peak is" in out.stderr and "Traceback" not in out.stderr
     run = _keel("run", HERO, *doubled)
     assert run.returncode == 2 and "does not fit" in run.stderr and "ran" not in run.stdout
+
+
+def test_vanilla_attention_holds_its_fp32_scores_and_probabilities_at_the_peak(hero):
+    """16 sequences x 48 heads x 4096^2 in fp32, scores and softmax probabilities: 103 GB per GPU."""
+    assert all(phase["transient_gb"]["attention_scores"] == 0 for phase in hero["memory"]["phases"])  # jax_flash
+    config = hero_config()
+    sheet = fact_sheet(dataclasses.replace(config, model=config.model.replace(attention_backend="vanilla")), "hero/vanilla")
+    for phase in sheet["memory"]["phases"]:
+        assert phase["transient_gb"]["attention_scores"] == pytest.approx(2 * 16 * 48 * 4096**2 * 4 / 1e9)
+        assert phase["fits"] is False
+    assert "103.1 GB vanilla attention scores and probabilities" in render_fact_sheet(sheet)
+    with pytest.raises(PlanError, match="over the 192 GB HBM"):
+        check_fits([sheet])

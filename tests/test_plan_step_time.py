@@ -168,3 +168,18 @@ def test_a_float32_variant_is_not_timed_at_the_bfloat16_peak():
     # its claims on the run's length are listed unchecked, not an error that stops the plan
     claims = {c["claim"]: c for c in fact_sheet(variant(train=dataclasses.replace(HERO.train, compute_dtype="float32")))["claims"]}
     assert claims["trains in 60 days"]["holds"] is None and claims["trains in 60 days"]["finding"].startswith("not checked")
+
+
+def test_the_attention_kernel_is_part_of_the_speed_key():
+    """The hero's speeds were measured with jax_flash: the vanilla kernel is another layout."""
+    vanilla = variant(model=HERO.model.replace(attention_backend="vanilla"))
+    assert "attention jax_flash" in speed_key(HERO) and "attention vanilla" in speed_key(vanilla)
+    out = render_fact_sheet(fact_sheet(vanilla, "hero/vanilla"))
+    assert "measured on another layout (attention jax_flash -> attention vanilla): not used" in out
+
+
+def test_the_hero_files_observations_are_keyed_to_its_own_layout():
+    from keel.cli import load_experiment
+
+    (hero,) = [s for s in load_experiment("experiments/hero_535b.py") if s.name == "train/hero_535b"]
+    assert hero.config.facts.measured_on == speed_key(hero.config)

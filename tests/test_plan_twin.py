@@ -101,3 +101,24 @@ def test_a_stand_in_without_a_capacity_drops_the_phases_capacity_and_a_block_too
     assert (twin.train.transports[1].transport, twin.train.transports[1].capacity_factor) == ("ring", None)  # dropless
     with pytest.raises(PlanError, match=r"scale_down\(mixture_block=64\): .*less than one sequence of a block of 64"):
         scale_down(hero_step(), model=tiny_moe, data="/caches/stdlib", mixture_block=64, **CPU)
+
+
+@pytest.mark.parametrize("num_steps", [15, 30, 60])
+def test_twin_phase_starts_move_down_to_a_block_so_a_short_twin_still_plans(num_steps):
+    """Rounded, 30 steps put the cooldown at step 32 (2 blocks of 16 steps), past the twin's end."""
+    step = scale_down(hero_step(), model=tiny_moe, data="/caches/stdlib", **{**CPU, "num_steps": num_steps})
+    starts = [p.start_step for p in step.config.data.phases]
+    assert all(s % 16 == 0 and s < num_steps for s in starts)
+    fact_sheet(step.config, "hero/train-tiny")  # the plan accepts it
+
+
+def test_the_stand_ins_name_every_training_field_the_twin_swaps_with_the_runs_value():
+    hero = hero_config()
+    step = scale_down(hero_step(), model=tiny_moe, data="/caches/stdlib", evaluations=6, eval_batches=1, **CPU)
+    train_line, = (line for line in step.config.stand_ins if line.startswith("train "))
+    twin = step.config.train
+    for name in ("batch_size", "seq_len", "num_steps", "eval_every", "evaluations", "eval_batches",
+                 "permanent_checkpoint_every"):
+        assert f"{name} {getattr(twin, name)} ({getattr(hero.train, name)})" in train_line
+    assert "mixture block_size 256 (49152)" in train_line
+    assert "z_loss" not in train_line  # kept, so not named

@@ -7,13 +7,17 @@ between steps, plus the offloaded state the step copies in) and one layer's wort
 - `expert_intermediates`: the expert matmuls' gate and up outputs and their product, kept for the
   layer's backward, over every row the GPU's receive buffer can hold (capacity x its even share);
 - `gathered_weights`: the largest FSDP-split layer gathered whole, twice (the one computing and
-  the next, prefetched), and its gradients before the reduce-scatter.
+  the next, prefetched), and its gradients before the reduce-scatter;
+- `attention_scores`: with the vanilla kernel only, one layer's whole score matrix and the
+  probabilities softmax makes of it (`attention_scores_gb`); the blockwise kernels hold neither.
 
 Each is a named part, so a verdict says what the peak is made of.
 """
 
 from __future__ import annotations
 
+from keel.spec.dtypes import DTYPE_BYTES
+from keel.spec.model import AttentionBackend
 from keel.spec.resolved import Parameter, ResolvedRun
 
 GB = 1e9
@@ -59,4 +63,17 @@ def transients(run: ResolvedRun, a2a: dict | None, capacity_factor: float | None
         "all_to_all_buffers": 2 * a2a["buffer_gb_per_layer"] if a2a else 0.0,
         "expert_intermediates": 3 * rows * model.expert_dim * compute_bytes / GB,
         "gathered_weights": 3 * gathered_layer_gb(run, compute_bytes),
+        "attention_scores": attention_scores_gb(run),
     }
+
+
+def attention_scores_gb(run: ResolvedRun) -> float:
+    """GB per GPU of the vanilla kernel's [sequences, heads, seq_len, seq_len] matrices: keel's
+    attention asks it for fp32 (`keel.model.attention`), and Levanter's reference path holds the
+    scores and the softmax's probabilities together at the softmax. A sliding window only masks
+    the matrix, which stays seq_len x seq_len. 0 for the blockwise kernels, which never hold it whole."""
+    config = run.config
+    if config.model.attention_backend is not AttentionBackend.VANILLA:
+        return 0.0
+    sequences = config.train.batch_size // config.topology.batch_shards
+    return 2 * sequences * config.model.num_heads * config.train.seq_len ** 2 * DTYPE_BYTES["float32"] / GB

@@ -75,7 +75,7 @@ def _training(t: dict, o: dict) -> list[str]:
 
 
 PEAK_PARTS = {"all_to_all_buffers": "all-to-all buffers", "expert_intermediates": "expert intermediates",
-              "gathered_weights": "gathered weights"}
+              "gathered_weights": "gathered weights", "attention_scores": "vanilla attention scores and probabilities"}
 
 
 def _verdict(fits: bool | None, hbm: float) -> str:

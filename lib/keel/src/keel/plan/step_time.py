@@ -36,7 +36,8 @@ NEEDED = ("peak_flops_per_device", "hbm_gb_per_s", "link_gb_per_s", "scale_out_g
 
 def speed_key(config: TrainStepConfig) -> str:
     """What a step's speed depends on, as one readable line (hardware; layout; batch; model size
-    and FLOPs; transports; precision and remat; offload). Observed speeds apply to this key only."""
+    and FLOPs; attention kernel; transports; precision and remat; offload). Observed speeds apply to
+    this key only."""
     model, train, topo, hw = config.model, config.train, config.topology, config.hardware
     counts = model.param_counts()
     transports = "+".join(  # each phase from its start step, at the capacity it runs with (the model's by default)
@@ -48,6 +49,7 @@ def speed_key(config: TrainStepConfig) -> str:
         f"{topo.racks}x{topo.gpus_per_rack} ep{topo.expert_parallel} mp{topo.model_parallel}" if topo else "no topology",
         f"batch {train.batch_size}x{train.seq_len}",
         f"model {counts['total']}/{counts['active']} {model.flops_per_token(train.seq_len):.6g} FLOP/token",
+        f"attention {model.attention_backend.value}",
         transports,
         f"{train.compute_dtype}/{train.master_dtype}" + (" remat" if train.remat else ""),
         "offload" + (f" master<{offload.master_weights_until_step}" if offload.master_weights_until_step else "")

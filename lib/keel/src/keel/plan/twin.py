@@ -135,16 +135,10 @@ def scale_down(
     except MixtureError as e:
         raise PlanError(f"scale_down(mixture_block={mixture_block}): {e} (the twin's blocks are mixture_block "
                         "sequences, rounded up to whole batches)") from None
-    twin = dataclasses.replace(
-        config,
-        model=model,
-        data=twin_data,
-        train=twin_train,
-        topology=topology,
-        hardware=hardware,
-        facts=None,
-        stand_ins=tuple(stand_ins),
-    )
+    twin = dataclasses.replace(config, model=model, data=twin_data, train=twin_train, topology=topology,
+                               hardware=hardware, facts=None, derived_seq_len=None)  # `seq_len` decides, not the run's
+    stand_ins.insert(2, f"train (the twin's, the run's in brackets): {_train_stand_in(config, twin)}")
+    twin = dataclasses.replace(twin, stand_ins=tuple(stand_ins))
     return Step(f"train/{name}", run.fn, twin, description=description or f"the scaled-down twin of {run.name}",
                 isolated=run.isolated, retries=run.retries, progress_timeout_s=run.progress_timeout_s)
 
@@ -154,6 +148,19 @@ def _model_stand_in(original: MoELMConfig, twin: MoELMConfig) -> str:
     what follows them (the vocabulary of the twin's tokenizer, top-k, histogram bins)."""
     changed = [f"{f.name} {getattr(twin, f.name)!s} ({getattr(original, f.name)!s})"
                for f in dataclasses.fields(original) if getattr(twin, f.name) != getattr(original, f.name)]
+    return ", ".join(changed) or "the run's"
+
+
+def _train_stand_in(original: TrainStepConfig, twin: TrainStepConfig) -> str:
+    """Every plain training field the twin sets otherwise, 'field twin's (run's)' (batch, length,
+    steps, evaluation and checkpoint cadence, and any override), and the mixture's block. Positions
+    (transport switch, weight-decay and offload steps) are not swaps: they keep their share of the run."""
+    pairs = ((f.name, getattr(twin.train, f.name), getattr(original.train, f.name))
+             for f in dataclasses.fields(original.train))
+    changed = [f"{name} {mine} ({theirs})" for name, mine, theirs in pairs
+               if mine != theirs and not any(isinstance(v, tuple) or dataclasses.is_dataclass(v) for v in (mine, theirs))]
+    if not original.data.is_single and twin.data.block_size != original.data.block_size:
+        changed.append(f"mixture block_size {twin.data.block_size} ({original.data.block_size})")
     return ", ".join(changed) or "the run's"
 
 
@@ -185,14 +192,15 @@ def _distinct_starts(phases: tuple) -> tuple:
 
 def _data(original: Mixture, stand_in: Any, step, batch_size: int, block_steps: int) -> Any:
     """A mixture keeps its components' names, phases and weights, each component reading its
-    stand-in (`stand_in[name]`, or `stand_in` for all); phase starts are rounded to whole blocks of
-    `block_steps` steps. A single cache is replaced."""
+    stand-in (`stand_in[name]`, or `stand_in` for all); phase starts move down to a whole block of
+    `block_steps` steps (as the hero's own `block_aligned` does): rounding up could land a start at or
+    past the twin's last step. A single cache is replaced."""
     if original.is_single:
         return stand_in
     if isinstance(stand_in, dict) and set(stand_in) != set(original.components):
         raise PlanError(f"scale_down(data=...): stand-ins for {sorted(stand_in)} but the mixture's components are "
                         f"{sorted(original.components)}: give one per component")
-    starts = [round(step(p.start_step) / block_steps) * block_steps for p in original.phases]
+    starts = [step(p.start_step) // block_steps * block_steps for p in original.phases]
     phases = _distinct_starts(tuple(dataclasses.replace(p, start_step=s) for p, s in zip(original.phases, starts)))
     return dataclasses.replace(
         original,
