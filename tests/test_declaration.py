@@ -143,3 +143,13 @@ def test_no_twin_topic_module_is_in_the_general_corpus_its_other_components_trai
     topics = {name: corpus_files(config) for name, config in corpora.items() if not name.startswith("other-")}
     assert len(topics) == 10 and all(topics.values()), topics
     assert {name: sorted(general & set(files)) for name, files in topics.items() if general & set(files)} == {}
+
+
+@pytest.mark.parametrize("num_steps, evaluations", [(7, 4), (10, 3), (30, 8), (390_251, 6), (5, 5), (3, 10)])
+def test_evaluations_evaluate_that_many_times_at_most_the_last_after_the_final_step(num_steps, evaluations):
+    """The loop evaluates after every `eval_cadence`-th step and after the last (`_evaluate_after`)."""
+    from keel.spec import TrainConfig
+
+    cadence = TrainConfig(batch_size=1, seq_len=1, num_steps=num_steps, evaluations=evaluations).eval_cadence
+    after = [s for s in range(1, num_steps + 1) if s % cadence == 0 or s == num_steps]
+    assert len(after) == min(evaluations, num_steps) and after[-1] == num_steps

@@ -407,8 +407,9 @@ class TrainConfig:
     eval_every: int | None = execution_only(default=None)
     """Evaluation cadence in steps: how often the run is looked at, not what it trains."""
     evaluations: int | None = execution_only(default=None)
-    """Or a cadence that follows the run's length: this many evaluations over it, whatever
-    num_steps becomes (a `--set`, a twin). Neither given: every 100 steps (`eval_cadence`)."""
+    """Or a cadence that follows the run's length: at most this many evaluations over it, the last
+    after its final step, whatever num_steps becomes (a `--set`, a twin). Neither given: every 100
+    steps (`eval_cadence`)."""
     eval_batches: int = execution_only(default=4)
     permanent_checkpoint_every: int | None = execution_only(default=None)
     """Permanent checkpoints every N steps, never deleted (the final one and those at transport
@@ -481,10 +482,11 @@ class TrainConfig:
 
     @property
     def eval_cadence(self) -> int:
-        """Steps between evaluations: `eval_every`, else num_steps // `evaluations`, else 100."""
+        """Steps between evaluations: `eval_every`, else num_steps / `evaluations` rounded up (rounded
+        down, 7 steps and 4 evaluations evaluated after every step), else 100."""
         if self.eval_every is not None:
             return self.eval_every
-        return max(1, self.num_steps // self.evaluations) if self.evaluations is not None else 100
+        return -(-self.num_steps // self.evaluations) if self.evaluations is not None else 100
 
     @property
     def tokens_per_step(self) -> int:
