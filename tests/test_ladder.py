@@ -142,10 +142,42 @@ def test_a_prediction_through_plan_run_status_compare_and_the_dashboard(tmp_path
     assert console_main(["compare", str(experiment), "--prefix", prefix, "--only", "big"]) == 0
     table = capsys.readouterr().out
     assert "| predicted |" in table and "OUTSIDE (above)" in table and "- predicted: the declared predicted_loss" in table
-    run = next(r for r in build_state(str(experiment), graph)["runs"] if r["name"] == "train/big")
+    state = build_state(str(experiment), graph)
+    run = next(r for r in state["runs"] if r["name"] == "train/big")
     assert run["verdict"] == "above" and run["prediction"]["loss"] == prediction["loss"]
+    row = next(r for r in state["comparison"]["rows"] if r["run"] == "train/big")  # the page's comparison table
+    assert row["verdict"] == "above" and row["prediction"]["loss"] == prediction["loss"]
+    assert "| predicted |" in state["comparison"]["table"]
     with serving(str(experiment), graph) as url, browser_page() as page:  # the page draws the band and flags the run
         page.goto(url)
         drawn = page.locator('.run[data-run="train/big"]')
         assert drawn.locator('svg[data-chart="loss"] rect.band').count() == 1
         assert "OUTSIDE the band (above)" in drawn.locator(".badge.prediction").inner_text()
+
+
+def test_status_and_compare_find_the_prediction_where_plan_does(tmp_path, capsys):
+    """`predicted_loss` is no part of the run's identity, so the path its step.json froze can be stale:
+    status and compare find the prediction through the graph, as plan and the dashboard do. A copied
+    prefix reads its own prediction (the original is gone), and after the ladder changes the run stays
+    cached while every view says its prediction is not made yet."""
+    import shutil
+
+    experiment = tmp_path / "ladder_exp.py"
+    experiment.write_text(_EXPERIMENT)
+    original, copy = str(tmp_path / "out"), str(tmp_path / "copy")
+    assert console_main(["run", str(experiment), "--prefix", original]) == 0
+    shutil.copytree(original, copy)
+    shutil.rmtree(original)
+    capsys.readouterr()
+
+    def shown(command: str, *options: str) -> str:
+        assert console_main([command, str(experiment), "--prefix", copy, *options]) == 0
+        return capsys.readouterr().out
+
+    assert "at step 80: within the band" in shown("status")
+    assert "| predicted |" in shown("compare", "--only", "big")
+    renamed = ("--set", "ladder/fake:target=renamed")
+    assert "prediction   not made yet: the ladder's fit writes" in shown("plan", *renamed)
+    status = shown("status", *renamed)
+    assert "cached            train/big" in status and "prediction declared, not made yet" in status, status
+    assert "| predicted |" not in shown("compare", "--only", "big", *renamed)

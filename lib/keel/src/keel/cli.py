@@ -88,6 +88,9 @@ def _check_options(args) -> None:
             raise UsageError(f"{flag} does nothing for `keel {args.command}` (it applies to: {', '.join(users)}); leave it out")
     if args.max_concurrent < 1:
         raise UsageError(f"--max-concurrent {args.max_concurrent}: give at least 1 (steps running at once)")
+    if args.out is not None and args.port != defaults["port"]:
+        raise UsageError(f"--port {args.port} does nothing with --out {args.out} (the page is written there, not served): "
+                         "leave one of them out")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: give a TCP port from 1 to 65535 (0 picks a free one)")
 
@@ -283,7 +286,7 @@ def _act(args, step_lists: list[list]) -> int:
     if args.json:
         print(_plan_json(plans, sheets))
     else:
-        print(render_table(plans, timings=args.command == "status"))
+        print(render_table(plans, graph, timings=args.command == "status"))
         for sheet in sheets:
             print()
             print(sheet["text"])
@@ -338,7 +341,7 @@ def _fact_sheets(graph: Graph) -> list[dict]:
     return fact_sheets_for(graph)
 
 
-def render_table(plans: list[StepPlan], timings: bool = False) -> str:
+def render_table(plans: list[StepPlan], graph: Graph, timings: bool = False) -> str:
     rows = []
     for p in plans:
         extra = ""
@@ -358,7 +361,7 @@ def render_table(plans: list[StepPlan], timings: bool = False) -> str:
         if timings and p.status is not None and getattr(getattr(p.step, "config", None), "predicted_loss", None):
             from keel.trained.ladder import status_line  # the prediction, and the run's loss against it
 
-            rows.append(f"{'':<17}   {status_line(p.output_path) or 'prediction declared, not made yet'}")
+            rows.append(f"{'':<17}   {status_line(graph, p) or 'prediction declared, not made yet'}")
     counts: dict[str, int] = {}
     for p in plans:
         counts[p.state] = counts.get(p.state, 0) + 1
@@ -367,7 +370,7 @@ def render_table(plans: list[StepPlan], timings: bool = False) -> str:
 
 
 def _run(args, graph: Graph, force: re.Pattern | None, only: re.Pattern | None) -> int:
-    from keel.executor.cluster import ClusterUnreachable, cluster_client, in_iris_job
+    from keel.executor.cluster import ClusterUnreachable, NoProject, cluster_client, in_iris_job
     from keel.executor.run import Runner
 
     url = args.cluster or os.environ.get("KEEL_CLUSTER")
@@ -380,7 +383,7 @@ def _run(args, graph: Graph, force: re.Pattern | None, only: re.Pattern | None) 
         return 2
     try:
         cluster = cluster_client(url) if uses_cluster else None
-    except ClusterUnreachable as exc:
+    except (ClusterUnreachable, NoProject) as exc:
         print(f"keel: error: {exc}", file=sys.stderr)
         return 2
     runner = Runner(graph, cluster=cluster, max_concurrent=args.max_concurrent, force=force)

@@ -32,7 +32,8 @@ def build_state(experiment: str, graph: Graph) -> dict[str, Any]:
     names = {id(p.step): p.name for p in plans}
     runs = [_run(graph, p) for p in plans if _is_training(p.step)]
     finished = {r["name"]: r["output_path"] for r in runs if r["state"] == "cached"}
-    rows = compare.summarize(finished) if finished else []
+    predictions = {p.name: ladder.prediction_location(graph, p.step) for p in plans if p.name in finished}
+    rows = compare.summarize(finished, predictions=predictions) if finished else []
     return {
         "experiment": experiment,
         "prefix": graph.prefix,

@@ -3,8 +3,9 @@ defined under it, and one overlaid loss plot, from what the runs recorded.
 
 Everything comes from files a training step leaves (no jax): `metrics.jsonl` (losses, each step's
 throughput, the transport), `.keel/status` (wall time), `.keel/step.json` (identity fields, of
-which the table shows those that differ between the runs; the host and start time) and `.keel/log.txt`
-(the loop's summary line: how long it waited for compiles). Two things make a throughput figure
+which the table shows those that differ between the runs; the driver's host), `.keel/host` (the
+host a job away from the driver ran on) and `.keel/log.txt` (the loop's summary line: how long it
+waited for compiles). Two things make a throughput figure
 untrustworthy, and the table deals with both: steps that compiled or evaluated are left out of
 it, and a run that overlapped on its host with other steps is marked, since sharing the CPU or
 GPU slows it (two concurrent runs made an MoE look 27% slower than a dense model it matched alone).
@@ -24,6 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from keel.executor import storage
+from keel.executor.job import ran_on
 from keel.executor.lease import current_lease
 from keel.executor.status import KEEL_DIR, RECORD, keel_path, read_status
 from keel.executor.plan import CACHED, plan_graph
@@ -85,9 +87,12 @@ class RunSummary:
     """Steps where the spike guard rolled the run back (`keel.train.spike_guard`): its curve is not a plain run's."""
 
 
-def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None) -> list[RunSummary]:
+def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None,
+              predictions: dict[str, str | None] | None = None) -> list[RunSummary]:
     """One summary per run (label -> a finished training step's output directory), in label order;
-    `experiments` maps labels to the experiment file that declares them."""
+    `experiments` maps labels to the experiment file that declares them, `predictions` to where the
+    prediction each declares is written (`ladder.prediction_location`: found through the graph, since
+    `predicted_loss` is no part of the run's identity and the path its step.json froze can be stale)."""
     records = {label: _record(path) for label, path in runs.items()}
     identities = {label: flat_config(record["identity"]["config"]) for label, record in records.items()}
     differing = _differing(list(identities.values()))
@@ -103,7 +108,7 @@ def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None) -
         tokens_per_step = identities[label].get("train.batch_size", 0) * identities[label].get("train.seq_len", 0)
         split = wall_split(storage.read_text(keel_path(path, "log.txt")) or "", metrics, tokens_per_step, wall)
         final = evals[max(evals)] if evals else None
-        prediction = ladder.read_prediction(ladder.declared_prediction(path))
+        prediction = ladder.read_prediction((predictions or {}).get(label))
         rows.append(RunSummary(
             run=label,
             experiment=(experiments or {}).get(label),
@@ -115,7 +120,7 @@ def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None) -
             tokens_per_s=training_throughput(metrics),
             wall_s=wall,
             **split,
-            shared=_shared(records[label], status, neighbours),
+            shared=_shared(path, records[label], status, neighbours),
             prediction=prediction,
             verdict=ladder.judge(final, prediction),
             fields={name: identities[label].get(name) for name in differing},
@@ -177,11 +182,12 @@ def _record(path: str) -> dict:
     return record
 
 
-def _attempts_near(paths) -> list[tuple[str, str | None, float, float]]:
-    """(name, host, start, end) of every step attempt under the prefixes of `paths` (a step's
-    output is {prefix}/{name}-{hash}, its name one to four segments deep). One with no end on
-    record ends now while its lease is live, else at its lease's last heartbeat (a launcher killed
-    or crashed mid-step); one that left neither is not counted."""
+def _attempts_near(paths) -> list[tuple[str, str, str | None, float, float]]:
+    """(output path, name, host, start, end) of every step attempt under the prefixes of `paths`
+    (a step's output is {prefix}/{name}-{hash}, its name one to four segments deep). One with no
+    end on record ends now while its lease is live, else at its lease's last heartbeat (a launcher
+    killed or crashed mid-step); one that left neither is not counted. The host is the one the step
+    ran on (`job.ran_on`): a step sent to a cluster ran on a worker, not on the driver."""
     roots = set()
     for path in paths:
         record = _record(path)
@@ -200,17 +206,20 @@ def _attempts_near(paths) -> list[tuple[str, str | None, float, float]]:
                     holder = current_lease(step)
                     end = None if holder is None else time.time() if holder.is_live() else holder.heartbeat
                 if end is not None:
-                    found.append((record.get("name", step), record.get("provenance", {}).get("host"), status.started, end))
+                    found.append((step, record.get("name", step), ran_on(step, record), status.started, end))
     return found
 
 
-def _shared(record: dict, status, attempts) -> dict | None:
-    """The steps whose attempts overlapped this run's on its host, and for what share of its wall time."""
-    if status is None or status.finished is None:
+def _shared(path: str, record: dict, status, attempts) -> dict | None:
+    """The other steps whose attempts overlapped this run's on the host it ran on, and for what share
+    of its wall time. Told apart by output path, not name: two experiments (or two `--set` variants)
+    may each have a step of this name. None where no host is known (`job.ran_on`)."""
+    host = ran_on(path, record)
+    if status is None or status.finished is None or host is None:
         return None
-    start, end, host = status.started, status.finished, record.get("provenance", {}).get("host")
-    spans = sorted((max(s, start), min(e, end), name) for name, h, s, e in attempts
-                   if h == host and name != record["name"] and s < end and e > start)
+    start, end, mine = status.started, status.finished, path.rstrip("/")
+    spans = sorted((max(s, start), min(e, end), name) for step, name, h, s, e in attempts
+                   if h == host and step != mine and s < end and e > start)
     if not spans:
         return None
     covered, reach = 0.0, start
@@ -333,7 +342,8 @@ def plot_losses(runs: dict[str, str], png_path: str) -> None:
 
 
 def compare_step(config: CompareConfig) -> None:
-    """Step function: comparison.md / .json / .png under the output path; prints the table."""
+    """Step function: comparison.md / .json / .png under the output path; prints the table. It has
+    no predicted column: a step sees run paths, not the graph that says where predictions are."""
     rows = summarize(config.runs)
     table = render_table(rows)
     print(table)
@@ -343,27 +353,28 @@ def compare_step(config: CompareConfig) -> None:
     plot_losses(config.runs, storage.join(config.output_path, PLOT_FILE))
 
 
-def training_plans(experiments: list[tuple[str | None, Any]], only: re.Pattern | None = None) -> list[tuple[str | None, Any]]:
-    """(experiment, plan) of every training step of the (experiment file, graph) pairs whose name
-    matches `only`, each output once (a step two experiments share is listed under the first)."""
+def training_plans(experiments: list[tuple[str | None, Any]], only: re.Pattern | None = None) -> list[tuple[str | None, Any, Any]]:
+    """(experiment, graph, plan) of every training step of the (experiment file, graph) pairs whose
+    name matches `only`, each output once (a step two experiments share is listed under the first)."""
     seen, out = set(), []
     for source, graph in experiments:
         for plan in plan_graph(graph):
             if (isinstance(plan.step, Step) and isinstance(plan.step.config, TrainStepConfig)
                     and (only is None or only.search(plan.name)) and plan.output_path not in seen):
                 seen.add(plan.output_path)
-                out.append((source, plan))
+                out.append((source, graph, plan))
     return out
 
 
 def _short_names(sources: list[str | None]) -> dict[str | None, str]:
     """Each experiment file by the fewest trailing parts of its path that tell it from the others:
-    its basename, unless two files share it (sweeps/v1/exp.py and sweeps/v2/exp.py: v1/exp.py)."""
+    its basename, unless two files share it (sweeps/v1/exp.py and sweeps/v2/exp.py: v1/exp.py). A
+    file given twice under two spellings (exp.py, ./exp.py) is one file: nothing tells it from itself."""
     parts = {s: os.path.abspath(s).split(os.sep) for s in dict.fromkeys(sources) if s}
     short = {}
     for source, mine in parts.items():
         n = next(n for n in range(1, len(mine) + 1)
-                 if all(theirs[-n:] != mine[-n:] for other, theirs in parts.items() if other != source))
+                 if all(theirs[-n:] != mine[-n:] for theirs in parts.values() if theirs != mine))
         short[source] = "/".join(mine[-n:])
     return short
 
@@ -374,20 +385,21 @@ def compare_finished(experiments: list[tuple[str | None, Any]], only: re.Pattern
     runs nothing. A step name two experiments declare differently is labelled `file:name`. Exit
     code 1 when no such step has finished."""
     plans = training_plans(experiments, only)
-    names = [p.name for _, p in plans]
+    names = [p.name for _, _, p in plans]
     short = _short_names([source for source, _ in experiments])
-    runs, files = {}, {}
-    for source, plan in plans:
+    runs, files, predictions = {}, {}, {}
+    for source, graph, plan in plans:
         if plan.state == CACHED:
             file = short.get(source)
             label = plan.name if names.count(plan.name) == 1 else f"{file}:{plan.name}"
             runs[label], files[label] = plan.output_path, file
-    waiting = [f"{p.name} ({p.state})" for _, p in plans if p.state != CACHED]
+            predictions[label] = ladder.prediction_location(graph, plan.step)
+    waiting = [f"{p.name} ({p.state})" for _, _, p in plans if p.state != CACHED]
     if not runs:
         print(f"keel: no finished training steps to compare{' matching ' + only.pattern if only else ''}"
               + (f"; not finished: {', '.join(waiting)}" if waiting else ""), file=sys.stderr)
         return 1
-    rows = summarize(runs, files if len(experiments) > 1 else None)
+    rows = summarize(runs, files if len(experiments) > 1 else None, predictions)
     if as_json:
         print(json.dumps({"runs": [asdict(r) for r in rows], "not_finished": waiting, "columns": COLUMNS}, indent=1))
         return 0

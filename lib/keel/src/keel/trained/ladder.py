@@ -15,7 +15,6 @@ import math
 from dataclasses import dataclass, field
 
 from keel.executor import storage
-from keel.executor.status import keel_path
 from keel.executor.step import OutputOf, Step, StepDeclarationError, this_output
 from keel.spec.metrics import METRICS_FILE, latest_by_step, read_metrics
 
@@ -220,13 +219,6 @@ def plan_line(graph, step) -> str | None:
     return f"prediction   {describe(prediction)}"
 
 
-def declared_prediction(run_path: str) -> str | None:
-    """Where a run's declared prediction lives (`predicted_loss` in its step.json), or None."""
-    record = storage.read_json(keel_path(run_path, "step.json"))
-    found = (record or {}).get("config", {}).get("predicted_loss")
-    return found if isinstance(found, str) else None
-
-
 def read_prediction(location: str | None) -> dict | None:
     """The prediction.json at `location`, or None (no prediction declared, or the fit has not run)."""
     return storage.read_json(location) if location else None
@@ -239,17 +231,18 @@ def judge(actual: float | None, prediction: dict | None) -> str | None:
     return "above" if actual > prediction["high"] else "below" if actual < prediction["low"] else "within"
 
 
-def status_line(run_path: str) -> str | None:
+def status_line(graph, plan) -> str | None:
     """`keel status`'s line for a run that declares a prediction: the prediction and, once the run
-    has evaluated, its validation loss against the band (judged at the end; mid-run it is shown only)."""
-    prediction = read_prediction(declared_prediction(run_path))
+    has evaluated, its validation loss against the band (judged at the end; mid-run it is shown only).
+    The prediction is found through the graph (`prediction_location`), as `keel plan` finds it, not
+    at the path the run's step.json froze: a changed ladder or a copied prefix writes it elsewhere."""
+    prediction = read_prediction(prediction_location(graph, plan.step))
     if prediction is None:
         return None
     line = describe(prediction)
-    actual = final_val_loss(run_path)
+    actual = final_val_loss(plan.output_path)
     if actual is not None:
-        record = storage.read_json(keel_path(run_path, "step.json")) or {}
-        num_steps = record.get("config", {}).get("train", {}).get("num_steps")
+        num_steps = plan.step.config.train.num_steps
         where = judge(actual[1], prediction)
         verdict = ("within the band" if where == "within" else f"OUTSIDE the band ({where})") if actual[0] == num_steps \
             else f"of {num_steps} steps: judged at the end"
