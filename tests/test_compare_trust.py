@@ -4,9 +4,16 @@ host, and every column defined under the table. Training is a stand-in that writ
 step records, so this runs in seconds."""
 
 import json
+import os
+import socket
 import textwrap
+from dataclasses import dataclass
 
+from keel import Step, this_output
 from keel.cli import console_main
+from keel.executor.resources import Resources
+from keel.executor.run import run_steps
+from keel.trained.compare import summarize
 
 _EXPERIMENT = textwrap.dedent(
     """
@@ -132,3 +139,73 @@ def test_the_wall_split_times_the_last_attempts_steps_less_their_compile_waits()
     split = wall_split(log, earlier + rows, tokens_per_step=100, wall=40.0)
     # this attempt's 10 steps, 20 s, less the 5 s they waited for their programs; the loop's other 30 - 20 - (8 - 5) s
     assert split == {"compile_s": 8.0, "train_s": 15.0, "eval_s": 7.0, "setup_s": 10.0}, split
+
+
+def _ran_together(out, names: list[str]) -> list:
+    """The runs of these step names under `out`, their recorded attempts made to span one window:
+    as if they had trained at once, without waiting on two launchers in a test."""
+    paths = [path for name in names for path in sorted(out.glob(f"{name}-*"))]
+    for path in paths:
+        status = json.loads((path / ".keel" / "status").read_text())
+        (path / ".keel" / "status").write_text(json.dumps({**status, "started": 1000.0, "finished": 1010.0}))
+    return paths
+
+
+def test_two_runs_of_one_name_from_two_files_that_overlapped_are_both_marked(tmp_path, capsys):
+    """`keel compare A.py B.py` labels two `train/same` runs `a.py:train/same` and `b.py:train/same`;
+    each is told from the other by its output path, not its name, so both are marked."""
+    prefix = str(tmp_path / "out")
+    files = [_experiment(tmp_path / f"{name}.py", f'[run("same", {lr})]') for name, lr in (("a", 0.25), ("b", 0.75))]
+    for experiment in files:
+        assert console_main(["run", experiment, "--prefix", prefix]) == 0
+    assert len(_ran_together(tmp_path / "out" / "train", ["same"])) == 2
+    capsys.readouterr()
+    assert console_main(["compare", *files, "--prefix", prefix, "--json"]) == 0
+    rows = {r["run"]: r["shared"] for r in json.loads(capsys.readouterr().out)["runs"]}
+    assert rows == {label: {"steps": ["train/same"], "fraction": 1.0} for label in ("a.py:train/same", "b.py:train/same")}
+
+
+@dataclass(frozen=True)
+class _Job:
+    n: int
+    output_path: str = this_output()
+
+
+def _write_metrics(config: _Job) -> None:
+    with open(os.path.join(config.output_path, "metrics.jsonl"), "w") as f:
+        f.write(json.dumps({"step": 0, "train/loss": 6.0, "throughput/tokens_per_s": 100.0}) + "\n")
+
+
+def test_runs_are_marked_only_where_the_host_they_ran_on_was_shared(tmp_path):
+    """The host compared is the one each step ran on (`.keel/host`, written by the job where it runs),
+    not the driver's in step.json: two cluster jobs the driver sent to two workers did not share one.
+    A step with resources and no host recorded (sent to a cluster before keel recorded workers) is
+    marked with nothing. The cluster here is fray's local one: its jobs run as a worker's would."""
+    from fray.local_backend import LocalClient
+
+    steps = [Step(f"train/{name}", _write_metrics, _Job(n), resources=Resources.with_gpu("H100", count=8))
+             for n, name in enumerate("ab")]
+    assert run_steps(steps, str(tmp_path), cluster=LocalClient(), echo=lambda _: None).ok
+    a, b = _ran_together(tmp_path / "train", ["a", "b"])
+    assert (a / ".keel" / "host").read_text() == socket.gethostname()
+
+    def shared() -> dict:
+        return {r.run: r.shared and r.shared["steps"] for r in summarize({"a": str(a), "b": str(b)})}
+
+    assert shared() == {"a": ["train/b"], "b": ["train/a"]}
+    (b / ".keel" / "host").write_text("worker-2")  # one driver, two workers
+    assert shared() == {"a": None, "b": None}
+    for path in (a, b):
+        (path / ".keel" / "host").unlink()
+    assert shared() == {"a": None, "b": None}
+
+
+def test_one_file_given_twice_is_compared_once(tmp_path, capsys):
+    """`keel compare exp.py sub/../exp.py`: one file under two spellings, not two files nothing tells apart."""
+    prefix = str(tmp_path / "out")
+    experiment = _experiment(tmp_path / "exp.py", '[run("once", 1.0)]')
+    (tmp_path / "sub").mkdir()
+    assert console_main(["run", experiment, "--prefix", prefix]) == 0
+    capsys.readouterr()
+    assert console_main(["compare", experiment, str(tmp_path / "sub" / ".." / "exp.py"), "--prefix", prefix, "--json"]) == 0
+    assert [r["run"] for r in json.loads(capsys.readouterr().out)["runs"]] == ["train/once"]

@@ -19,6 +19,7 @@ import contextlib
 import faulthandler
 import gc
 import os
+import socket
 import tempfile
 import threading
 import traceback
@@ -30,6 +31,11 @@ from keel.executor.status import keel_path
 from keel.executor.step import StepFunction
 
 
+HOST_FILE = "host"
+"""The host a job away from the launcher's threads ran on, under the step's `.keel/`: a cluster
+worker's, not the driver's that step.json's provenance names, so `keel compare` marks only runs that
+shared a machine. A step run in the launcher's threads writes none (one file fewer per step)."""
+
 STAGED_LOG_PREFIX = "keel-log-"
 """A step whose output is not on a local disk writes its log into a local temporary file of this name
 and uploads it when the step ends (`run_step_job`)."""
@@ -37,6 +43,17 @@ and uploads it when the step ends (`run_step_job`)."""
 
 def log_url(output_path: str) -> str:
     return keel_path(output_path, "log.txt")
+
+
+def ran_on(output_path: str, record: dict) -> str | None:
+    """The host the step (`record`: its step.json) ran on: the one its job recorded (`HOST_FILE`),
+    else the driver's for a step without resources, which only the driver's host runs; None for a
+    step with resources that recorded none (sent to a cluster before keel recorded workers, or run
+    in the launcher's threads): nothing says which machine it shared."""
+    recorded = storage.read_text(keel_path(output_path, HOST_FILE))
+    if recorded or record.get("resources") is not None:
+        return recorded or None
+    return record.get("provenance", {}).get("host")
 
 
 class _LazyLog:
@@ -148,6 +165,8 @@ def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = Fals
     """
     storage.make_folder(output_path)
     replica = replica_index()
+    if replica == 0 and not in_launcher:  # a child process's host (the driver's) or a cluster worker's
+        storage.write_atomic(keel_path(output_path, HOST_FILE), socket.gethostname())
     target = log_url(output_path) if replica == 0 else keel_path(output_path, f"log.replica{replica}.txt")
     local = storage.is_local(output_path)
     log_file = storage.split(target)[1] if local else tempfile.mktemp(prefix=STAGED_LOG_PREFIX)
