@@ -328,3 +328,39 @@ def test_experiment_main_reports_the_same_errors(tmp_path, capsys, counter):
     proc = subprocess.run([sys.executable, exp, "run", "--prefix", "foo://x"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "unknown storage scheme 'foo://'" in proc.stderr
+
+
+# `keel run --cluster` and `keel dashboard`: the machine around the command, said in one line.
+
+
+def test_a_cluster_run_outside_a_project_says_so_in_one_line(tmp_path, capsys, counter, monkeypatch):
+    """The workers are sent the project around the current directory: with none, one line, not a
+    FileNotFoundError traceback (the controller answers: its check is stubbed)."""
+    import keel.executor.cluster as cluster
+
+    monkeypatch.setattr(cluster, "check_reachable", lambda url: None)
+    monkeypatch.chdir(tmp_path)
+    exp = experiment(tmp_path, PLAIN)
+    line = keel_error(capsys, "run", exp, "--prefix", str(tmp_path / "out"), "--cluster", "http://127.0.0.1:9")
+    assert f"no pyproject.toml at or above {tmp_path.resolve()}; run keel from inside the project" in line, line
+    assert ran(counter) == []
+
+
+def test_a_dashboard_on_a_port_in_use_names_another(tmp_path, capsys):
+    import socket
+
+    exp = experiment(tmp_path, PLAIN)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = keel_error(capsys, "dashboard", exp, "--prefix", str(tmp_path / "out"), "--port", str(port))
+    assert f"port {port} is in use (another keel dashboard?): pass --port " in line and line.endswith(" or --port 0"), line
+
+
+def test_a_dashboard_exported_refuses_a_port(tmp_path, capsys):
+    """`--out` writes the page instead of serving it: a `--port` beside it would do nothing."""
+    exp = experiment(tmp_path, PLAIN)
+    page = tmp_path / "page"
+    line = keel_error(capsys, "dashboard", exp, "--prefix", str(tmp_path / "out"), "--out", str(page), "--port", "9999")
+    assert f"--port 9999 does nothing with --out {page}" in line and not page.exists(), line

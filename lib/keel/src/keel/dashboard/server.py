@@ -8,9 +8,11 @@ exported, state.js is a snapshot and the page opens from disk with no server.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import socket
 import sys
 import threading
 import time
@@ -109,8 +111,15 @@ def make_server(experiment: str, graph, port: int = 0) -> ThreadingHTTPServer:
 
 
 def serve(experiment: str, graph, port: int) -> int:
-    """`keel dashboard EXP.py --port N`: serve until Ctrl-C."""
-    server = make_server(experiment, graph, port)
+    """`keel dashboard EXP.py --port N`: serve until Ctrl-C; exit code 2 when the port is taken."""
+    try:
+        server = make_server(experiment, graph, port)
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        print(f"keel: error: port {port} is in use (another keel dashboard?): pass --port {_free_port()} or --port 0",
+              file=sys.stderr)
+        return 2
     try:
         print(f"keel dashboard of {experiment}: http://{HOST}:{server.server_port}/  (Ctrl-C stops it)", flush=True)
         server.serve_forever(poll_interval=0.5)
@@ -119,6 +128,13 @@ def serve(experiment: str, graph, port: int) -> int:
     finally:
         server.server_close()
     return 0
+
+
+def _free_port() -> int:
+    """A port free on 127.0.0.1 now, to suggest in place of a taken one."""
+    with socket.socket() as probe:
+        probe.bind((HOST, 0))
+        return probe.getsockname()[1]
 
 
 def export(experiment: str, graph, out_dir: str) -> str:

@@ -40,6 +40,10 @@ class ClusterUnreachable(RuntimeError):
     """No Iris controller answers at the given URL."""
 
 
+class NoProject(FileNotFoundError):
+    """No pyproject.toml at or above the current directory: no project to ship to the workers."""
+
+
 class ClusterJobFailed(RuntimeError):
     """A step's cluster job failed, or the cluster refused it; the message carries the job's log tail."""
 
@@ -62,8 +66,8 @@ def workspace_root(start: Path | None = None) -> Path:
     for folder in candidates:
         if (folder / "pyproject.toml").is_file():
             return folder
-    raise FileNotFoundError(
-        f"keel: no pyproject.toml at or above {here}; run keel from inside the project so that its "
+    raise NoProject(
+        f"no pyproject.toml at or above {here}; run keel from inside the project so that its "
         "code can be shipped to the cluster's workers"
     )
 
