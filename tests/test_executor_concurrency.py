@@ -5,12 +5,15 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from keel.cli import load_experiment
 from keel.executor.plan import Graph, plan_graph
+from keel.executor.run import run_steps
+from keel.executor.step import Step, this_output
 from keel.executor.status import keel_path, read_status
 from test_bad_inputs import HEADER  # an experiment file's imports, its config C and the step `write`
 
@@ -196,3 +199,48 @@ def test_another_experiments_nested_steps_beside_a_running_step_are_not_its_writ
     stray = keel_run("stray")
     out, _ = stray.communicate(timeout=120)
     assert stray.returncode != 0 and "the step wrote junk beside its output folder" in out, out
+
+
+@dataclass(frozen=True)
+class Beside:
+    n: int
+    stray: str = "stray.txt"
+    output_path: str = this_output()
+
+
+def _writes_stray(config):
+    """Writes its output and, wrongly, an entry beside it."""
+    Path(config.output_path, "n.txt").write_text(str(config.n))
+    Path(config.output_path, "..", config.stray).write_text("x")
+
+
+def _waits_for_stray(config):
+    """Behaves: runs until the neighbour's stray entry appears beside it, then writes only its own output."""
+    deadline = time.monotonic() + 10
+    while not Path(config.output_path, "..", config.stray).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    Path(config.output_path, "n.txt").write_text(str(config.n))
+
+
+def _waits_for_stray_elsewhere(config):
+    """No outputs of its own (so no watch): its effect is elsewhere; it waits like `_waits_for_stray`."""
+    deadline = time.monotonic() + 10
+    while not Path(config.output_path, "..", config.stray).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(60)
+def test_a_stray_beside_its_folder_fails_the_step_that_wrote_it_not_its_neighbours(tmp_path, monkeypatch):
+    """Steps running at once in one folder: `x/a` writes `../stray.txt`, its neighbours only wait for
+    it. The watch saw `x/a` write it: `x/a` fails; neither `x/b` (watched) nor `x/n` (no watch: it
+    declares no outputs) is blamed for it. An isolated step's stray is still its own (its process
+    reports what it wrote beside its output)."""
+    monkeypatch.setenv("KEEL_WRITABLE", str(tmp_path))  # as the launcher's threads, which share the system temp dir
+    steps = [Step("x/a", _writes_stray, Beside(1)), Step("x/b", _waits_for_stray, Beside(2)),
+             Step("x/n", _waits_for_stray_elsewhere, Beside(3), no_outputs=True),
+             Step("y/iso", _writes_stray, Beside(4, stray="own.txt"), isolated=True)]
+    report = run_steps(steps, str(tmp_path / "out"), echo=lambda line: None)
+    failed = {f.step: f.error for f in report.failures}
+    assert sorted(failed) == ["x/a", "y/iso"] and sorted(report.ran) == ["x/b", "x/n"], (failed, report.ran)
+    assert "the step wrote stray.txt beside its output folder" in failed["x/a"]
+    assert "the step wrote own.txt beside its output folder" in failed["y/iso"]

@@ -13,7 +13,11 @@ temp dir (`/tmp/x`) is outside the step's output and its own temp dir, and fails
 session, so a terminal's Ctrl-C reaches the launcher only, which forwards it; the first SIGINT or
 SIGTERM asks the step to stop at its next safe point (`keel.executor.interrupt`), a second one
 stops the child at once (the launcher then removes the folder itself: `abandon`). A child whose
-launcher died (kill -9) is asked to stop the same way, and removes the folder, which nobody would.
+launcher died (kill -9) ends at once with its process group, after removing the folder, which nobody
+would: no launcher can record its result now, and the next one takes the lease over and runs the step
+again (an attempt that died RUNNING, resumed from its last checkpoint like an interrupted one), so an
+orphan must not write the output beside it. It learns of the death from `PR_SET_PDEATHSIG` on Linux,
+else within a second (`_watch_launcher`); until it is gone, the lease names its pid and stays live.
 
 A child that crashes in native code (SIGSEGV, SIGABRT, ...: `CRASH_SIGNALS`) reports nothing either
 and comes back `failed`, its Python stacks at the end of its log (`job._crash_stacks_into`). A log
@@ -26,6 +30,7 @@ process group killed and comes back `stalled`. The launcher retries either as a 
 from __future__ import annotations
 
 import collections
+import ctypes
 import glob
 import json
 import os
@@ -55,6 +60,7 @@ class ChildOutcome:
     state: str  # "succeeded" | "interrupted" | "failed" | "killed" | "stalled"
     message: str = ""
     resume: str = ""  # for "interrupted": what the next run resumes from
+    beside: tuple[str, ...] = ()  # the entries beside its output the step wrote (`writes.written_beside`)
 
 
 def start_child(fn, resolved_config, output_path: str, env: dict[str, str], drop: tuple[str, ...] = (),
@@ -69,7 +75,7 @@ def start_child(fn, resolved_config, output_path: str, env: dict[str, str], drop
         _pickler(f).dump((fn, resolved_config, output_path, watch))
     child_env = {k: v for k, v in {**os.environ, **env, "TMPDIR": os.path.join(workdir, "tmp")}.items() if k not in drop}
     process = subprocess.Popen(
-        [sys.executable, "-m", "keel.executor.child", workdir],
+        [sys.executable, "-m", "keel.executor.child", workdir, str(os.getpid())],
         env=child_env, stdin=subprocess.DEVNULL, start_new_session=True,
     )
     return process, workdir
@@ -108,7 +114,7 @@ def collect(process: subprocess.Popen, workdir: str, heartbeat: str | None = Non
             return ChildOutcome("stalled", stalled)
         with open(result_path) as f:
             result = json.load(f)
-        return ChildOutcome(result["state"], result.get("message", ""), result.get("resume", ""))
+        return ChildOutcome(result["state"], result.get("message", ""), result.get("resume", ""), tuple(result.get("beside", ())))
     except (OSError, ValueError):
         if code == interrupt.EXIT_INTERRUPTED or code in (-signal.SIGINT, -signal.SIGTERM):
             return ChildOutcome("interrupted", f"the step's process was stopped (exit {code})")
@@ -172,8 +178,10 @@ def _wait(process: subprocess.Popen, heartbeat: str, timeout_s: float) -> str | 
                     "stopped, so its process group was killed")
 
 
-def _install_signal_handlers() -> None:
+def _install_signal_handlers(launcher: int, workdir: str) -> None:
     def on_signal(signum, _frame):
+        if os.getppid() != launcher:  # `PR_SET_PDEATHSIG`'s
+            _end_orphan(workdir)
         if interrupt.requested():  # the second one: stop now
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
@@ -183,28 +191,50 @@ def _install_signal_handlers() -> None:
     signal.signal(signal.SIGTERM, on_signal)
 
 
-def _watch_launcher(launcher: int) -> None:
-    """If the launcher (pid `launcher`, this process's parent when it started) dies, stop at the next
-    safe point (its lease will expire; nobody else would)."""
+def _die_with(launcher: int, workdir: str) -> None:
+    """Have the kernel send SIGTERM when the launcher dies (Linux; elsewhere `_watch_launcher` notices
+    within a second), and end now if it died already."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl in this libc: the watch thread is the fallback
+            pass
+    if os.getppid() != launcher:
+        _end_orphan(workdir)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _end_orphan(workdir: str) -> None:
+    """The launcher died: remove the folder nobody will collect, then kill this process group (the step
+    and the processes it started) at once, before the next launcher runs the step."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _watch_launcher(launcher: int, workdir: str) -> None:
+    """If the launcher (pid `launcher`, this process's parent when it started) dies, end at once."""
     def watch():
         while os.getppid() == launcher:
             time.sleep(_PARENT_POLL_S)
-        interrupt.request()
+        _end_orphan(workdir)
 
     threading.Thread(target=watch, name="keel-launcher-watch", daemon=True).start()
 
 
-def main(workdir: str) -> int:
+def main(workdir: str, launcher: int) -> int:
+    from keel.executor import writes
     from keel.executor.job import run_step_job
 
+    _install_signal_handlers(launcher, workdir)
+    _die_with(launcher, workdir)
+    _watch_launcher(launcher, workdir)
     with open(os.path.join(workdir, "payload"), "rb") as f:
         sys.path[:0] = [p for p in pickle.load(f) if p not in sys.path]
         import cloudpickle  # noqa: F401 - unpickling by-value functions needs it importable
 
         fn, resolved_config, output_path, watch = pickle.load(f)
-    _install_signal_handlers()
-    launcher = os.getppid()
-    _watch_launcher(launcher)
     try:
         run_step_job(fn, resolved_config, output_path, watch=watch, whole_process=True)
         outcome, code = {"state": "succeeded"}, 0
@@ -212,12 +242,10 @@ def main(workdir: str) -> int:
         outcome, code = {"state": "interrupted", "message": str(exc), "resume": exc.resume}, interrupt.EXIT_INTERRUPTED
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher, which marks the step FAILED
         outcome, code = {"state": "failed", "message": "".join(traceback.format_exception_only(type(exc), exc)).strip()}, 1
-    if os.getppid() != launcher:  # orphaned: no launcher will collect the result or remove the folder
-        shutil.rmtree(workdir, ignore_errors=True)
-    else:
-        storage.replace_local(os.path.join(workdir, "result.json"), json.dumps(outcome).encode())
+    outcome["beside"] = writes.written_beside()
+    storage.replace_local(os.path.join(workdir, "result.json"), json.dumps(outcome).encode())
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], int(sys.argv[2])))

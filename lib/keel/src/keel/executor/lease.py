@@ -5,13 +5,20 @@ lease means creating the next epoch's file with an exclusive create, which exact
 wins on local disks, in-memory stores and object stores with conditional writes. The holder
 refreshes its heartbeat from a background thread; a lease whose heartbeat is older than the timeout
 belongs to a dead launcher and may be superseded by the next epoch; so does one whose owner ran on
-this host under a pid that no longer exists (no need to wait out the timeout). Each lease records
-its own timeout, so every reader judges expiry the same way. Release deletes the holder's own epoch file
-(never a newer one, so a slow holder that was superseded cannot free its successor's lease).
+this host under a pid that no longer exists (no need to wait out the timeout). A step that runs in
+a process of its own (`child.py`) has that pid recorded too (`Lease.runs_in`): the lease stays live
+while either process exists, so a launcher killed with -9 is not taken over while its step's process
+still writes the output. Each lease records its own timeout, so every reader judges expiry the same
+way. Release deletes the holder's own epoch file (never a newer one, so a slow holder that was
+superseded cannot free its successor's lease). A holder that was suspended (SIGSTOP, a paused VM)
+past the timeout may have been superseded: its heartbeat stops renewing once a newer epoch exists,
+and `Lease.taken_over` tells the launcher, before it records anything, that the step is no longer
+its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -36,6 +43,8 @@ class LeaseInfo:
     owner: str
     heartbeat: float
     timeout: float
+    child: int | None = None
+    """The pid of the process the step runs in, when not the owner's (an isolated step's)."""
 
     @property
     def host(self) -> str:
@@ -50,17 +59,15 @@ class LeaseInfo:
         """Seconds since the holder's last heartbeat."""
         return max(0.0, (now or time.time()) - self.heartbeat)
 
+    @property
+    def who(self) -> str:
+        return f"host {self.host}, pid {self.pid}" if self.pid is not None else f"owner {self.owner}"
+
     def owner_gone(self) -> bool:
-        """The owner ran on this host and its process no longer exists."""
+        """The owner ran on this host and neither its process nor its step's process exists."""
         if self.host != socket.gethostname() or self.pid is None or self.pid == os.getpid():
             return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
+        return not _exists(self.pid) and (self.child is None or not _exists(self.child))
 
     def is_live(self, now: float | None = None) -> bool:
         return self.age(now) < self.timeout and not self.owner_gone()
@@ -68,12 +75,22 @@ class LeaseInfo:
     def describe(self, now: float | None = None) -> str:
         """Whose lease it is, how old its heartbeat is, and when it may be taken over."""
         age = self.age(now)
-        who = f"host {self.host}, pid {self.pid}" if self.pid is not None else f"owner {self.owner}"
         if self.owner_gone():
-            return f"{who} (that process is gone; taking over now)"
+            return f"{self.who} (that process is gone; taking over now)"
         left = self.timeout - age
         when = f"takeover in {left:.0f}s unless it heartbeats" if left > 0 else "expired; taking over now"
-        return f"{who}, last heartbeat {age:.0f}s ago ({when})"
+        step = f", its step in pid {self.child}" if self.child is not None else ""
+        return f"{self.who}{step}, last heartbeat {age:.0f}s ago ({when})"
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _created(url: str) -> float:
@@ -89,17 +106,23 @@ def _lease_url(output_path: str, epoch: int) -> str:
     return storage.join(output_path, KEEL_DIR, f"{_PREFIX}{epoch:08d}")
 
 
-def current_lease(output_path: str) -> LeaseInfo | None:
+def _latest_epoch(output_path: str) -> int | None:
     epochs = [int(n[len(_PREFIX):]) for n in storage.list_names(storage.join(output_path, KEEL_DIR)) if n.startswith(_PREFIX) and n[len(_PREFIX):].isdigit()]
-    if not epochs:
+    return max(epochs, default=None)
+
+
+def current_lease(output_path: str) -> LeaseInfo | None:
+    epoch = _latest_epoch(output_path)
+    if epoch is None:
         return None
-    epoch = max(epochs)
     text = storage.read_text(_lease_url(output_path, epoch))
     if not text:  # being written right now (created, still empty, or gone): fresh, for a moment
         return LeaseInfo(epoch, "?", _created(_lease_url(output_path, epoch)), EMPTY_LEASE_S)
     try:
         record = json.loads(text)
-        return LeaseInfo(epoch, str(record["owner"]), float(record["heartbeat"]), float(record["timeout"]))
+        child = record.get("child")
+        return LeaseInfo(epoch, str(record["owner"]), float(record["heartbeat"]), float(record["timeout"]),
+                         child if isinstance(child, int) and not isinstance(child, bool) else None)
     except (ValueError, KeyError, TypeError):  # not a lease keel wrote (torn, or edited): expired, so taken over
         return LeaseInfo(epoch, f"unreadable lease {_lease_url(output_path, epoch)}", 0.0, 0.0)
 
@@ -114,12 +137,39 @@ class Lease:
         self.timeout = timeout
         self._lock = threading.Lock()
         self._released = False
+        self._superseded = False
+        self._child: int | None = None
 
     def heartbeat(self) -> None:
+        """Renew the lease, unless a newer epoch superseded it (this holder was suspended past its
+        timeout): then never again, even once that epoch is released."""
         with self._lock:
-            if not self._released:
-                record = {"owner": self.owner, "heartbeat": time.time(), "timeout": self.timeout}
-                storage.write_atomic(_lease_url(self.output_path, self.epoch), json.dumps(record))
+            if self._released or self._superseded:
+                return
+            if (_latest_epoch(self.output_path) or 0) > self.epoch:
+                self._superseded = True
+                _HEARTBEATS.discard(self)
+                return
+            record = {"owner": self.owner, "heartbeat": time.time(), "timeout": self.timeout,
+                      **({"child": self._child} if self._child is not None else {})}
+            storage.write_atomic(_lease_url(self.output_path, self.epoch), json.dumps(record))
+
+    def runs_in(self, child: int | None) -> None:
+        """Record that the step now runs in process `child` too (None: no longer), so the lease
+        stays live while that process exists; a write that fails is made by the next heartbeat."""
+        self._child = child
+        with contextlib.suppress(OSError):
+            self.heartbeat()
+
+    def taken_over(self) -> str | None:
+        """Who holds the step's lease now, when it is no longer this one (None while it is): a
+        holder that was suspended past its timeout may have been superseded meanwhile."""
+        current = current_lease(self.output_path)
+        mine = current is not None and (current.epoch, current.owner) == (self.epoch, self.owner)
+        if mine and not self._superseded:
+            return None
+        self._superseded = True
+        return current.who if current is not None and not mine else "a launcher that has since let it go"
 
     def release(self) -> None:
         _HEARTBEATS.discard(self)

@@ -12,9 +12,15 @@ SUCCESS the content-index entry `{prefix}/.keel/content/<hash>.json` (`reuse.py`
 if the step prints, `.keel/heartbeat` only if it declares `progress_timeout_s`. A failure marks the
 step FAILED, stops its dependents, lets independent branches finish and is reported with the step's
 name, output path, exception and log. So does a write outside the step's output: beside its folder
-(`_Beside`, seen from here) or anywhere else (`writes.py`, seen in the step's own thread or
-process). A step that recorded warnings (`step_warnings.py`) is SUCCESS, and the report lists it
-with them (`RunReport.warned`).
+(`_Beside`, seen from here, blamed on the step whose watch saw it written, or, for a step no watch
+covers, on that step unless another was seen writing it) or anywhere else (`writes.py`, seen in the
+step's own thread or process). A step that recorded warnings (`step_warnings.py`) is SUCCESS, and
+the report lists it with them (`RunReport.warned`).
+
+A launcher records an attempt's end only while the step is still its own: one suspended (SIGSTOP, a
+paused VM) past its lease's timeout may have been taken over meanwhile. It then records nothing (no
+status, no content-index entry), says so, and waits for the launcher that took the step over, whose
+run decides, as for any step another launcher runs.
 
 Ctrl-C (SIGINT) or SIGTERM, the first time: no new step starts, the running ones are asked to stop
 at their next safe point (training steps checkpoint; a cluster job cannot be asked, so it is
@@ -40,7 +46,7 @@ import traceback
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Callable
 
-from keel.executor import code, heartbeat, interrupt, reuse, storage
+from keel.executor import code, heartbeat, interrupt, reuse, storage, writes
 from keel.executor import lease as leases
 from keel.executor.job import guard_process_exit, log_url, run_step_job
 from keel.executor.plan import CACHED, EMPTY_EXTERNAL, EXTERNAL, Graph, StepPlan, plan_graph, select
@@ -329,35 +335,44 @@ class Runner:
             raise StepFailed(plan.name, plan.output_path, error, _log_or_none(plan.output_path)) from None
 
     def _claim_and_run(self, plan: StepPlan) -> str:
-        step: Step = plan.step  # type: ignore[assignment]
-        lease, previous = self._claim(plan)
-        if lease is None and previous is None:
-            self.echo(f"[keel] stop  {plan.name}: no longer waiting for the launcher running it (it goes on)")
-            return _NOT_STARTED
-        if lease is None:
-            self.echo(f"[keel] reuse {plan.name} (finished by another launcher)")
-            return "reused"
-        if self._stopping:  # interrupted while the step waited for a free thread or its lease: it never starts
-            lease.release()
-            self.echo(f"[keel] stop  {plan.name}: not started, the run is interrupted")
-            return _NOT_STARTED
-        try:
-            resolved = resolve_config(step.config, plan.output_path, self.graph.path)
-            record = _step_record(self.graph, step, resolved, self._launch, self._secrets)
-            if previous is not None and self.force and self.force.search(plan.name):
-                storage.delete_contents(plan.output_path, keep=KEEL_DIR)  # --force starts clean (no old checkpoint resumes)
-            status = self._attempts(plan, step, resolved, record, previous, lease)
-            reuse.record(self.graph.prefix, self.graph.identities.content_hash(step), step, plan.output_path)
-            warned = f", with {_count(len(status.warnings), 'warning')}: {status.warnings[0]}" if status.warnings else ""
-            self.echo(f"[keel] done  {plan.name} in {status.duration:.2f}s{warned}")
-            if status.warnings:
+        """Claim and run the step; one whose lease another launcher took over meanwhile is then waited
+        for like any step another launcher runs."""
+        while True:
+            lease, previous = self._claim(plan)
+            if lease is None and previous is None:
+                self.echo(f"[keel] stop  {plan.name}: no longer waiting for the launcher running it (it goes on)")
+                return _NOT_STARTED
+            if lease is None:
+                self.echo(f"[keel] reuse {plan.name} (finished by another launcher)")
+                return "reused"
+            if self._stopping:  # interrupted while the step waited for a free thread or its lease: it never starts
+                lease.release()
+                self.echo(f"[keel] stop  {plan.name}: not started, the run is interrupted")
+                return _NOT_STARTED
+            try:
+                return self._run_claimed(plan, lease, previous)
+            except LeaseLost as lost:
+                self.echo(f"[keel] lost  {plan.name}: this launcher lost its lease to {lost.holder} while running: its "
+                          "result is not recorded; the holder's run decides")
+            finally:
                 with self._lock:
-                    self._warned[plan.output_path] = list(status.warnings)
-            return "ran"
-        finally:
+                    self._active.pop(plan.output_path, None)
+                lease.release()
+
+    def _run_claimed(self, plan: StepPlan, lease: leases.Lease, previous: Status | None) -> str:
+        step: Step = plan.step  # type: ignore[assignment]
+        resolved = resolve_config(step.config, plan.output_path, self.graph.path)
+        record = _step_record(self.graph, step, resolved, self._launch, self._secrets)
+        if previous is not None and self.force and self.force.search(plan.name):
+            storage.delete_contents(plan.output_path, keep=KEEL_DIR)  # --force starts clean (no old checkpoint resumes)
+        status = self._attempts(plan, step, resolved, record, previous, lease)
+        reuse.record(self.graph.prefix, self.graph.identities.content_hash(step), step, plan.output_path)
+        warned = f", with {_count(len(status.warnings), 'warning')}: {status.warnings[0]}" if status.warnings else ""
+        self.echo(f"[keel] done  {plan.name} in {status.duration:.2f}s{warned}")
+        if status.warnings:
             with self._lock:
-                self._active.pop(plan.output_path, None)
-            lease.release()
+                self._warned[plan.output_path] = list(status.warnings)
+        return "ran"
 
     def _attempts(self, plan: StepPlan, step: Step, resolved, record: dict, previous: Status | None, lease) -> Status:
         """Run the step until an attempt succeeds, is stopped on request, or its declared retries
@@ -370,18 +385,18 @@ class Runner:
                 self._active[plan.output_path] = (running, lease)
             how = f"attempt {running.attempt}, retrying" if earlier else plan.reason
             self.echo(f"[keel] start {plan.name} -> {plan.output_path}" + (f" ({how})" if how else ""))
-            beside = _Beside.before(plan.output_path)
+            beside = _Beside.before(plan.output_path, watched=self._watched(step))
             try:
-                self._dispatch(step, resolved, plan.output_path, running.attempt, retry=bool(earlier))
+                self._dispatch(step, resolved, plan.output_path, running.attempt, lease, retry=bool(earlier))
             except interrupt.StepInterrupted as exc:
                 why = f"{exc}; `keel run` again resumes it" + (f" from {exc.resume}" if exc.resume else "")
-                mark_finished(plan.output_path, running, error=why, interrupted=True, attempts=list(earlier))
+                self._finish(plan.output_path, lease, running, error=why, interrupted=True, attempts=list(earlier))
                 raise StepStopped(step.name, plan.output_path, why) from None
             except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then retried or reported
                 kind = "preemption" if isinstance(exc, StepPreempted) else "failure"
                 error = str(exc) if isinstance(exc, (ChildStepError, StepPreempted)) else "".join(traceback.format_exception_only(type(exc), exc)).strip()
                 error = _with_hint(error)
-                previous = mark_finished(plan.output_path, running, error=error, attempts=list(earlier))
+                previous = self._finish(plan.output_path, lease, running, error=error, attempts=list(earlier))
                 earlier.append({"attempt": running.attempt, "state": kind, "error": error,
                                 **({"warnings": previous.warnings} if previous.warnings else {})})
                 if left[kind] > 0 and not self._stopping:
@@ -391,22 +406,30 @@ class Runner:
                     continue
                 if kind == "preemption" and not step.retries.on_preemption:  # nothing declared: resume by hand, as before
                     why = f"{error}; `keel run` again resumes it"
-                    mark_finished(plan.output_path, running, error=why, interrupted=True, attempts=earlier[:-1])
+                    self._finish(plan.output_path, lease, running, error=why, interrupted=True, attempts=earlier[:-1])
                     raise StepStopped(step.name, plan.output_path, why) from None
                 if len(earlier) > 1:
                     error = f"failed after {len(earlier)} attempts: " + "; ".join(f"attempt {a['attempt']} ({a['state']}): {a['error'].splitlines()[-1]}" for a in earlier)
-                    mark_finished(plan.output_path, running, error=error, attempts=earlier[:-1])
+                    self._finish(plan.output_path, lease, running, error=error, attempts=earlier[:-1])
                 raise StepFailed(step.name, plan.output_path, error, _log_or_none(plan.output_path)) from exc
             strays = beside.written(self._owned_names)
             if strays:
                 error = (f"the step wrote {', '.join(strays)} beside its output folder, in {plan.output_path.rsplit('/', 1)[0]}: "
                          "a step writes only under config.output_path (those files were left where they are)")
-                mark_finished(plan.output_path, running, error=error, attempts=earlier)
+                self._finish(plan.output_path, lease, running, error=error, attempts=earlier)
                 raise StepFailed(step.name, plan.output_path, error, _log_or_none(plan.output_path))
-            status = mark_finished(plan.output_path, running, no_outputs=step.no_outputs, attempts=earlier, code=code.fingerprint(step.fn))
+            status = self._finish(plan.output_path, lease, running, no_outputs=step.no_outputs, attempts=earlier, code=code.fingerprint(step.fn))
             if status.state != SUCCESS:
                 raise StepFailed(step.name, plan.output_path, status.error or "", _log_or_none(plan.output_path))
             return status
+
+    @staticmethod
+    def _finish(output_path: str, lease: leases.Lease, running: Status, **how) -> Status:
+        """`mark_finished`, while the step is still this launcher's; else `LeaseLost`, recording nothing."""
+        holder = _taken_over(output_path, lease, running)
+        if holder is not None:
+            raise LeaseLost(holder)
+        return mark_finished(output_path, running, **how)
 
     @functools.cached_property
     def _owned_names(self) -> dict[str, set[str]]:
@@ -419,7 +442,11 @@ class Runner:
                 folder, _, name = folder.rpartition("/")
         return owned
 
-    def _dispatch(self, step: Step, resolved, output_path: str, attempt: int, retry: bool = False) -> None:
+    def _watched(self, step: Step) -> bool:
+        """Whether `writes.py` watches where the step writes: not on a cluster, nor when it declares no outputs."""
+        return not step.no_outputs and not (step.resources is not None and self.cluster is not None)
+
+    def _dispatch(self, step: Step, resolved, output_path: str, attempt: int, lease: leases.Lease, retry: bool = False) -> None:
         from fray.types import Entrypoint, JobRequest, create_environment
 
         # One job per attempt: a retry's log is its own, never the previous attempt's lines too.
@@ -437,17 +464,17 @@ class Runner:
             run_on_cluster(self.cluster, request, step.resources.describe())
             return
         if step.isolated and storage.is_shared_between_processes(output_path):
-            self._run_in_child(step, resolved, output_path, retry)
+            self._run_in_child(step, resolved, output_path, lease, retry)
             return
         with self._lock:
             if self.client is None:
                 self.client = default_client(self.max_concurrent)
         # In the driver a step that prints nothing leaves no log file (one file fewer per step).
         entry = Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path),
-                                         kwargs={"in_launcher": True, "watch": not step.no_outputs})
+                                         kwargs={"in_launcher": True, "watch": self._watched(step)})
         self.client.submit(JobRequest(name=job_name, entrypoint=entry)).wait(raise_on_failure=True)
 
-    def _run_in_child(self, step: Step, resolved, output_path: str, retry: bool) -> None:
+    def _run_in_child(self, step: Step, resolved, output_path: str, lease: leases.Lease, retry: bool) -> None:
         from keel.executor.child import collect, start_child
 
         env = _process_env(resolved, processes=1)
@@ -462,13 +489,16 @@ class Runner:
             # A retry runs without an injected fault, or the fault would fire again at the same step
             # forever (as Levanter's supervisor does).
             process, workdir = start_child(step.fn, resolved, output_path, env, drop=_FAULT_ENV if retry else (),
-                                           watch=not step.no_outputs)
+                                           watch=self._watched(step))
             self._children[process] = workdir
         try:
+            lease.runs_in(process.pid)  # live while the step's process is, should this launcher die
             outcome = collect(process, workdir, beat, step.progress_timeout_s, log=log_url(output_path))
         finally:
             with self._lock:
                 self._children.pop(process, None)
+            lease.runs_in(None)
+        writes.wrote_beside(outcome.beside, storage.split(output_path)[1])
         if outcome.state == "interrupted" or (outcome.state == "killed" and self._stopping):
             raise interrupt.StepInterrupted(outcome.message, outcome.resume)
         if outcome.state in ("killed", "stalled"):
@@ -514,8 +544,9 @@ class Runner:
 
             terminate_live_jobs()
         for output_path, (running, lease) in active.items():
-            mark_finished(output_path, running, error="aborted by a second Ctrl-C; `keel run` again resumes it from its "
-                          "last checkpoint", interrupted=True)
+            if _taken_over(output_path, lease, running) is None:
+                mark_finished(output_path, running, error="aborted by a second Ctrl-C; `keel run` again resumes it from "
+                              "its last checkpoint", interrupted=True)
             lease.release()
         names = ", ".join(p.rsplit("/", 1)[-1] for p in active) or "nothing"
         print(f"keel: aborted; interrupted: {names}. Run the same `keel run` again to resume.", file=sys.stderr, flush=True)
@@ -567,6 +598,26 @@ def _process_env(resolved, processes: int) -> dict[str, str]:
     return resolved.process_env(processes=processes) if isinstance(resolved, DeclaresDevices) else {}
 
 
+class LeaseLost(Exception):
+    """Another launcher took the step over while this one ran it (this one was suspended past its lease's
+    timeout): this launcher records nothing of its attempt. `holder` names the other launcher."""
+
+    def __init__(self, holder: str):
+        super().__init__(f"lost the step's lease to {holder}")
+        self.holder = holder
+
+
+def _taken_over(output_path: str, lease: leases.Lease, running: Status) -> str | None:
+    """Who took the step over from this launcher (None while it has not): a newer lease, or, once that
+    launcher let its lease go, a newer attempt in `step.json` than this launcher's `running` one."""
+    holder = lease.taken_over()
+    if holder is None:
+        latest = read_status(output_path)
+        if latest is None or (latest.attempt, latest.started) != (running.attempt, running.started):
+            return "a launcher that has since let it go"
+    return holder
+
+
 class ChildStepError(RuntimeError):
     """The step's function raised in its child process; the message is the child's error line."""
 
@@ -586,25 +637,31 @@ _FS_CLOCK_LAG_NS = 20_000_000
 class _Beside:
     """The folder holding a step's output, as the step started: what the step wrote there instead of
     under its output (`{output_path}/../x`) shows up as a new entry that no step owns. Local folders
-    only: two stats when nothing changed there, one listing when something did."""
+    only: two stats when nothing changed there, one listing when something did. Steps running
+    beside each other in one folder see each other's entries: a `watched` step (`writes.py`) is
+    blamed only for those its watch saw it write; another only for those no step was seen writing."""
 
     folder: str
     mtime_ns: int | None
     started_ns: int
+    output: str
+    watched: bool
 
     @classmethod
-    def before(cls, output_path: str) -> "_Beside":
-        folder = storage.split(output_path)[1].rsplit("/", 1)[0] if storage.is_local(output_path) else ""
+    def before(cls, output_path: str, watched: bool) -> "_Beside":
+        output = storage.split(output_path)[1] if storage.is_local(output_path) else ""
+        folder = output.rsplit("/", 1)[0]
         try:
             mtime = os.stat(folder).st_mtime_ns if folder else None
         except FileNotFoundError:
             mtime = 0
-        return cls(folder, mtime, time.time_ns() - _FS_CLOCK_LAG_NS)
+        return cls(folder, mtime, time.time_ns() - _FS_CLOCK_LAG_NS, output, watched)
 
     def written(self, owned: dict[str, set[str]]) -> list[str]:
-        """Entries created in the folder since the start that no step owns. Another experiment's
-        steps in the same prefix may add entries there at any time: an output (`NAME-HASH`), or the
-        folder above outputs of nested names (`ladder` for `train/ladder/rung-HASH`)."""
+        """Entries created in the folder since the start that no step owns and this step is blamed for
+        (recorded as its own, so that no other step is). Another experiment's steps in the same prefix
+        may add entries there at any time: an output (`NAME-HASH`), or the folder above outputs of
+        nested names (`ladder` for `train/ladder/rung-HASH`)."""
         try:
             if self.mtime_ns is None or os.stat(self.folder).st_mtime_ns == self.mtime_ns:
                 return []
@@ -617,8 +674,12 @@ class _Beside:
                 continue
             if entry.is_dir(follow_symlinks=False) and _holds_outputs(entry.path):
                 continue
+            writer = writes.writer_of(entry.path, self.started_ns)
+            if writer != self.output and (self.watched or writer is not None):
+                continue  # another step's, or nobody's its watch saw
             if entry.stat(follow_symlinks=False).st_ctime_ns >= self.started_ns:
                 found.append(entry.name)
+        writes.wrote_beside((os.path.join(self.folder, name) for name in found), self.output)
         return sorted(found)
 
 

@@ -2,11 +2,12 @@
 
 While a step's function runs, keel watches the files it opens for writing and the files it renames
 into place, through Python's audit hook (`sys.addaudithook`, events `open` and `os.rename`, which
-`open`, `os.open`, `pathlib`, `tempfile`, `shutil` and `os.replace` all raise): one Python call per
-audited event, with no system call unless the event is a write. Watched are the step's own thread
-in the launcher and every thread of an isolated step's process (not a cluster task: on a remote
-machine, a local file outside the output is lost with the machine anyway). A file written anywhere
-else fails the step (`StepWroteOutside`), naming the files (left where they are) and the fix.
+`open`, `os.open`, `pathlib`, `tempfile`, `shutil` and `os.replace` all raise; `os.mkdir` too, for
+the entries beside the output, below): one Python call per audited event, with no system call
+unless the event is a write. Watched are the step's own thread in the launcher and every thread of
+an isolated step's process (not a cluster task: on a remote machine, a local file outside the
+output is lost with the machine anyway). A file written anywhere else fails the step
+(`StepWroteOutside`), naming the files (left where they are) and the fix.
 
 The rule: a step writes only under `config.output_path`. Also allowed, because libraries write
 there on their own:
@@ -24,6 +25,12 @@ there on their own:
 - the folders `KEEL_WRITABLE` lists (separated by `os.pathsep`): where every step of a launch may
   also write, such as a shared registry of runs.
 
+Beside its output folder (`{output}/../x`), a step must not write either, even where the rule above
+allows it (a prefix under the temporary directory): the launcher fails a step for a new entry there
+(`run._Beside`), and so that it blames the step that made the entry, not a neighbour running in the
+same folder meanwhile, each watch records the entries beside its output it wrote or made
+(`writer_of`; an isolated step's process reports its own to the launcher).
+
 Not seen: writes by native code (XLA, tensorstore) and by other processes the step starts. A name
 opened with a `dir_fd` is judged as if relative to the working directory (the event does not carry
 the folder). A step declared `no_outputs=True` (its effect is elsewhere) is not watched.
@@ -36,6 +43,7 @@ import os
 import sys
 import tempfile
 import threading
+import time
 
 from keel.executor import heartbeat
 
@@ -57,6 +65,8 @@ class _Watch:
 
     def __init__(self, local_output: str | None):
         self.outside: list[str] = []
+        self.output = os.path.abspath(local_output) if local_output else None
+        self.parent = os.path.dirname(self.output).rstrip("/") + "/" if self.output else None
         home = os.path.expanduser("~")
         roots = [*([local_output] if local_output else []), tempfile.gettempdir(),
                  os.environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache"),
@@ -76,14 +86,17 @@ class _Watch:
             return True
         return any(path == f or path.startswith(f + ".tmp-") for f in self.files)
 
-    def saw(self, path) -> None:
+    def saw(self, path, made_folder: bool = False) -> None:
+        """A file written (or, `made_folder`, a folder made: only an entry beside the output counts)."""
         if isinstance(path, int):  # an open file descriptor: opened by a path already seen
             return
         try:
             path = os.path.abspath(os.fsdecode(path))
         except (TypeError, ValueError, OSError):
             return
-        if self.allowed(path) or self.allowed(os.path.realpath(path)):
+        if self.parent and path.startswith(self.parent) and not (path + "/").startswith(self.output + "/"):
+            _wrote_beside[self.parent + path[len(self.parent):].split("/", 1)[0]] = (self.output, time.time_ns())
+        if made_folder or self.allowed(path) or self.allowed(os.path.realpath(path)):
             return
         if path not in self.outside:
             self.outside.append(path)
@@ -104,6 +117,26 @@ _lock = threading.Lock()
 _hooked = False
 _local = threading.local()
 _process_watch: _Watch | None = None
+_wrote_beside: dict[str, tuple[str, int]] = {}
+"""An entry beside a watched step's output folder -> (that output, when a watch last saw it written, ns)."""
+
+
+def wrote_beside(entries, output: str) -> None:
+    """Record that the step whose (local) output is `output` wrote `entries`, beside that output, just now."""
+    now = time.time_ns()
+    for entry in entries:
+        _wrote_beside[os.path.abspath(entry)] = (os.path.abspath(output), now)
+
+
+def writer_of(entry: str, since_ns: int) -> str | None:
+    """The output of the step last seen writing `entry` (beside it) at or after `since_ns`; None if none was."""
+    output, when = _wrote_beside.get(os.path.abspath(entry), (None, 0))
+    return output if when >= since_ns else None
+
+
+def written_beside() -> list[str]:
+    """Every entry this process's watches saw written beside their outputs (an isolated step reports them)."""
+    return sorted(_wrote_beside.copy())
 
 
 def _current() -> _Watch | None:
@@ -119,6 +152,10 @@ def _hook(event: str, args: tuple) -> None:
         watch = _current()
         if watch is not None:
             watch.saw(args[1])
+    elif event == "os.mkdir":
+        watch = _current()
+        if watch is not None:
+            watch.saw(args[0], made_folder=True)
 
 
 def _install() -> None:
