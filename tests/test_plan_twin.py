@@ -103,13 +103,22 @@ def test_a_stand_in_without_a_capacity_drops_the_phases_capacity_and_a_block_too
         scale_down(hero_step(), model=tiny_moe, data="/caches/stdlib", mixture_block=64, **CPU)
 
 
-@pytest.mark.parametrize("num_steps", [15, 30, 60])
-def test_twin_phase_starts_move_down_to_a_block_so_a_short_twin_still_plans(num_steps):
-    """Rounded, 30 steps put the cooldown at step 32 (2 blocks of 16 steps), past the twin's end."""
-    step = scale_down(hero_step(), model=tiny_moe, data="/caches/stdlib", **{**CPU, "num_steps": num_steps})
-    starts = [p.start_step for p in step.config.data.phases]
-    assert all(s % 16 == 0 and s < num_steps for s in starts)
+def test_twin_phase_starts_move_down_to_a_block_so_a_short_twin_still_plans():
+    """Phase starts move down to a block of 16 steps (rounded to the nearest, a 30-step twin's cooldown
+    at step 24 went to 32, past its end)."""
+    step = scale_down(hero_step(), model=tiny_moe, data="/caches/stdlib", **{**CPU, "num_steps": 60})
+    assert [p.start_step for p in step.config.data.phases] == [0, 16, 48]  # blocks of 16 steps
     fact_sheet(step.config, "hero/train-tiny")  # the plan accepts it
+
+
+@pytest.mark.parametrize("num_steps", [15, 30])
+def test_a_twin_too_short_to_keep_every_phase_apart_is_refused(num_steps):
+    """At 30 steps the run's first two mixture phases (steps 0 and 108,000 of 390,251) both start at
+    the twin's block 0: the twin would never train the first, and it says so instead."""
+    with pytest.raises(PlanError, match=rf"scale_down\(num_steps={num_steps}, mixture_block=256\) \(phases start on "
+                                        r"blocks of 16 steps\): the run's mixture phases 0 and 1 both start at step 0 "
+                                        r"of the twin, which would never train phase 0: train the twin longer"):
+        scale_down(hero_step(), model=tiny_moe, data="/caches/stdlib", **{**CPU, "num_steps": num_steps})
 
 
 def test_the_stand_ins_name_every_training_field_the_twin_swaps_with_the_runs_value():

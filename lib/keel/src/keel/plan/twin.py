@@ -108,7 +108,7 @@ def scale_down(
                                 capacity_factor=t.capacity_factor if TRANSPORTS[transport(t.transport)].capacity else None,
                                 num_waves=_waves(t.num_waves, local_experts))
             for t in train.transports
-        )),
+        ), "transport", f"scale_down(num_steps={num_steps})"),
         host_offload=dataclasses.replace(train.host_offload,
                                          master_weights_until_step=offload_until and step(offload_until)),
     )
@@ -131,7 +131,10 @@ def scale_down(
                              f"plays {original.num_waves}, which do not split the twin's {local_experts} experts per device")
     stand_ins.append(f"data: {_data_stand_in(config.data, data)}")
     try:
-        twin_data = _data(config.data, data, step, batch_size, -(-mixture_block // batch_size))
+        block_steps = -(-mixture_block // batch_size)
+        twin_data = _data(config.data, data, step, batch_size, block_steps,
+                          fix=f"scale_down(num_steps={num_steps}, mixture_block={mixture_block}) (phases start on blocks "
+                              f"of {block_steps} steps)")
     except MixtureError as e:
         raise PlanError(f"scale_down(mixture_block={mixture_block}): {e} (the twin's blocks are mixture_block "
                         "sequences, rounded up to whole batches)") from None
@@ -185,12 +188,17 @@ def _waves(declared: int, local_experts: int) -> int:
     return max(w for w in range(1, declared + 1) if local_experts % w == 0)
 
 
-def _distinct_starts(phases: tuple) -> tuple:
-    """Drop a phase squeezed onto the same step as the next one by the scaling (the later wins)."""
-    return tuple(p for i, p in enumerate(phases) if i + 1 == len(phases) or phases[i + 1].start_step > p.start_step)
+def _distinct_starts(phases: tuple, what: str, fix: str) -> tuple:
+    """The scaled phases, refusing two that the scaling squeezed onto one step: the twin would skip
+    the earlier one, and train another schedule than its run's."""
+    for i, (earlier, later) in enumerate(zip(phases, phases[1:])):
+        if later.start_step <= earlier.start_step:
+            raise PlanError(f"{fix}: the run's {what} phases {i} and {i + 1} both start at step {later.start_step} of "
+                            f"the twin, which would never train phase {i}: train the twin longer")
+    return phases
 
 
-def _data(original: Mixture, stand_in: Any, step, batch_size: int, block_steps: int) -> Any:
+def _data(original: Mixture, stand_in: Any, step, batch_size: int, block_steps: int, fix: str) -> Any:
     """A mixture keeps its components' names, phases and weights, each component reading its
     stand-in (`stand_in[name]`, or `stand_in` for all); phase starts move down to a whole block of
     `block_steps` steps (as the hero's own `block_aligned` does): rounding up could land a start at or
@@ -201,7 +209,8 @@ def _data(original: Mixture, stand_in: Any, step, batch_size: int, block_steps: 
         raise PlanError(f"scale_down(data=...): stand-ins for {sorted(stand_in)} but the mixture's components are "
                         f"{sorted(original.components)}: give one per component")
     starts = [step(p.start_step) // block_steps * block_steps for p in original.phases]
-    phases = _distinct_starts(tuple(dataclasses.replace(p, start_step=s) for p, s in zip(original.phases, starts)))
+    phases = _distinct_starts(tuple(dataclasses.replace(p, start_step=s) for p, s in zip(original.phases, starts)),
+                              "mixture", fix)
     return dataclasses.replace(
         original,
         components={name: stand_in[name] if isinstance(stand_in, dict) else stand_in for name in original.components},
