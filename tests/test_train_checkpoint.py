@@ -3,6 +3,7 @@
 checkpoint falls back to an older one; a storage error stops the run."""
 
 import os
+from types import SimpleNamespace
 from pathlib import Path
 
 import jax
@@ -102,6 +103,10 @@ def test_a_storage_error_stops_the_restore_instead_of_falling_back(tmp_path, mon
     assert "skipping" not in capsys.readouterr().out
 
 
-def test_a_training_step_under_a_store_tensorstore_cannot_write_is_refused_before_it_compiles():
+def test_a_training_step_under_a_store_tensorstore_cannot_write_is_refused_before_it_compiles(monkeypatch):
+    import keel.train.step as step
+
+    monkeypatch.setattr(step, "resolve", lambda config: pytest.fail("the step went on to resolve its run"))
+    config = SimpleNamespace(output_path="memory://exp/train-1", coordinator=None)
     with pytest.raises(ValueError, match=r"cannot run under memory:// \(memory://exp/train-1\): .*local path, gs:// or s3://"):
-        TrainCheckpoints("memory://exp/train-1", permanent_every=None)
+        step.train_step(config)

@@ -48,17 +48,22 @@ def checkpoint_root(output_path: str) -> str:
     return os.path.join(output_path, CHECKPOINTS_DIR)
 
 
+def check_store(output_path: str) -> None:
+    """Refuse, before anything compiles, a run whose checkpoints could not be saved: it would fail
+    at its first save."""
+    scheme = urllib.parse.urlparse(output_path).scheme
+    if scheme not in TENSORSTORE_SCHEMES:
+        raise ValueError(f"a training step cannot run under {scheme}:// ({output_path}): Levanter writes its "
+                         "checkpoints with tensorstore, which takes a local path, gs:// or s3://; give the run "
+                         "such a prefix (`keel run --prefix`)")
+
+
 class TrainCheckpoints:
     """Saves the train state by Levanter's time/step policies and restores the newest one."""
 
     def __init__(self, output_path: str, *, permanent_every: int | None, rolling_every: int | None = None,
                  rolling_minutes: float | None = None, keep_rolling: int = 1):
         self.root = checkpoint_root(output_path)
-        scheme = urllib.parse.urlparse(self.root).scheme
-        if scheme not in TENSORSTORE_SCHEMES:  # refused before anything compiles, not at the first save
-            raise ValueError(f"a training step cannot run under {scheme}:// ({output_path}): Levanter writes its "
-                             "checkpoints with tensorstore, which takes a local path, gs:// or s3://; give the run "
-                             "such a prefix (`keel run --prefix`)")
         self.rolling_every = rolling_every
         policies = [CheckpointInterval(every=permanent_every)] if permanent_every else []
         interval = datetime.timedelta(minutes=rolling_minutes) if rolling_minutes else None

@@ -22,6 +22,7 @@ from keel.spec.train import TrainStepConfig
 from keel.spec.transports import check_transport_supported
 from keel.train import compile_cache
 from keel.train.batches import training_datasets
+from keel.train.checkpoint import check_store
 from keel.train.data_checks import check_token_caches
 from keel.train.lm import KeelLM
 from keel.train.loop import LoopInputs, train
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 def train_step(config: TrainStepConfig) -> None:
     """Train (or resume training) to `config.train.num_steps`; results land under `config.output_path`."""
+    check_store(config.output_path)
     join_replicas(config.coordinator)  # a multi-host step: its replicas become one jax.distributed world (no-op alone)
     if config.topology is None:  # the run's mesh is every local device, as one rack
         config = dataclasses.replace(config, topology=RackTopology(racks=1, gpus_per_rack=len(jax.devices())))
