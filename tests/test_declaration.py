@@ -147,9 +147,16 @@ def test_no_twin_topic_module_is_in_the_general_corpus_its_other_components_trai
 
 @pytest.mark.parametrize("num_steps, evaluations", [(7, 4), (10, 3), (30, 8), (390_251, 6), (5, 5), (3, 10)])
 def test_evaluations_evaluate_that_many_times_at_most_the_last_after_the_final_step(num_steps, evaluations):
-    """The loop evaluates after every `eval_cadence`-th step and after the last (`_evaluate_after`)."""
-    from keel.spec import TrainConfig
+    """The loop's own after-step hook, over every step of the run (the evaluation before the first
+    step is the initial loss, not one of the N)."""
+    from types import SimpleNamespace
 
-    cadence = TrainConfig(batch_size=1, seq_len=1, num_steps=num_steps, evaluations=evaluations).eval_cadence
-    after = [s for s in range(1, num_steps + 1) if s % cadence == 0 or s == num_steps]
+    from keel.spec import TrainConfig
+    from keel.train.loop import StepDone, _Run
+
+    after: list[int] = []
+    run = SimpleNamespace(config=TrainConfig(batch_size=1, seq_len=1, num_steps=num_steps, evaluations=evaluations),
+                          _evaluate=lambda completed, phase: after.append(completed))
+    for step in range(num_steps):
+        _Run._evaluate_after(run, StepDone(step, phase=None, metrics={}, started=0.0))
     assert len(after) == min(evaluations, num_steps) and after[-1] == num_steps

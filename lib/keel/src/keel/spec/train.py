@@ -407,9 +407,10 @@ class TrainConfig:
     eval_every: int | None = execution_only(default=None)
     """Evaluation cadence in steps: how often the run is looked at, not what it trains."""
     evaluations: int | None = execution_only(default=None)
-    """Or a cadence that follows the run's length: at most this many evaluations over it, the last
-    after its final step, whatever num_steps becomes (a `--set`, a twin). Neither given: every 100
-    steps (`eval_cadence`)."""
+    """Or a cadence that follows the run's length: at most this many evaluations after training
+    steps, the last after its final step, whatever num_steps becomes (a `--set`, a twin); a run that
+    starts from step 0 also evaluates its initial state. Neither given: every 100 steps
+    (`eval_cadence`)."""
     eval_batches: int = execution_only(default=4)
     permanent_checkpoint_every: int | None = execution_only(default=None)
     """Permanent checkpoints every N steps, never deleted (the final one and those at transport
