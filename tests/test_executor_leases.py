@@ -77,7 +77,9 @@ def test_a_superseded_lease_is_never_renewed_and_says_who_took_it(tmp_path):
     first, _ = leases.try_acquire(output, timeout=0.3)
     leases._HEARTBEATS.discard(first)  # suspended: no heartbeats
     assert first.taken_over() is None
-    time.sleep(0.4)
+    deadline = time.monotonic() + 30  # past its timeout, however late a heartbeat already under way landed
+    while leases.current_lease(output).is_live() and time.monotonic() < deadline:
+        time.sleep(0.05)
     second, _ = leases.try_acquire(output, timeout=0.3)
     assert second is not None and second.epoch == first.epoch + 1
     first.heartbeat()  # resumed: its heartbeat must not make its old epoch live again
