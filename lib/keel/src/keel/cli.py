@@ -3,8 +3,8 @@
 An experiment file ends with `keel.main([steps])`, optionally with named scalings of its graph
 (`keel.main([hero], scales={"tiny": twin})`, selected with `--scale tiny`). Run as a script, `main`
 parses the command line and acts. Run through the `keel` console script, the file is executed as `__main__` while a
-collector is active, so `main` only hands its steps back and the console script acts on them; `gc`
-uses that to gather the steps of several experiments at once.
+collector is active, so `main` only hands its steps back and the console script acts on them; `plan`, `gc`
+and `compare` use that to gather the steps of several experiments at once.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _parser(prog: str, with_experiment: bool) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Plan, run and cache a declared graph of steps.")
     p.add_argument("command", choices=COMMANDS)
     if with_experiment:
-        p.add_argument("experiments", nargs="+", metavar="EXPERIMENT.py", help="experiment file(s); gc and compare take several")
+        p.add_argument("experiments", nargs="+", metavar="EXPERIMENT.py", help="experiment file(s); plan, gc and compare take several")
     p.add_argument("--prefix", default=None, help="where outputs live (default: $KEEL_PREFIX, else ./outputs)")
     p.add_argument("--force", metavar="REGEX", help="rerun matching steps even if cached")
     p.add_argument("--only", metavar="REGEX", help="run matching steps and whatever of their ancestry is missing")
