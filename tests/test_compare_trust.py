@@ -198,6 +198,9 @@ def test_runs_are_marked_only_where_the_host_they_ran_on_was_shared(tmp_path):
     for path in (a, b):
         (path / ".keel" / "host").unlink()
     assert shared() == {"a": None, "b": None}
+    (a / ".keel" / "host").write_text("worker-7")  # an earlier attempt's worker: the next attempt drops it
+    assert run_steps(steps[:1], str(tmp_path), force="^train/a$", echo=lambda _: None).ran == ["train/a"]
+    assert not (a / ".keel" / "host").exists()  # run in the launcher's threads now: no host recorded
 
 
 def test_one_file_given_twice_is_compared_once(tmp_path, capsys):

@@ -27,14 +27,9 @@ import traceback
 from keel.executor import interrupt, logs, step_warnings, storage, writes
 from keel.executor.collector import no_cycle_collection
 from keel.executor.replicas import replica_index, wait_for_replicas
-from keel.executor.status import keel_path
+from keel.executor.status import HOST, keel_path
 from keel.executor.step import StepFunction
 
-
-HOST_FILE = "host"
-"""The host a job away from the launcher's threads ran on, under the step's `.keel/`: a cluster
-worker's, not the driver's that step.json's provenance names, so `keel compare` marks only runs that
-shared a machine. A step run in the launcher's threads writes none (one file fewer per step)."""
 
 STAGED_LOG_PREFIX = "keel-log-"
 """A step whose output is not on a local disk writes its log into a local temporary file of this name
@@ -46,11 +41,11 @@ def log_url(output_path: str) -> str:
 
 
 def ran_on(output_path: str, record: dict) -> str | None:
-    """The host the step (`record`: its step.json) ran on: the one its job recorded (`HOST_FILE`),
+    """The host the step (`record`: its step.json) ran on: the one its job recorded (`HOST`),
     else the driver's for a step without resources, which only the driver's host runs; None for a
     step with resources that recorded none (sent to a cluster before keel recorded workers, or run
     in the launcher's threads): nothing says which machine it shared."""
-    recorded = storage.read_text(keel_path(output_path, HOST_FILE))
+    recorded = storage.read_text(keel_path(output_path, HOST))
     if recorded or record.get("resources") is not None:
         return recorded or None
     return record.get("provenance", {}).get("host")
@@ -166,7 +161,7 @@ def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = Fals
     storage.make_folder(output_path)
     replica = replica_index()
     if replica == 0 and not in_launcher:  # a child process's host (the driver's) or a cluster worker's
-        storage.write_atomic(keel_path(output_path, HOST_FILE), socket.gethostname())
+        storage.write_atomic(keel_path(output_path, HOST), socket.gethostname())
     target = log_url(output_path) if replica == 0 else keel_path(output_path, f"log.replica{replica}.txt")
     local = storage.is_local(output_path)
     log_file = storage.split(target)[1] if local else tempfile.mktemp(prefix=STAGED_LOG_PREFIX)

@@ -31,6 +31,9 @@ from keel.executor import step_warnings, storage
 KEEL_DIR = ".keel"
 RUNNING, SUCCESS, FAILED, INTERRUPTED = "RUNNING", "SUCCESS", "FAILED", "INTERRUPTED"
 STATUS, RECORD = "status", "step.json"
+HOST = "host"
+"""The host an attempt away from the launcher's threads ran on (`job.ran_on`): a cluster worker's,
+not the driver's that step.json's provenance names. Each attempt writes its own."""
 
 
 def keel_path(output_path: str, name: str) -> str:
@@ -115,6 +118,7 @@ def mark_running(output_path: str, previous: Status | None, record: dict) -> Sta
     if previous is not None:
         storage.delete_file(keel_path(output_path, STATUS))
         step_warnings.clear(output_path)  # each attempt starts with no warnings
+        storage.delete_file(keel_path(output_path, HOST))  # an earlier attempt's worker, not this one's
     return status
 
 
