@@ -210,12 +210,15 @@ def test_a_step_function_named_by_module_has_the_identity_and_fingerprint_of_the
 
 
 def test_the_canonical_text_is_the_standard_encoders_for_every_kind_of_value():
-    from keel.executor.encoding import canonical_json, encode
+    from keel.executor.encoding import canonical_json, encode, one_line_encoder
 
     standard = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     a = Step("golden/a", noop, Config(n=1))
     values = [Config(n=3, inner=Inner(1e-3, ("x", output_of(a, "f.txt"))), mapping={"z": [1, None, True], "a": "ünï\n\"q\"\ud800"}),
               {"b": {"d": 2**70, "c": -0.0}, "a": [[], {}]}, "\u2028", None, False, 1.5e300]
+    plan_line = one_line_encoder(sort_keys=False, separators=(", ", ": "), default=str)  # `keel plan --json`'s
     for value in values:
         payload = encode(value, "v", lambda step: "h")
         assert canonical_json(payload) == standard.encode(payload)
+        assert plan_line(payload) == json.dumps(payload, default=str)
+    assert plan_line({"b": pathlib.Path("/x"), "a": float("inf")}) == json.dumps({"b": pathlib.Path("/x"), "a": float("inf")}, default=str)

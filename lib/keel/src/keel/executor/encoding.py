@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from typing import Any
+from typing import Any, Callable
 
 from keel.executor.step import (DATACLASS, DICT, ENUM, FLOAT, OUTPUT_OF, PATH, PLAIN, SEQUENCE, STEP, THIS_OUTPUT,
                                 StepDeclarationError, is_execution_only, value_kind)
@@ -71,19 +71,21 @@ def _no_default(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not canonical JSON")  # `encode` hands over no such value
 
 
-def _canonical_encoder():
-    """One encoder for every payload. `JSONEncoder.encode` builds a new C encoder (and a dict for
-    circular checks) on every call: 7 of the 10 us a step's canonical JSON cost in a 10,000-step
-    plan. `encode` builds every payload afresh as a tree, so it holds no cycle to check for.
-    Where CPython's C encoder is missing or takes other arguments, the standard one does the same;
-    `tests/test_executor_identity.py` holds the two to one text."""
-    standard = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode
+def one_line_encoder(*, sort_keys: bool, separators: tuple[str, str], default: Callable[[Any], Any]) -> Callable[[Any], str]:
+    """`json.dumps` with these settings (ASCII, on one line) as one encoder built once, for values
+    encoded by the thousand. `JSONEncoder.encode` builds a new C encoder (and a dict for circular
+    checks) on every call: 7 of the 10 us a step's canonical JSON cost in a 10,000-step plan. Values
+    are not checked for cycles: callers encode trees they build afresh. Where CPython's C encoder is
+    missing or takes other arguments, the standard one does the same; `tests/test_executor_identity.py`
+    holds the two to one text."""
+    standard = json.JSONEncoder(sort_keys=sort_keys, separators=separators, ensure_ascii=True, default=default).encode
+    item, key = separators
     try:  # (markers, default, encoder, indent, key_separator, item_separator, sort_keys, skipkeys, allow_nan)
-        encoder = json.encoder.c_make_encoder(None, _no_default, json.encoder.encode_basestring_ascii, None, ":", ",",
-                                              True, False, True)
+        encoder = json.encoder.c_make_encoder(None, default, json.encoder.encode_basestring_ascii, None, key, item,
+                                              sort_keys, False, True)
     except TypeError:  # no C encoder (None), or one that takes other arguments
         return standard
-    return lambda payload: "".join(encoder(payload, 0))
+    return lambda value: "".join(encoder(value, 0))
 
 
-_canonical = _canonical_encoder()
+_canonical = one_line_encoder(sort_keys=True, separators=(",", ":"), default=_no_default)
