@@ -7,13 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from keel.executor import lease as leases
 from keel.executor.status import read_status
+from test_executor_concurrency import wait_until
 
 pytestmark = pytest.mark.waits  # on launchers sleeping in their steps, and leases
 
@@ -52,15 +52,6 @@ print("ran", report.ran, "reused", report.reused, flush=True)
 '''
 
 
-def wait_until(predicate, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    raise TimeoutError("condition not reached in time")
-
-
 def launch(tmp_path: Path, who: str, **env) -> tuple[subprocess.Popen, Path]:
     script, log = tmp_path / "launcher.py", tmp_path / f"{who}.log"
     script.write_text(LAUNCHER)
@@ -77,9 +68,7 @@ def test_a_superseded_lease_is_never_renewed_and_says_who_took_it(tmp_path):
     first, _ = leases.try_acquire(output, timeout=0.3)
     leases._HEARTBEATS.discard(first)  # suspended: no heartbeats
     assert first.taken_over() is None
-    deadline = time.monotonic() + 30  # past its timeout, however late a heartbeat already under way landed
-    while leases.current_lease(output).is_live() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: not leases.current_lease(output).is_live())  # however late a heartbeat under way landed
     second, _ = leases.try_acquire(output, timeout=0.3)
     assert second is not None and second.epoch == first.epoch + 1
     first.heartbeat()  # resumed: its heartbeat must not make its old epoch live again
