@@ -183,3 +183,14 @@ def test_the_hero_files_observations_are_keyed_to_its_own_layout():
 
     (hero,) = [s for s in load_experiment("experiments/hero_535b.py") if s.name == "train/hero_535b"]
     assert hero.config.facts.measured_on == speed_key(hero.config)
+
+
+def test_a_run_still_in_its_first_phase_dates_the_next_one_by_the_modelled_step_times():
+    """Its own observations reach only its first steps: the switch it has not reached is predicted."""
+    first_only = dataclasses.replace(HERO.facts, observed=HERO.facts.observed[:1], projected_steps_per_day=None)
+    sheet = fact_sheet(dataclasses.replace(HERO, facts=first_only))
+    assert sheet["step_time"]["observations"] != "other layout"
+    start, switch = sheet["transports"]
+    assert (start["date"], start["date_basis"]) == ("2026-08-19", "observed")
+    assert switch["date_basis"] == "predicted" and switch["date"] > "2026-08-19"
+    assert f"from {switch['date']} (predicted)" in render_fact_sheet(sheet)

@@ -339,7 +339,8 @@ def _predicted_date(start_date: str | None, predicted: dict | None, step: int) -
 def transports(run: ResolvedRun, sheet: dict) -> list[dict]:
     """Each transport phase's steps and knobs, and the date it starts: observed where this
     declaration's own observations (`observed_here`) saw its first step, else (observations of
-    another layout, or none) predicted from the start date at the modelled step times."""
+    another layout, none, or a phase the run has not reached yet) predicted from the start date at
+    the modelled step times."""
     config = run.config
     train, facts = config.train, config.facts
     own = observed_here(config)[0]
@@ -356,7 +357,7 @@ def transports(run: ResolvedRun, sheet: dict) -> list[dict]:
         seen = [s for s in (facts.observed if own else ()) if s.step == phase.start_step]
         if seen:
             entry["date"], entry["date_basis"] = seen[0].date, "observed"
-        elif not own:
+        else:  # another layout's observations, none, or a phase this run has not reached yet
             predicted = _predicted_date(facts.start_date if facts else None, sheet.get("step_time"), phase.start_step)
             if predicted:
                 entry["date"], entry["date_basis"] = predicted, "predicted"
