@@ -152,6 +152,22 @@ def test_force_and_only(tmp_path):
     assert read_status(Graph([b], prefix).path(b)).attempt == 1
 
 
+def say(config: WriteConfig) -> None:
+    write(config)
+    print(f"run {len(CALLS)} of {config.text}")
+
+
+def test_a_forced_rerun_starts_its_log_afresh(tmp_path):
+    """--force discards the old run's outputs and its log: the page's log tail and `log.txt` show the
+    new run's lines only, not the old run's ahead of them."""
+    step = Step("t/say", say, WriteConfig("a"))
+    assert run_steps([step], str(tmp_path), echo=lambda _: None).ran == ["t/say"]
+    log = Path(keel_path(Graph([step], str(tmp_path)).path(step), "log.txt"))
+    assert log.read_text() == "run 1 of a\n"
+    assert run_steps([step], str(tmp_path), force="^t/say$", echo=lambda _: None).ran == ["t/say"]
+    assert log.read_text() == "run 2 of a\n"
+
+
 def test_a_run_refuses_to_start_steps_that_read_an_empty_external_and_runs_the_rest_with_only(tmp_path):
     empty = External("raw/empty", str(tmp_path / "nothing-here"))
     reads = Step("t/reads", write, WriteConfig("reads", source=output_of(empty, "data.txt")))

@@ -364,7 +364,11 @@ class Runner:
         resolved = resolve_config(step.config, plan.output_path, self.graph.path)
         record = _step_record(self.graph, step, resolved, self._launch, self._secrets)
         if previous is not None and self.force and self.force.search(plan.name):
-            storage.delete_contents(plan.output_path, keep=KEEL_DIR)  # --force starts clean (no old checkpoint resumes)
+            # --force starts clean: no old checkpoint resumes, and no old run's lines lead its log
+            storage.delete_contents(plan.output_path, keep=KEEL_DIR)
+            for name in storage.list_names(storage.join(plan.output_path, KEEL_DIR)):
+                if name.startswith("log.") and name.endswith(".txt"):
+                    storage.delete_file(keel_path(plan.output_path, name))
         status = self._attempts(plan, step, resolved, record, previous, lease)
         reuse.record(self.graph.prefix, self.graph.identities.content_hash(step), step, plan.output_path)
         warned = f", with {_count(len(status.warnings), 'warning')}: {status.warnings[0]}" if status.warnings else ""
