@@ -72,8 +72,8 @@ def test_compare_across_experiments_with_columns_defined_and_shared_runs_marked(
     assert console_main(["compare", dense, moe, "--prefix", prefix, "--json"]) == 0
     rows = {r["run"]: r for r in json.loads(capsys.readouterr().out)["runs"]}
     assert {r["experiment"] for r in rows.values()} == {"dense.py", "moe.py"}
-    # Steps 0 and 2 compiled (the first step, and the first after the transport switch): left out.
-    assert rows["train/dense"]["tokens_per_s"] == 150.0 and rows["train/moe"]["tokens_per_s"] == 75.0
+    # The last transport phase's speed (fixed_all_to_all, from step 2), less its first step (it compiled)
+    assert rows["train/dense"]["tokens_per_s"] == 200.0 and rows["train/moe"]["tokens_per_s"] == 100.0
     assert rows["train/dense"]["shared"] is None and rows["train/moe"]["shared"] is None
     assert rows["train/dense"]["compile_s"] == 1.5
     assert rows["train/dense"]["fields"] == {"train.optimizer.lr": 1.0} and rows["train/moe"]["fields"] == {
@@ -120,14 +120,16 @@ def test_compare_across_experiments_with_columns_defined_and_shared_runs_marked(
     assert all(0 < r["shared"]["fraction"] <= 1 for r in pair.values())
     assert console_main(["compare", together, "--prefix", prefix]) == 0
     table = capsys.readouterr().out
-    assert "| 150 * |" in table and "- * train/pair/a shared its host for " in table
+    assert "| 200 * |" in table and "- * train/pair/a shared its host for " in table
 
 
 def test_the_wall_split_times_the_last_attempts_steps_less_their_compile_waits():
     """The steps are the last attempt's (a resumed run keeps the earlier rows, and an interrupted
-    attempt's lines stay in the log), each row standing for the steps since the one before
-    (`log_every`); the loop's summary says what its training steps waited for compiles, which comes
-    out of the training seconds (evaluations' waits do not)."""
+    attempt's lines stay in the log), each row standing for the steps since the one before it
+    (`log_every`) at its own time less the compile wait it names: a step that waited for its program
+    has a row of its own naming the wait (the loop writes it off the cadence). The evaluations'
+    waits (the summary's rest) are in no step's time."""
+    from keel.spec.metrics import COMPILE_WAIT
     from keel.trained.compare import wall_split
 
     interrupted = ("[train] x: compiled the fixed_all_to_all training step in 9.0s, ahead (step 0 waited 9.0s for it)\n"
@@ -135,10 +137,21 @@ def test_the_wall_split_times_the_last_attempts_steps_less_their_compile_waits()
     log = interrupted + ("[train] x: resumed at step 10\n"
                          "[train] x: done: steps 10->20 in 30.0s (compiling 14.0s, waited for 8.0s, 5.0s of it by training steps)\n")
     earlier = [{"step": s, "throughput/tokens_per_s": 10.0} for s in range(10)]  # an earlier attempt's rows
+    resumed = [{"step": 10, "throughput/tokens_per_s": 100 / 7.0, COMPILE_WAIT: 5.0}]  # 2 s of training, 5 s waiting
     rows = [{"step": s, "throughput/tokens_per_s": 50.0} for s in range(11, 20, 2)]  # log_every=2; 2 s a step
-    split = wall_split(log, earlier + rows, tokens_per_step=100, wall=40.0)
-    # this attempt's 10 steps, 20 s, less the 5 s they waited for their programs; the loop's other 30 - 20 - (8 - 5) s
-    assert split == {"compile_s": 8.0, "train_s": 15.0, "eval_s": 7.0, "setup_s": 10.0}, split
+    split = wall_split(log, earlier + resumed + rows, tokens_per_step=100, wall=40.0)
+    # this attempt's 10 steps at 2 s each: 20 s, the 5 s step 10 waited being compile time; the loop's
+    # other 30 - 20 - 8 s (all it waited for compiles) went to evaluations and checkpoints. (This test
+    # once expected 15 s and 7 s from rows without step 10's: it took the 5 s wait out of steps whose
+    # rows never held it, moving it from training to eval+ckpt.)
+    assert split == {"compile_s": 8.0, "train_s": 20.0, "eval_s": 2.0, "setup_s": 10.0}, split
+    # log_every=10, 1 s a step: step 0 waited 15 s for its program, and step 15 (off the cadence, a new
+    # transport) 14 s; each such row stands for the steps before it at its time less its wait
+    log = "[train] x: done: steps 0->30 in 100.0s (compiling 40.0s, waited for 29.0s, 29.0s of it by training steps)\n"
+    rows = [{"step": 0, "throughput/tokens_per_s": 100 / 16, COMPILE_WAIT: 15.0}, {"step": 15, "throughput/tokens_per_s": 100 / 15,
+            COMPILE_WAIT: 14.0}] + [{"step": s, "throughput/tokens_per_s": 100.0} for s in (9, 19, 29)]
+    split = wall_split(log, rows, tokens_per_step=100, wall=110.0)
+    assert split == {"compile_s": 29.0, "train_s": 30.0, "eval_s": 41.0, "setup_s": 10.0}, split
 
 
 def _ran_together(out, names: list[str]) -> list:

@@ -103,7 +103,7 @@ def test_the_page_of_a_finished_experiment_live_and_exported(tmp_path):
         sheets = page.locator(".sheet")
         assert sheets.evaluate_all("s => s.map(x => x.dataset.step)") == ["train/dash/a", "train/dash/b"]
         assert "== fact sheet: train/dash/a" in sheets.first.inner_text()
-        assert "s/step (median of training steps); 12/12 steps; finished 20" in sheets.first.locator(".measured").inner_text()
+        assert "s/step (mean of the latest transport's training steps); 12/12 steps; finished 20" in sheets.first.locator(".measured").inner_text()
         page.click('g.node[data-step="train/dash/a"]')  # a step's details: identity config and log tail
         details = page.inner_text("#details")
         assert "train.optimizer.lr" in details and "train.seq_len" in details and "pretend training of lr 0.5 done" in details
@@ -178,3 +178,101 @@ def test_a_running_steps_curve_grows_without_reloading(tmp_path):
     while (measured := live_sheet())["state"] == "running-elsewhere" and time.monotonic() < deadline:
         time.sleep(0.5)
     assert measured["state"] != "running-elsewhere" and measured["projected_end"] is None, measured
+
+
+_HAND_WRITTEN = textwrap.dedent(
+    """
+    from defaults import default_scaling_ladder, default_train
+    from defaults.models import tiny_moe
+    from keel import External, main
+    from keel.spec import AdamWConfig, TrainConfig
+
+    data = External("cache", "/nowhere", version="v1")
+    train = TrainConfig(batch_size=2, seq_len=8, num_steps=4, optimizer=AdamWConfig(lr=0.5))
+    ladder = default_scaling_ladder("hand", data=data, model=tiny_moe, train=train, sizes=(32, 48, 64, 96), steps=(2, 3, 4, 6),
+                                    target=(128, 4))  # its prediction.json is written by hand
+    run = default_train("hand", data=data, model=ladder.target_model, train=ladder.target_train,
+                        predicted_loss=ladder.prediction)
+    if __name__ == "__main__":
+        main([run])
+    """
+)
+LR_GROUPS = 7
+
+
+def _hand_written(tmp_path) -> tuple[str, Graph]:
+    """A 4-step run written by hand: 7 optimizer groups (a legend of three rows), a final evaluation
+    that is NaN, a declared prediction, and a second attempt whose launcher died (step.json only)."""
+    experiment = tmp_path / "hand_exp.py"
+    experiment.write_text(_HAND_WRITTEN)
+    graph = _graph(str(experiment), str(tmp_path / "out"))
+    fit = Path(graph.path(next(s for s in graph.steps() if s.name == "ladder/hand")))
+    fit.mkdir(parents=True)
+    (fit / "prediction.json").write_text(json.dumps({"target": "hidden 128, 4 steps", "compute": 1e9, "loss": 5.0, "low": 4.5,
+                                                     "high": 5.5, "band": 0.95, "method": "by hand", "law": "-"}))
+    output = Path(graph.path(next(s for s in graph.steps() if s.name == "train/hand")))
+    (output / ".keel").mkdir(parents=True)
+    (output / ".keel" / "step.json").write_text(json.dumps({"name": "train/hand", "attempt": 2, "started": time.time() - 60}))
+    rows = [{"step": 0, "eval/loss": 7.0}]
+    rows += [{"step": s, "train/loss": 6.0 - s / 10, "throughput/tokens_per_s": 1000.0, "transport": "ring",
+              **{f"lr/group{g}": 0.01 * g for g in range(LR_GROUPS)}} for s in range(4)]
+    rows += [{"step": 4, "eval/loss": float("nan")}]
+    (output / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))  # json writes NaN as NaN
+    return str(experiment), graph
+
+
+def _check_hand_written_page(page) -> None:
+    assert not page.errors, page.errors
+    assert node_states(page)["train/hand"] == "run"
+    node = page.text_content('g.node[data-step="train/hand"] text.state')
+    assert node.startswith("run · attempt 2 died (started "), node  # not "since ...": it does not run
+    head = page.inner_text('.run[data-run="train/hand"] h3')
+    assert "predicted 5.0000 [4.5000, 5.5000], actual not a number" in head, head
+    assert points(page, "train/hand", "loss", "eval/loss") == 1  # the NaN evaluation is not drawn at y=0
+    chart = page.locator('.run[data-run="train/hand"] svg[data-chart="lr"]')
+    legends = chart.locator("text[data-legend]").evaluate_all("ts => ts.map(t => [+t.getAttribute('x'), +t.getAttribute('y')])")
+    assert len(legends) == len({tuple(p) for p in legends}) == LR_GROUPS  # no two names on one spot
+    top = float(chart.locator("rect").first.get_attribute("y"))
+    assert sorted({y for _, y in legends}) == [24, 36, 48] and top > 48  # three rows, all above the plot
+
+
+def test_a_hand_written_run_nan_loss_many_legends_and_a_dead_launcher(tmp_path):
+    """A NaN final evaluation (null in the state) neither crashes the page nor plots at 0; a legend
+    of seven names takes three rows; a step whose launcher died is not drawn as running; a page that
+    cannot draw a state says so, rather than that the server is unreachable."""
+    experiment, graph = _hand_written(tmp_path)
+    with serving(experiment, graph) as url, browser_page() as page:
+        page.goto(url)
+        _check_hand_written_page(page)
+        page.route("**/state.json", lambda route: route.fulfill(status=200, content_type="application/json", body='{"steps": 1}'))
+        page.wait_for_function("() => document.getElementById('live').textContent.startsWith('render error: ')", timeout=10_000)
+    out = tmp_path / "shared"
+    assert console_main(["dashboard", experiment, "--prefix", str(tmp_path / "out"), "--out", str(out)]) == 0
+    with browser_page() as page:
+        page.goto((out / "index.html").as_uri())
+        _check_hand_written_page(page)
+
+
+def test_port_80_answers_the_bare_host_a_browser_sends():
+    """A browser leaves the port out of Host on port 80: 127.0.0.1 and localhost are this server's
+    names there; another host is still refused. (The server is bound elsewhere and told it is on 80:
+    binding 80 needs root.)"""
+    from keel.dashboard import make_server
+    import threading
+
+    server = make_server("exp.py", graph=None, port=0)
+    port, server.server_address = server.server_port, ("127.0.0.1", 80)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    thread.start()
+    try:
+        for host, code in (("127.0.0.1", 200), ("localhost", 200), ("attacker.example", 403), ("127.0.0.1:80", 200)):
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            try:
+                connection.request("GET", "/static/style.css", headers={"Host": host})
+                assert connection.getresponse().status == code, host
+            finally:
+                connection.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)

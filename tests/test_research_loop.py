@@ -156,7 +156,7 @@ def test_the_dashboard_shows_the_sweep(sweep):
             assert sorted(overlay) == sorted(runs)
             sheets = page.locator(".sheet")
             assert sorted(sheets.evaluate_all("s => s.map(x => x.dataset.step)")) == sorted(runs)
-            assert all("s/step (median of training steps); 30/30 steps; finished" in t
+            assert all("s/step (mean of the latest transport's training steps); 30/30 steps; finished" in t
                        for t in sheets.locator(".measured").all_inner_texts())
             assert not local_only(page.requested) and not page.errors
     finally:

@@ -26,8 +26,8 @@ from keel.executor import storage
 from keel.executor.encoding import one_line_encoder
 from keel.executor.lease import current_lease
 from keel.executor.overrides import apply_overrides
-from keel.executor.plan import Graph, StepPlan, plan_graph
-from keel.executor.status import KEEL_DIR, RECORD
+from keel.executor.plan import FAILED_STATE, INTERRUPTED_STATE, RUN, RUNNING_ELSEWHERE, Graph, StepPlan, plan_graph
+from keel.executor.status import KEEL_DIR, RECORD, RUNNING
 from keel.executor.step import External, ReportsProgress, Step, StepDeclarationError
 
 COMMANDS = ("run", "plan", "status", "gc", "compare", "dashboard")
@@ -343,6 +343,13 @@ def _fact_sheets(graph: Graph) -> list[dict]:
     return fact_sheets_for(graph)
 
 
+def _attempted(plan: StepPlan) -> bool:
+    """Whether the step has an attempt to report progress of: running, interrupted, failed, or one
+    whose launcher died mid-run (state `run` with a RUNNING record whose lease expired)."""
+    died = plan.state == RUN and plan.status is not None and plan.status.state == RUNNING
+    return died or plan.state in (RUNNING_ELSEWHERE, INTERRUPTED_STATE, FAILED_STATE)
+
+
 def render_table(plans: list[StepPlan], graph: Graph, timings: bool = False) -> str:
     rows = []
     for p in plans:
@@ -354,7 +361,7 @@ def render_table(plans: list[StepPlan], graph: Graph, timings: bool = False) -> 
         rows.append(f"{p.state:<17} {p.name}{res}\n{'':<17}   {p.output_path}{extra}{reason}")
         if timings and p.status is not None and p.status.warnings:
             rows.extend(f"{'':<17}   warning: {w}" for w in p.status.warnings)
-        if timings and p.state in ("running-elsewhere", "interrupted", "failed"):
+        if timings and _attempted(p):
             config = getattr(p.step, "config", None)
             shown = (config.progress(p.output_path, running=p.state == "running-elsewhere")
                      if isinstance(config, ReportsProgress) else None)

@@ -65,14 +65,20 @@ class _Cached:
             return self._state
 
 
+def _local_hosts(port: int) -> set[str]:
+    """The Host headers a browser sends for this server: host:port, or the bare host on port 80,
+    whose port browsers leave out."""
+    names = ("127.0.0.1", "localhost")
+    return {f"{name}:{port}" for name in names} | (set(names) if port == 80 else set())
+
+
 def make_server(experiment: str, graph, port: int = 0) -> ThreadingHTTPServer:
     """A server for the page on 127.0.0.1:`port` (0: a free port; read `server.server_port`)."""
     cached = _Cached(experiment, graph)
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
-            port = self.server.server_address[1]
-            if self.headers.get("Host") not in (f"127.0.0.1:{port}", f"localhost:{port}"):
+            if self.headers.get("Host") not in _local_hosts(self.server.server_address[1]):
                 # a page elsewhere whose name resolves here (DNS rebinding) must not read the run's state
                 self.send_error(403, explain="keel dashboard answers requests for 127.0.0.1 or localhost only")
                 return

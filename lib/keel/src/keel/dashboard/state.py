@@ -17,7 +17,7 @@ from keel.executor import storage
 from keel.executor.plan import RUNNING_ELSEWHERE, Graph, StepPlan, plan_graph
 from keel.executor.status import keel_path
 from keel.executor.step import Step
-from keel.spec.metrics import METRICS_FILE, read_metrics
+from keel.spec.metrics import METRICS_FILE, read_metrics, steady_tokens_per_s
 from keel.trained import compare, ladder
 
 LOG_TAIL_LINES = 80
@@ -111,7 +111,7 @@ def _run(graph: Graph, plan: StepPlan) -> dict[str, Any]:
         "rollbacks": len(rollbacks),
         "prediction": prediction,
         "verdict": ladder.judge(final, prediction) if evals and max(evals) == config.train.num_steps else None,
-        "tokens_per_s": compare.training_throughput(records),
+        "tokens_per_s": steady_tokens_per_s(records),
     }
 
 
@@ -148,9 +148,10 @@ def _fact_sheets(graph: Graph, runs: dict[str, dict]) -> list[dict[str, Any]]:
 
 
 def _measured(run: dict) -> dict[str, Any] | None:
-    """Seconds per training step (median of the steps that did not compile), steps done, and the
-    end projected from them: now + the steps to go while the step runs, when it finished once it
-    has; a step that is not running (interrupted, failed, not started again) projects no end."""
+    """Seconds per training step (the mean of the latest transport's steps that did not compile:
+    `steady_tokens_per_s`), steps done, and the end projected from them: now + the steps to go
+    while the step runs, when it finished once it has; a step that is not running (interrupted,
+    failed, not started again) projects no end."""
     if not run["tokens_per_s"]:
         return None
     step_s = run["tokens_per_step"] / run["tokens_per_s"]

@@ -21,7 +21,7 @@ from typing import Any
 from keel.executor.step import execution_only, this_output
 from keel.spec.fields import not_whole
 from keel.spec.hardware import Hardware
-from keel.spec.metrics import METRICS_FILE, read_metrics
+from keel.spec.metrics import METRICS_FILE, read_metrics, steady_tokens_per_s
 from keel.spec.mixture import Mixture
 from keel.spec.topology import RackTopology
 from keel.spec.model import MoELMConfig
@@ -648,22 +648,22 @@ class TrainStepConfig:
 
     def progress(self, output_path: str, running: bool = True) -> str | None:
         """How far a running (or stopped) training step got, from its metrics: for `keel status`
-        in a second terminal, wherever the step runs (the prefix is shared storage). Only a step
-        that is `running` gets a time to go."""
+        in a second terminal, wherever the step runs (the prefix is shared storage). Its speed is
+        the dashboard's and `keel compare`'s (`steady_tokens_per_s`); only a step that is `running`
+        gets a time to go."""
         try:
-            records = [r for r in read_metrics(f"{output_path.rstrip('/')}/{METRICS_FILE}") if "train/loss" in r]
+            records = read_metrics(f"{output_path.rstrip('/')}/{METRICS_FILE}")
         except (FileNotFoundError, OSError):
             return None
-        if not records:
+        trained = [r for r in records if "train/loss" in r]
+        if not trained:
             return "training: compiling or before its first step"
-        last, recent = records[-1], records[-20:]
+        last, speed = trained[-1], steady_tokens_per_s(records)
         done = last["step"] + 1
-        speeds = [r["throughput/tokens_per_s"] for r in recent if r.get("throughput/tokens_per_s")]
         line = f"training: step {done}/{self.train.num_steps}, loss {last['train/loss']:.4f}"
-        if speeds:
-            seconds = (self.train.num_steps - done) * self.train.tokens_per_step / (sum(speeds) / len(speeds))
-            line += f", {sum(speeds) / len(speeds):,.0f} tokens/s" + (f", about {seconds / 60:.1f} min to go" if running
-                                                                     else "; not running")
+        if speed:
+            seconds = (self.train.num_steps - done) * self.train.tokens_per_step / speed
+            line += f", {speed:,.0f} tokens/s" + (f", about {seconds / 60:.1f} min to go" if running else "; not running")
         return line
 
     def process_env(self, processes: int = 1) -> dict[str, str]:

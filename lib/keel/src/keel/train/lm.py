@@ -30,6 +30,8 @@ from keel.model.loss import TokenBatch, loss_fn
 from keel.model.routing import next_router_bias
 from keel.model.transformer import init_model, with_router_bias
 
+LM_LOSS = "lm_loss"
+"""The aux entry with the language-modelling loss alone, without auxiliary terms (`TrainableLM.loss`)."""
 KERNEL = "kernel/"
 """The prefix of the aux entries that report what the MoE kernels ran (checked, never logged)."""
 
@@ -37,7 +39,10 @@ KERNEL = "kernel/"
 class TrainableLM(Protocol):
     def init(self, key) -> Any: ...
 
-    def loss(self, model, batch, *, transport, z_loss: float, compute_dtype) -> tuple[Any, dict[str, Any]]: ...
+    def loss(self, model, batch, *, transport, z_loss: float, compute_dtype) -> tuple[Any, dict[str, Any]]:
+        """(the loss trained on, aux values). A loss that adds terms to the cross-entropy (an
+        auxiliary balancing loss) reports the cross-entropy and z-loss alone as aux `LM_LOSS`, which
+        evaluations read."""
 
     def apply_router_update(self, model, aux: dict[str, Any]) -> Any: ...
 
@@ -71,7 +76,7 @@ class KeelLM:
                 transport=transport,
                 compute_dtype=compute_dtype,
             )
-        out = {}
+        out = {LM_LOSS: aux["lm_loss"]}
         if "dropped_fraction" in aux:
             out["dropped_fraction"] = jnp.mean(aux["dropped_fraction"].array)
             out["router_balance"] = jnp.mean(aux["max_load"].array)

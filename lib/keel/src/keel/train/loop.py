@@ -65,14 +65,14 @@ from levanter.utils.jax_utils import barrier_sync_named
 
 from keel.data.datasets import FIELDS
 from keel.executor import interrupt
-from keel.spec.metrics import METRICS_FILE, latest_by_step, read_metrics
+from keel.spec.metrics import COMPILE_WAIT, METRICS_FILE, latest_by_step, read_metrics
 from keel.spec.resolved import ResolvedRun
 from keel.spec.train import TrainConfig, TransportPhase
 from keel.spec.transports import TransportSpec
 from keel.train import compile_ahead, layout, offload
 from keel.train.batches import batch_loader, batch_shapes, batch_sharding
 from keel.train.checkpoint import TrainCheckpoints
-from keel.train.lm import KERNEL, TrainableLM
+from keel.train.lm import KERNEL, LM_LOSS, TrainableLM
 from keel.train.optimizer import Optimizer
 from keel.train.progress import Progress
 from keel.train.spike_guard import NonFiniteTraining  # noqa: F401 - the loop's failure, imported from here
@@ -131,6 +131,8 @@ class StepDone:
     metrics: dict[str, Any]
     started: float
     replaying: bool = False
+    compile_waited: float | None = None
+    """Seconds the step stood waiting for its program, when it was the first to use it."""
 
     @property
     def completed(self) -> int:
@@ -361,8 +363,8 @@ class _Run:
             with jax.set_mesh(self.inputs.mesh):  # Levanter's loader leaves its own mesh context
                 self.state_arrays, metrics, rollback = self.guard.step(
                     step, index, self.state_arrays, lambda arrays: step_fn.get()(arrays, batch, rates), self.layout)
+            waited = self._compiled(step_fn, f"step {step}", by_step=True) if first_use else None
             if first_use:
-                self._compiled(step_fn, f"step {step}", by_step=True)
                 self._compile_ahead(self._next_change(step))
                 if self.wandb is not None:
                     self.wandb.open()
@@ -371,7 +373,7 @@ class _Run:
                 batches = self.guard.batches(loader, rollback.to_step)
                 step, self.layout, previous = rollback.to_step, rollback.layout, self.transport_at(max(rollback.to_step - 1, 0))
                 continue
-            done = StepDone(step, phase, metrics, started, replaying=self.guard.replaying(step))
+            done = StepDone(step, phase, metrics, started, replaying=self.guard.replaying(step), compile_waited=waited)
             for hook in (self._check_kernel, self._report, self._evaluate_after, self._checkpoint_or_stop):
                 hook(done)
             step = done.completed
@@ -408,18 +410,23 @@ class _Run:
         layout.check_kernel(report, done.step, self.plan)
 
     def _report(self, done: StepDone) -> None:
-        """Progress line every step; a metrics row (and wandb) every `log_every` steps and at the end.
-        A replayed step was reported before the rollback and is not again."""
+        """Progress line every step; a metrics row (and wandb) every `log_every` steps, at the end and
+        for a step that waited for its program (with that wait: `keel compare` takes it out of the
+        step's time, which no other row's stands for). A replayed step was reported before the
+        rollback and is not again."""
         config = self.config
         loss = float(done.metrics["train/loss"])  # waits for the step
         tokens_per_s = config.tokens_per_step / (time.perf_counter() - done.started)
         self.progress.step(done.completed, loss=loss, tokens_per_s=tokens_per_s, transport=done.phase.transport,
                            phase=self._mixture_phase(done.step))
-        if done.replaying or not (done.completed % config.log_every == 0 or done.completed == config.num_steps):
+        if done.replaying or not (done.completed % config.log_every == 0 or done.completed == config.num_steps
+                                  or done.compile_waited is not None):
             return
         values = {k: float(v) for k, v in jax.device_get(done.metrics).items() if not k.startswith(KERNEL)}
         values["throughput/tokens_per_s"] = config.tokens_per_step / (time.perf_counter() - done.started)
         values["transport"] = done.phase.transport
+        if done.compile_waited is not None:
+            values[COMPILE_WAIT] = done.compile_waited
         self._log(done.step, values)
         self.last = values
 
@@ -622,14 +629,16 @@ class _Run:
             self._met = True
             barrier_sync_named("keel-first-program", timeout=REPLICA_SKEW_S)
 
-    def _compiled(self, pending: compile_ahead.Pending, user: str, *, by_step: bool) -> None:
-        """Count and report a compile at the first use of its function (`by_step`: a training step's)."""
+    def _compiled(self, pending: compile_ahead.Pending, user: str, *, by_step: bool) -> float:
+        """Count and report a compile at the first use of its function (`by_step`: a training step's);
+        returns how long the loop stood waiting for it."""
         waited = pending.waited if pending.ahead else pending.seconds
         self.compile_seconds += pending.seconds
         self.compile_waited += waited
         self.steps_waited += waited if by_step else 0.0
         how = f"ahead ({user} waited {pending.waited:.1f}s for it)" if pending.ahead else "on first use"
         self.progress.compiled(pending.what, pending.seconds, how, loaded=pending.loaded, queued=pending.queued)
+        return waited
 
     def _finish_trackers(self, *, stopped: bool) -> None:
         """Finish every tracker. In a run already stopped by an error or an interruption, a tracker
@@ -648,39 +657,61 @@ class _Run:
 
 
 def eval_loss_fn(lm: TrainableLM, static, shardings, transport: TransportSpec, compute_dtype):
-    """The jitted validation loss `evaluate(arrays, batch)` of a model split into its `arrays` (laid
-    out as `shardings`, host arrays copied in) and `static` part: cross-entropy without the z-loss
-    term. The loop's evaluations and the eval step (keel.trained) both call it, with the same
-    compiler options (`compile_ahead.step_options`), so the eval step of a run trained on this
-    machine loads the run's evaluation program from the compilation cache."""
+    """The jitted validation loss `evaluate(arrays, batch)` of a model split into its `arrays` (laid out
+    as `shardings`, host arrays copied in) and `static` part: cross-entropy without the z-loss term or
+    an auxiliary balancing loss's. The loop's evaluations and the eval step (keel.trained) both call it,
+    with the same compiler options (`compile_ahead.step_options`), so the eval step of a run trained on
+    this machine loads the run's evaluation program from the compilation cache."""
     def evaluate(arrays, batch):
         model = eqx.combine(offload.to_device(arrays, shardings), static)
-        loss, _ = lm.loss(model, batch, transport=transport, z_loss=0.0, compute_dtype=compute_dtype)
-        return loss
+        loss, aux = lm.loss(model, batch, transport=transport, z_loss=0.0, compute_dtype=compute_dtype)
+        return aux.get(LM_LOSS, loss)  # not an auxiliary balancing loss's term
 
     return jax.jit(evaluate, in_shardings=(shardings, None), compiler_options=compile_ahead.step_options())
 
 
 def validation_losses(evaluate, arrays, datasets: dict[str, Any], *, batch_size: int, num_batches: int, mesh,
                       batch_axes: tuple[str, ...], seed: int = 0) -> dict[str, tuple[float, Any]]:
-    """{name: (mean loss, the row indices evaluated)}: `evaluate(arrays, batch)` over a seeded
-    random sample of `num_batches x batch_size` sequences from anywhere in each dataset (all of a
-    smaller one), the same sample every time. The first batches in storage order would be a few
-    neighbouring documents, not the split; the last batch is filled by cycling through the sample."""
+    """{name: (mean loss per predicted token, the row indices evaluated)}: `evaluate(arrays, batch)`
+    over a seeded random sample of `num_batches x batch_size` sequences from anywhere in each dataset
+    (all of a smaller one), the same sample every time. The first batches in storage order would be a
+    few neighbouring documents, not the split. Batches are weighted by the targets they hold; a last
+    batch short of rows is filled with copies masked out (`segment_ids` -1), so no sequence counts
+    twice: repeated, 7 of the tutorial's 25 validation sequences weighed double."""
     out = {}
     for name, dataset in sorted(datasets.items()):
         data = dataset.as_sync_dataset()
         picked = np.random.default_rng(seed).permutation(len(data))[: num_batches * batch_size]
-        rows = np.resize(picked, -(-len(picked) // batch_size) * batch_size)
-        losses = []
-        for start in range(0, len(rows), batch_size):
-            items = data.get_batch([int(i) for i in rows[start:start + batch_size]])
-            batch = jax.device_put({f: np.stack([item[f] for item in items]) for f in FIELDS},
-                                   batch_sharding(mesh, batch_axes))
+        total, targets = 0.0, 0
+        for start in range(0, len(picked), batch_size):
+            items = data.get_batch([int(i) for i in picked[start:start + batch_size]])
+            fields = {f: np.stack([item[f] for item in items]) for f in FIELDS}
+            fields = _filled(fields, batch_size)
+            held = _targets(fields["segment_ids"])
+            if not held:
+                continue
+            batch = jax.device_put(fields, batch_sharding(mesh, batch_axes))
             with jax.set_mesh(mesh):
-                losses.append(float(evaluate(arrays, batch)))
-        out[name] = (sum(losses) / len(losses), picked)
+                total += float(evaluate(arrays, batch)) * held
+            targets += held
+        out[name] = (total / targets if targets else float("nan"), picked)
     return out
+
+
+def _filled(fields: dict[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray]:
+    """A batch of `batch_size` rows: short ones repeated, the repeats masked out of the loss."""
+    rows = len(fields["segment_ids"])
+    if rows == batch_size:
+        return fields
+    filled = {f: np.resize(a, (batch_size, *a.shape[1:])) for f, a in fields.items()}
+    filled["segment_ids"][rows:] = -1
+    return filled
+
+
+def _targets(segment_ids: np.ndarray) -> int:
+    """Next-token targets the loss averages over: a position whose next token is in its own
+    (non-padding) document (`keel.model.loss.next_token_weight`), the row's last one never."""
+    return int(((segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, :-1] >= 0)).sum())
 
 
 def _params(tree):

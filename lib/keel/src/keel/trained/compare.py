@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -30,7 +29,7 @@ from keel.executor.lease import current_lease
 from keel.executor.status import KEEL_DIR, RECORD, keel_path, read_status
 from keel.executor.plan import CACHED, plan_graph
 from keel.executor.step import Step
-from keel.spec.metrics import latest_by_step, METRICS_FILE, read_metrics
+from keel.spec.metrics import COMPILE_WAIT, latest_by_step, METRICS_FILE, read_metrics, steady_tokens_per_s
 from keel.trained import ladder
 from keel.spec.trained import CompareConfig
 from keel.spec.train import TrainStepConfig
@@ -44,8 +43,8 @@ COLUMNS = {
     "steps": "optimizer steps the run recorded",
     "final val loss": "eval/loss (mean over the validation sets) at the last evaluated step",
     "best val loss (step)": "the lowest eval/loss and the step it was measured at",
-    "tokens/s": "median tokens per second of training steps alone: each step's own time (batch fetch and update), "
-                f"leaving out the first step of each transport phase (it compiles) and every evaluation; "
+    "tokens/s": "tokens per second of training steps alone, in the run's last transport phase: their tokens over their "
+                "own times (batch fetch and update), leaving out steps that compiled and every evaluation; "
                 f"{SHARED_MARK} when the run shared its host with other steps (slower than alone)",
     "wall time": "the step's last attempt, start to end (.keel/status)",
     "compile": "of the wall time, how long the loop stood waiting for its step and evaluation functions to compile",
@@ -117,7 +116,7 @@ def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None,
             final_step=max(evals) if evals else None,
             best_loss=evals[best_step] if evals else None,
             best_step=best_step,
-            tokens_per_s=training_throughput(metrics),
+            tokens_per_s=steady_tokens_per_s(metrics),
             wall_s=wall,
             **split,
             shared=_shared(path, records[label], status, neighbours),
@@ -129,20 +128,6 @@ def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None,
     return rows
 
 
-def training_throughput(metrics: list[dict]) -> float | None:
-    """Median `throughput/tokens_per_s` of the logged steps that did not compile (the first step, and
-    the first of each transport phase after it); of all of them when every logged step compiled."""
-    speeds = latest_by_step(metrics, "throughput/tokens_per_s")
-    transports = latest_by_step(metrics, "transport")
-    compiling, previous = set(), object()
-    for step in speeds:
-        if transports.get(step, previous) != previous or step == min(speeds):
-            compiling.add(step)
-        previous = transports.get(step, previous)
-    steady = [v for s, v in speeds.items() if s not in compiling] or list(speeds.values())
-    return statistics.median(steady) if steady else None
-
-
 _DONE = re.compile(r"done: steps (\d+)->\d+ in ([\d.]+)s \(compiling [\d.]+s, waited for ([\d.]+)s, ([\d.]+)s of it "
                    r"by training steps\)")  # the loop's own summary of its attempt (`keel.train.loop`)
 
@@ -152,17 +137,21 @@ def wall_split(log: str, metrics: list[dict], tokens_per_step: int, wall: float 
     loop's summary of its last attempt (its own time, what it waited for compiles, and how much of
     that its training steps waited) and the measured time of that attempt's steps: a row of
     `metrics.jsonl` times its own step and stands for the steps since the row before it
-    (`log_every`). None where the log lacks the loop's summary line."""
+    (`log_every`) at that time less the compile wait it names (`COMPILE_WAIT`: a step that waited
+    has a row of its own). Rows that name no wait (written before the loop named them) had every
+    wait the summary counts subtracted, which is right only where each step has a row. None where
+    the log lacks the loop's summary line."""
     done = _DONE.findall(log)
     start = int(done[-1][0]) if done else 0
     rows = {s: v for s, v in latest_by_step(metrics, "throughput/tokens_per_s").items() if s >= start and v}
     if wall is None or not done or not rows or not tokens_per_step:
         return {"compile_s": None, "train_s": None, "eval_s": None, "setup_s": None}
     loop_s, compile_s, step_waits = (float(x) for x in done[-1][1:])
+    waits = latest_by_step(metrics, COMPILE_WAIT)
     steps = sorted(rows)
-    steps_s = sum((s - before) * tokens_per_step / rows[s] for before, s in zip([start - 1] + steps, steps))
-    train_s = max(0.0, steps_s - step_waits)
-    eval_s = max(0.0, loop_s - steps_s - (compile_s - step_waits))
+    steps_s = sum((s - before) * (tokens_per_step / rows[s] - waits.get(s, 0.0)) for before, s in zip([start - 1] + steps, steps))
+    train_s = max(0.0, steps_s - (0.0 if any(s in waits for s in steps) else step_waits))
+    eval_s = max(0.0, loop_s - train_s - compile_s)
     return {"compile_s": compile_s, "train_s": train_s, "eval_s": eval_s, "setup_s": max(0.0, wall - loop_s)}
 
 

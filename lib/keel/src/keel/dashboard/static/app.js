@@ -10,6 +10,7 @@ const STATE_COLORS = {
   "running-elsewhere": "#bbdefb", external: "#d7ccc8",
 };
 const POLL_MS = 1500;
+const LEGEND_ROW = 12;  // px between rows of a chart's legend (three names a row)
 let selected = null;
 
 function html(tag, attrs = {}, ...children) {
@@ -76,7 +77,7 @@ function renderGraph(state) {
     const g = svg("g", { class: "node" + (s.name === selected ? " selected" : ""), "data-step": s.name, "data-state": s.state, transform: `translate(${p.x},${p.y})` });
     g.append(svg("rect", { width: W, height: H, rx: 4, fill: STATE_COLORS[s.state] || "#fff", stroke: "#546e7a" }));
     g.append(svg("text", { x: 6, y: 15, "font-weight": 600 }, s.name));
-    const timing = s.duration_s !== null ? ` · ${seconds(s.duration_s)}` : s.started ? ` · since ${new Date(s.started * 1000).toLocaleTimeString()}` : "";
+    const timing = nodeTiming(s);
     g.append(svg("text", { x: 6, y: 30, class: "state" }, s.state + timing));
     g.append(svg("text", { x: 6, y: 44, fill: "#666" }, s.output_path.split("/").slice(-1)[0]));
     g.append(svg("title", {}, `${s.name}\n${s.output_path}${s.reason ? "\n" + s.reason : ""}`));
@@ -84,6 +85,15 @@ function renderGraph(state) {
     root.append(g);
   }
   document.getElementById("graph").replaceChildren(root);
+}
+
+// How long it took, or since when it runs; an attempt on record that neither ended nor runs died
+// (its launcher was killed: `keel status` says "died while RUNNING"), and is not shown as running.
+function nodeTiming(s) {
+  if (s.duration_s !== null) return ` · ${seconds(s.duration_s)}`;
+  if (!s.started) return "";
+  const since = new Date(s.started * 1000).toLocaleTimeString();
+  return s.state === "running-elsewhere" ? ` · since ${since}` : ` · attempt ${s.attempt} died (started ${since})`;
 }
 
 function renderDetails(state) {
@@ -102,9 +112,14 @@ function renderDetails(state) {
 }
 
 // ---------------------------------------------------------------- charts
-// series: [{name, points: [[x, y]], dots, dash}]; marks: [{step, label, kind}]; band: {low, high, label}
-function chart(key, title, series, { marks = [], band = null, width = 430, height = 210 } = {}) {
-  const L = 58, R = 10, T = 30, B = 24;
+// series: [{name, points: [[x, y]], dots, dash}]; marks: [{step, label, kind}]; band: {low, high, label}.
+// A null y (NaN or infinite in the run's record: JSON has neither) is not drawn. The legend takes
+// as many rows as it needs, and the plot moves down (and the chart grows) by the rows past the first.
+function chart(key, title, allSeries, { marks = [], band = null, width = 430, height = 210 } = {}) {
+  const series = allSeries.map((s) => ({ ...s, points: s.points.filter((p) => Number.isFinite(p[1])) }));
+  const extra = LEGEND_ROW * Math.max(0, Math.ceil(series.length / 3) - 1);
+  const L = 58, R = 10, T = 30 + extra, B = 24;
+  height += extra;
   const root = svg("svg", { class: "chart", "data-chart": key, width, height });
   root.append(svg("text", { x: L, y: 12, class: "title" }, title));
   const pts = series.flatMap((s) => s.points);
@@ -146,7 +161,7 @@ function chart(key, title, series, { marks = [], band = null, width = 430, heigh
     if (s.dash) line.setAttribute("stroke-dasharray", "4,2");
     root.append(line);
     if (s.dots) s.points.forEach((p) => root.append(svg("circle", { cx: X(p[0]), cy: Y(p[1]), r: 2.5, fill: color })));
-    root.append(svg("text", { x: L + 4 + (i % 3) * 125, y: 24 + Math.floor(i / 3) * 0, fill: color }, s.name.length > 22 ? "…" + s.name.slice(-21) : s.name));
+    root.append(svg("text", { x: L + 4 + (i % 3) * 125, y: 24 + Math.floor(i / 3) * LEGEND_ROW, "data-legend": s.name, fill: color }, s.name.length > 22 ? "…" + s.name.slice(-21) : s.name));
   });
   return root;
 }
@@ -177,7 +192,7 @@ function renderRuns(state) {
       const verdict = run.verdict ? (run.verdict === "within" ? "within the band" : `OUTSIDE the band (${run.verdict})`) : "judged at the end";
       head.append(" ", html("span", { class: "badge prediction " + (run.verdict && run.verdict !== "within" ? "outside" : "within"), "data-verdict": run.verdict || "" },
         `predicted ${run.prediction.loss.toFixed(4)} [${run.prediction.low.toFixed(4)}, ${run.prediction.high.toFixed(4)}]` +
-        (last ? `, actual ${last[1].toFixed(4)}: ${verdict}` : "")));
+        (last ? `, actual ${last[1] === null ? "not a number" : last[1].toFixed(4)}: ${verdict}` : "")));
     }
     return html("div", { class: "run", "data-run": run.name }, head, html("div", { class: "charts" }, ...runCharts(run)));
   });
@@ -198,7 +213,7 @@ function renderOverlay(state) {
 function renderSheets(state) {
   const out = state.fact_sheets.map((sheet) => {
     const m = sheet.measured;
-    const measured = m && `measured ${m.step_seconds.toFixed(3)} s/step (median of training steps); ${m.steps_done}/${m.num_steps} steps`;
+    const measured = m && `measured ${m.step_seconds.toFixed(3)} s/step (mean of the latest transport's training steps); ${m.steps_done}/${m.num_steps} steps`;
     const line = !m ? "no measured step time yet" : m.finished ? `${measured}; finished ${m.projected_end}`
       : m.projected_end ? `${measured}, ${seconds(m.remaining_s)} to go: projected end ${m.projected_end}`
       : `${measured}; not running (${m.state}): no end projected until it runs again`;
@@ -219,19 +234,31 @@ function render(state) {
   document.getElementById("live").textContent = window.KEEL_LIVE ? `live, updated ${when}` : `snapshot of ${when} (prefix ${state.prefix})`;
 }
 
+// Draw a state, saying so when the page cannot (a bug of this script, not a server that is down).
+function show(state) {
+  try {
+    render(state);
+  } catch (error) {
+    console.error(error);
+    document.getElementById("live").textContent = `render error: ${error.message} (the state was read; the page could not draw it)`;
+  }
+}
+
 async function poll() {
+  let state = null;
   try {
     const response = await fetch("state.json", { cache: "no-store" });
-    if (response.ok) {
-      window.KEEL_LIVE = true;
-      render(await response.json());
-    }
+    if (response.ok) state = await response.json();
   } catch (error) {
     document.getElementById("live").textContent = `server unreachable (${error.message}); retrying`;
+  }
+  if (state) {
+    window.KEEL_LIVE = true;
+    show(state);
   }
   setTimeout(poll, POLL_MS);
 }
 
-if (window.KEEL_STATE) render(window.KEEL_STATE);
+if (window.KEEL_STATE) show(window.KEEL_STATE);
 else document.getElementById("live").textContent = "the state could not be read: the terminal running keel dashboard says why; retrying";
 if (window.KEEL_LIVE || !window.KEEL_STATE) setTimeout(poll, POLL_MS);
