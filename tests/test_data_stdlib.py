@@ -74,3 +74,13 @@ def test_declaring_the_data_chain_imports_nothing_heavy():
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_corpus_holds_no_file_the_python_build_wrote_for_this_machine():
+    """`_sysconfigdata_*.py` and `config-<version>-<platform>/` hold this install's prefix and flags,
+    under names that differ by platform: one identity's corpus would differ between machines."""
+    root = sysconfig.get_paths()["stdlib"]
+    built = [name for name in os.listdir(root) if name.startswith(("_sysconfigdata_", "config-"))]
+    assert built, "this Python has no build files to leave out: the test checks nothing here"
+    files = stdlib_files(include_tests=True)
+    assert not [f for f in files if f.split("/")[0] in built] and "sysconfig.py" in files

@@ -31,6 +31,13 @@ from keel.executor.step import this_output
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
+def _built_here(directory_or_file: str) -> bool:
+    """A file the Python build writes for its own machine, not library source: `_sysconfigdata_*.py`
+    (the install prefix and compiler flags, its name the platform's) and `config-<version>-<platform>/`.
+    Read, they made one identity's corpus differ between machines (and moved the `max_bytes` cut)."""
+    return directory_or_file.startswith(("_sysconfigdata_", "config-"))
+
+
 @dataclass(frozen=True)
 class StdlibCorpusConfig:
     python_version: str = field(default_factory=platform.python_version)
@@ -96,12 +103,12 @@ def stdlib_files(include_tests: bool) -> list[str]:
     root = sysconfig.get_paths()["stdlib"]
     found = []
     for directory, subdirs, files in os.walk(root):
-        subdirs[:] = [d for d in subdirs if d not in _SKIPPED_DIRS]
+        subdirs[:] = [d for d in subdirs if d not in _SKIPPED_DIRS and not _built_here(d)]
         relative_dir = os.path.relpath(directory, root).replace(os.sep, "/")
         parts = [] if relative_dir == "." else relative_dir.split("/")
         if not include_tests and any(p in ("test", "tests", "idle_test") for p in parts):
             continue
-        found.extend("/".join([*parts, f]) for f in files if f.endswith(".py"))
+        found.extend("/".join([*parts, f]) for f in files if f.endswith(".py") and not _built_here(f))
     return sorted(found)
 
 
