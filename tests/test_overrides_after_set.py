@@ -50,3 +50,15 @@ def test_a_left_out_seq_len_follows_a_set_on_the_tokenize_step_and_a_declared_on
     both = _after(TINY, "train/tiny_moe:train.seq_len=32", "tokenized/stdlib-bpe-1k-128:seq_len=64")["train/tiny_moe"].config
     with pytest.raises(PlanError, match=r"train\.seq_len=32 differs from TokenizeConfig\.seq_len=64"):
         check_train_step(both)
+
+
+def test_a_derived_seq_len_survives_the_config_the_running_step_gets():
+    """The running step's config holds its data as paths, which no longer say their length: the
+    length derived at declaration stays (the twin's step failed on it: 'seq_len is not declared')."""
+    import dataclasses
+
+    from keel.executor.resolve import resolve_config
+
+    train = _after(TINY)["train/tiny_moe"]
+    resolved = resolve_config(train.config, "/tmp/out/train/tiny_moe-x", lambda step: f"/tmp/out/{step.name}")
+    assert resolved.train.seq_len == 128 and dataclasses.replace(resolved, facts=None).train.seq_len == 128

@@ -622,11 +622,12 @@ class TrainStepConfig:
             object.__setattr__(self, "data", Mixture.single(self.data))
         if self.train.seq_len in (None, self.derived_seq_len):  # left out: the length the data was tokenized at
             seq_len = self.data.tokenized_seq_len()
-            if seq_len is None:
+            if seq_len is None and self.train.seq_len is None:
                 raise ValueError("TrainConfig.seq_len is not declared and the data are not keel tokenize steps (an "
                                  "External cache): declare train.seq_len")
-            object.__setattr__(self, "train", dataclasses.replace(self.train, seq_len=seq_len))
-            object.__setattr__(self, "derived_seq_len", seq_len)
+            if seq_len is not None:  # None: data resolved to paths (the running step), which keep the length derived
+                object.__setattr__(self, "train", dataclasses.replace(self.train, seq_len=seq_len))
+                object.__setattr__(self, "derived_seq_len", seq_len)
 
     def resources_problem(self, resources: Any) -> str | None:
         """Why the step's `resources` (a `keel.Resources`) cannot run this layout, as a message with
