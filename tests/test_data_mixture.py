@@ -138,6 +138,15 @@ def test_validation_datasets_and_sequence_length_checks(caches):
         build_train_dataset(Mixture.constant({"a": External("x/a", "/a")}, {"a": 1.0}), seq_len=8, batch_size=4, seed=0)
 
 
+def test_an_evaluation_only_component_needs_no_train_split(caches, tmp_path):
+    a, _ = caches
+    held_out = _write_cache(tmp_path / "held_out", "validation", [3000])  # a validation split alone
+    mixture = Mixture.constant({"a": a, "held_out": held_out}, {"a": 1.0, "held_out": 0.0})
+    items = _items(build_train_dataset(mixture, seq_len=SEQ_LEN, batch_size=8, seed=0), 16)
+    assert all(1000 <= v < 1040 for v in items)
+    assert sorted(build_validation_datasets(mixture, seq_len=SEQ_LEN)) == ["a", "held_out"]
+
+
 def test_adding_a_component_keeps_the_other_components_orders(caches):
     a, b = caches
     alone = Mixture.constant({"b": b}, {"b": 1.0}, block_size=8)

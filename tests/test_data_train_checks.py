@@ -100,7 +100,7 @@ def test_the_training_step_refuses_caches_that_do_not_fit_before_it_compiles(cac
 
     monkeypatch.setattr(keel.mesh.mesh, "build_mesh", lambda *_: pytest.fail("the step got as far as building a mesh"))
     cache = caches["with_validation"]
-    with pytest.raises(ValueError, match=rf"the tokenizer of token cache 'data' \({cache}\) has 512 tokens but "
+    with pytest.raises(ValueError, match=rf"the tokenizer of token cache 'data' \({cache}\) makes ids up to 511 but "
                                          r"MoELMConfig.vocab_size=300: ids >= 300 would be clamped into wrong embeddings; "
                                          r"set MoELMConfig.vocab_size >= 512, or train the tokenizer with "
                                          r"TrainTokenizerConfig.vocab_size <= 300"):
@@ -269,3 +269,22 @@ def test_keel_plan_refuses_a_mixture_of_differently_tokenized_caches_and_bos_a_t
                                         r"'tokenizers/no-bos' has bos_token=None"):
         check_train_step(default_train("b", data=default_tokenize("b", notes, no_bos, seq_len=64, add_bos=True),
                                        model=tiny_moe, train=train).config)
+
+
+def test_a_tokenizer_whose_ids_leave_gaps_is_checked_by_its_largest_id(caches, tmp_path):
+    """A tokenizer of 512 tokens whose eos sits at id 5000 makes ids the model's 512 rows cannot hold."""
+    from keel.train.data_checks import check_token_caches
+
+    root = Path(caches["with_validation"]).parent
+    spec = json.loads((root / "tok" / "tokenizer.json").read_text())
+    for token in spec["added_tokens"]:
+        if token["content"] == "<|endoftext|>":
+            token["id"] = spec["model"]["vocab"][token["content"]] = 5000
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text(json.dumps(spec))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text((root / "tok" / "tokenizer_config.json").read_text())
+    tokenize_documents(TokenizeConfig(documents=str(root / "docs"), tokenizer=str(tmp_path / "tok"), seq_len=64,
+                                      output_path=str(tmp_path / "cache")))
+    assert json.loads((tmp_path / "cache" / "tokenize.json").read_text())["vocab_size"] == 5001
+    with pytest.raises(ValueError, match=r"makes ids up to 5,000 but MoELMConfig.vocab_size=512"):
+        check_token_caches(_config(str(tmp_path / "cache")))

@@ -151,14 +151,15 @@ def test_the_comparison_table_shows_what_each_run_recorded(tmp_path, capsys):
     assert console_main(["run", str(experiment), "--prefix", prefix]) == 0
     compare_dir = next((tmp_path / "out" / "compare").glob("fake-*"))
     rows = json.loads((compare_dir / "comparison.json").read_text())["runs"]
+    steady = pytest.approx(3 / (1 / 200 + 1 / 300 + 1 / 400))  # steps 1-3's tokens over their time (step 0 compiled)
     assert [(r["run"], r["steps"], r["final_step"], r["final_loss"], r["best_loss"], r["best_step"], r["tokens_per_s"])
-            for r in rows] == [("train/fake/lr0.5", 4, 4, 6.5, 5.5, 2, 300.0), ("train/fake/lr0.25", 4, 4, 6.5, 5.75, 2, 300.0)]
+            for r in rows] == [("train/fake/lr0.5", 4, 4, 6.5, 5.5, 2, steady), ("train/fake/lr0.25", 4, 4, 6.5, 5.75, 2, steady)]
     assert [r["fields"] for r in rows] == [{"train.optimizer.lr": 0.5}, {"train.optimizer.lr": 0.25}]
     assert all(r["wall_s"] > 0 for r in rows)
     table = (compare_dir / "comparison.md").read_text().splitlines()
     assert table[0] == ("| run | steps | final val loss | best val loss (step) | tokens/s | wall time | compile | "
                         "training | eval+ckpt | setup | train.optimizer.lr |")
-    assert table[2].startswith("| train/fake/lr0.5 | 4 | 6.5000 | 5.5000 (2) | 300 ") and table[2].endswith(" | 0.5 |")
+    assert table[2].startswith("| train/fake/lr0.5 | 4 | 6.5000 | 5.5000 (2) | 277 ") and table[2].endswith(" | 0.5 |")
     legend = table[table.index("") + 1:]  # every column shown is defined under the table
     assert [line.split(":")[0] for line in legend[:11]] == [f"- {c}" for c in table[0].strip("| ").split(" | ")[:-1]] + [
         "- train.optimizer.lr"]
@@ -195,12 +196,23 @@ def test_the_tokenize_step_records_each_sequences_utf8_bytes(tmp_path):
     rows = [r["input_ids"] for r in load_token_cache(str(tmp_path / "cache"), "train", seq_len=16)]
     assert counts.dtype == np.int64 and len(counts) == len(rows) > 10
 
-    # The documents' bytes, less those of the tail the packer dropped: every byte lands in one sequence.
+    # The documents' bytes, less those of the tail the packer dropped and of the tokens the loss only
+    # reads (each row's first, each document's first): every predicted byte lands in one sequence.
     loaded = load_tokenizer(str(tmp_path / "tok"))
     loaded.tokenizer.encode_special_tokens = True
-    stats = json.loads((tmp_path / "cache" / "tokenize.json").read_text())["splits"]["train"]
+    stats = json.loads((tmp_path / "cache" / "tokenize.json").read_text())
     stream = np.concatenate([loaded.tokenizer.encode(t).ids + [loaded.eos_id] for t in texts])
-    tail = loaded.tokenizer.decode(stream[len(stream) - stats["dropped_tokens"]:].tolist(), skip_special_tokens=True)
-    assert counts.sum() == stats["bytes"] == sum(len(t.encode()) for t in texts) - len(tail.encode())
+    dropped = stats["splits"]["train"]["dropped_tokens"]
+    tail = loaded.tokenizer.decode(stream[len(stream) - dropped:].tolist(), skip_special_tokens=True)
+    starts = np.cumsum([0] + [len(loaded.tokenizer.encode(t).ids) + 1 for t in texts[:-1]])
+    context = {i for i in starts.tolist() if i < len(stream) - dropped} | set(range(0, len(stream) - dropped, 16))
+    read_only = sum(len(loaded.tokenizer.decode([int(stream[i])]).encode()) for i in context)  # whole characters here
+    assert counts.sum() == stats["splits"]["train"]["bytes"] == (sum(len(t.encode()) for t in texts) - len(tail.encode())
+                                                                 - read_only)
     assert read_sequence_bytes(str(tmp_path / "cache"), "validation").shape == (0,)
     assert read_sequence_bytes(str(tmp_path), "train") is None  # a cache written without them
+
+    # A cache written before counted every token's bytes: refused, naming the rerun
+    (tmp_path / "cache" / "tokenize.json").write_text(json.dumps({**stats, "format": "keel.token_cache/v1"}))
+    with pytest.raises(ValueError, match=r"counted the bytes of every token.*keel run --force"):
+        read_sequence_bytes(str(tmp_path / "cache"), "train")

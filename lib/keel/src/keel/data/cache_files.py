@@ -8,7 +8,7 @@ STATS_FILE = "tokenize.json"
 """Counts per split, the packed sequence length and the tokenizer's vocabulary; written last."""
 
 BYTES_FILE = "{split}.bytes.npy"
-"""int64[sequences]: the UTF-8 bytes of the text each sequence decodes to."""
+"""int64[sequences]: the UTF-8 bytes of the tokens the loss predicts in each sequence (`SequenceBytes`)."""
 
 LEDGER_FILE = "shard_ledger.json"
 """Levanter's `levanter.store.cache.LEDGER_FILE_NAME`, in each split's folder: written when the split's

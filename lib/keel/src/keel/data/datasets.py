@@ -24,6 +24,9 @@ from keel.executor import storage
 from keel.spec.mixture import Mixture
 
 FIELDS = ("input_ids", "segment_ids")
+FORMAT = "keel.token_cache/v2"
+"""The `format` in a keel token cache's tokenize.json. v2: each sequence's byte count
+(`read_sequence_bytes`) is of the tokens the loss predicts; v1 counted every token's text."""
 OPEN_THREADS = 8  # caches opened at once (`_each_component`)
 
 
@@ -88,22 +91,37 @@ def load_token_cache(cache_root: str, split: str, *, seq_len: int) -> AsyncDatas
 
 
 def read_sequence_bytes(cache_root: str, split: str):
-    """The per-sequence UTF-8 byte counts of a split (None for a cache written without them)."""
+    """The UTF-8 bytes of each sequence's predicted tokens in a split (None for a cache written
+    without them). A keel cache of an older format counted every token's text, which bits per byte
+    would divide by too: refused, since the cache cannot be recounted without its tokenizer."""
+    stats = storage.read_json(storage.join(cache_root, STATS_FILE))
+    if stats is not None and stats.get("format") != FORMAT:
+        raise ValueError(f"token cache {cache_root} ({stats.get('format')}) counted the bytes of every token, not of "
+                         f"those the loss predicts ({FORMAT}): its bits per byte would be too low; rerun its tokenize "
+                         "step with `keel run --force REGEX` (a regex matching the step's name)")
     return read_array(storage.join(cache_root, BYTES_FILE.format(split=split)))
+
+
+def drawn_components(mixture: Mixture) -> set[str]:
+    """The components some phase draws training sequences from (an evaluation-only one: weight 0
+    in every phase, its train split never read)."""
+    return {name for _, weights in mixture.phase_weights() for name, weight in weights.items() if weight > 0}
 
 
 def build_train_dataset(mixture: Mixture, *, seq_len: int, batch_size: int, seed: int, shuffle: bool = True):
     """A Levanter `MixtureDataset` over the components' train splits, phases converted to sequences.
 
-    Each component is shuffled with a key folded from the seed and its name (a Feistel permutation;
-    adding a component leaves the others' orders alone) before mixing; the mixture
-    itself draws exact per-block counts, blocks of `mixture.block_size` sequences, in an order keyed
+    Only the components drawn in some phase (`drawn_components`) are opened: an evaluation-only
+    one may hold no train split. Each component is shuffled with a key folded from the seed and its
+    name (a Feistel permutation; adding a component leaves the others' orders alone) before mixing;
+    the mixture itself draws exact per-block counts, blocks of `mixture.block_size` sequences, in an order keyed
     by `seed`. Exhausted components restart (Levanter's RESTART strategy).
     """
     schedule = mixture.sequence_schedule(batch_size)
     mix_key, shuffle_key = jax.random.split(jax.random.PRNGKey(seed))
     datasets = {}
-    caches = _each_component(mixture, lambda root: load_token_cache(root, "train", seq_len=seq_len))
+    caches = _each_component(mixture, lambda root: load_token_cache(root, "train", seq_len=seq_len),
+                             drawn_components(mixture))
     for name, cache in caches.items():
         root = mixture.components[name]
         if len(cache) == 0:
@@ -124,17 +142,18 @@ def build_validation_datasets(mixture: Mixture, *, seq_len: int) -> dict:
     def validation(root: str):
         return load_token_cache(root, "validation", seq_len=seq_len) if has_split(root, "validation") else None
 
-    return {name: cache for name, cache in _each_component(mixture, validation).items() if cache is not None and len(cache)}
+    return {name: cache for name, cache in _each_component(mixture, validation, mixture.components).items()
+            if cache is not None and len(cache)}
 
 
-def _each_component(mixture: Mixture, open_split) -> dict:
-    """{name: open_split(its cache root)} for every component, in name order, opened on up to
+def _each_component(mixture: Mixture, open_split, names) -> dict:
+    """{name: open_split(its cache root)} for the components `names`, in name order, opened on up to
     `OPEN_THREADS` threads: each open is a series of small storage reads (stats, ledger, each
     array's metadata and first rows) that wait outside the interpreter lock, one after the other
     within a cache but not across caches. The twin's 13 components, train and validation, opened in
     0.11 s instead of 0.19 s from a local disk, before its training step can start compiling; from
     object storage each read is a round trip."""
-    roots = {name: _root(name, root) for name, root in sorted(mixture.components.items())}
+    roots = {name: _root(name, root) for name, root in sorted(mixture.components.items()) if name in names}
     with ThreadPoolExecutor(min(OPEN_THREADS, max(len(roots), 1)), thread_name_prefix="keel-open-cache") as pool:
         return dict(zip(roots, pool.map(open_split, roots.values())))
 

@@ -5,8 +5,9 @@ Layout under the step's output path:
     train/        a Levanter TreeCache (levanter.store), one record per sequence:
     validation/       {"input_ids": int32[seq_len], "segment_ids": int32[seq_len]}
     train.bytes.npy, validation.bytes.npy
-                  int64[sequences]: UTF-8 bytes of the text each sequence decodes to (special
-                  tokens count none), what bits per byte divide by so tokenizers compare
+                  int64[sequences]: UTF-8 bytes of the tokens the loss predicts in each sequence
+                  (`SequenceBytes`; special tokens count none), what bits per byte divide by so
+                  tokenizers compare
     tokenize.json counts per split and the tokenizer's special ids (written last)
     .keel/summary.json  the same counts; a train split that fills no sequence fails the step
 
@@ -15,8 +16,8 @@ dataset classes read them. The work runs as one pipeline over both splits, train
 a thread reads and decompresses shards, parsing documents as batches take them; one thread per
 core encodes batches of `batch_documents` with `tokenizers`' `encode_batch_fast` (the same ids as
 `encode_batch`, without character offsets; its Rust core releases the GIL), up to two batches per
-thread ahead of the one being packed; the calling thread packs, counts each sequence's bytes from
-a per-token table (`SequenceBytes`: what decoding would give, without decoding) and hands
+thread ahead of the one being packed; the calling thread packs, counts each sequence's predicted
+bytes from a per-token table (`SequenceBytes`, without decoding) and hands
 sequences to one thread that opens both caches at the start and writes them in split order, so the
 train split's last write and ledger overlap the validation split's encoding.
 
@@ -59,6 +60,7 @@ from tqdm import tqdm
 
 from keel.data.arrays import write_array
 from keel.data.cache_files import BYTES_FILE, STATS_FILE
+from keel.data.datasets import FORMAT
 from keel.data.documents import SPLITS, EmptyDataError, read_index, read_shard, shard_urls
 from keel.data.packing import SequencePacker
 from keel.data.summary import write_summary
@@ -68,7 +70,6 @@ from keel.spec.data import TokenizeConfig
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "keel.token_cache/v1"
 WRITE_TOKENS = 1 << 22  # per group handed to Levanter's writer: 4096 sequences of 1024 tokens
 _QUEUE_DEPTH = 4
 ENCODE_AHEAD = 2  # batches per encoding thread handed over ahead of the one being packed
@@ -280,7 +281,7 @@ class _SplitPacker:
         """The (input_ids, segment_ids) of the sequences these documents complete."""
         input_ids, segment_ids = self.packer.add(arrays)
         if len(input_ids):
-            self.sequence_bytes.append(self.count_bytes(input_ids))
+            self.sequence_bytes.append(self.count_bytes(input_ids, segment_ids))
         self.documents += len(arrays)
         self.tokens += sum(map(len, arrays))
         self.sequences += len(input_ids)
@@ -345,7 +346,7 @@ def tokenize_documents(config: TokenizeConfig) -> None:
             )
     index = read_index(config.documents)
     clear_token_cache(config.output_path)
-    count_bytes = SequenceBytes(loaded.tokenizer)  # UTF-8 bytes each sequence decodes to, special tokens none
+    count_bytes = SequenceBytes(loaded.tokenizer)  # UTF-8 bytes of each sequence's predicted tokens
     started = time.perf_counter()
     splits = _tokenize_splits(config, loaded, sum(index["splits"][s]["documents"] for s in SPLITS), count_bytes)
     elapsed = max(time.perf_counter() - started, 1e-9)
@@ -359,7 +360,7 @@ def tokenize_documents(config: TokenizeConfig) -> None:
         "format": FORMAT,
         "seq_len": config.seq_len,
         "fields": ["input_ids", "segment_ids"],
-        "vocab_size": loaded.vocab_size,
+        "vocab_size": loaded.vocab_size,  # max id + 1: what data_checks compares with the model's
         "bos_id": loaded.bos_id,
         "eos_id": loaded.eos_id,
         "pad_id": loaded.pad_id,

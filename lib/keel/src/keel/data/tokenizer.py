@@ -8,7 +8,6 @@ such a directory, a path to a `tokenizer.json`, or a hub name (only where a hub 
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,8 +21,6 @@ from keel.data.summary import write_summary
 from keel.executor import storage
 from keel.spec.data import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, TrainTokenizerConfig, tokenizer_files
 
-logger = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class LoadedTokenizer:
@@ -36,7 +33,9 @@ class LoadedTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size()
+        """One more than the largest id, added tokens included: the embedding rows its ids need. Not
+        `get_vocab_size()`, the count of tokens, which is smaller where the ids leave gaps."""
+        return max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
 
 class _TrainingTexts:
@@ -128,58 +127,72 @@ def _byte_level_bytes() -> dict[str, int]:
     return {**{chr(b): b for b in printable}, **{chr(256 + n): b for n, b in enumerate(others)}}
 
 
+REPLACEMENT = "\ufffd"  # what a decoder emits for a byte that is no whole character: 3 UTF-8 bytes
+
+
+def predicted_tokens(segment_ids) -> np.ndarray:
+    """bool[rows, seq_len]: the tokens the next-token loss predicts, as targets. Position j is one
+    where the loss weighs position j - 1 (`keel.model.loss.next_token_weight`: same, non-padding
+    document; Levanter's `next_token_loss_weight`: never a row's last position), so a row's first
+    token and each document's first token in a row are context only. The eval step checks these
+    against the loss's own weights (`keel.trained.evaluate.targets_in`)."""
+    segments = np.asarray(segment_ids)
+    predicted = np.zeros(segments.shape, dtype=bool)
+    predicted[:, 1:] = (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] >= 0)
+    return predicted
+
+
 class SequenceBytes:
-    """Counts the UTF-8 bytes of the text each row of token ids decodes to: for every row, exactly
-    `len(tokenizer.decode(row, skip_special_tokens=True).encode("utf-8"))`.
+    """Counts, for every row, the UTF-8 bytes of the tokens the loss predicts (`predicted_tokens`;
+    special tokens count none): what bits per byte divide by, so that loss / ln 2 x targets / bytes
+    is the bits per byte of the text predicted, not of the context tokens too.
 
-    Decoding every sequence costs about a fifth of what encoding it did, so for the common case
-    (a ByteLevel decoder, every added token special) the count comes from a table instead: each
-    token's bytes are what the decoder maps its characters to, special tokens have none, and a row
-    whose tokens are each whole UTF-8 holds exactly the sum of their lengths. A row with a token
-    that is part of a character (bytes above 0x7f cut between tokens, or a sequence boundary cut
-    through a character) is joined and decoded as the decoder does (invalid bytes become U+FFFD,
-    3 bytes each). Any other tokenizer is decoded, and so is every row from the first call on
-    whose first rows the table and the decoder disagree (a `tokenizers` that decodes differently)."""
-
-    CHECKED_ROWS = 8
+    Where the tokenizer has a byte table (a ByteLevel decoder, every added token special), each
+    predicted token counts its own bytes, so a character cut between tokens or by a row's end counts
+    each of its bytes once, in the token that holds it. Any other tokenizer is decoded: each run of
+    predicted tokens is stepped through `tokenizers`' `DecodeStream` after the token before it (the
+    context a decoder may need, such as a word's leading space), which emits text only once its
+    characters are whole. A byte left of a character that the row's start cuts is emitted as
+    U+FFFD, counted as the one byte it stands for (a U+FFFD of the text itself is undercounted so);
+    a character that the row's end cuts is not counted, one that the context token starts is,
+    whole: a few bytes a row."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self._token_bytes = _token_bytes(tokenizer)
-        self._checked = False
-        if self._token_bytes is not None:  # one gather per row: length, plus 2**32 for a partial token
-            self._coded = np.array([len(b) + (0 if _is_utf8(b) else 1 << 32) for b in self._token_bytes], dtype=np.int64)
+        table = _token_bytes(tokenizer)
+        self._lengths = None if table is None else np.array([len(b) for b in table], dtype=np.int64)
 
     @property
     def decodes(self) -> bool:
         """True where every row is decoded (no table for this tokenizer)."""
-        return self._token_bytes is None
+        return self._lengths is None
 
-    def __call__(self, input_ids):
-        """int64[rows]: the bytes of each row of the int array `input_ids` (rows, seq_len)."""
-        if self._token_bytes is None:
-            return self.decoded(input_ids)
-        sums = self._coded[input_ids].sum(axis=1)
-        counts = sums & 0xFFFFFFFF
-        table = self._token_bytes
-        for row in np.flatnonzero(sums >> 32):
-            text = b"".join([table[i] for i in input_ids[row].tolist()]).decode("utf-8", errors="replace")
-            counts[row] = len(text.encode("utf-8"))
-        if not self._checked and len(counts):
-            self._checked = True
-            if not np.array_equal(counts[: self.CHECKED_ROWS], self.decoded(input_ids[: self.CHECKED_ROWS])):
-                logger.warning("byte counts from the token table differ from decoding: decoding every sequence")
-                self._token_bytes = None
-                return self.decoded(input_ids)
-        return counts
+    def __call__(self, input_ids, segment_ids) -> np.ndarray:
+        """int64[rows]: the predicted bytes of each row of the int arrays (rows, seq_len)."""
+        predicted = predicted_tokens(segment_ids)
+        if self._lengths is None:
+            return self.decoded(input_ids, predicted)
+        return np.where(predicted, self._lengths[np.asarray(input_ids)], 0).sum(axis=1)
 
-    def decoded(self, input_ids):
-        """The same counts, by decoding every row, one at a time on this thread: `decode_batch`
-        would wait behind the encoding batches in `tokenizers`' shared thread pool (the step's
-        first call, which checks the table, stalled its pipeline for half a second)."""
-        decode = self.tokenizer.decode
-        rows = np.asarray(input_ids).tolist()
-        return np.array([len(decode(row, skip_special_tokens=True).encode("utf-8")) for row in rows], dtype=np.int64)
+    def decoded(self, input_ids, predicted) -> np.ndarray:
+        """The counts by decoding, one row at a time on this thread (`decode_batch` would wait
+        behind the encoding batches in `tokenizers`' shared thread pool)."""
+        return np.array([self._decoded_row(ids, mask) for ids, mask in zip(np.asarray(input_ids).tolist(), predicted)],
+                        dtype=np.int64)
+
+    def _decoded_row(self, ids: list[int], predicted) -> int:
+        """One row's count: a fresh stream per run of predicted tokens, since each run (the row's
+        first document, each next one) follows a token that is read, not predicted."""
+        count, stream = 0, None
+        for j, token_id in enumerate(ids):
+            if not predicted[j]:
+                stream = None
+                continue
+            if stream is None:  # a run starts: its context is the token before (j >= 1 where predicted)
+                stream = decoders.DecodeStream([ids[j - 1]], skip_special_tokens=True)
+            text = stream.step(self.tokenizer, token_id)
+            count += len(text.encode("utf-8")) - 2 * text.count(REPLACEMENT) if text else 0
+        return count
 
 
 def _token_bytes(tokenizer) -> list[bytes] | None:
@@ -205,12 +218,4 @@ def _token_bytes(tokenizer) -> list[bytes] | None:
         except KeyError:  # a character outside the alphabet: the decoder keeps the token's own UTF-8
             table.append(token.encode("utf-8"))
     return table
-
-
-def _is_utf8(data: bytes) -> bool:
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
 

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from keel.data.cache_files import STATS_FILE, has_split
+from keel.data.datasets import drawn_components
 from keel.data.documents import document_texts, text_hash
 from keel.executor import storage, warn
 from keel.spec.mixture import Mixture
@@ -54,7 +55,7 @@ def check_token_caches(config: TrainStepConfig) -> None:
             )
         if found["vocab_size"] > model.vocab_size:
             raise ValueError(
-                f"the tokenizer of {where} has {found['vocab_size']:,} tokens but MoELMConfig.vocab_size="
+                f"the tokenizer of {where} makes ids up to {found['vocab_size'] - 1:,} but MoELMConfig.vocab_size="
                 f"{model.vocab_size:,}: ids >= {model.vocab_size:,} would be clamped into wrong embeddings; set "
                 f"MoELMConfig.vocab_size >= {found['vocab_size']:,}, or train the tokenizer with "
                 f"TrainTokenizerConfig.vocab_size <= {model.vocab_size:,}"
@@ -72,8 +73,7 @@ def check_token_caches(config: TrainStepConfig) -> None:
             f"sequences ({detail}): {fix}, or set TrainConfig.eval_batches=0 to train without evaluation"
         )
     if train.eval_batches > 0:
-        drawn = {name for _, weights in config.data.phase_weights() for name, weight in weights.items() if weight > 0}
-        check_held_out_documents(stats, trained=drawn)
+        check_held_out_documents(stats, trained=drawn_components(config.data))
 
 
 SHARED_VALIDATION_REFUSED_ABOVE = 0.01

@@ -64,6 +64,7 @@ from levanter.tracker import Tracker
 from levanter.utils.jax_utils import barrier_sync_named
 
 from keel.data.datasets import FIELDS
+from keel.data.tokenizer import predicted_tokens
 from keel.executor import interrupt
 from keel.spec.metrics import COMPILE_WAIT, METRICS_FILE, latest_by_step, read_metrics
 from keel.spec.resolved import ResolvedRun
@@ -687,7 +688,7 @@ def validation_losses(evaluate, arrays, datasets: dict[str, Any], *, batch_size:
             items = data.get_batch([int(i) for i in picked[start:start + batch_size]])
             fields = {f: np.stack([item[f] for item in items]) for f in FIELDS}
             fields = _filled(fields, batch_size)
-            held = _targets(fields["segment_ids"])
+            held = int(predicted_tokens(fields["segment_ids"]).sum())  # the targets its loss averages over
             if not held:
                 continue
             batch = jax.device_put(fields, batch_sharding(mesh, batch_axes))
@@ -706,12 +707,6 @@ def _filled(fields: dict[str, np.ndarray], batch_size: int) -> dict[str, np.ndar
     filled = {f: np.resize(a, (batch_size, *a.shape[1:])) for f, a in fields.items()}
     filled["segment_ids"][rows:] = -1
     return filled
-
-
-def _targets(segment_ids: np.ndarray) -> int:
-    """Next-token targets the loss averages over: a position whose next token is in its own
-    (non-padding) document (`keel.model.loss.next_token_weight`), the row's last one never."""
-    return int(((segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, :-1] >= 0)).sum())
 
 
 def _params(tree):

@@ -5,8 +5,10 @@ The loss is the training loop's own validation loss (`keel.train.loop.eval_loss_
 cache it equals the loop's last `eval/loss`. Bits per byte put runs with different tokenizers on
 one scale: loss / ln 2 x targets / bytes over the evaluated sequences. The loss is a mean over the
 next-token targets the loss weighs (not a row's last position, not across a document boundary),
-so it is multiplied by their count, not by every token; each sequence's bytes are the UTF-8
-length of its text as the tokenize step recorded it.
+so it is multiplied by their count, not by every token; each sequence's bytes are the UTF-8 bytes
+of exactly those targets (`keel.data.tokenizer.predicted_tokens`) as the tokenize step recorded
+them, so the figure is the bits per byte of the predicted text. The targets are counted here from
+the loss's own weights and checked against that definition.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import numpy as np
 from levanter.models.loss import next_token_loss_weight
 
 from keel.data.datasets import load_token_cache, read_sequence_bytes
+from keel.data.tokenizer import predicted_tokens
 from keel.executor import storage
 from keel.model.axes import POS
 from keel.model.loss import next_token_weight
@@ -68,11 +71,18 @@ def eval_step(config: EvalConfig) -> None:
 
 def targets_in(dataset, rows) -> int:
     """How many next-token targets the loss averages over in the sequences `rows`: the weights the
-    loss applies (`next_token_weight`, and Levanter's mask of each row's last position), summed."""
+    loss applies (`next_token_weight`, and Levanter's mask of each row's last position), summed.
+    Raises where they are not the tokens whose bytes the tokenize step counted (`predicted_tokens`),
+    which would put bits per byte off by the difference."""
     items = dataset.as_sync_dataset().get_batch([int(i) for i in rows])
-    segments = hax.named(np.stack([item["segment_ids"] for item in items]), ("batch", POS))
-    weight = next_token_loss_weight(segments.resolve_axis(POS), next_token_weight(segments))
-    return int(hax.sum(weight).item())
+    stacked = np.stack([item["segment_ids"] for item in items])
+    segments = hax.named(stacked, ("batch", POS))
+    # position i weighs the prediction of token i + 1
+    weighs = np.asarray(next_token_loss_weight(segments.resolve_axis(POS), next_token_weight(segments)).array) > 0
+    if weighs[:, -1].any() or not np.array_equal(weighs[:, :-1], predicted_tokens(stacked)[:, 1:]):
+        raise RuntimeError("the tokens the loss predicts are not those whose bytes the tokenize step counts: "
+                           "keel.data.tokenizer.predicted_tokens no longer matches keel.model.loss")
+    return int(weighs.sum())
 
 
 def dataset_result(loss: float, cache_root: str, split: str, rows, seq_len: int, targets: int) -> dict:
