@@ -206,10 +206,19 @@ def _die_with(launcher: int, workdir: str) -> None:
 _PR_SET_PDEATHSIG = 1
 
 
+_ORPHANED = threading.Lock()
+
+
 def _end_orphan(workdir: str) -> None:
     """The launcher died: remove the folder nobody will collect, then kill this process group (the step
-    and the processes it started) at once, before the next launcher runs the step."""
-    shutil.rmtree(workdir, ignore_errors=True)
+    and the processes it started) at once, before the next launcher runs the step. The signal and the
+    watch thread may both get here: the second waits, never to return, so that one removal is not
+    cut short by the other's kill (a folder was left so on a loaded machine)."""
+    _ORPHANED.acquire()
+    for _ in range(3):  # a file the step was still writing can keep the first pass from emptying it
+        shutil.rmtree(workdir, ignore_errors=True)
+        if not os.path.exists(workdir):
+            break
     os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
