@@ -206,7 +206,7 @@ def _die_with(launcher: int, workdir: str) -> None:
 _PR_SET_PDEATHSIG = 1
 
 
-_ORPHANED = threading.Lock()
+_ORPHANED = threading.RLock()  # re-entrant: a second signal may land inside the first one's removal
 
 
 def _end_orphan(workdir: str) -> None:
