@@ -45,23 +45,29 @@ def test_each_sequence_counts_once_and_each_target_the_same():
 
 @pytest.mark.slow  # compiles a model's loss
 def test_the_evaluated_loss_leaves_out_an_auxiliary_balancing_loss():
-    """Trained on cross-entropy plus the balancing term; evaluated (`eval_loss_fn` reads `LM_LOSS`)
-    on cross-entropy alone, which perplexity and bits per byte are made of."""
+    """Trained on cross-entropy plus the balancing term; the loop's evaluation (`eval_loss_fn`, which
+    the eval step calls too) gives cross-entropy alone, which perplexity and bits per byte are made of."""
+    import equinox as eqx
     import jax
     import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
     from model_tiny import hero_like
 
     from keel.model.transformer import init_model
     from keel.spec import Balancing
     from keel.spec.transports import TransportSpec
-    from keel.train.lm import LM_LOSS, KeelLM
+    from keel.train.lm import KeelLM
+    from keel.train.loop import eval_loss_fn
 
     config = hero_like(balancing=Balancing.AUX_LOSS, aux_loss_coef=0.5)
-    model = init_model(config, jax.random.PRNGKey(0))
     batch = {"input_ids": np.random.default_rng(0).integers(0, 64, (8, 16)).astype(np.int32),
              "segment_ids": np.zeros((8, 16), np.int32)}
     mesh = rack_mesh()
+    lm = KeelLM(config, mesh)
     with jax.set_mesh(mesh):
-        trained, aux = KeelLM(config, mesh).loss(model, batch, transport=TransportSpec(), z_loss=0.0,
-                                                 compute_dtype=jnp.float32)
-    assert float(trained) > float(aux[LM_LOSS]) + 0.1  # the balancing term is trained on, not evaluated
+        model = init_model(config, jax.random.PRNGKey(0))
+        trained, _ = lm.loss(model, batch, transport=TransportSpec(), z_loss=0.0, compute_dtype=jnp.float32)
+        arrays, static = eqx.partition(model, eqx.is_array)
+        shardings = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), arrays)
+        evaluated = eval_loss_fn(lm, static, shardings, TransportSpec(), jnp.float32)(arrays, batch)
+    assert float(trained) > float(evaluated) + 0.1  # the balancing term is trained on, not evaluated
