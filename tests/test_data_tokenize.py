@@ -1,6 +1,7 @@
 """The tokenize step: packed sequences with segment ids in Levanter caches that Levanter reads,
 identical across runs and after a kill."""
 
+import functools
 import os
 import signal
 import subprocess
@@ -327,14 +328,19 @@ def _predicted(segments) -> np.ndarray:
                            (segments[:, 1:] == segments[:, :-1]) & (segments[:, :-1] >= 0)], axis=1)
 
 
-def _raw_bytes(tokenizer, token_id: int) -> bytes:
-    """A byte-level token's bytes, read off GPT-2's byte alphabet (special tokens: none)."""
+@functools.cache
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte alphabet: the character each byte is spelled with in a byte-level vocabulary."""
     printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
     codes = [*printable, *(b for b in range(256) if b not in printable)]
-    to_byte = {chr(c if c in printable else 256 + codes.index(c) - len(printable)): c for c in codes}
+    return {chr(c if c in printable else 256 + i - len(printable)): c for i, c in enumerate(codes)}
+
+
+def _raw_bytes(tokenizer, token_id: int) -> bytes:
+    """A byte-level token's bytes, read off GPT-2's byte alphabet (special tokens: none)."""
     if token_id in tokenizer.get_added_tokens_decoder():
         return b""
-    return bytes(to_byte[c] for c in tokenizer.id_to_token(token_id))
+    return bytes(_byte_alphabet()[c] for c in tokenizer.id_to_token(token_id))
 
 
 @pytest.mark.parametrize("seq_len", [7, 64])
@@ -346,11 +352,12 @@ def test_byte_counts_are_the_bytes_of_the_tokens_the_loss_predicts(mixed_inputs,
     out = _tokenize(tmp_path / "out", mixed_inputs, seq_len=seq_len, add_bos=True)  # bos and eos: bytes none
     tokenizer = load_tokenizer(mixed_inputs[1]).tokenizer
     stats = storage.read_json(f"{out}/tokenize.json")["splits"]
+    token_sizes = np.array([len(_raw_bytes(tokenizer, i)) for i in range(tokenizer.get_vocab_size())])
     for split in ("train", "validation"):
         records = load_token_cache(out, split, seq_len=seq_len).as_sync_dataset()
         rows = records.get_batch(list(range(len(records))))
         ids, segments = (np.stack([r[field] for r in rows]) for field in ("input_ids", "segment_ids"))
-        sizes = np.vectorize(lambda i: len(_raw_bytes(tokenizer, int(i))))(ids)
+        sizes = token_sizes[ids]
         predicted = _predicted(segments)
         assert read_sequence_bytes(out, split).tolist() == np.where(predicted, sizes, 0).sum(axis=1).tolist()
         assert stats[split]["bytes"] == sizes[predicted].sum() < sizes.sum()
