@@ -132,7 +132,7 @@ def _kernel_calls(monkeypatch, model_config, phase: TransportPhase):
     batch = {"input_ids": jnp.asarray(rng.integers(0, model_config.vocab_size, (16, 16)), jnp.int32),
              "segment_ids": jnp.zeros((16, 16), jnp.int32)}
     with jax.set_mesh(mesh):
-        model = lm.init(jax.random.PRNGKey(0))
+        model = jax.eval_shape(lm.init, jax.random.PRNGKey(0))  # tracing needs shapes, not values
         batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.P(("replica_dcn", "data", "expert"), None)))
         jax.eval_shape(lambda m, b: lm.loss(m, b, transport=planned.spec, z_loss=0.0, compute_dtype=jnp.float32),
                        model, batch)
