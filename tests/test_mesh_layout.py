@@ -3,12 +3,11 @@
 import jax
 import numpy as np
 import pytest
-from model_tiny import hero_like, packed_batch
+from model_tiny import compiled_init, hero_like, packed_batch
 
 from keel.spec import RackTopology, TopologyError
 from keel.mesh.mesh import build_mesh, shard_batch, shard_model, use_mesh
 from keel.model.loss import TokenBatch, loss_fn
-from keel.model.transformer import init_model
 from keel.spec.transports import TransportSpec
 
 RACKS_2X4 = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
@@ -31,7 +30,7 @@ def test_expert_weights_split_inside_a_rack_and_batch_over_all_devices():
     mesh = build_mesh(RACKS_2X4)
     ids, _ = packed_batch(config)
     with use_mesh(mesh):
-        model = shard_model(init_model(config, jax.random.PRNGKey(0)), mesh)
+        model = shard_model(compiled_init(config, jax.random.PRNGKey(0)), mesh)
         batch = shard_batch(ids, mesh)
     gate = model.layers.stacked.moe.experts.gate  # [Layers, Experts, Latent, ExpertMlp]
     print("expert weight", gate.axes, gate.array.sharding.spec)
@@ -60,7 +59,7 @@ def test_device_count_must_match_the_racks():
 @pytest.mark.slow
 def test_loss_is_identical_across_rack_layouts():
     config = hero_like(num_layers=2)
-    model = init_model(config, jax.random.PRNGKey(0))
+    model = compiled_init(config, jax.random.PRNGKey(0))
     ids, seg = packed_batch(config)
 
     def loss(model, batch):

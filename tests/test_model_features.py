@@ -6,14 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from model_tiny import hero_like, packed_batch
+from model_tiny import compiled_init, hero_like, packed_batch
 
 from keel.mesh.mesh import build_mesh, use_mesh
 from keel.spec.topology import RackTopology
 from keel.model.attention import Attention
 from keel.model.loss import TokenBatch, loss_fn
 from keel.model.routing import Routes, next_router_bias, quantile_beta, route
-from keel.model.transformer import init_model
 from keel.spec.transports import TransportSpec
 from keel.spec import GroupedOptimizerConfig, ScheduleConfig, TrainConfig
 from keel.train.lm import KeelLM
@@ -45,7 +44,7 @@ def _convs_and_gates(model):
 @pytest.mark.slow
 def test_documents_in_one_row_do_not_see_each_other():
     config = hero_like()
-    fresh = init_model(config, jax.random.PRNGKey(0))
+    fresh = compiled_init(config, jax.random.PRNGKey(0))
     model = _randomise(fresh, _convs_and_gates, jax.random.PRNGKey(5))
     ids, seg = packed_batch(config, batch=2)
     assert np.abs(_logits(model, ids, seg) - _logits(fresh, ids, seg)).max() > 1e-2  # the new leaves are in play
@@ -59,7 +58,7 @@ def test_documents_in_one_row_do_not_see_each_other():
 @pytest.mark.parametrize("global_every, reaches", [(None, False), (1, True)])
 def test_local_layers_see_only_the_window_global_layers_everything(global_every, reaches):
     config = hero_like(num_layers=1, global_every=global_every, sliding_window=4, conv_sites=())
-    model = init_model(config, jax.random.PRNGKey(0))
+    model = compiled_init(config, jax.random.PRNGKey(0))
     ids, _ = packed_batch(config, batch=1)
     seg = hax.zeros_like(ids)
     changed = hax.named(ids.array.at[0, 2].set((ids.array[0, 2] + 1) % config.vocab_size), ids.axes)
@@ -91,7 +90,7 @@ def test_the_declared_backend_applies_the_window(backend):
 @pytest.mark.slow
 def test_xsa_output_is_orthogonal_to_the_own_value():
     config = hero_like()
-    attn = init_model(config, jax.random.PRNGKey(0)).layers.get_layer(0).attn
+    attn = compiled_init(config, jax.random.PRNGKey(0)).layers.get_layer(0).attn
     B, P = hax.Axis("batch", 2), hax.Axis("position", 8)
     kq, kk, kv = jax.random.split(jax.random.PRNGKey(3), 3)
     q = hax.random.normal(kq, (B, P, attn.q.axes[1], attn.q.axes[2]))
@@ -131,7 +130,7 @@ def test_next_router_bias_is_minus_beta_centred():
 @pytest.mark.slow
 def test_forward_reports_per_layer_balance_stats():
     config = hero_like()
-    model = init_model(config, jax.random.PRNGKey(0))
+    model = compiled_init(config, jax.random.PRNGKey(0))
     ids, seg = packed_batch(config)
     _, aux = jax.jit(lambda m, i, s: m(i, s, transport=TransportSpec("local")))(model, ids, seg)
     L, E = config.num_layers, config.num_experts
@@ -144,7 +143,7 @@ def test_forward_reports_per_layer_balance_stats():
 
 def test_router_bias_steers_selection_but_not_the_combine_weights():
     config = hero_like()
-    moe = init_model(config, jax.random.PRNGKey(0)).layers.get_layer(0).moe
+    moe = compiled_init(config, jax.random.PRNGKey(0)).layers.get_layer(0).moe
     Token = hax.Axis("token", 32)
     u = hax.random.normal(jax.random.PRNGKey(1), (Token, moe.router.axes[0]))
     bias = hax.named(jnp.zeros(config.num_experts).at[3].set(100.0), moe.router.axes[1])
@@ -170,7 +169,7 @@ def test_router_bias_moves_only_by_quantile_balancing_under_the_grouped_optimize
     gradient even an optimizer that trained it would leave it still; the bias's gradient is set to
     ones (a leak) so that training it would show."""
     config = hero_like()
-    model = init_model(config, jax.random.PRNGKey(0))
+    model = compiled_init(config, jax.random.PRNGKey(0))
     ids, seg = packed_batch(config)
     batch = TokenBatch(input_ids=ids, segment_ids=seg)
     train = TrainConfig(batch_size=8, seq_len=16, num_steps=4, schedule=ScheduleConfig(0.0, 1.0),
@@ -204,7 +203,7 @@ def test_router_bias_moves_only_by_quantile_balancing_under_the_grouped_optimize
 @pytest.mark.slow
 def test_softmax_routing_with_auxiliary_loss():
     config = hero_like(routing="softmax_topk", balancing="aux_loss", aux_loss_coef=0.01, routing_renorm_sum=1.0)
-    model = init_model(config, jax.random.PRNGKey(0))
+    model = compiled_init(config, jax.random.PRNGKey(0))
     router = model.layers.get_layer(0).moe.router
     routes = route(hax.random.normal(jax.random.PRNGKey(1), (hax.Axis("token", 16), router.axes[0])), router, None, config)
     np.testing.assert_allclose(np.asarray(routes.weights.array).sum(1), 1.0, rtol=1e-5)

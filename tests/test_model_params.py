@@ -4,7 +4,7 @@ import random
 
 import jax
 import pytest
-from model_tiny import hero_like, leaf_size
+from model_tiny import compiled_init, hero_like, leaf_size
 
 from keel.spec.model import Balancing, ConvSite, MoELMConfig, Routing
 from keel.model.transformer import init_model
@@ -56,7 +56,7 @@ def test_leaf_count_equals_param_counts_for_random_configs(seed):
 
 def test_initialised_tiny_model_counts_exactly():
     config = hero_like()
-    model = init_model(config, jax.random.PRNGKey(0))
+    model = compiled_init(config, jax.random.PRNGKey(0))
     assert leaf_size(model) == config.param_counts()["total"]
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 from jaxprs import equations
-from model_tiny import hero_like
+from model_tiny import compiled_init, hero_like
 
 from defaults.models import tiny_moe
 from keel.spec import GroupedOptimizerConfig, ScheduleConfig, TrainConfig, WeightDecayChange
@@ -54,11 +54,13 @@ def test_adamw_decays_matrices_and_no_norm_gain_or_bias_of_any_layer():
     from keel.spec import AdamWConfig
     from keel.train.loop import _params
 
-    params = _params(init_model(hero_like(), jax.random.PRNGKey(0)))
+    # every parameter one (the init's zero gates and router bias would not move under any decay)
+    shapes = _params(jax.eval_shape(lambda: init_model(hero_like(), jax.random.PRNGKey(0))))
+    params = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), shapes)
     train = TrainConfig(batch_size=1, seq_len=1, num_steps=10, schedule=ScheduleConfig(0.0, 1.0),
                         optimizer=AdamWConfig(lr=0.1, weight_decay=0.5))
     tx = Optimizer(train, params).transform()
-    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), jax.jit(tx.init)(params), params)
     moved = {path: bool(jnp.any(u != 0)) for path, u in zip(jax.tree.leaves(param_paths(params)), jax.tree.leaves(updates))}
     vectors = [p for p in moved if p.endswith("norm.weight") or p.endswith("router_bias")]
     assert {"layers.stacked.attn_norm.norm.weight", "final_norm.norm.weight", "layers.stacked.moe.router_bias"} <= set(vectors)
@@ -144,9 +146,7 @@ def _muonh_step(model, mesh=None):
 
 @pytest.fixture(scope="module")
 def muonh_step():
-    from keel.model.transformer import init_model
-
-    return _muonh_step(init_model(MUONH_MODEL, jax.random.PRNGKey(0)))
+    return _muonh_step(compiled_init(MUONH_MODEL, jax.random.PRNGKey(0)))
 
 
 def test_muonh_matrices_are_found_from_the_axis_names():
@@ -216,11 +216,10 @@ def test_muonh_step_is_the_same_on_the_rack_mesh(muonh_step):
     """FSDP and expert splits gather each logical matrix whole: sharded and unsharded steps agree."""
     from keel.spec import RackTopology
     from keel.mesh.mesh import build_mesh, shard_model, use_mesh
-    from keel.model.transformer import init_model
 
     mesh = build_mesh(RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4))
     with use_mesh(mesh):
-        model = shard_model(init_model(MUONH_MODEL, jax.random.PRNGKey(0)), mesh)
+        model = shard_model(compiled_init(MUONH_MODEL, jax.random.PRNGKey(0)), mesh)
         _, updates = _muonh_step(model, mesh)
     for name, (leaf, *_) in LOGICAL.items():
         sharded, plain = leaf(updates), leaf(muonh_step[1])
