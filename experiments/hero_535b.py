@@ -73,7 +73,8 @@ PRETRAIN_TOKENS, COOLDOWN_TOKENS = 15e12, 3.75e12
 # Where things change, as shares of the run's tokens: the real run resolved them to its steps
 # 108,000 (main mixture), 54,000 (weight decay) and 81,716 (the forced checkpoint where the ragged
 # all-to-all took over, 2026-09-09) of its 1,024-per-rack batch; a variant with another batch or
-# length finds them at the same share of its own tokens (`keel plan` prints where they land).
+# length finds them at the same share of its own tokens (`keel plan` prints where they land). A
+# `--set train.num_steps` keeps the steps resolved here, and `keel plan` warns of it.
 REAL_RUN_STEPS = steps_for_tokens_per_param(hero_535b, 1024 * 11, 4096, tokens_per_param=791)
 AT = {"main": 108_000 / REAL_RUN_STEPS, "weight_decay": 54_000 / REAL_RUN_STEPS, "ragged": 81_716 / REAL_RUN_STEPS}
 

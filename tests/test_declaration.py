@@ -26,7 +26,9 @@ def test_set_num_steps_changes_the_learning_rates_the_plan_prints():
 
     targets = load_experiment(SWEEP)
     before = fact_sheet(_step(targets, "train/lr_sweep/lr1.0").config, "lr1.0")
-    after_targets = apply_overrides(targets, topological_order(targets), ["train/lr_sweep/lr1.0:train.num_steps=3000"])
+    notes = []
+    after_targets = apply_overrides(targets, topological_order(targets), ["train/lr_sweep/lr1.0:train.num_steps=3000"], notes)
+    assert notes == []  # the sweep declares no position after step 0: nothing stays behind
     after = fact_sheet(_step(after_targets, "train/lr_sweep/lr1.0").config, "lr1.0")
     tokens_per_step = 16 * 128
     for sheet, steps in ((before, 30), (after, 3000)):

@@ -97,6 +97,23 @@ def test_an_override_the_config_refuses_is_a_clear_error():
     assert "Traceback" not in out.stderr
 
 
+def test_a_longer_run_by_set_warns_that_its_positions_stay_at_their_steps():
+    """The hero's positions are shares of its length, resolved when the file loads; a `--set` of the
+    length keeps their steps, so the cooldown's last 20% would become 38% of the run: said, with the fix."""
+    longer = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b:train.num_steps=500000")
+    assert longer.returncode == 0, longer.stderr
+    (warning,) = [line for line in longer.stderr.splitlines() if line.startswith("keel: warning:")]
+    assert warning.startswith("keel: warning: --set train/hero_535b:train.num_steps=500000: train.num_steps 390,251 -> "
+                              "500,000 keeps the steps its positions are declared at")
+    for position in ("mixture phase 2 at step 312,192 (80.0% -> 62.4%)", "transport ragged_all_to_all at step 81,716 "
+                     "(20.9% -> 16.3%)", "weight decay change at step 54,000 (13.8% -> 10.8%)"):
+        assert position in warning
+    assert "change the length where the experiment declares it" in warning
+    assert "mixture      steps 312,192-499,999" in longer.stdout  # what the warning is about, as planned
+    wider = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b:train.batch_size=22528")
+    assert "keel: warning:" not in wider.stderr  # a wider batch keeps every position's share
+
+
 def test_the_hero_file_keys_its_speeds_to_its_own_layout(sheet):
     s = sheet["step_time"]
     assert s["observations"] == "own" and s["calibration"]["source"] == "this run's observations"

@@ -227,11 +227,15 @@ def _targets(steps) -> list:
 
 def _graph(args, steps) -> Graph:
     """The graph under the prefix with every `--set` applied; the steps whose output the overrides
-    moved record them (`Graph.overrides`), so gc can tell their outputs from abandoned ones."""
+    moved record them (`Graph.overrides`), so gc can tell their outputs from abandoned ones. What an
+    override does beyond its fields (a training step's positions staying put) is a warning."""
     graph = Graph(steps, _prefix(args))
     if args.overrides:
         declared = {s.name: graph.path(s) for s in graph.steps()}
-        graph = Graph(apply_overrides(graph.targets, graph.order, args.overrides), _prefix(args))
+        notes: list[str] = []
+        graph = Graph(apply_overrides(graph.targets, graph.order, args.overrides, notes), _prefix(args))
+        for note in notes:
+            print(f"keel: warning: {note}", file=sys.stderr)
         graph.overrides = {s.name: list(args.overrides) for s in graph.steps() if declared.get(s.name) != graph.path(s)}
     return graph
 

@@ -183,9 +183,18 @@ class ChecksResources(Protocol):
     def resources_problem(self, resources: Any) -> str | None: ...
 
 
-def _set_all(step: Step, changes: list[tuple[list[str], str, str]]) -> Step:
+@typing.runtime_checkable
+class NotesOverrides(Protocol):
+    """A config that can say what an override changed beyond the fields set (a training step whose
+    positions stay at their steps when its length changes)."""
+
+    def override_notes(self, before: Any) -> list[str]: ...
+
+
+def _set_all(step: Step, changes: list[tuple[list[str], str, str]], notes: list[str]) -> Step:
     """`step` with `changes` applied; the resources are declared with the step, not set here, so
-    the new config is checked against them: a layout they cannot run would fail only at dispatch."""
+    the new config is checked against them: a layout they cannot run would fail only at dispatch.
+    What the change does beyond its fields, by the config's own account, is added to `notes`."""
     for parts, _, key in changes:
         _check_path(step, parts, key)
     keys = " --set ".join(key for _, _, key in changes)
@@ -198,6 +207,8 @@ def _set_all(step: Step, changes: list[tuple[list[str], str, str]]) -> Step:
     problem = new.config.resources_problem(new.resources) if isinstance(new.config, ChecksResources) else None
     if problem:
         raise OverrideError(f"--set {keys}: {problem}")
+    if isinstance(new.config, NotesOverrides) and type(new.config) is type(step.config):
+        notes.extend(f"--set {keys}: {note}" for note in new.config.override_notes(step.config))
     return new
 
 
@@ -207,8 +218,10 @@ def _placeholder(value: Any) -> str:
     return f"the output of {(value.step if isinstance(value, OutputOf) else value).name}"
 
 
-def apply_overrides(targets: list[Step | External], order: list[Step | External], assignments: list[str]) -> list[Step | External]:
-    """The targets with every `STEP:field.sub=value` applied and dependents rebuilt."""
+def apply_overrides(targets: list[Step | External], order: list[Step | External], assignments: list[str],
+                    notes: list[str] | None = None) -> list[Step | External]:
+    """The targets with every `STEP:field.sub=value` applied and dependents rebuilt; what a changed
+    config says the change does beyond its fields (`NotesOverrides`) is added to `notes`."""
     if not assignments:
         return targets
     by_name: dict[str, list[Step]] = {}
@@ -227,7 +240,10 @@ def apply_overrides(targets: list[Step | External], order: list[Step | External]
             raise OverrideError(f"--set {target} is given twice ({seen[target]!r} and {assignment!r}): keep the one you mean")
         seen[target] = assignment
         changes.setdefault(name, []).append((parts, text, assignment))
-    replaced = {id(step): _set_all(step, changes[name]) for name in changes for step in by_name[name]}
+    said: list[str] = []
+    replaced = {id(step): _set_all(step, changes[name], said) for name in changes for step in by_name[name]}
+    if notes is not None:
+        notes.extend(dict.fromkeys(said))  # a step declared twice under its name says it once
     return _rebuild(targets, order, replaced, assignments)
 
 

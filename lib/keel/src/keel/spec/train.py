@@ -629,6 +629,32 @@ class TrainStepConfig:
                 object.__setattr__(self, "train", dataclasses.replace(self.train, seq_len=seq_len))
                 object.__setattr__(self, "derived_seq_len", seq_len)
 
+    def positions(self) -> list[tuple[str, int]]:
+        """(what, step) of every point after step 0 where the run changes what it does: a mixture
+        phase, a transport, the weight-decay change, the end of master-weight offload. They are
+        declared as steps, so they stay at those steps whatever the run's length."""
+        train = self.train
+        found = [(f"mixture phase {i}", p.start_step) for i, p in enumerate(self.data.phases)]
+        found += [(f"transport {t.transport}", t.start_step) for t in train.transports]
+        if train.weight_decay_change is not None:
+            found.append(("weight decay change", train.weight_decay_change.start_step))
+        if train.host_offload.master_weights_until_step is not None:
+            found.append(("master-weight offload end", train.host_offload.master_weights_until_step))
+        return [(what, step) for what, step in found if step > 0]
+
+    def override_notes(self, before: "TrainStepConfig") -> list[str]:
+        """What a `--set` changed that it does not say (`keel.executor.overrides` prints these):
+        a new run length keeps every position at its declared step, so each lands at another share
+        of the run (a cooldown declared for the last 20% of 390,251 steps covers 38% of 500,000)."""
+        old, new = before.train.num_steps, self.train.num_steps
+        positions = self.positions()
+        if old == new or not positions:
+            return []
+        moved = ", ".join(f"{what} at step {step:,} ({step / old:.1%} -> {step / new:.1%})" for what, step in positions)
+        return [f"train.num_steps {old:,} -> {new:,} keeps the steps its positions are declared at, so they fall at "
+                f"other shares of the run: {moved}. To keep their shares, change the length where the experiment "
+                "declares it: positions declared as shares of the run (`keel.plan.steps_at`) follow it"]
+
     def resources_problem(self, resources: Any) -> str | None:
         """Why the step's `resources` (a `keel.Resources`) cannot run this layout, as a message with
         the fix; None when they ask for exactly the GPUs the topology lays out. The launcher starts
