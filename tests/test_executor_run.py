@@ -433,6 +433,34 @@ def test_log_is_created_on_first_output(tmp_path):
     assert [p.state for p in plan_graph(graph)] == ["cached", "cached"]
 
 
+def threaded(config: WriteConfig) -> None:
+    """A step whose output comes from a thread it starts, as a compile-ahead thread's does."""
+    import logging
+    import threading
+
+    def side():
+        print(f"a side thread prints {config.text}", flush=True)
+        logging.getLogger("keel.test").warning("a side thread logs %s", config.text)
+
+    thread = threading.Thread(target=side)
+    thread.start()
+    thread.join()
+    with open(f"{config.output_path}/data.txt", "w") as f:
+        f.write(config.text)
+
+
+def test_an_isolated_steps_own_threads_write_to_its_log_a_launcher_steps_do_not(tmp_path):
+    """An isolated step's process runs that step alone, so every thread of it writes to its log; in
+    the launcher, other threads may be other steps', so only the step's own thread does."""
+    isolated = Step("t/isolated", threaded, WriteConfig("iso"), isolated=True)
+    shared = Step("t/shared", threaded, WriteConfig("shared"))
+    assert run_steps([isolated, shared], str(tmp_path), echo=lambda _: None).ok
+    graph = Graph([isolated, shared], str(tmp_path))
+    log = Path(keel_path(graph.path(isolated), "log.txt")).read_text()
+    assert "a side thread prints iso" in log and "a side thread logs iso" in log, log
+    assert not Path(keel_path(graph.path(shared), "log.txt")).exists()
+
+
 def test_a_process_a_launcher_step_forks_exits_and_takes_signals_as_any_process(monkeypatch):
     """A step in the launcher may fork (a multiprocessing pool): the child inherits the launcher's
     `os._exit` guard and signal handlers. Its `os._exit` must end it (not raise StepExited, sending

@@ -155,8 +155,9 @@ def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = Fals
     (child processes, cluster tasks) always leave their log file. With `watch`, a step that wrote
     files outside its output path raises `writes.StepWroteOutside` once it returns (its own error,
     if it raised, comes first); `whole_process` watches every thread of this process, which runs
-    only this step (an isolated step's child), not just the calling thread, and lets `warn()`
-    from any of its threads record on this step (`step_warnings.py`).
+    only this step (an isolated step's child), not just the calling thread, lets `warn()` from
+    any of its threads record on this step (`step_warnings.py`) and sends every thread's output
+    to the step's log (`logs.capture`).
     """
     storage.make_folder(output_path)
     replica = replica_index()
@@ -170,7 +171,7 @@ def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = Fals
         log.file()
     try:
         try:
-            with logs.capture(log), step_warnings.running(output_path, whole_process=whole_process), \
+            with logs.capture(log, whole_process=whole_process), step_warnings.running(output_path, whole_process=whole_process), \
                     _crash_stacks_into(log) if whole_process else contextlib.nullcontext():
                 with writes.watched(output_path, whole_process=whole_process) if watch else contextlib.nullcontext() as watching:
                     _call_step(fn, resolved_config, in_launcher=in_launcher, whole_process=whole_process)

@@ -1,7 +1,9 @@
 """Per-step logs while steps run concurrently in threads of one process.
 
 `sys.stdout`, `sys.stderr` and the root logger are shared by all threads, so a router sends what a
-step's thread writes to that step's log file as well as to the terminal.
+step's thread writes to that step's log file as well as to the terminal. A process that runs one
+step only (an isolated step's child) routes every thread's writes to it: the step's own threads
+(compiling ahead, a tracker's) print there too.
 """
 
 from __future__ import annotations
@@ -13,10 +15,20 @@ import threading
 from typing import IO
 
 _local = threading.local()
+_process_log: IO[str] | None = None  # the log of the one step this process runs, for threads it started
 
 
 def _current() -> IO[str] | None:
-    return getattr(_local, "log", None)
+    return getattr(_local, "log", None) or _process_log
+
+
+def _write(log: IO[str], text: str) -> None:
+    """Into the step's log; a log another thread is closing as its step ends takes no more lines,
+    and must not fail the print that wrote them (which the terminal still gets)."""
+    try:
+        log.write(text)
+    except (ValueError, OSError):
+        pass
 
 
 class _TeeStream:
@@ -26,13 +38,16 @@ class _TeeStream:
     def write(self, text: str) -> int:
         log = _current()
         if log is not None:
-            log.write(text)
+            _write(log, text)
         return self._stream.write(text)
 
     def flush(self) -> None:
         log = _current()
         if log is not None:
-            log.flush()
+            try:
+                log.flush()
+            except (ValueError, OSError):
+                pass
         self._stream.flush()
 
     def __getattr__(self, name):
@@ -43,7 +58,7 @@ class _ThreadLogHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         log = _current()
         if log is not None:
-            log.write(self.format(record) + "\n")
+            _write(log, self.format(record) + "\n")
 
 
 _install_lock = threading.Lock()
@@ -69,12 +84,18 @@ def _install() -> None:
 
 
 @contextlib.contextmanager
-def capture(log: IO[str]):
-    """Route this thread's prints and log records into `log` while the block runs."""
+def capture(log: IO[str], *, whole_process: bool = False):
+    """Route this thread's prints and log records into `log` while the block runs; with
+    `whole_process` (this process runs only this step), every other thread's as well."""
+    global _process_log
     _install()
-    previous = _current()
+    previous = getattr(_local, "log", None)
     _local.log = log
+    if whole_process:
+        _process_log = log
     try:
         yield
     finally:
         _local.log = previous
+        if whole_process:
+            _process_log = None
