@@ -256,6 +256,24 @@ if __name__ == "__main__":
     assert list((tmp_path / "__pycache__").glob("helper.*.pyc"))
 
 
+def test_a_write_by_the_real_path_of_an_output_reached_through_a_link_is_the_steps_own(tmp_path, monkeypatch):
+    """A prefix through a symbolic link (macOS's /tmp, a mounted bucket): the output written by its
+    resolved path is the step's; a file beside it, by either path, is outside."""
+    import tempfile
+
+    from keel.executor.writes import _Watch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "systmp"))  # tmp_path itself is in the temp dir
+    real = tmp_path / "real"
+    (real / "out").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(real)
+    watch = _Watch(str(tmp_path / "link" / "out"))
+    for path in (real / "out" / "data.txt", tmp_path / "link" / "out" / "more.txt", real / "beside.txt",
+                 tmp_path / "link" / "beside2.txt"):
+        watch.saw(str(path))
+    assert watch.outside == [str(real / "beside.txt"), str(tmp_path / "link" / "beside2.txt")]
+
+
 def test_a_step_that_warns_is_success_with_its_warnings_in_the_summary_and_status(tmp_path):
     """`keel.executor.warn` (a flat loss, a rollback): the step is SUCCESS and cached, and both the
     `keel run` summary and `keel status` say what to look at; from any thread of an isolated step."""
