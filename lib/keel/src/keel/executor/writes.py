@@ -61,15 +61,13 @@ class StepWroteOutside(RuntimeError):
     """The step wrote files outside its output path (and outside the temporary and cache folders)."""
 
 
-def _resolved(roots: tuple[str, ...]) -> frozenset[str]:
-    """`roots` (absolute) and the real paths they resolve to, each ending in '/'."""
+@functools.lru_cache(maxsize=16)
+def _shared_roots(roots: tuple[str, ...]) -> frozenset[str]:
+    """The folders every step may write to (absolute) and the real paths they resolve to, each
+    ending in '/'. Resolved once per set of them: resolving them, and the step's own output (now
+    resolved only when a write needs it), at each step's watch cost 18 stat calls a step, a fifth
+    of a cold run of trivial steps."""
     return frozenset(r.rstrip("/") + "/" for r in (*roots, *map(os.path.realpath, roots)))
-
-
-_shared_resolved = functools.lru_cache(maxsize=16)(_resolved)
-"""The folders every step may write to, resolved once per set of them. Resolving them, and the
-step's own output (now resolved only when a write needs it), at each step's watch cost 18 stat
-calls a step: a fifth of a cold run of trivial steps."""
 
 
 class _Watch:
@@ -88,7 +86,7 @@ class _Watch:
                   *(os.environ[name] for name in _CACHE_ENV if os.environ.get(name)),
                   *(p for p in os.environ.get(WRITABLE_ENV, "").split(os.pathsep) if p)]
         own = {self.output.rstrip("/") + "/"} if self.output else set()
-        self.roots = tuple(sorted(own | _shared_resolved(tuple(os.path.abspath(r) for r in shared))))
+        self.roots = tuple(sorted(own | _shared_roots(tuple(os.path.abspath(r) for r in shared))))
         self._real_output: str | None = None  # resolved when a write is first checked by its real path
         beat = heartbeat.path()
         self.files = (os.path.abspath(beat),) if beat else ()
