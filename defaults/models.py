@@ -98,8 +98,8 @@ experts; sized so that benchmarks on 8 simulated CPU devices measure matmuls, no
 
 
 def dense_baseline(model: MoELMConfig, match: Callable[[MoELMConfig], float] | None = None) -> MoELMConfig:
-    """The dense model to compare `model` with: no routed experts (so no router, no balancing and
-    no MoE metrics), its shared MLP widened until `match` (default: active parameters per token)
+    """The dense model to compare `model` with: no routed experts (so no router, no balancing, no
+    MoE metrics, and the routing fields at their defaults), its shared MLP widened until `match` (default: active parameters per token)
     equals the MoE's. Everything else (attention, norms, vocabulary) is the same. A dense model has
     no experts to split: train it on a topology with `expert_parallel=1`.
 
@@ -111,7 +111,7 @@ def dense_baseline(model: MoELMConfig, match: Callable[[MoELMConfig], float] | N
 
     def dense(width: int) -> MoELMConfig:
         return model.replace(num_experts=0, experts_per_token=0, latent_dim=None, balancing=Balancing.NONE,
-                             num_shared_experts=shared, shared_expert_dim=width)
+                             num_shared_experts=shared, shared_expert_dim=width).without_inert_fields()
 
     # the matched figure grows linearly with the MLP's width: solve for it, then take the nearest width
     base, slope = match(dense(1)), match(dense(2)) - match(dense(1))

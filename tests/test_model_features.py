@@ -67,6 +67,20 @@ def test_local_layers_see_only_the_window_global_layers_everything(global_every,
     assert (delta[6:].max() > 1e-4) == reaches
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("declared", [dict(global_every=None, num_global_kv_heads=1),
+                                      dict(global_every=1, sliding_window=4, rope_fraction=0.5, qk_norm=False, qk_norm_eps=1e-3)])
+def test_fields_the_plan_calls_inert_change_nothing_the_model_computes(declared):
+    """`MoELMConfig.inert_fields` is what the model never reads: with them at their defaults, the
+    same key initialises the same weights and the same tokens give the same logits, bit for bit."""
+    config = hero_like(num_layers=2, conv_sites=(), **declared)
+    cleared = config.without_inert_fields()
+    assert config.inert_fields() and not cleared.inert_fields()
+    ids, seg = packed_batch(config, batch=2)
+    models = [compiled_init(c, jax.random.PRNGKey(0)) for c in (config, cleared)]
+    np.testing.assert_array_equal(*(_logits(m, ids, seg) for m in models))
+
+
 @pytest.mark.parametrize("backend", ["vanilla", "jax_flash"])
 def test_the_declared_backend_applies_the_window(backend):
     """A local layer's output at a position does not move when an input more than `window` back

@@ -290,6 +290,40 @@ def test_fact_sheets_only_for_training_steps():
     assert sheets[1]["text"].startswith("== fact sheet: hero/train")
 
 
+def test_a_run_without_hardware_is_planned_without_a_memory_verdict():
+    """The memory is figured without HBM to hold it to; rendering once failed on the missing headroom."""
+    tiny = TrainStepConfig(model=tiny_moe, data="/tmp/tokens", train=TrainConfig(batch_size=16, seq_len=128, num_steps=10),
+                           topology=RackTopology(2, 4, expert_parallel=4))
+    sheet = fact_sheet(tiny)
+    assert [phase["fits"] for phase in sheet["memory"]["phases"]] == [None]
+    (peak,) = [line for line in render_fact_sheet(sheet).splitlines() if line.startswith("    peak ")]
+    assert peak.endswith(" (ring): no hardware declared to fit it in"), peak
+
+
+def test_model_fields_the_model_never_reads_are_named_in_the_plan():
+    """A declared value the model never reads still changes the step's identity (two runs of one
+    model); the plan names it and why, and `without_inert_fields` gives the model that trains."""
+    from defaults.models import dense_baseline, small_moe
+    from model_tiny import hero_like
+
+    assert [m.inert_fields() for m in (hero_535b, small_moe, tiny_moe, hero_like())] == [[], [], [], []]
+    local_only = hero_like(global_every=None)  # hero_like declares num_global_kv_heads=1
+    all_global = hero_like(global_every=1, qk_norm=False, qk_norm_eps=1e-3)
+    assert local_only.inert_fields() == ["num_global_kv_heads=1: no layer is global (global_every=None)"]
+    assert all_global.inert_fields() == ["sliding_window=4, rope_fraction=0.5: every layer is global (global_every=1 of "
+                                         "3 layers)", "qk_norm_eps=0.001: qk_norm=False"]
+    cleared = all_global.without_inert_fields()
+    assert cleared.inert_fields() == [] and (cleared.sliding_window, cleared.rope_fraction, cleared.qk_norm_eps) == (
+        None, 1.0, 1e-6)
+    assert cleared.param_counts() == all_global.param_counts()
+    assert dense_baseline(tiny_moe).inert_fields() == []  # the routing knobs of the MoE it replaces are cleared
+    step = TrainStepConfig(model=local_only, data="/tmp/tokens", train=TrainConfig(batch_size=16, seq_len=16, num_steps=10),
+                           topology=RackTopology(2, 4, expert_parallel=4), hardware=cpu_sim)
+    text = render_fact_sheet(fact_sheet(step))
+    assert "  no effect: model num_global_kv_heads=1: no layer is global (global_every=None)\n" in text
+    assert "no effect" not in render_fact_sheet(fact_sheet(dataclasses.replace(step, model=local_only.without_inert_fields())))
+
+
 def test_planning_the_hero_imports_no_jax():
     """How fast it is: benchmarks/plan_latency.py."""
     code = (

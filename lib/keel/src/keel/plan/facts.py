@@ -521,7 +521,7 @@ def fact_sheet(config: TrainStepConfig, name: str = "") -> dict:
     declared, run = config, resolve(config, name)
     config = run.config  # the declaration with its derived values (a law's rates) resolved
     sheet: dict = {"step": name, "hardware": config.hardware.name if config.hardware else None,
-                   "parameters": config.model.param_counts()}
+                   "parameters": config.model.param_counts(), "inert": config.model.inert_fields()}
     sheet["parameter_table"] = parameter_table(run)
     sheet["state_layout"] = state_layout(run)
     sheet["stand_ins"] = list(config.stand_ins)

@@ -80,7 +80,7 @@ PEAK_PARTS = {"all_to_all_buffers": "all-to-all buffers", "expert_intermediates"
 
 def _verdict(fits: bool | None, hbm: float) -> str:
     if fits is None:
-        return ""
+        return "no hardware declared to fit it in"
     return f"fits {_gb(hbm)} HBM" if fits else f"DOES NOT FIT {_gb(hbm)} HBM"
 
 
@@ -106,10 +106,10 @@ def _memory(m: dict | None) -> list[str]:
             state = phase["step_peak_gb"] or phase["device_gb"]
             parts = " + ".join(f"{_gb(v)} {PEAK_PARTS.get(k, k.replace('_', ' '))}"
                                for k, v in phase["transient_gb"].items() if v)
-            room = f", {_gb(phase['headroom_gb'])} headroom" if phase["fits"] else f", {_gb(-phase['headroom_gb'])} over"
+            room = ("" if phase["fits"] is None else f", {_gb(phase['headroom_gb'])} headroom" if phase["fits"]
+                    else f", {_gb(-phase['headroom_gb'])} over")  # None: no hardware declared to fit in
             lines.append(f"    peak {_gb(phase['peak_gb'])} = {_gb(state)} state + {parts} "
-                         f"({phase['transport']}): {_verdict(phase['fits'], hbm)}"
-                         + (room if phase["fits"] is not None else ""))
+                         f"({phase['transport']}): {_verdict(phase['fits'], hbm)}{room}")
         if phase["host_fits"] is not None and phase["host_gb"]:
             host_verdict = "fits" if phase["host_fits"] else "DOES NOT FIT"
             lines.append(f"    host RAM {_gb(phase['host_per_host_gb'])} per host offloaded: {host_verdict} "
@@ -276,6 +276,9 @@ def render_fact_sheet(sheet: dict) -> str:
     if sheet.get("stand_ins"):
         lines += ["stand-ins    a scaled-down twin: what plays the real run's part"] + [f"  {s}" for s in sheet["stand_ins"]]
     lines += _parameters(sheet["parameters"])
+    if sheet["inert"]:
+        lines += [f"  no effect: model {line}" for line in sheet["inert"]]
+        lines.append("  (fields the model never reads still count toward the step's identity: leave them at their defaults)")
     lines += _groups(sheet["parameter_table"])
     lines += _mesh(sheet["mesh"])
     lines += _training(sheet["training"], sheet["optimizer"])

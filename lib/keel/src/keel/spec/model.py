@@ -278,6 +278,48 @@ class MoELMConfig:
             yield (f"routing_renorm_sum={self.routing_renorm_sum} is only used with routing="
                    f"'{Routing.SIGMOID_TOPK_THRESHOLD.value}' (softmax weights sum to 1): set it to 1.0")
 
+    def inert_fields(self) -> list[str]:
+        """'field=value, ...: why' for the fields set away from their defaults that this model never
+        reads (a window when every layer is global, a balancing knob of another balancing). They
+        still count toward the model's identity: two declarations of one model that differ only
+        in them train it twice. `keel plan` lists them; `without_inert_fields` clears them."""
+        return [f"{', '.join(f'{n}={_shown(getattr(self, n))}' for n in names)}: {why}" for why, names in self._inert()]
+
+    def without_inert_fields(self) -> "MoELMConfig":
+        """This model with every field it never reads at its default: one declaration, and one
+        identity, per model trained (`defaults.models.dense_baseline` builds its models so)."""
+        defaults = self._defaults()
+        return self.replace(**{name: defaults[name] for _, names in self._inert() for name in names})
+
+    def _inert(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(why, the fields it makes inert that are set away from their defaults), where any are."""
+        dense, local = self.num_experts == 0, self.has_local_layers
+        reasons = (
+            (not self.global_layers, "no layer is global (global_every=None)", ("num_global_kv_heads",)),
+            (not local, f"every layer is global (global_every={self.global_every} of {self.num_layers} layers)",
+             ("sliding_window", "rope_fraction", "rope_theta")),
+            (local and self.rotary_dim == 0, "rope_fraction=0 rotates nothing", ("rope_theta",)),
+            (not self.qk_norm, "qk_norm=False", ("qk_norm_eps",)),
+            (not self.xsa, "xsa=False", ("xsa_eps",)),
+            (not self.conv_sites, "no convolution (conv_sites=())", ("conv_kernel",)),
+            (self.num_shared_experts == 0, "no shared experts", ("shared_expert_dim",)),
+            (dense, "no routed experts (num_experts=0)",
+             ("expert_dim", "routing", "routing_renorm_sum", "qb_histogram_bins", "aux_loss_coef", "capacity_factor")),
+            (not dense and self.routing is Routing.SOFTMAX_TOPK, "softmax routing does not renormalise",
+             ("routing_renorm_sum",)),
+            (not dense and self.balancing is not Balancing.QUANTILE, f"balancing={self.balancing.value}",
+             ("qb_histogram_bins",)),
+            (not dense and self.balancing is not Balancing.AUX_LOSS, f"balancing={self.balancing.value}",
+             ("aux_loss_coef",)),
+        )
+        defaults = self._defaults()
+        found = [(why, tuple(n for n in names if getattr(self, n) != defaults[n])) for applies, why, names in reasons if applies]
+        return [(why, names) for why, names in found if names]
+
+    @classmethod
+    def _defaults(cls) -> dict:
+        return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
     # ------------------------------------------------------------------ derived structure
     @property
     def global_kv_heads(self) -> int:
@@ -487,3 +529,8 @@ class MoELMConfig:
 
     def replace(self, **changes) -> "MoELMConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _shown(value) -> str:
+    """A field's value as a declaration spells it (an enum by its value)."""
+    return value.value if isinstance(value, Enum) else repr(value)
