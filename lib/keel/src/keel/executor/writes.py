@@ -39,7 +39,6 @@ the folder). A step declared `no_outputs=True` (its effect is elsewhere) is not 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import sys
 import tempfile
@@ -61,15 +60,6 @@ class StepWroteOutside(RuntimeError):
     """The step wrote files outside its output path (and outside the temporary and cache folders)."""
 
 
-@functools.lru_cache(maxsize=16)
-def _shared_roots(roots: tuple[str, ...]) -> frozenset[str]:
-    """The folders every step may write to (absolute) and the real paths they resolve to, each
-    ending in '/'. Resolved once per set of them: resolving them, and the step's own output (now
-    resolved only when a write needs it), at each step's watch cost 18 stat calls a step, a fifth
-    of a cold run of trivial steps."""
-    return frozenset(r.rstrip("/") + "/" for r in (*roots, *map(os.path.realpath, roots)))
-
-
 class _Watch:
     """What one step wrote outside the folders it may write to."""
 
@@ -85,9 +75,9 @@ class _Watch:
                   os.environ.get("XDG_STATE_HOME") or os.path.join(home, ".local", "state"),
                   *(os.environ[name] for name in _CACHE_ENV if os.environ.get(name)),
                   *(p for p in os.environ.get(WRITABLE_ENV, "").split(os.pathsep) if p)]
-        own = {self.output.rstrip("/") + "/"} if self.output else set()
-        self.roots = tuple(sorted(own | _shared_roots(tuple(os.path.abspath(r) for r in shared))))
-        self._real_output: str | None = None  # resolved when a write is first checked by its real path
+        roots = [*([self.output] if self.output else []), *map(os.path.abspath, shared)]
+        self.roots = tuple(sorted({r.rstrip("/") + "/" for r in roots}))
+        self._real_roots: tuple[str, ...] | None = None  # resolved when a write is first checked by its real path
         beat = heartbeat.path()
         self.files = (os.path.abspath(beat),) if beat else ()
 
@@ -96,10 +86,14 @@ class _Watch:
             return True
         return any(path == f or path.startswith(f + ".tmp-") for f in self.files)
 
-    def _real_output_root(self) -> str:
-        if self._real_output is None:
-            self._real_output = os.path.realpath(self.output).rstrip("/") + "/"
-        return self._real_output
+    def _allowed_real(self, path: str) -> bool:
+        """Whether `path` resolved through links lands in a root resolved through links. Resolving
+        every root costs ~18 stat calls, so a watch does it once, for the first write its roots do
+        not hold as written: at each step's start it was a fifth of a cold run of trivial steps."""
+        if self._real_roots is None:
+            self._real_roots = tuple(sorted({os.path.realpath(r).rstrip("/") + "/" for r in self.roots}))
+        real = os.path.realpath(path)
+        return (real + "/").startswith(self._real_roots) or self.allowed(real)
 
     def saw(self, path, made_folder: bool = False) -> None:
         """A file written (or, `made_folder`, a folder made: only an entry beside the output counts)."""
@@ -111,10 +105,7 @@ class _Watch:
             return
         if self.parent and path.startswith(self.parent) and not (path + "/").startswith(self.output + "/"):
             _wrote_beside[self.parent + path[len(self.parent):].split("/", 1)[0]] = (self.output, time.time_ns())
-        if made_folder or self.allowed(path):
-            return
-        real = os.path.realpath(path)
-        if self.allowed(real) or (self.output and (real + "/").startswith(self._real_output_root())):
+        if made_folder or self.allowed(path) or self._allowed_real(path):
             return
         if path not in self.outside:
             self.outside.append(path)
