@@ -105,9 +105,13 @@ def test_a_longer_run_by_set_warns_that_its_positions_stay_at_their_steps():
     (warning,) = [line for line in longer.stderr.splitlines() if line.startswith("keel: warning:")]
     assert warning.startswith("keel: warning: --set train/hero_535b:train.num_steps=500000: train.num_steps 390,251 -> "
                               "500,000 keeps the steps its positions are declared at")
-    for position in ("mixture phase 2 at step 312,192 (80.0% -> 62.4%)", "transport ragged_all_to_all at step 81,716 "
+    for position in ("mixture phase 2 at step 312,192 (80.0% -> 62.4%)", "transport 1 (ragged_all_to_all) at step 81,716 "
                      "(20.9% -> 16.3%)", "weight decay change at step 54,000 (13.8% -> 10.8%)"):
         assert position in warning
+    moved = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b:train.num_steps=500000",
+                  "--set", "train/hero_535b:train.weight_decay_change.start_step=69180")
+    (warning,) = [line for line in moved.stderr.splitlines() if line.startswith("keel: warning:")]
+    assert "mixture phase 2 at step 312,192" in warning and "weight decay" not in warning  # the one moved with it
     assert "change the length where the experiment declares it" in warning
     assert "mixture      steps 312,192-499,999" in longer.stdout  # what the warning is about, as planned
     wider = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b:train.batch_size=22528")

@@ -635,7 +635,7 @@ class TrainStepConfig:
         declared as steps, so they stay at those steps whatever the run's length."""
         train = self.train
         found = [(f"mixture phase {i}", p.start_step) for i, p in enumerate(self.data.phases)]
-        found += [(f"transport {t.transport}", t.start_step) for t in train.transports]
+        found += [(f"transport {i} ({t.transport})", t.start_step) for i, t in enumerate(train.transports)]
         if train.weight_decay_change is not None:
             found.append(("weight decay change", train.weight_decay_change.start_step))
         if train.host_offload.master_weights_until_step is not None:
@@ -647,10 +647,11 @@ class TrainStepConfig:
         a new run length keeps every position at its declared step, so each lands at another share
         of the run (a cooldown declared for the last 20% of 390,251 steps covers 38% of 500,000)."""
         old, new = before.train.num_steps, self.train.num_steps
-        positions = self.positions()
-        if old == new or not positions:
+        was = dict(before.positions())
+        kept = [(what, step) for what, step in self.positions() if was.get(what) == step]  # not moved by a --set too
+        if old == new or not kept:
             return []
-        moved = ", ".join(f"{what} at step {step:,} ({step / old:.1%} -> {step / new:.1%})" for what, step in positions)
+        moved = ", ".join(f"{what} at step {step:,} ({step / old:.1%} -> {step / new:.1%})" for what, step in kept)
         return [f"train.num_steps {old:,} -> {new:,} keeps the steps its positions are declared at, so they fall at "
                 f"other shares of the run: {moved}. To keep their shares, change the length where the experiment "
                 "declares it: positions declared as shares of the run (`keel.plan.steps_at`) follow it"]
