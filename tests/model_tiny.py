@@ -13,7 +13,7 @@ BATCH, POS = "batch", "position"
 def compiled_init(config: MoELMConfig, key):
     """keel.model's `init_model`, compiled as one program with the options the training loop
     compiles its initial state with (`run_once_options`). Run eagerly, each of its ~90 random-number
-    ops compiles alone: hero_like's init took 16 s on 2 cores, this 3 s."""
+    ops compiles alone: hero_like's init took 16 s on 2 cores, this 5 s."""
     import equinox as eqx
 
     from keel.model import transformer

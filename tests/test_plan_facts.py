@@ -317,6 +317,10 @@ def test_model_fields_the_model_never_reads_are_named_in_the_plan():
         None, 1.0, 1e-6)
     assert cleared.param_counts() == all_global.param_counts()
     assert dense_baseline(tiny_moe).inert_fields() == []  # the routing knobs of the MoE it replaces are cleared
+    # RoPE's evenness is asked of local layers only, so an all-global model can take the defaults
+    assert hero_like(global_every=1, head_dim=15, rope_fraction=0.4).without_inert_fields().rope_fraction == 1.0
+    with pytest.raises(ValueError, match=r"rope_fraction=1.0 x head_dim=15 must be an even integer"):
+        hero_like(head_dim=15, rope_fraction=1.0)
     step = TrainStepConfig(model=local_only, data="/tmp/tokens", train=TrainConfig(batch_size=16, seq_len=16, num_steps=10),
                            topology=RackTopology(2, 4, expert_parallel=4), hardware=cpu_sim)
     text = render_fact_sheet(fact_sheet(step))

@@ -60,6 +60,15 @@ def test_twin_must_keep_every_feature():
         scale_down(hero_step(), model=tiny_moe.replace(xsa=False, qk_norm=False), data="/c", **CPU)
 
 
+def test_a_feature_the_run_declares_but_never_reads_is_not_one_its_twin_must_keep():
+    """A window on a run whose every layer is global is 'no effect' in the plan: its twin need not declare it."""
+    all_global = dataclasses.replace(hero_config(), model=hero_config().model.replace(global_every=1))
+    run = Step("train/hero", train_step, all_global, isolated=True)
+    assert all_global.model.inert_fields()
+    twin = scale_down(run, model=tiny_moe.replace(global_every=1).without_inert_fields(), data="/c", **CPU)
+    assert twin.config.model.sliding_window is None
+
+
 def test_the_stand_ins_name_every_model_field_the_twin_changes_and_the_waves():
     hero = hero_config()
     step = scale_down(hero_step(), model=tiny_moe, data="/caches/stdlib", **CPU)

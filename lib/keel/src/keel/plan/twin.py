@@ -28,7 +28,9 @@ from keel.spec.train import TrainStepConfig
 
 
 def architecture_features(model: MoELMConfig) -> set[str]:
-    """The names of the hero-architecture features a model switches on."""
+    """The names of the hero-architecture features a model switches on: by the fields it reads
+    (a window is no feature of a model whose every layer is global, `MoELMConfig.inert_fields`)."""
+    model = model.without_inert_fields()
     on = {
         "embed_norm": model.embed_norm,
         "global_layers": bool(model.global_layers),

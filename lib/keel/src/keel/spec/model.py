@@ -214,7 +214,8 @@ class MoELMConfig:
                 yield problem
         if not 0.0 <= self.rope_fraction <= 1.0:
             yield f"rope_fraction={self.rope_fraction} must lie in [0, 1] (0 = no RoPE)"
-        elif self.rotary_dim % 2 or not math.isclose(self.rotary_dim, self.rope_fraction * self.head_dim):
+        elif self.has_local_layers and (  # only local layers rotate
+                self.rotary_dim % 2 or not math.isclose(self.rotary_dim, self.rope_fraction * self.head_dim)):
             yield (
                 f"rope_fraction={self.rope_fraction} x head_dim={self.head_dim} must be an even integer: "
                 "choose a fraction that rotates an even number of dims"
@@ -304,14 +305,10 @@ class MoELMConfig:
             (not self.conv_sites, "no convolution (conv_sites=())", ("conv_kernel",)),
             (self.num_shared_experts == 0, "no shared experts", ("shared_expert_dim",)),
             (dense, "no routed experts (num_experts=0)",
-             ("expert_dim", "routing", "routing_renorm_sum", "qb_histogram_bins", "aux_loss_coef", "capacity_factor")),
-            (not dense and self.routing is Routing.SOFTMAX_TOPK, "softmax routing does not renormalise",
-             ("routing_renorm_sum",)),
+             ("expert_dim", "routing", "routing_renorm_sum", "qb_histogram_bins", "capacity_factor")),
             (not dense and self.balancing is not Balancing.QUANTILE, f"balancing={self.balancing.value}",
              ("qb_histogram_bins",)),
-            (not dense and self.balancing is not Balancing.AUX_LOSS, f"balancing={self.balancing.value}",
-             ("aux_loss_coef",)),
-        )
+        )  # routing_renorm_sum with softmax routing and aux_loss_coef without its loss are refused above
         defaults = self._defaults()
         found = [(why, tuple(n for n in names if getattr(self, n) != defaults[n])) for applies, why, names in reasons if applies]
         return [(why, names) for why, names in found if names]
