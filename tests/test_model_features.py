@@ -68,8 +68,9 @@ def test_local_layers_see_only_the_window_global_layers_everything(global_every,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("declared", [dict(global_every=None, num_global_kv_heads=1),
-                                      dict(global_every=1, sliding_window=4, rope_fraction=0.5, qk_norm=False, qk_norm_eps=1e-3)])
+@pytest.mark.parametrize("declared", [dict(global_every=None, num_global_kv_heads=1, conv_kernel=2),
+                                      dict(global_every=1, sliding_window=4, rope_fraction=0.5, qk_norm=False, qk_norm_eps=1e-3,
+                                           balancing="none", qb_histogram_bins=10)])
 def test_fields_the_plan_calls_inert_change_nothing_the_model_computes(declared):
     """`MoELMConfig.inert_fields` is what the model never reads: with them at their defaults, the
     same key initialises the same weights and the same tokens give the same logits, bit for bit."""
