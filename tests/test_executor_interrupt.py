@@ -63,7 +63,6 @@ def _wait_for_progress(path, at_least=3, timeout=60.0):
     deadline = time.monotonic() + timeout
     progress = Path(path) / "progress"
     while time.monotonic() < deadline:
-        # one read: the step rewrites the file in place, so a second read can find it truncated
         text = progress.read_text().strip() if progress.exists() else ""
         if text and int(text) >= at_least:
             return
