@@ -144,3 +144,20 @@ def test_an_output_made_by_old_code_is_not_indexed_as_the_new_codes_work(tmp_pat
     assert console_main(["run", experiment("v2", "second", "version 2"), "--prefix", prefix]) == 0
     assert "2 ran, 0 reused, 0 cached" in capsys.readouterr().out
     assert [p.read_text() for p in sorted((tmp_path / "out" / "second").glob("b-*/out.txt"))] == ["copied version 2"]
+
+
+def test_an_entry_whose_output_a_forced_rerun_remade_with_other_code_is_not_reused(tmp_path, capsys):
+    """`--force` reruns a step under edited code in its own folder: the old code's index entry still
+    names that folder, whose output is now the new code's work, so the old work under another name
+    runs (the entry is checked against the content hash its output's step.json records)."""
+    def experiment(name: str, step: str, body: str) -> str:
+        return _experiment(tmp_path / f"{name}.py", body, f"if __name__ == '__main__':\n    main([Step({step!r}, make, C())])")
+
+    prefix = str(tmp_path / "out")
+    assert console_main(["run", experiment("v1", "x/a", "version 1"), "--prefix", prefix]) == 0
+    assert console_main(["run", experiment("v2", "x/a", "version 2"), "--prefix", prefix, "--force", "x/a"]) == 0
+    assert [p.read_text() for p in (tmp_path / "out" / "x").glob("a-*/out.txt")] == ["version 2"]
+    capsys.readouterr()
+    assert console_main(["run", experiment("v1_again", "x/b", "version 1"), "--prefix", prefix]) == 0
+    assert "1 ran, 0 reused, 0 cached" in capsys.readouterr().out
+    assert [p.read_text() for p in (tmp_path / "out" / "x").glob("b-*/out.txt")] == ["version 1"]

@@ -168,8 +168,8 @@ def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = No
     status = read_status(path) if listings.exists(path) else None
     forced = bool(force and force.search(step.name))
     if status is None and not forced and reuse.reusable(step) and listings.any_indexed(graph.prefix):
-        entry = reuse.entry(graph.prefix, graph.identities.content_hash(step))
-        same = reuse.find(graph.prefix, entry, path) if listings.exists(entry) else None
+        content = graph.identities.content_hash(step)
+        same = reuse.find(graph.prefix, content, path) if listings.exists(reuse.entry(graph.prefix, content)) else None
         if same is not None:
             graph.reuse(step, same.output_path)
             return StepPlan(step, same.output_path, CACHED, f"the same work as {same.name}: its output is reused", deps,

@@ -5,8 +5,9 @@ name and source, config, input files and dependencies' content, not its name) in
 `{prefix}/.keel/content/`. A step that has not run under its own path, but whose content hash
 points at a finished output, is `cached` there: its dependents read that output, and nothing is
 computed twice because two experiments named the same work differently. The entry is checked
-exactly as a cache hit is (status SUCCESS, manifest intact); an entry whose output is gone or
-damaged is ignored.
+exactly as a cache hit is (status SUCCESS, manifest intact), and its step.json must record the
+entry's content hash: an entry whose output is gone, damaged, or since remade by other work (a
+`--force` rerun of its step under edited code) is ignored.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from keel.executor import code, storage
-from keel.executor.status import KEEL_DIR, SUCCESS, Status, read_status, verify_manifest
+from keel.executor.status import KEEL_DIR, RECORD, SUCCESS, Status, keel_path, read_status, verify_manifest
 from keel.executor.step import Step
 
 INDEX = "content"
@@ -39,8 +40,10 @@ def entry(prefix: str, content_hash: str) -> str:
     return storage.join(index(prefix), f"{content_hash}.json")
 
 
-def find(prefix: str, entry_url: str, own_path: str) -> Reused | None:
-    """The finished output an index entry names, if it is another path and still intact."""
+def find(prefix: str, content_hash: str, own_path: str) -> Reused | None:
+    """The finished output the entry of `content_hash` names, if it is another path, still intact
+    and still that work."""
+    entry_url = entry(prefix, content_hash)
     try:
         found = storage.read_json(entry_url)
     except ValueError:  # torn by a crash: as if absent (the next finished step rewrites it)
@@ -52,6 +55,12 @@ def find(prefix: str, entry_url: str, own_path: str) -> Reused | None:
         return None
     status = read_status(path)
     if status is None or status.state != SUCCESS or verify_manifest(path, status) is not None:
+        return None
+    try:
+        record = storage.read_json(keel_path(path, RECORD))
+    except ValueError:  # torn: it cannot say what work it is
+        return None
+    if not isinstance(record, dict) or record.get("content_hash") != content_hash:
         return None
     return Reused(found["name"], path, status)
 
