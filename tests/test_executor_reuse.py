@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import fsspec
@@ -83,6 +84,7 @@ def test_a_damaged_or_deleted_original_is_not_reused(tmp_path):
 
 _EXPERIMENT = """from dataclasses import dataclass
 import os
+import re
 from keel import Step, main, output_of, this_output
 
 
@@ -161,3 +163,18 @@ def test_an_entry_whose_output_a_forced_rerun_remade_with_other_code_is_not_reus
     assert console_main(["run", experiment("v1_again", "x/b", "version 1"), "--prefix", prefix]) == 0
     assert "1 ran, 0 reused, 0 cached" in capsys.readouterr().out
     assert [p.read_text() for p in (tmp_path / "out" / "x").glob("b-*/out.txt")] == ["version 1"]
+
+
+def test_an_output_that_force_makes_again_in_this_run_is_not_reused_by_another_step(tmp_path):
+    """`--force` empties a step's output before it runs again: a step of the same work under another
+    name in the same run must not read that folder meanwhile, so it runs under its own name."""
+    prefix = str(tmp_path)
+    assert run_steps([chain("exp1/a", "exp1/b")], prefix, echo=lambda _: None).ok
+    both = [chain("exp1/a", "exp1/b"), chain("exp2/a", "exp2/b")]
+    plans = {p.name: p for p in plan_graph(Graph(both, prefix), force=re.compile("^exp1/a$"))}
+    assert plans["exp1/a"].state == RUN and plans["exp2/a"].state == RUN, plans["exp2/a"]
+    assert "the same work as exp1/a, which --force makes again" in plans["exp2/a"].reason
+    assert plans["exp2/a"].output_path != plans["exp1/a"].output_path
+    CALLS.clear()
+    report = run_steps(both, prefix, echo=lambda _: None, force="^exp1/a$")
+    assert report.ok and sorted(CALLS) == ["a", "a"]

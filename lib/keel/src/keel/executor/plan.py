@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 from keel.executor import code, reuse, storage
@@ -154,8 +155,10 @@ class _Listings:
                 if n.startswith(stem) and n != base and re.fullmatch(r"[0-9a-f]+", n[len(stem):])]
 
 
-def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = None, listings: _Listings | None = None) -> StepPlan:
-    """The state of one step under the graph's prefix, checked exactly as a cache hit is."""
+def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = None, listings: _Listings | None = None,
+              rerun: Container[str] = ()) -> StepPlan:
+    """The state of one step under the graph's prefix, checked exactly as a cache hit is. `rerun`:
+    the outputs this run empties and makes again (its forced steps'), which no other step may reuse."""
     listings = listings or _Listings()
     path = graph.path(step)
     deps = [graph.path(d) for d in step.deps]
@@ -170,6 +173,9 @@ def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = No
     if status is None and not forced and reuse.reusable(step) and listings.any_indexed(graph.prefix):
         content = graph.identities.content_hash(step)
         same = reuse.find(graph.prefix, content, path) if listings.exists(reuse.entry(graph.prefix, content)) else None
+        if same is not None and same.output_path in rerun:
+            return StepPlan(step, path, RUN, f"the same work as {same.name}, which --force makes again in this run: it "
+                            "runs under its own name", deps)
         if same is not None:
             graph.reuse(step, same.output_path)
             return StepPlan(step, same.output_path, CACHED, f"the same work as {same.name}: its output is reused", deps,
@@ -200,7 +206,8 @@ def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = No
 def plan_graph(graph: Graph, force: re.Pattern | None = None) -> list[StepPlan]:
     listings = _Listings()
     with no_cycle_collection():
-        return [plan_step(graph, s, force, listings) for s in graph.order]
+        rerun = {graph.path(s) for s in graph.steps() if force.search(s.name)} if force else set()
+        return [plan_step(graph, s, force, listings, rerun) for s in graph.order]
 
 
 def _most_recent_record(paths: list[str]) -> dict | None:
