@@ -20,6 +20,7 @@ from keel.executor import storage
 from keel.executor.graph import CycleError
 from keel.executor.identity import Identities
 from keel.executor.plan import Graph, plan_graph
+from keel.executor.run import run_steps
 
 HEADER = '''
 import os
@@ -364,3 +365,22 @@ def test_a_dashboard_exported_refuses_a_port(tmp_path, capsys):
     page = tmp_path / "page"
     line = keel_error(capsys, "dashboard", exp, "--prefix", str(tmp_path / "out"), "--out", str(page), "--port", "9999")
     assert f"--port 9999 does nothing with --out {page}" in line and not page.exists(), line
+
+
+def test_a_lease_timeout_no_run_can_use_is_refused_before_anything_runs(tmp_path, capsys, counter, monkeypatch):
+    """KEEL_LEASE_TIMEOUT of 0 had two launchers take one step's lease from each other over and over
+    (34 attempts in 50 s, none recorded); text that is no number failed keel's import in a traceback."""
+    exp = experiment(tmp_path, 'top = Step("x/top", f, C(0))\nif __name__ == "__main__":\n    main([top])\n')
+    done = subprocess.run([sys.executable, "-m", "keel.cli_entry", "run", exp, "--prefix", str(tmp_path / "out")],
+                          env={**os.environ, "KEEL_LEASE_TIMEOUT": "abc"}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("keel: error: KEEL_LEASE_TIMEOUT='abc': give the seconds"), done.stderr
+    for value in ("0", "-5", "inf", "nan"):
+        monkeypatch.setenv("KEEL_LEASE_TIMEOUT", value)
+        assert keel_error(capsys, "run", exp, "--prefix", str(tmp_path / "out")).startswith(f"keel: error: KEEL_LEASE_TIMEOUT='{value}'")
+    assert ran(counter) == []
+    monkeypatch.setenv("KEEL_LEASE_TIMEOUT", "1.5")
+    assert console_main(["run", exp, "--prefix", str(tmp_path / "out")]) == 0 and ran(counter) == ["0"]
+    monkeypatch.delenv("KEEL_LEASE_TIMEOUT")
+    with pytest.raises(ValueError, match="lease_timeout=0: give at least 1 s"):
+        run_steps([Step("x/other", noop, Cfg(1))], str(tmp_path / "out"), lease_timeout=0)

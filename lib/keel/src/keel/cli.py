@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 from keel.executor import storage
 from keel.executor.encoding import one_line_encoder
-from keel.executor.lease import current_lease
+from keel.executor.lease import TIMEOUT_ENV, current_lease, timeout_problem
 from keel.executor.overrides import apply_overrides
 from keel.executor.plan import FAILED_STATE, INTERRUPTED_STATE, RUN, RUNNING_ELSEWHERE, Graph, StepPlan, plan_graph
 from keel.executor.status import KEEL_DIR, RECORD, RUNNING
@@ -87,6 +87,8 @@ def _check_options(args) -> None:
         if getattr(args, option) != defaults[option] and args.command not in users:
             flag = "--" + option.replace("_", "-")
             raise UsageError(f"{flag} does nothing for `keel {args.command}` (it applies to: {', '.join(users)}); leave it out")
+    if (problem := timeout_problem(os.environ.get(TIMEOUT_ENV))) is not None:
+        raise UsageError(problem)
     if args.max_concurrent < 1:
         raise UsageError(f"--max-concurrent {args.max_concurrent}: give at least 1 (steps running at once)")
     if args.out is not None and args.port != defaults["port"]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import threading
@@ -30,7 +31,30 @@ from dataclasses import dataclass
 from keel.executor import storage
 from keel.executor.status import KEEL_DIR
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("KEEL_LEASE_TIMEOUT", "60"))
+TIMEOUT_ENV = "KEEL_LEASE_TIMEOUT"
+SHORTEST_TIMEOUT_S = 1.0
+"""A lease lasts at least this long: its holder renews it every quarter of its timeout, and a
+shorter one expires between two renewals of a launcher busy starting a step."""
+
+
+def timeout_problem(text: str | None) -> str | None:
+    """What is wrong with `KEEL_LEASE_TIMEOUT`'s value (None: nothing, or it is not set)."""
+    if text is None:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not seconds >= SHORTEST_TIMEOUT_S or math.isinf(seconds):
+        return (f"{TIMEOUT_ENV}={text!r}: give the seconds a silent launcher keeps its steps' leases, a number of at "
+                f"least {SHORTEST_TIMEOUT_S:g} (the default is 60), or unset it")
+    return None
+
+
+_ENV_TIMEOUT = os.environ.get(TIMEOUT_ENV)
+DEFAULT_TIMEOUT_S = 60.0 if timeout_problem(_ENV_TIMEOUT) or _ENV_TIMEOUT is None else float(_ENV_TIMEOUT)
+"""The lease timeout of this process's runs: `KEEL_LEASE_TIMEOUT` when it is valid; `keel` refuses
+an invalid one before anything runs (`timeout_problem`), and so does `Runner`."""
 _PREFIX = "lease-"
 EMPTY_LEASE_S = 10.0
 """How long an empty lease file counts as one being written: past that, its writer died between

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import heapq
+import math
 import os
 import re
 import signal
@@ -174,6 +175,11 @@ class Runner:
 
     def __init__(self, graph: Graph, *, client=None, cluster=None, max_concurrent: int = 8, force: re.Pattern | None = None,
                  lease_timeout: float = leases.DEFAULT_TIMEOUT_S, echo: Callable[[str], None] = print):
+        problem = leases.timeout_problem(os.environ.get(leases.TIMEOUT_ENV))
+        if problem is None and not leases.SHORTEST_TIMEOUT_S <= lease_timeout < math.inf:
+            problem = f"lease_timeout={lease_timeout!r}: give at least {leases.SHORTEST_TIMEOUT_S:g} s"
+        if problem is not None:  # a timeout of 0 had launchers take each other's leases over and over
+            raise ValueError(problem)
         self.graph = graph
         self._secrets = _secret_values()  # once per launch: scrubbing each step.json reuses them
         self._launch = scrub(provenance(), self._secrets)
