@@ -3,6 +3,7 @@ identical across runs and after a kill."""
 
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,6 +119,23 @@ def test_levanter_dataset_classes_read_the_cache(cache, inputs):
 def test_two_runs_write_identical_caches(cache, inputs, tmp_path):
     again = _tokenize(tmp_path / "again", inputs, batch_documents=7)  # batch size is execution-only
     assert _files(Path(again)) == _files(Path(cache))
+
+
+def test_truncation_or_padding_saved_in_the_tokenizer_file_changes_nothing(cache, inputs, tmp_path):
+    """A published tokenizer.json may carry truncation or padding: the cache holds whole documents,
+    whatever the file says and however many documents an encode batch holds."""
+    from tokenizers import Tokenizer
+
+    corpus, tok = inputs
+    for setting, configure in (("truncation", lambda t: t.enable_truncation(8)),
+                               ("padding", lambda t: t.enable_padding(pad_id=0, pad_token=t.id_to_token(0)))):
+        saved = tmp_path / setting
+        shutil.copytree(tok, saved)
+        tokenizer = Tokenizer.from_file(str(saved / "tokenizer.json"))
+        configure(tokenizer)
+        tokenizer.save(str(saved / "tokenizer.json"))
+        out = _tokenize(tmp_path / f"{setting}-out", (corpus, str(saved)), batch_documents=64)
+        assert _files(Path(out)) == _files(Path(cache)), setting
 
 
 def test_a_special_token_inside_a_document_is_text(tmp_path):

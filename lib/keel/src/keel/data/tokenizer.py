@@ -92,7 +92,12 @@ def train_tokenizer(config: TrainTokenizerConfig) -> None:
 def load_tokenizer(
     ref: str, *, bos_token: str | None = None, eos_token: str | None = None, pad_token: str | None = None
 ) -> LoadedTokenizer:
-    """Load a tokenizer directory, a tokenizer.json path or a hub name; explicit special tokens win."""
+    """Load a tokenizer directory, a tokenizer.json path or a hub name; explicit special tokens win.
+
+    Truncation and padding saved in the file are turned off: keel packs whole documents into its
+    own sequences, and a published tokenizer.json often carries either. Kept, truncation cut every
+    document to its length with no word said, and padding put pad ids inside documents, as many as
+    the other documents of their encode batch made, so the cache depended on `batch_documents`."""
     tokenizer_file, config_file = tokenizer_files(ref)
     text = storage.read_text(tokenizer_file)
     if text is not None:
@@ -103,6 +108,8 @@ def load_tokenizer(
         names = {}
     else:
         raise FileNotFoundError(f"no {TOKENIZER_FILE} at {ref!r}")
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
     names.update({k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token), ("pad_token", pad_token)) if v})
 
     def id_of(key: str) -> int | None:
