@@ -63,6 +63,25 @@ def test_tokenizer_training_is_deterministic_and_uses_only_the_train_split(tmp_p
     assert load_tokenizer(a).tokenizer.to_str() == load_tokenizer(b).tokenizer.to_str()
 
 
+def test_max_training_bytes_caps_the_text_even_inside_the_first_document(tmp_path):
+    """The document that reaches the cap is cut there, on a character boundary: a large first document
+    went to the trainer whole."""
+    from keel.data.summary import read_summary
+
+    first = {"text": "zqxjvk é " * 2000}  # 20 kB, two-byte characters: a cut can fall inside one
+    rest = [{"text": " ".join(["pwgfby"] * 50)} for _ in range(20)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in [first, *rest]))
+    ingest_documents(IngestConfig(inputs=(str(tmp_path / "docs.jsonl"),), validation_fraction=0.0,
+                                  output_path=str(tmp_path / "docs")))
+    for cap in (1001, 1000):  # 1,000 bytes end inside an "é"
+        tok = _train(tmp_path / f"tok{cap}", str(tmp_path / "docs"), vocab_size=300, min_frequency=1,
+                     max_training_bytes=cap)
+        summary = read_summary(tok)
+        assert summary["documents"] == 1 and cap - 1 <= summary["bytes"] <= cap, summary
+        assert len(load_tokenizer(tok).tokenizer.encode(" pwgfby").ids) > 1  # the text past the cap was not read
+        assert "raise max_training_bytes, which stopped it" in summary["warnings"][0]  # not merely "more text"
+
+
 def test_a_tokenizer_json_path_with_explicit_special_tokens(tmp_path, corpus):
     _train(tmp_path / "tok", corpus, vocab_size=400, bos_token=None, pad_token=None)
     path = str(tmp_path / "tok" / "tokenizer.json")

@@ -39,18 +39,29 @@ class LoadedTokenizer:
 
 
 class _TrainingTexts:
-    """The train split's texts (up to `max_training_bytes`), counted as the trainer reads them."""
+    """The train split's texts, counted as the trainer reads them: at most `max_training_bytes`, the
+    document that reaches the cap cut there (on a character boundary; whole, one large first document
+    gave the trainer 220 kB under a 1,000-byte cap)."""
 
     def __init__(self, config: TrainTokenizerConfig):
         self.config = config
         self.documents = self.bytes = 0
+        self.capped = False  # whether the cap stopped the reading before the split's end
 
     def __iter__(self) -> Iterator[str]:
+        cap = self.config.max_training_bytes
         for doc in iter_documents(self.config.documents, "train"):
-            if self.config.max_training_bytes is not None and self.bytes >= self.config.max_training_bytes:
+            encoded = doc.text.encode("utf-8")
+            if cap is not None and self.bytes + len(encoded) > cap:
+                self.capped = True
+                text = encoded[:cap - self.bytes].decode("utf-8", errors="ignore")
+                if text:
+                    self.documents += 1
+                    self.bytes += len(text.encode("utf-8"))
+                    yield text
                 return
             self.documents += 1
-            self.bytes += len(doc.text.encode("utf-8"))
+            self.bytes += len(encoded)
             yield doc.text
 
 
@@ -83,7 +94,9 @@ def train_tokenizer(config: TrainTokenizerConfig) -> None:
     if trained < config.vocab_size:
         warnings.append(f"trained {trained:,} tokens, fewer than the {config.vocab_size:,} asked "
                         f"(TrainTokenizerConfig.vocab_size): {texts.bytes:,} bytes of text hold no more pairs seen "
-                        f"{config.min_frequency}+ times; give it more text, or lower vocab_size or min_frequency")
+                        f"{config.min_frequency}+ times; give it more text"
+                        f"{' (raise max_training_bytes, which stopped it)' if texts.capped else ''}, "
+                        "or lower vocab_size or min_frequency")
     summary = {"vocab_size": trained, "asked": config.vocab_size, "documents": texts.documents, "bytes": texts.bytes,
                "warnings": warnings}
     write_summary(config.output_path, summary, line + "".join(f"\n  {w}" for w in warnings))
