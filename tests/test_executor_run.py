@@ -509,3 +509,18 @@ def test_a_retried_steps_log_on_an_object_store_keeps_every_attempt(tmp_path):
     with fsspec.open(keel_path(Graph([step], prefix).path(step), "log.txt"), "r") as f:
         log = f.read()
     assert "attempt 1 starts" in log and "the first attempt fails" in log and "attempt 2 starts" in log, log
+
+
+def test_an_isolated_step_under_memory_is_refused_before_anything_runs():
+    """`memory://` lives in the launcher: an isolated step's process could not write there, and running
+    it in the launcher dropped its declared environment and stall kill without a word."""
+    plain = Step("m/plain", write, WriteConfig("plain"))
+    isolated = Step("m/isolated", write, WriteConfig("iso", source=output_of(plain, "data.txt")), isolated=True,
+                    progress_timeout_s=5)
+    prefix = f"memory://keel-isolated-{os.getpid()}"
+    with pytest.raises(StepDeclarationError, match=r"m/isolated is isolated \(it runs in a process of its own, with its "
+                       r"declared environment and progress_timeout_s\), but its output memory://.* lives in this process's "
+                       r"memory.*give a prefix on disk or a shared store"):
+        run_steps([isolated], prefix, echo=lambda _: None)
+    assert not fsspec.filesystem("memory").exists(Graph([plain], prefix).path(plain)), "nothing ran, not even its input"
+    assert run_steps([plain], prefix, echo=lambda _: None).ok  # a step in the launcher is fine there

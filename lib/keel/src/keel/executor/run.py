@@ -169,6 +169,19 @@ def _refuse_empty_externals(plans: list[StepPlan], chosen: set[int]) -> None:
                                    "External's path (a declared version= stands for files keel does not list)")
 
 
+def _refuse_isolated_in_memory(plans: list[StepPlan], chosen: set[int]) -> None:
+    """Refuse to start a run whose chosen isolated step writes under `memory://`: that store lives in
+    the launcher's memory, so the step's own process could not write there, and running it in the
+    launcher instead would drop what isolation promises (its declared environment, the stall kill of
+    `progress_timeout_s`) without a word."""
+    for p in plans:
+        if id(p.step) in chosen and getattr(p.step, "isolated", False) and not storage.is_shared_between_processes(p.output_path):
+            raise StepDeclarationError(
+                f"{p.name} is isolated (it runs in a process of its own, with its declared environment"
+                f"{' and progress_timeout_s' if p.step.progress_timeout_s else ''}), but its output {p.output_path} lives in "
+                "this process's memory, which that process cannot reach: give a prefix on disk or a shared store (gs://, s3://)")
+
+
 class Runner:
     """`client` runs the steps in the driver (default: an in-process `LocalClient`); `cluster`, when
     given, runs the steps that declare `resources=`."""
@@ -201,6 +214,7 @@ class Runner:
         plans = plan_graph(self.graph, self.force)
         chosen = select(plans, only)
         _refuse_empty_externals(plans, chosen)
+        _refuse_isolated_in_memory(plans, chosen)
         self._index_cached(plans)
         report = RunReport(plans)
         if not chosen:
@@ -473,7 +487,7 @@ class Runner:
             )
             run_on_cluster(self.cluster, request, step.resources.describe())
             return
-        if step.isolated and storage.is_shared_between_processes(output_path):
+        if step.isolated:  # never under memory:// (`_refuse_isolated_in_memory`)
             self._run_in_child(step, resolved, output_path, lease, retry)
             return
         with self._lock:
