@@ -31,12 +31,12 @@ def test_checkpoints_hold_master_weights_and_optimizer_state_and_the_cadence_kee
     assert hours["cost"] == pytest.approx(2.0 * hours["hours"])
     text = render_fact_sheet(sheet)
     assert "written in" in text and "GPU-hours" in text
-    # the run's length is one figure: the days from its start to the projected end it is shown with
+    # the variants table's length is one figure: the days at full goodput from its start to the end it shows
     from keel.plan import variant_row
 
     row = variant_row("hero", sheet)
     start = datetime.date.fromisoformat(sheet["time"]["start_date"])
-    assert start + datetime.timedelta(days=round(row["days"])) == datetime.date.fromisoformat(row["end_date"])
+    assert start + datetime.timedelta(days=row["days"]) == datetime.date.fromisoformat(row["end_date"])
 
 
 def test_a_checkpoint_holds_the_state_the_state_table_lays_out_in_any_master_dtype():
@@ -109,7 +109,12 @@ def test_keel_plan_of_two_files_prints_one_table_of_variants(tmp_path):
     header, rule, hero_row, doubled_row = out.stdout.strip().splitlines()
     assert header.startswith("| variant | hardware | steps | tokens | s/step | MFU |")
     assert "hero_535b.py: train/hero_535b" in hero_row and "19.8 / 16.8 (observed)" in hero_row
-    assert "2026-11-18" in hero_row and "| fits |" in hero_row
+    assert "| fits |" in hero_row
+    # both rows' days and GPU-hours at full goodput, from the step times they show: the hero's own
+    # projection (91 days, its declared 4,400 steps a day) beside a variant's 100% made it look slower
+    days = 81_716 * 19.8 / 86_400 + (390_251 - 81_716) * 16.8 / 86_400
+    assert f"| {days:.0f} (2026-11-05) |" in hero_row and f"| {days * 24 * 704:,.0f} |" in hero_row, hero_row
+    assert "days at full goodput (end)" in header and "GPU-hours at full goodput" in header
     assert "(predicted)" in doubled_row and "DOES NOT FIT" in doubled_row and "195,125" in doubled_row
     assert out.returncode == 2  # the doubled batch does not fit
     narrowed = _keel("plan", HERO, doubled, "--prefix", str(tmp_path / "out"), "--only", "hero")

@@ -1,25 +1,30 @@
 """Variants side by side: one row of headline figures per training step's fact sheet
-(`keel plan A.py B.py`), so a launch decision compares runs on one screen."""
+(`keel plan A.py B.py`), so a launch decision compares runs on one screen.
+
+Every row's length and GPU-hours are at full goodput, from the step times the row shows: a run's
+own projection (its declared steps per day, which hold its downtime) is on its fact sheet, and no
+variant has one, so a table that mixed the two made a slower variant look 3 days shorter."""
 
 from __future__ import annotations
 
-COLUMNS = ("variant", "hardware", "steps", "tokens", "s/step", "MFU", "days (end)", "peak/GPU", "verdict", "GPU-hours")
+COLUMNS = ("variant", "hardware", "steps", "tokens", "s/step", "MFU", "days at full goodput (end)", "peak/GPU",
+           "verdict", "GPU-hours at full goodput")
 
 
 def variant_row(label: str, sheet: dict) -> dict:
     """The headline figures of one sheet: step time and MFU per stretch (observed for the run's own
-    layout, else predicted), run length, the largest peak against the HBM, the verdict, GPU-hours."""
+    layout, else predicted), run length and GPU-hours at those speeds, the largest peak against the
+    HBM, the verdict."""
     t, predicted = sheet.get("time"), sheet.get("step_time") or {}
     stretches = predicted.get("stretches", [])
     basis = "observed" if t else "predicted"
     if t:
         seconds = [s["step_seconds"] for s in t["speeds"]]
         mfus = [s["mfu"] for s in t["speeds"]]
-        days, end = t["projected_days"], t["projected_end_date"]
     else:
         seconds = [s["step_seconds"] for s in stretches]
         mfus = [s["mfu"] for s in stretches]
-        days, end = predicted.get("run_days"), predicted.get("end_date")
+    days, end = predicted.get("run_days"), predicted.get("end_date")
     memory = sheet.get("memory") or {}
     peaks = [p["peak_gb"] for p in memory.get("phases", ()) if p["peak_gb"] is not None]
     fits = sheet["verdict"]["fits"]
@@ -37,7 +42,7 @@ def variant_row(label: str, sheet: dict) -> dict:
         "peak_gb": max(peaks) if peaks else None,
         "hbm_gb": memory.get("hbm_per_gpu_gb"),
         "fits": fits,
-        "gpu_hours": (sheet["launch"].get("gpu_hours") or {}).get("hours"),
+        "gpu_hours": predicted.get("gpu_hours"),
     }
 
 
