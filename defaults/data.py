@@ -12,6 +12,8 @@ that declare the same chain get the same identities, hence one shared output.
 
 from __future__ import annotations
 
+import os
+
 from keel import Step, StepFunction
 from keel.data import build_stdlib_corpus, HfDatasetSpec, ingest_documents, IngestConfig, StdlibCorpusConfig
 from keel.spec import TokenizeConfig, TrainTokenizerConfig
@@ -26,7 +28,8 @@ def stdlib_corpus(*, max_bytes: int | None = None, max_files: int | None = None,
     """The running Python's standard-library sources as a document set (its version is in the
     identity); `packages` keeps some top-level packages only (`keel.data.stdlib_families`)."""
     config = StdlibCorpusConfig(include_tests=include_tests, max_files=max_files, max_bytes=max_bytes,
-                                validation_fraction=validation_fraction, packages=tuple(packages))
+                                validation_fraction=validation_fraction,
+                                packages=packages if isinstance(packages, str) else tuple(packages))
     return Step(f"documents/{name}", build_stdlib_corpus, config, description="Python stdlib sources")
 
 
@@ -34,7 +37,8 @@ def ingest(name: str, inputs: tuple[str, ...] = (), *, hf_dataset: HfDatasetSpec
     """A document set from files/globs (or a HF dataset); `kwargs` are IngestConfig fields: text_field,
     validation_fraction, on_bad_record, max_bad_fraction, on_decode_error, input_version, ...
     (README "Your own data"; help(keel.data.IngestConfig))."""
-    config = IngestConfig(inputs=tuple(inputs), hf_dataset=hf_dataset, **kwargs)
+    config = IngestConfig(inputs=inputs if isinstance(inputs, (str, os.PathLike)) else tuple(inputs), hf_dataset=hf_dataset,
+                          **kwargs)  # one string is refused there, not split into characters
     return Step(f"documents/{name}", ingest_documents, config)
 
 

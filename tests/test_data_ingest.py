@@ -175,6 +175,36 @@ def test_bad_declarations_fail_before_reading(tmp_path):
     assert not (tmp_path / "out" / "documents.json").exists()
 
 
+def test_paths_declared_as_one_string_or_a_path_object(tmp_path):
+    """One string was split into characters ('/', 't', ...) by the `ingest` default, and a
+    `pathlib.Path` input was left out of the identity, then failed in the run with an AttributeError."""
+    from pathlib import Path
+
+    from defaults.data import ingest, stdlib_corpus
+    from keel.data import StdlibCorpusConfig
+    from keel.data.stdlib_corpus import corpus_files
+    from keel.executor.identity import Identities
+
+    with pytest.raises(ValueError, match=r"IngestConfig.inputs must be a tuple of paths or globs, not one str: use \('/d/a.jsonl',\)"):
+        ingest("x", "/d/a.jsonl")
+    with pytest.raises(ValueError, match=r"HfDatasetSpec.data_files must be a tuple .*not one str: use \('a.json',\)"):
+        HfDatasetSpec("json", data_files="a.json")
+    with pytest.raises(ValueError, match=r"IngestConfig.inputs\[1\] is a int \(3\): give a path or glob"):
+        IngestConfig(inputs=("a.jsonl", 3))
+    with pytest.raises(ValueError, match=r"StdlibCorpusConfig.packages must be a tuple of package names, got 'json': use \('json',\)"):
+        stdlib_corpus(packages="json")
+    with pytest.raises(ValueError, match=r"'emial' is no top-level package or module .*did you mean 'email'"):
+        corpus_files(StdlibCorpusConfig(packages=("json", "emial")))
+
+    data = tmp_path / "a.jsonl"
+    data.write_text(json.dumps({"text": "one"}) + "\n")
+    step = ingest("p", (data,))  # a Path: read, and fingerprinted like its text
+    assert step.config.inputs == (str(data),) and step.config.input_files() == {str(data): str(data)}
+    before = Identities().hash(step)
+    data.write_text(json.dumps({"text": "two"}) + "\n")
+    assert Identities().hash(ingest("p", (data,))) != before
+
+
 def test_a_validation_draw_that_copies_training_documents_goes_to_train_unless_told_otherwise(tmp_path):
     """Each held-out draw gets a near-copy among the training documents (its lines reordered, their
     spacing and case changed): by default it moves to train, counted; with

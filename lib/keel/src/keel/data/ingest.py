@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -32,7 +33,7 @@ from keel.data.documents import (NEAR_DUPLICATE_OVERLAP, Document, check_near_du
                                  write_documents)
 from keel.data.quality import BadRecord, RecordLog, not_text
 from keel.executor import storage
-from keel.executor.step import StepDeclarationError, execution_only, this_output
+from keel.executor.step import External, OutputOf, Step, StepDeclarationError, execution_only, this_output
 
 FORMATS = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 BOM = b"\xef\xbb\xbf"
@@ -65,6 +66,24 @@ HF_FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow")
 """`datasets` builders that read `data_files` (fingerprinted); any other path is a hub dataset."""
 
 
+def _paths(field: str, value) -> tuple:
+    """`value` as a tuple of paths or globs (a `pathlib.Path` as its text, so the file is
+    fingerprinted and read like one spelled out); a dependency (`output_of`, a step) stays as it is."""
+    if isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"{field} must be a tuple of paths or globs, not one {type(value).__name__}: use "
+                         f"({os.fspath(value)!r},)")
+    if not isinstance(value, (tuple, list)):
+        raise ValueError(f"{field} must be a tuple of paths or globs, not a {type(value).__name__} ({value!r})")
+    out = []
+    for i, item in enumerate(value):
+        if isinstance(item, os.PathLike):
+            item = os.fspath(item)
+        if not isinstance(item, (str, OutputOf, Step, External)):
+            raise ValueError(f"{field}[{i}] is a {type(item).__name__} ({item!r}): give a path or glob (a string)")
+        out.append(item)
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class HfDatasetSpec:
     """A Hugging Face `datasets` source, read in streaming mode (no local Arrow cache).
@@ -79,6 +98,9 @@ class HfDatasetSpec:
     split: str = "train"
     data_files: tuple[str, ...] = ()
     revision: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "data_files", _paths("HfDatasetSpec.data_files", self.data_files))
 
 
 @dataclass(frozen=True)
@@ -115,8 +137,7 @@ class IngestConfig:
     def __post_init__(self):
         if bool(self.inputs) == (self.hf_dataset is not None):
             raise ValueError("IngestConfig: set exactly one of `inputs` (files or globs) and `hf_dataset`")
-        if isinstance(self.inputs, str):
-            raise ValueError("IngestConfig.inputs must be a tuple of paths or globs, not one string: use (path,)")
+        object.__setattr__(self, "inputs", _paths("IngestConfig.inputs", self.inputs))
         for name, kind in (("on_bad_record", OnBadRecord), ("on_decode_error", OnDecodeError)):
             try:
                 object.__setattr__(self, name, kind(getattr(self, name)))

@@ -17,6 +17,7 @@ into n families of about equal size.
 
 from __future__ import annotations
 
+import difflib
 import os
 import platform
 import sysconfig
@@ -55,6 +56,9 @@ class StdlibCorpusConfig:
     output_path: str = this_output()
 
     def __post_init__(self):
+        if isinstance(self.packages, str) or not all(isinstance(p, str) for p in self.packages):
+            raise ValueError(f"StdlibCorpusConfig.packages must be a tuple of package names, got {self.packages!r}"
+                             + (f": use ({self.packages!r},)" if isinstance(self.packages, str) else ""))
         check_validation_fraction(self.validation_fraction)
         check_near_duplicate_overlap(self.near_duplicate_overlap, "StdlibCorpusConfig.near_duplicate_overlap")
         for name in ("max_files", "max_bytes"):
@@ -115,7 +119,15 @@ def stdlib_files(include_tests: bool) -> list[str]:
 def corpus_files(config: StdlibCorpusConfig) -> list[str]:
     """Relative paths of the files `config` reads, in order: its packages, up to its caps."""
     root = sysconfig.get_paths()["stdlib"]
-    files = [f for f in stdlib_files(config.include_tests) if not config.packages or top_level(f) in config.packages]
+    every = stdlib_files(config.include_tests)
+    unknown = sorted(set(config.packages) - {top_level(f) for f in every})
+    if unknown:  # a typo kept the others and read nothing of it
+        hints = "; ".join(f"{name!r}: did you mean {', '.join(map(repr, close))}?" for name in unknown
+                          if (close := difflib.get_close_matches(name, {top_level(f) for f in every}, n=2)))
+        raise ValueError(f"StdlibCorpusConfig.packages: {', '.join(map(repr, unknown))} is no top-level package or module "
+                         f"of this Python's standard library{' (tests left out)' if not config.include_tests else ''}"
+                         + (f" ({hints})" if hints else "") + "; `keel.data.stdlib_families` lists them")
+    files = [f for f in every if not config.packages or top_level(f) in config.packages]
     kept, total_bytes = [], 0
     for relative in files[: config.max_files]:
         size = os.path.getsize(os.path.join(root, relative))
