@@ -114,8 +114,17 @@ def test_a_longer_run_by_set_warns_that_its_positions_stay_at_their_steps():
     assert "mixture phase 2 at step 312,192" in warning and "weight decay" not in warning  # the one moved with it
     assert "change the length where the experiment declares it" in warning
     assert "mixture      steps 312,192-499,999" in longer.stdout  # what the warning is about, as planned
+    # a wider batch keeps every position's share, but not the run's tokens: the file derives its steps from them
     wider = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b:train.batch_size=22528")
-    assert "keel: warning:" not in wider.stderr  # a wider batch keeps every position's share
+    (warning,) = [line for line in wider.stderr.splitlines() if line.startswith("keel: warning:")]
+    assert warning == ("keel: warning: --set train/hero_535b:train.batch_size=22528: tokens per step 46,137,344 -> "
+                       "92,274,688 (batch_size x seq_len) keeps train.num_steps at 390,251, so the run reads "
+                       f"{92_274_688 * 390_251:,} tokens instead of {46_137_344 * 390_251:,} (2x, every phase alike). To "
+                       "keep the tokens, change the batch where the experiment declares it, with a length derived from "
+                       "it, or --set train.num_steps too"), warning
+    both = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b:train.batch_size=22528",
+                 "--set", "train/hero_535b:train.num_steps=195125")
+    assert "tokens per step" not in both.stderr  # the length was set with it: the positions' warning is the one
 
 
 def test_the_hero_file_keys_its_speeds_to_its_own_layout(sheet):

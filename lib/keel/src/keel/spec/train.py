@@ -645,16 +645,27 @@ class TrainStepConfig:
     def override_notes(self, before: "TrainStepConfig") -> list[str]:
         """What a `--set` changed that it does not say (`keel.executor.overrides` prints these):
         a new run length keeps every position at its declared step, so each lands at another share
-        of the run (a cooldown declared for the last 20% of 390,251 steps covers 38% of 500,000)."""
+        of the run (a cooldown declared for the last 20% of 390,251 steps covers 38% of 500,000); a new
+        batch or sequence length keeps the run's steps, so it reads other tokens (the hero derives its
+        steps from its tokens: half its batch halved every phase's tokens)."""
+        notes = []
         old, new = before.train.num_steps, self.train.num_steps
         was = dict(before.positions())
         kept = [(what, step) for what, step in self.positions() if was.get(what) == step]  # not moved by a --set too
-        if old == new or not kept:
-            return []
-        moved = ", ".join(f"{what} at step {step:,} ({step / old:.1%} -> {step / new:.1%})" for what, step in kept)
-        return [f"train.num_steps {old:,} -> {new:,} keeps the steps its positions are declared at, so they fall at "
-                f"other shares of the run: {moved}. To keep their shares, change the length where the experiment "
-                "declares it: positions declared as shares of the run (`keel.plan.steps_at`) follow it"]
+        if old != new and kept:
+            moved = ", ".join(f"{what} at step {step:,} ({step / old:.1%} -> {step / new:.1%})" for what, step in kept)
+            notes.append(f"train.num_steps {old:,} -> {new:,} keeps the steps its positions are declared at, so they fall "
+                         f"at other shares of the run: {moved}. To keep their shares, change the length where the "
+                         "experiment declares it: positions declared as shares of the run (`keel.plan.steps_at`) follow it")
+        if old == new and before.train.seq_len is not None and self.train.seq_len is not None:
+            was_tokens, tokens = before.train.tokens_per_step, self.train.tokens_per_step
+            if was_tokens != tokens:
+                notes.append(f"tokens per step {was_tokens:,} -> {tokens:,} (batch_size x seq_len) keeps train.num_steps "
+                             f"at {new:,}, so the run reads {tokens * new:,} tokens instead of {was_tokens * new:,} "
+                             f"({tokens / was_tokens:.3g}x, every phase alike). To keep the tokens, change the "
+                             "batch where the experiment declares it, with a length derived from it, or --set "
+                             "train.num_steps too")
+        return notes
 
     def resources_problem(self, resources: Any) -> str | None:
         """Why the step's `resources` (a `keel.Resources`) cannot run this layout, as a message with
