@@ -169,6 +169,19 @@ def assert_failed(result: subprocess.CompletedProcess, says: str) -> None:
     assert says in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("isolated", [False, True])
+def test_a_step_that_writes_into_another_steps_output_fails(tmp_path, isolated):
+    """The prefix here is under the temporary directory, where a step may write: a file planted in a
+    finished neighbour's folder is in none of its manifests, so nothing else would see it."""
+    write_experiment(tmp_path, 'def plant(config):\n    write(config)\n'
+                     '    open(os.path.join(config.inputs[0], "planted.txt"), "w").write("x")\n'
+                     f'a = Step("x/a", write, C(1))\nb = Step("x/b", plant, C(2, (output_of(a),)), isolated={isolated})\n' + MAIN)
+    result = keel(tmp_path, "run", "EXP")
+    assert result.returncode == 1 and "[keel] FAIL  x/b" in result.stdout, result.stdout + result.stderr
+    (planted,) = (tmp_path / "out" / "x").glob("a-*/planted.txt")
+    assert f"the step wrote {planted} outside its output path" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("case", CATALOGUE, ids=[c.name for c in CATALOGUE])
 def test_catalogue(tmp_path, case):
     write_experiment(tmp_path, case.body)

@@ -6,7 +6,7 @@ An isolated step therefore runs here, in a fresh interpreter whose environment t
 declares (`config.process_env(processes=1)`, e.g. the simulated device count of its hardware).
 
 The launcher and the child speak through two files beside each other: the payload (the launcher's
-`sys.path`, then the cloudpickled `(fn, resolved config, output path, watch writes)`) and the result
+`sys.path`, then the cloudpickled `(fn, resolved config, output path, watch writes, graph prefix)`) and the result
 (JSON: `succeeded`, `interrupted` or `failed` with the error line). The same folder holds the
 child's temporary directory (`TMPDIR`), deleted with it when the step ends: a write to the system
 temp dir (`/tmp/x`) is outside the step's output and its own temp dir, and fails it (`writes.py`). Signals: the child runs in its own
@@ -64,15 +64,16 @@ class ChildOutcome:
 
 
 def start_child(fn, resolved_config, output_path: str, env: dict[str, str], drop: tuple[str, ...] = (),
-                watch: bool = False) -> tuple[subprocess.Popen, str]:
+                watch: bool = False, prefix: str | None = None) -> tuple[subprocess.Popen, str]:
     """Start the child for one step, in the launcher's environment plus `env`, less the variables
     named in `drop`, with a temporary directory of its own; returns the process and the folder
-    holding its payload/result. With `watch`, the step fails if it writes outside its output."""
+    holding its payload/result. With `watch`, the step fails if it writes outside its output (or
+    into another output under `prefix`, the graph's)."""
     workdir = tempfile.mkdtemp(prefix="keel-step-")
     os.mkdir(os.path.join(workdir, "tmp"))
     with open(os.path.join(workdir, "payload"), "wb") as f:
         pickle.dump(list(sys.path), f)
-        _pickler(f).dump((fn, resolved_config, output_path, watch))
+        _pickler(f).dump((fn, resolved_config, output_path, watch, prefix))
     child_env = {k: v for k, v in {**os.environ, **env, "TMPDIR": os.path.join(workdir, "tmp")}.items() if k not in drop}
     process = subprocess.Popen(
         [sys.executable, "-m", "keel.executor.child", workdir, str(os.getpid())],
@@ -243,9 +244,9 @@ def main(workdir: str, launcher: int) -> int:
         sys.path[:0] = [p for p in pickle.load(f) if p not in sys.path]
         import cloudpickle  # noqa: F401 - unpickling by-value functions needs it importable
 
-        fn, resolved_config, output_path, watch = pickle.load(f)
+        fn, resolved_config, output_path, watch, prefix = pickle.load(f)
     try:
-        run_step_job(fn, resolved_config, output_path, watch=watch, whole_process=True)
+        run_step_job(fn, resolved_config, output_path, watch=watch, prefix=prefix, whole_process=True)
         outcome, code = {"state": "succeeded"}, 0
     except interrupt.StepInterrupted as exc:
         outcome, code = {"state": "interrupted", "message": str(exc), "resume": exc.resume}, interrupt.EXIT_INTERRUPTED

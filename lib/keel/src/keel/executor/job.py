@@ -146,15 +146,15 @@ def _crash_stacks_into(log: _LazyLog):
 
 
 def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = False, watch: bool = False,
-                 whole_process: bool = False) -> None:
+                 whole_process: bool = False, prefix: str | None = None) -> None:
     """Run one step: its outputs land under `output_path`, its log in `.keel/log.txt`.
 
     With `in_launcher` (in-process steps of a local run) the log file is created on the step's
     first line of output, so a step that prints nothing has none; a failing step always has one
     (its traceback); and `os._exit` raises in the step (`guard_process_exit`). Jobs elsewhere
     (child processes, cluster tasks) always leave their log file. With `watch`, a step that wrote
-    files outside its output path raises `writes.StepWroteOutside` once it returns (its own error,
-    if it raised, comes first); `whole_process` watches every thread of this process, which runs
+    files outside its output path (or into another step's output under `prefix`, the graph's) raises
+    `writes.StepWroteOutside` once it returns (its own error, if it raised, comes first); `whole_process` watches every thread of this process, which runs
     only this step (an isolated step's child), not just the calling thread, lets `warn()` from
     any of its threads record on this step (`step_warnings.py`) and sends every thread's output
     to the step's log (`logs.capture`).
@@ -173,7 +173,8 @@ def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = Fals
         try:
             with logs.capture(log, whole_process=whole_process), step_warnings.running(output_path, whole_process=whole_process), \
                     _crash_stacks_into(log) if whole_process else contextlib.nullcontext():
-                with writes.watched(output_path, whole_process=whole_process) if watch else contextlib.nullcontext() as watching:
+                with writes.watched(output_path, whole_process=whole_process, prefix=prefix) if watch else \
+                        contextlib.nullcontext() as watching:
                     _call_step(fn, resolved_config, in_launcher=in_launcher, whole_process=whole_process)
                 if watching is not None:
                     watching.check()

@@ -495,7 +495,7 @@ class Runner:
                 self.client = default_client(self.max_concurrent)
         # In the driver a step that prints nothing leaves no log file (one file fewer per step).
         entry = Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path),
-                                         kwargs={"in_launcher": True, "watch": self._watched(step)})
+                                         kwargs={"in_launcher": True, "watch": self._watched(step), "prefix": self.graph.prefix})
         self.client.submit(JobRequest(name=job_name, entrypoint=entry)).wait(raise_on_failure=True)
 
     def _run_in_child(self, step: Step, resolved, output_path: str, lease: leases.Lease, retry: bool) -> None:
@@ -513,7 +513,7 @@ class Runner:
             # A retry runs without an injected fault, or the fault would fire again at the same step
             # forever (as Levanter's supervisor does).
             process, workdir = start_child(step.fn, resolved, output_path, env, drop=_FAULT_ENV if retry else (),
-                                           watch=self._watched(step))
+                                           watch=self._watched(step), prefix=self.graph.prefix)
             self._children[process] = workdir
         try:
             lease.runs_in(process.pid)  # live while the step's process is, should this launcher die

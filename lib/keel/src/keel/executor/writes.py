@@ -25,8 +25,10 @@ there on their own:
 - the folders `KEEL_WRITABLE` lists (separated by `os.pathsep`): where every step of a launch may
   also write, such as a shared registry of runs.
 
-Beside its output folder (`{output}/../x`), a step must not write either, even where the rule above
-allows it (a prefix under the temporary directory): the launcher fails a step for a new entry there
+Into another step's output (anywhere under the graph's prefix but its own output), a step must not
+write, even where the rule above allows it (a prefix under the temporary directory, as tests and
+quick runs use): a file planted in a finished neighbour's folder is in no manifest, so no check
+would see it. Beside its output folder (`{output}/../x`), a step must not write either: the launcher fails a step for a new entry there
 (`run._Beside`), and so that it blames the step that made the entry, not a neighbour running in the
 same folder meanwhile, each watch records the entries beside its output it wrote or made
 (`writer_of`; an isolated step's process reports its own to the launcher).
@@ -63,7 +65,7 @@ class StepWroteOutside(RuntimeError):
 class _Watch:
     """What one step wrote outside the folders it may write to."""
 
-    def __init__(self, local_output: str | None):
+    def __init__(self, local_output: str | None, local_prefix: str | None = None):
         self.outside: list[str] = []
         self.output = os.path.abspath(local_output) if local_output else None
         self.parent = os.path.dirname(self.output).rstrip("/") + "/" if self.output else None
@@ -77,6 +79,10 @@ class _Watch:
                   *(p for p in os.environ.get(WRITABLE_ENV, "").split(os.pathsep) if p)]
         roots = [*([self.output] if self.output else []), *map(os.path.abspath, shared)]
         self.roots = tuple(sorted({r.rstrip("/") + "/" for r in roots}))
+        # The graph's prefix holds the other steps' outputs: off limits even inside a root (a prefix
+        # under the temporary directory), but for the roots that lie inside it (a TMPDIR there).
+        self.prefix = os.path.abspath(local_prefix).rstrip("/") + "/" if local_prefix and self.output else None
+        self.inside_prefix = tuple(r for r in self.roots if self.prefix and r.startswith(self.prefix))
         self._real_roots: tuple[str, ...] | None = None  # resolved when a write is first checked by its real path
         beat = heartbeat.path()
         self.files = (os.path.abspath(beat),) if beat else ()
@@ -95,6 +101,18 @@ class _Watch:
         real = os.path.realpath(path)
         return (real + "/").startswith(self._real_roots) or self.allowed(real)
 
+    def _in_another_output(self, path: str) -> bool:
+        """Whether `path` lies under the graph's prefix, outside this step's own output (and outside
+        the roots inside the prefix): in another step's output, or where one would go. A new entry
+        beside the output folder is left to `run._Beside`, which names it so; one inside a
+        neighbour's output (a folder holding keel's `.keel`) is not new there."""
+        if self.prefix is None or not path.startswith(self.prefix) or (path + "/").startswith(self.inside_prefix):
+            return False
+        if self.parent and path.startswith(self.parent):
+            entry = self.parent + path[len(self.parent):].split("/", 1)[0]
+            return entry != path and os.path.isdir(os.path.join(entry, ".keel"))
+        return True
+
     def saw(self, path, made_folder: bool = False) -> None:
         """A file written (or, `made_folder`, a folder made: only an entry beside the output counts)."""
         if isinstance(path, int):  # an open file descriptor: opened by a path already seen
@@ -105,7 +123,7 @@ class _Watch:
             return
         if self.parent and path.startswith(self.parent) and not (path + "/").startswith(self.output + "/"):
             _wrote_beside[self.parent + path[len(self.parent):].split("/", 1)[0]] = (self.output, time.time_ns())
-        if made_folder or self.allowed(path) or self._allowed_real(path):
+        if made_folder or ((self.allowed(path) or self._allowed_real(path)) and not self._in_another_output(path)):
             return
         if path not in self.outside:
             self.outside.append(path)
@@ -176,15 +194,18 @@ def _install() -> None:
 
 
 @contextlib.contextmanager
-def watched(output_path: str, *, whole_process: bool):
+def watched(output_path: str, *, whole_process: bool, prefix: str | None = None):
     """Watch the writes of the step whose output is `output_path` while the block runs: this
     thread's, or (`whole_process`, for a process that runs one step) every thread's; `check()`
-    on the yielded watch raises when some landed outside. A remote output (gs://, memory://)
-    leaves only the temporary and cache folders allowed locally."""
+    on the yielded watch raises when some landed outside, or in another output under `prefix`
+    (the graph's). A remote output (gs://, memory://) leaves only the temporary and cache folders
+    allowed locally."""
     global _process_watch
     from keel.executor import storage
 
-    watch = _Watch(storage.split(output_path)[1] if storage.is_local(output_path) else None)
+    local = storage.is_local(output_path)
+    watch = _Watch(storage.split(output_path)[1] if local else None,
+                   storage.split(prefix)[1] if local and prefix and storage.is_local(prefix) else None)
     _install()
     if whole_process:
         _process_watch = watch
