@@ -67,6 +67,14 @@ CATALOGUE = [
              'def beside(config):\n    write(config)\n    open(os.path.join(config.output_path, "..", "stray.txt"), "w").write("x")\n'
              'a = Step("x/a", beside, C(1))\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN,
              ("run", "EXP"), "failed", "wrote stray.txt beside its output folder"),
+    BadInput("step deletes its output folder and makes it again",
+             'import shutil\ndef fresh(config):\n    shutil.rmtree(config.output_path)\n    write(config)\n'
+             'a = Step("x/a", fresh, C(1))\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN,
+             ("run", "EXP"), "failed", "the step removed .keel/ from its output folder"),
+    BadInput("isolated step deletes its output folder and makes it again",
+             'import shutil\ndef fresh(config):\n    shutil.rmtree(config.output_path)\n    write(config)\n'
+             'a = Step("x/a", fresh, C(1), isolated=True)\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN,
+             ("run", "EXP"), "failed", "the step removed .keel/ from its output folder"),
     BadInput("isolated step writes to /tmp",
              'def elsewhere(config):\n    write(config)\n    stray = f"/tmp/keel-elsewhere-{os.getpid()}.txt"\n'
              '    open(stray, "w").write("x")\n    os.remove(stray)\n'

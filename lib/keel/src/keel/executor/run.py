@@ -32,6 +32,7 @@ launcher exits at once.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import heapq
@@ -54,7 +55,8 @@ from keel.executor.plan import CACHED, EMPTY_EXTERNAL, EXTERNAL, Graph, StepPlan
 from keel.executor.provenance import _secret_values, provenance, scrub
 from keel.executor.resolve import resolve_config
 from keel.executor.identity import HASH_CHARS
-from keel.executor.status import KEEL_DIR, RECORD, SUCCESS, Status, keel_path, mark_finished, mark_running, read_status, verify_manifest
+from keel.executor.status import (KEEL_DIR, RECORD, SUCCESS, Status, keel_path, mark_finished, mark_running, read_status,
+                                  restore_record, verify_manifest)
 from keel.executor.step import DeclaresDevices, Step, StepDeclarationError
 
 _MAX_WAIT_POLL_S = 1.0
@@ -412,11 +414,17 @@ class Runner:
             beside = _Beside.before(plan.output_path, watched=self._watched(step))
             try:
                 self._dispatch(step, resolved, plan.output_path, running.attempt, lease, retry=bool(earlier))
+                if self._removed_keels_folder(plan.output_path, running, record, lease):
+                    raise StepRemovedKeelsFolder(
+                        f"the step removed {KEEL_DIR}/ from its output folder (keel's lease and record of the running "
+                        "step: meanwhile another launcher could take the step over); a step that starts from an empty "
+                        f"folder deletes what is in it but {KEEL_DIR}/, not the folder itself")
             except interrupt.StepInterrupted as exc:
                 why = f"{exc}; `keel run` again resumes it" + (f" from {exc.resume}" if exc.resume else "")
                 self._finish(plan.output_path, lease, running, error=why, interrupted=True, attempts=list(earlier))
                 raise StepStopped(step.name, plan.output_path, why) from None
             except BaseException as exc:  # noqa: BLE001 - every failure is recorded, then retried or reported
+                self._removed_keels_folder(plan.output_path, running, record, lease)  # so that the failure is recorded
                 kind = "preemption" if isinstance(exc, StepPreempted) else "failure"
                 error = str(exc) if isinstance(exc, (ChildStepError, StepPreempted)) else "".join(traceback.format_exception_only(type(exc), exc)).strip()
                 error = _with_hint(error)
@@ -446,6 +454,20 @@ class Runner:
             if status.state != SUCCESS:
                 raise StepFailed(step.name, plan.output_path, status.error or "", _log_or_none(plan.output_path))
             return status
+
+    @staticmethod
+    def _removed_keels_folder(output_path: str, running: Status, record: dict, lease: leases.Lease) -> bool:
+        """Whether the step removed keel's `.keel/` folder (its output folder deleted and made again,
+        say); then the attempt's record and lease are written again, so that its failure is recorded
+        (it was reported as a lease lost to another launcher, and left no record, so every rerun
+        repeated it)."""
+        if storage.exists(keel_path(output_path, RECORD)):
+            return False
+        storage.forget_made_folders()
+        restore_record(output_path, running, record)
+        with contextlib.suppress(OSError):
+            lease.heartbeat()
+        return True
 
     @staticmethod
     def _finish(output_path: str, lease: leases.Lease, running: Status, **how) -> Status:
@@ -620,6 +642,10 @@ def _heartbeat_file(output_path: str) -> str:
 def _process_env(resolved, processes: int) -> dict[str, str]:
     """What each of the step's `processes` needs in its environment, as its config declares."""
     return resolved.process_env(processes=processes) if isinstance(resolved, DeclaresDevices) else {}
+
+
+class StepRemovedKeelsFolder(RuntimeError):
+    """The step deleted keel's `.keel/` folder under its output (its output folder, removed and made again)."""
 
 
 class LeaseLost(Exception):

@@ -122,6 +122,11 @@ def mark_running(output_path: str, previous: Status | None, record: dict) -> Sta
     return status
 
 
+def restore_record(output_path: str, running: Status, record: dict) -> None:
+    """Write the running attempt's step.json again, as `mark_running` wrote it (a step deleted it)."""
+    _write(output_path, RECORD, {**record, "attempt": running.attempt, "started": running.started})
+
+
 NO_OUTPUTS_ERROR = ("the step wrote no files under its output path (a step writes its results there); "
                     "write them, or declare Step(..., no_outputs=True) for a step whose effect is elsewhere")
 

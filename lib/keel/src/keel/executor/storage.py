@@ -307,6 +307,12 @@ def delete_contents(url: str, keep: str) -> None:
     _made_dirs.clear()
 
 
+def forget_made_folders() -> None:
+    """Forget which folders this process made: a step removed some of them (its own output folder,
+    deleted and made again), and a write must make them anew."""
+    _made_dirs.clear()
+
+
 def delete_tree(url: str) -> None:
     fs, path = split(url)
     fs.rm(path, recursive=True)
