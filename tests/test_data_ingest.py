@@ -129,6 +129,19 @@ def test_bad_parquet_rows_and_invalid_utf8_text(tmp_path):
     assert read_index(out)["bad_records"]["examples"] == [f"{tmp_path}/p.parquet:2: text field 'text' not a string (NoneType)"]
 
 
+def test_parquet_text_that_is_not_utf8_is_repaired_or_skipped_as_declared(tmp_path):
+    """Parquet does not check a string column's bytes: a row that is not UTF-8 failed the step with
+    a bare UnicodeDecodeError naming no file, whatever on_decode_error said."""
+    column = pa.array([b"good text", b"bad \xff byte", b"more good"], type=pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"text": column}), tmp_path / "p.parquet")
+    inputs = (str(tmp_path / "p.parquet"),)
+    repaired = _ingest(tmp_path, "repaired", inputs=inputs, validation_fraction=0.0)
+    assert list(_all_documents(repaired).values()) == ["good text", "bad \ufffd byte", "more good"]
+    skipped = _ingest(tmp_path, "skipped", inputs=inputs, validation_fraction=0.0, on_decode_error="skip", max_bad_fraction=0.5)
+    assert list(_all_documents(skipped).values()) == ["good text", "more good"]
+    assert read_index(skipped)["bad_records"]["examples"][0].startswith(f"{tmp_path}/p.parquet:2: not valid UTF-8")
+
+
 def test_split_is_a_stable_function_of_the_document_id(tmp_path):
     ids = [f"doc-{i}" for i in range(4000)]
     validation = [i for i in ids if split_of(i, 0.1) == "validation"]

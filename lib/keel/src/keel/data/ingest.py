@@ -333,6 +333,7 @@ def _read_txt(file: InputFile, config: IngestConfig, log: RecordLog) -> Iterator
 
 
 def _read_parquet(file: InputFile, config: IngestConfig, log: RecordLog) -> Iterator[Document]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     fs, path = storage.split(file.url)
@@ -343,9 +344,16 @@ def _read_parquet(file: InputFile, config: IngestConfig, log: RecordLog) -> Iter
                              f"{', '.join(parquet.schema_arrow.names)}); set text_field to the column holding the text")
         row = 0
         for batch in parquet.iter_batches(columns=[config.text_field]):
-            for text in batch.column(0).to_pylist():
+            column = batch.column(0)
+            strings = pa.types.is_string(column.type) or pa.types.is_large_string(column.type)
+            # a string column's bytes as written (Parquet does not check them): each row is decoded
+            # as a line of text is, so bytes that are not UTF-8 are repaired or skipped as declared
+            for value in (column.cast(pa.large_binary()) if strings else column).to_pylist():
                 row += 1
                 log.look()
+                text = _decode(value, file.url, row, config, log) if isinstance(value, bytes) and strings else value
+                if text is None and strings and value is not None:
+                    continue  # skipped as on_decode_error declares, and counted
                 if not isinstance(text, str):
                     log.skip(BadRecord(file.url, row, f"text field {config.text_field!r} not a string", type(text).__name__))
                     continue
