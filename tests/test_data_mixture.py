@@ -37,7 +37,7 @@ def _mixture(*phases, **kwargs):
         ([(0, {"a": float("nan"), "b": 1.0})], {}, "component 'a' has weight nan"),
         ([(0, {"a": float("inf"), "b": 1.0})], {"normalize": True}, "component 'a' has weight inf; weights must be finite"),
         ([(0, {"a": 0.9996, "b": 0.0004})], {"block_size": 2048},
-         r"component 'b' has 0.0004 of the weight, less than one sequence of a block of 2048.*at least 2500"),
+         r"component 'b' has 0.0004 of the weight, less than one sequence of a block of 2048.*at least 2501"),
         ([], {}, "Mixture.phases is empty"),
         ([(0, {"a": 1.0})], {"block_size": 2**16}, "block_size must be in"),
     ],
@@ -45,6 +45,17 @@ def _mixture(*phases, **kwargs):
 def test_mixture_declaration_errors_name_the_phase_and_component(phases, kwargs, message):
     with pytest.raises(MixtureError, match=message):
         _mixture(*phases, **kwargs)
+
+
+def test_a_share_of_exactly_one_sequence_that_levanter_rounds_to_none_is_refused():
+    """1 of 104 after normalising twice (keel's phase weights, then Levanter's) is 0.99999... of a
+    sequence: Levanter draws it 0 times a block, so the check uses Levanter's own arithmetic."""
+    components = {name: f"/{name}" for name in ("a", "b0", "b1", "b2")}
+    weights = {"a": 1.0, "b0": 103 / 3, "b1": 103 / 3, "b2": 103 / 3}
+    with pytest.raises(MixtureError, match=r"component 'a' has 0.00962 of the weight, less than one sequence of a "
+                       r"block of 104 as Levanter rounds it.*at least 105"):
+        Mixture.constant(components, weights, normalize=True, block_size=104)
+    assert Mixture.constant(components, weights, normalize=True, block_size=105).block_counts()[0]["a"] == 1
 
 
 def test_normalize_rescales_each_phase_and_fills_missing_components():

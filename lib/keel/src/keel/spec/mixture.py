@@ -25,6 +25,13 @@ class MixtureError(ValueError):
     """A mixture declared with weights or phases that cannot be used."""
 
 
+def _floor_draws(shares: dict[str, float], block_size: int) -> dict[str, int]:
+    """floor(share x block) per component, sorted by name, after normalising the shares again, as
+    Levanter's `MixtureDataset` computes them (the rest of a block goes to the largest)."""
+    total = sum(shares.values())
+    return {name: int(shares[name] / total * block_size) for name in sorted(shares)}
+
+
 @dataclass(frozen=True)
 class MixturePhase:
     """From training step `start_step` on, draw component `name` with probability `weights[name]`."""
@@ -75,12 +82,13 @@ class Mixture:
                 raise MixtureError(
                     f"{where}: weights sum to {total:.6g}, not 1; fix them or declare Mixture(..., normalize=True)"
                 )
+            drawn = _floor_draws(self._shares(phase), self.block_size)  # as Levanter draws, to the last bit
             for name, weight in phase.weights.items():
-                if 0 < weight / total * self.block_size < 1:  # Levanter draws floor(share x block) per block
+                if weight > 0 and drawn[name] == 0:
                     raise MixtureError(
                         f"{where}: component {name!r} has {weight / total:.3g} of the weight, less than one sequence "
-                        f"of a block of {self.block_size}, so it would never be drawn: raise Mixture.block_size to at "
-                        f"least {math.ceil(total / weight)}, or drop the component from the phase"
+                        f"of a block of {self.block_size} as Levanter rounds it, so it would never be drawn: raise "
+                        f"Mixture.block_size to at least {int(total / weight) + 1}, or drop the component from the phase"
                     )
 
     @staticmethod
@@ -113,11 +121,11 @@ class Mixture:
 
     def phase_weights(self) -> list[tuple[int, dict[str, float]]]:
         """(start_step, weights summing to 1) per phase, every component listed."""
-        out = []
-        for phase in self.phases:
-            total = sum(phase.weights.values())
-            out.append((phase.start_step, {name: phase.weights.get(name, 0.0) / total for name in self.components}))
-        return out
+        return [(phase.start_step, self._shares(phase)) for phase in self.phases]
+
+    def _shares(self, phase: "MixturePhase") -> dict[str, float]:
+        total = sum(phase.weights.values())
+        return {name: phase.weights.get(name, 0.0) / total for name in self.components}
 
     def block_counts(self) -> list[dict[str, int]]:
         """Per phase, the sequences each component gets in every block of `block_size`, as Levanter's
@@ -126,8 +134,7 @@ class Mixture:
         lose up to one sequence per block (a test pins this to Levanter's own rule)."""
         out = []
         for _, weights in self.phase_weights():
-            total = sum(weights.values())  # Levanter normalises again
-            counts = {name: int(weights[name] / total * self.block_size) for name in sorted(weights)}
+            counts = _floor_draws(weights, self.block_size)
             largest = max(counts, key=counts.get)
             counts[largest] += self.block_size - sum(counts.values())
             out.append(counts)
