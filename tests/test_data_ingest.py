@@ -142,6 +142,24 @@ def test_parquet_text_that_is_not_utf8_is_repaired_or_skipped_as_declared(tmp_pa
     assert read_index(skipped)["bad_records"]["examples"][0].startswith(f"{tmp_path}/p.parquet:2: not valid UTF-8")
 
 
+def test_a_file_whose_every_record_is_skipped_fails_even_when_other_inputs_dilute_the_share(tmp_path):
+    """A .txt file counts each line toward max_bad_fraction's share: beside a 5,000-line file, 40
+    JSON records without the text field were 0.8% of the records, under the default 1%, and the
+    step succeeded with one document of 41."""
+    (tmp_path / "notes.txt").write_text("".join(f"note {i}\n" for i in range(5000)))
+    (tmp_path / "recs.jsonl").write_bytes(_jsonl({"body": f"record {i}"} for i in range(40)))
+    inputs = (str(tmp_path / "notes.txt"), str(tmp_path / "recs.jsonl"))
+    with pytest.raises(BadRecordError, match=r"every one of the 40 records of .*recs.jsonl was skipped \(40 missing "
+                       r"text field 'text'\).*fix the file or the config reading it"):
+        _ingest(tmp_path, inputs=inputs, validation_fraction=0.0)
+    assert not (tmp_path / "out" / "documents.json").exists()
+    assert len(_all_documents(_ingest(tmp_path, "read", inputs=inputs, validation_fraction=0.0, text_field="body"))) == 41
+    # a few bad records of a file are the share's to judge, as before
+    (tmp_path / "recs.jsonl").write_bytes(_jsonl([{"text": "kept"}, {"body": "dropped"}]))
+    assert list(_all_documents(_ingest(tmp_path, "some", inputs=inputs[1:], validation_fraction=0.0,
+                                       max_bad_fraction=0.5)).values()) == ["kept"]
+
+
 def test_split_is_a_stable_function_of_the_document_id(tmp_path):
     ids = [f"doc-{i}" for i in range(4000)]
     validation = [i for i in ids if split_of(i, 0.1) == "validation"]

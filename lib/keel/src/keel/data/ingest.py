@@ -31,7 +31,7 @@ import fsspec
 
 from keel.data.documents import (NEAR_DUPLICATE_OVERLAP, Document, check_near_duplicate_overlap, check_validation_fraction,
                                  write_documents)
-from keel.data.quality import BadRecord, RecordLog, not_text
+from keel.data.quality import BadRecord, BadRecordError, RecordLog, not_text
 from keel.executor import storage
 from keel.executor.step import External, OutputOf, Step, StepDeclarationError, execution_only, this_output
 
@@ -361,14 +361,30 @@ def _read_parquet(file: InputFile, config: IngestConfig, log: RecordLog) -> Iter
 
 
 def _read_files(config: IngestConfig, files: list[InputFile], log: RecordLog) -> Iterator[Document]:
+    """Every file's documents. A file whose every record was skipped (a wrong `text_field`, say) fails
+    the step even when the share `max_bad_fraction` bounds is small: the other inputs' records dilute
+    it (a .txt file counts each line), and 40 skipped JSON records beside a 5,000-line text file were
+    0.8% of them, so the step lost the file and succeeded."""
+    emptied = []
     for file in files:
         fmt = _format_of(file.url)
+        looked, before = log.records, log.skipped_counts()
         if fmt == ".txt":
             yield from _read_txt(file, config, log)
         elif fmt == ".parquet":
             yield from _read_parquet(file, config, log)
         else:
             yield from _read_jsonl(file, config, log)
+        looked = log.records - looked
+        kinds = {kind: n - before.get(kind, 0) for kind, n in log.skipped_counts().items() if n > before.get(kind, 0)}
+        if looked > 1 and sum(kinds.values()) == looked and config.max_bad_fraction < 1:
+            emptied.append(f"every one of the {looked:,} records of {file.url} was skipped "
+                           f"({', '.join(f'{n:,} {kind}' for kind, n in kinds.items())})")
+    if emptied:
+        log.check()  # over the share: its message, which names the first record of each kind, comes first
+        raise BadRecordError(f"{'; '.join(emptied)}: the other inputs' records kept the share under "
+                             f"IngestConfig.max_bad_fraction={config.max_bad_fraction:g}, but this gave nothing; fix "
+                             "the file or the config reading it (text_field, its format), or leave it out of the inputs")
 
 
 def _hf_files(spec: HfDatasetSpec) -> list[InputFile]:

@@ -87,6 +87,10 @@ class RecordLog:
     def repair(self, record: BadRecord) -> None:
         _add(self.repaired, record)
 
+    def skipped_counts(self) -> dict[str, int]:
+        """Skipped records so far, by kind."""
+        return {kind: k.count for kind, k in self.skipped.items()}
+
     @property
     def skipped_count(self) -> int:
         return sum(k.count for k in self.skipped.values())
