@@ -6,8 +6,8 @@ An isolated step therefore runs here, in a fresh interpreter whose environment t
 declares (`config.process_env(processes=1)`, e.g. the simulated device count of its hardware).
 
 The launcher and the child speak through two files beside each other: the payload (the launcher's
-`sys.path`, then the cloudpickled `(fn, resolved config, output path, watch writes, graph prefix)`) and the result
-(JSON: `succeeded`, `interrupted` or `failed` with the error line). The same folder holds the
+`sys.path`, then the cloudpickled `(fn, resolved config, output path, watch writes, graph prefix)`)
+and the result (JSON: `succeeded`, `interrupted` or `failed` with the error line). The same folder holds the
 child's temporary directory (`TMPDIR`), deleted with it when the step ends: a write to the system
 temp dir (`/tmp/x`) is outside the step's output and its own temp dir, and fails it (`writes.py`). Signals: the child runs in its own
 session, so a terminal's Ctrl-C reaches the launcher only, which forwards it; the first SIGINT or

@@ -154,10 +154,10 @@ def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = Fals
     (its traceback); and `os._exit` raises in the step (`guard_process_exit`). Jobs elsewhere
     (child processes, cluster tasks) always leave their log file. With `watch`, a step that wrote
     files outside its output path (or into another step's output under `prefix`, the graph's) raises
-    `writes.StepWroteOutside` once it returns (its own error, if it raised, comes first); `whole_process` watches every thread of this process, which runs
-    only this step (an isolated step's child), not just the calling thread, lets `warn()` from
-    any of its threads record on this step (`step_warnings.py`) and sends every thread's output
-    to the step's log (`logs.capture`).
+    `writes.StepWroteOutside` once it returns (its own error, if it raised, comes first);
+    `whole_process` watches every thread of this process, which runs only this step (an isolated
+    step's child), not just the calling thread, lets `warn()` from any of its threads record on this
+    step (`step_warnings.py`) and sends every thread's output to the step's log (`logs.capture`).
     """
     storage.make_folder(output_path)
     replica = replica_index()

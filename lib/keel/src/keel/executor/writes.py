@@ -28,10 +28,10 @@ there on their own:
 Into another step's output (anywhere under the graph's prefix but its own output), a step must not
 write, even where the rule above allows it (a prefix under the temporary directory, as tests and
 quick runs use): a file planted in a finished neighbour's folder is in no manifest, so no check
-would see it. Beside its output folder (`{output}/../x`), a step must not write either: the launcher fails a step for a new entry there
-(`run._Beside`), and so that it blames the step that made the entry, not a neighbour running in the
-same folder meanwhile, each watch records the entries beside its output it wrote or made
-(`writer_of`; an isolated step's process reports its own to the launcher).
+would see it. Beside its output folder (`{output}/../x`), a step must not write either: the launcher
+fails a step for a new entry there (`run._Beside`), and so that it blames the step that made the
+entry, not a neighbour running in the same folder meanwhile, each watch records the entries beside
+its output it wrote or made (`writer_of`; an isolated step's process reports its own to the launcher).
 
 Not seen: writes by native code (XLA, tensorstore) and by other processes the step starts. A name
 opened with a `dir_fd` is judged as if relative to the working directory (the event does not carry
