@@ -127,6 +127,17 @@ def test_a_longer_run_by_set_warns_that_its_positions_stay_at_their_steps():
     assert "tokens per step" not in both.stderr  # the length was set with it: the positions' warning is the one
 
 
+def test_a_capacity_below_one_is_planned_with_the_share_it_drops_however_balanced():
+    """Below 1 the experts hold fewer rows than the routed assignments even when every expert gets its
+    even share: the plan took capacity_factor=0.5 without a word."""
+    out = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b:model.capacity_factor=0.5")
+    lines = [line for line in out.stdout.splitlines() if line.startswith("transport")]
+    assert len(lines) == 2 and all("(capacity 0.5" in line and "DROPS at least 50% of the routed assignments" in line
+                                   for line in lines), lines
+    hero = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan")
+    assert "DROPS" not in hero.stdout and "(capacity 1.15, 3 waves)" in hero.stdout
+
+
 def test_the_hero_file_keys_its_speeds_to_its_own_layout(sheet):
     s = sheet["step_time"]
     assert s["observations"] == "own" and s["calibration"]["source"] == "this run's observations"

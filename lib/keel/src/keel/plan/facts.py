@@ -351,6 +351,8 @@ def transports(run: ResolvedRun, sheet: dict) -> list[dict]:
             "start_step": phase.start_step,
             "end_step": phase.end_step,
             "capacity_factor": phase.capacity_factor,
+            # below 1 the experts hold fewer rows than the assignments even when perfectly balanced
+            "dropped_at_least": max(0.0, 1 - phase.capacity_factor) if phase.capacity_factor is not None else 0.0,
             "num_waves": phase.num_waves,
             "tokens_before": phase.start_step * train.tokens_per_step,
         }

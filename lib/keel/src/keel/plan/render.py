@@ -245,6 +245,8 @@ def _transports(rows: list[dict]) -> list[str]:
         parts = ([f"capacity {r['capacity_factor']:g}"] if r["capacity_factor"] is not None else ["dropless"]
                  if r["transport"] in ("ring", "ragged_all_to_all") else [])
         parts += [f"{r['num_waves']} waves"] if r["num_waves"] > 1 else []
+        parts += ([f"DROPS at least {r['dropped_at_least']:.0%} of the routed assignments, however balanced"]
+                  if r.get("dropped_at_least") else [])
         return f" ({', '.join(parts)})" if parts else ""
 
     return [
