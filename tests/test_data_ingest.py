@@ -209,8 +209,6 @@ def test_bad_declarations_fail_before_reading(tmp_path):
 def test_paths_declared_as_one_string_or_a_path_object(tmp_path):
     """One string was split into characters ('/', 't', ...) by the `ingest` default, and a
     `pathlib.Path` input was left out of the identity, then failed in the run with an AttributeError."""
-    from pathlib import Path
-
     from defaults.data import ingest, stdlib_corpus
     from keel.data import StdlibCorpusConfig
     from keel.data.stdlib_corpus import corpus_files
