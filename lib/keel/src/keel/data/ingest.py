@@ -351,9 +351,11 @@ def _read_parquet(file: InputFile, config: IngestConfig, log: RecordLog) -> Iter
             for value in (column.cast(pa.large_binary()) if strings else column).to_pylist():
                 row += 1
                 log.look()
-                text = _decode(value, file.url, row, config, log) if isinstance(value, bytes) and strings else value
-                if text is None and strings and value is not None:
-                    continue  # skipped as on_decode_error declares, and counted
+                text = value
+                if strings and value is not None:
+                    text = _decode(value, file.url, row, config, log)
+                    if text is None:
+                        continue  # skipped as on_decode_error declares, and counted
                 if not isinstance(text, str):
                     log.skip(BadRecord(file.url, row, f"text field {config.text_field!r} not a string", type(text).__name__))
                     continue

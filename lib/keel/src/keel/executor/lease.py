@@ -32,6 +32,7 @@ from keel.executor import storage
 from keel.executor.status import KEEL_DIR
 
 TIMEOUT_ENV = "KEEL_LEASE_TIMEOUT"
+UNSET_TIMEOUT_S = 60.0
 SHORTEST_TIMEOUT_S = 1.0
 """A lease lasts at least this long: its holder renews it every quarter of its timeout, and a
 shorter one expires between two renewals of a launcher busy starting a step."""
@@ -47,12 +48,12 @@ def timeout_problem(text: str | None) -> str | None:
         seconds = math.nan
     if not seconds >= SHORTEST_TIMEOUT_S or math.isinf(seconds):
         return (f"{TIMEOUT_ENV}={text!r}: give the seconds a silent launcher keeps its steps' leases, a number of at "
-                f"least {SHORTEST_TIMEOUT_S:g} (the default is 60), or unset it")
+                f"least {SHORTEST_TIMEOUT_S:g} (the default is {UNSET_TIMEOUT_S:g}), or unset it")
     return None
 
 
 _ENV_TIMEOUT = os.environ.get(TIMEOUT_ENV)
-DEFAULT_TIMEOUT_S = 60.0 if timeout_problem(_ENV_TIMEOUT) or _ENV_TIMEOUT is None else float(_ENV_TIMEOUT)
+DEFAULT_TIMEOUT_S = UNSET_TIMEOUT_S if _ENV_TIMEOUT is None or timeout_problem(_ENV_TIMEOUT) else float(_ENV_TIMEOUT)
 """The lease timeout of this process's runs: `KEEL_LEASE_TIMEOUT` when it is valid; `keel` refuses
 an invalid one before anything runs (`timeout_problem`), and so does `Runner`."""
 _PREFIX = "lease-"

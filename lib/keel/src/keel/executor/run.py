@@ -56,7 +56,7 @@ from keel.executor.provenance import _secret_values, provenance, scrub
 from keel.executor.resolve import resolve_config
 from keel.executor.identity import HASH_CHARS
 from keel.executor.status import (KEEL_DIR, RECORD, SUCCESS, Status, keel_path, mark_finished, mark_running, read_status,
-                                  restore_record, verify_manifest)
+                                  verify_manifest, write_running_record)
 from keel.executor.step import DeclaresDevices, Step, StepDeclarationError
 
 _MAX_WAIT_POLL_S = 1.0
@@ -464,7 +464,7 @@ class Runner:
         if storage.exists(keel_path(output_path, RECORD)):
             return False
         storage.forget_made_folders()
-        restore_record(output_path, running, record)
+        write_running_record(output_path, running, record)
         with contextlib.suppress(OSError):
             lease.heartbeat()
         return True

@@ -114,7 +114,7 @@ def mark_running(output_path: str, previous: Status | None, record: dict) -> Sta
     """Start the next attempt: write `record` (step.json) with its number and start time, then
     drop the previous attempt's status (a forced rerun rewrites outputs its SUCCESS describes)."""
     status = Status(RUNNING, attempt=(previous.attempt + 1) if previous else 1, started=time.time())
-    _write(output_path, RECORD, {**record, "attempt": status.attempt, "started": status.started})
+    write_running_record(output_path, status, record)
     if previous is not None:
         storage.delete_file(keel_path(output_path, STATUS))
         step_warnings.clear(output_path)  # each attempt starts with no warnings
@@ -122,8 +122,9 @@ def mark_running(output_path: str, previous: Status | None, record: dict) -> Sta
     return status
 
 
-def restore_record(output_path: str, running: Status, record: dict) -> None:
-    """Write the running attempt's step.json again, as `mark_running` wrote it (a step deleted it)."""
+def write_running_record(output_path: str, running: Status, record: dict) -> None:
+    """Write the running attempt's step.json: at its start (`mark_running`), and again where the
+    step deleted it."""
     _write(output_path, RECORD, {**record, "attempt": running.attempt, "started": running.started})
 
 

@@ -48,6 +48,7 @@ import threading
 import time
 
 from keel.executor import heartbeat
+from keel.executor.status import KEEL_DIR
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 _SYSTEM = ("/dev/", "/proc/", "/sys/")
@@ -110,7 +111,7 @@ class _Watch:
             return False
         if self.parent and path.startswith(self.parent):
             entry = self.parent + path[len(self.parent):].split("/", 1)[0]
-            return entry != path and os.path.isdir(os.path.join(entry, ".keel"))
+            return entry != path and os.path.isdir(os.path.join(entry, KEEL_DIR))
         return True
 
     def saw(self, path, made_folder: bool = False) -> None:
