@@ -162,3 +162,23 @@ def test_evaluations_evaluate_that_many_times_at_most_the_last_after_the_final_s
     for step in range(num_steps):
         _Run._evaluate_after(run, StepDone(step, phase=None, metrics={}, started=0.0))
     assert len(after) == min(evaluations, num_steps) and after[-1] == num_steps
+
+
+def test_only_checks_the_fit_of_the_steps_it_selects(monkeypatch, capsys, tmp_path):
+    """`--only` plans and runs the selected steps and their ancestry: a training step it leaves out
+    neither prints a fact sheet nor stops the run by not fitting."""
+    import keel
+    import keel.cli
+
+    reached = []
+    monkeypatch.setattr(keel.cli, "_run", lambda args, graph, force, only: reached.append(only.pattern) or 0)
+    unfit = ["--set", "train/lr_sweep/lr2.0:train.batch_size=65536", "--prefix", str(tmp_path)]
+    steps = load_experiment(SWEEP)
+    assert keel.main(steps, argv=["plan", "--only", r"lr1\.0", *unfit]) == 0
+    printed = capsys.readouterr().out
+    assert "== fact sheet: train/lr_sweep/lr1.0" in printed and "lr2.0" not in printed, printed
+    assert keel.main(steps, argv=["run", "--only", r"lr1\.0", *unfit]) == 0 and reached == [r"lr1\.0"]
+    for command in ("plan", "run"):  # the step that does not fit, selected, is refused before anything runs
+        assert keel.main(steps, argv=[command, "--only", r"lr2\.0", *unfit]) == 2
+        assert "train/lr_sweep/lr2.0: from step 0 the peak is" in capsys.readouterr().err
+    assert reached == [r"lr1\.0"]

@@ -282,14 +282,15 @@ def _act(args, step_lists: list[list]) -> int:
                              "plan one file to use it")
         return _plan_variants(args, graphs)
     graph = graphs[0]
+    # what `run --only` looks at: the matching steps and their ancestry (None: every step)
+    selected = set(_with_ancestry([s for s in graph.order if only.search(s.name)])) if only is not None else None
     if args.command == "run":
-        _check_fits(_fact_sheets(graph))  # the training steps' declaration and memory checks, before any step runs
+        _check_fits(_fact_sheets(graph, selected))  # the training steps' declaration and memory checks, before any step runs
         return _run(args, graph, force, only)  # the runner refuses to start steps that read an empty External
     plans = plan_graph(graph, force)
-    if only is not None:  # what `run --only` would look at: the matching steps and their ancestry
-        wanted = {id(s) for s in _with_ancestry([p.step for p in plans if only.search(p.name)])}
-        plans = [p for p in plans if id(p.step) in wanted]
-    sheets = _fact_sheets(graph) if args.command == "plan" else []
+    if selected is not None:
+        plans = [p for p in plans if p.step in selected]
+    sheets = _fact_sheets(graph, selected) if args.command == "plan" else []
     if args.json:
         print(_plan_json(plans, sheets))
     else:
@@ -341,12 +342,12 @@ def _plan_json(plans: list[StepPlan], sheets: list[dict]) -> str:
     return f'{{"steps": [\n {steps}\n],\n"fact_sheets": {json.dumps(sheets, indent=1, default=str)}}}'
 
 
-def _fact_sheets(graph: Graph) -> list[dict]:
-    """Fact sheets of the graph's training steps (keel.plan, imported here: jax-free, but not needed
-    by every command)."""
+def _fact_sheets(graph: Graph, selected: set | None = None) -> list[dict]:
+    """Fact sheets of the graph's training steps, or of those among `selected` (keel.plan, imported
+    here: jax-free, but not needed by every command)."""
     from keel.plan import fact_sheets_for
 
-    return fact_sheets_for(graph)
+    return fact_sheets_for(graph, selected)
 
 
 def _attempted(plan: StepPlan) -> bool:

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from keel.executor.step import Step
 from keel.spec.checks import PlanError, check_train_step
 from keel.plan.facts import fact_sheet
@@ -32,11 +34,14 @@ __all__ = [
 ]
 
 
-def fact_sheets_for(steps) -> list[dict]:
+def fact_sheets_for(steps, only: Container[Step] | None = None) -> list[dict]:
     """Fact sheets (each with its step name under "step" and its text under "text") of every step
-    whose config is a `TrainStepConfig`; `steps` is a planned graph (its `.order`) or steps."""
+    whose config is a `TrainStepConfig`; `steps` is a planned graph (its `.order`) or steps. With
+    `only`, of those steps among them (what `--only` selects)."""
     sheets = []
     for step in getattr(steps, "order", steps):
+        if only is not None and step not in only:
+            continue
         if isinstance(step, Step) and isinstance(step.config, TrainStepConfig):
             if step.config.predicted_loss is not None:  # after `--set`, which can change the run or its ladder
                 check_predicted_compute(step.name, step.config.predicted_loss, step.config.model, step.config.train)
