@@ -533,3 +533,12 @@ def test_records_of_the_wrong_shape_neither_block_plan_nor_run(tmp_path):
     assert plan.returncode == 0 and "Traceback" not in plan.stderr, plan.stderr
     again = keel(tmp_path, "run", "EXP")
     assert again.returncode == 0 and "3 ran" in again.stdout, again.stdout + again.stderr
+
+
+def test_gc_with_set_keeps_what_the_file_declares(tmp_path):
+    write_experiment(tmp_path, GOOD + MAIN)
+    assert keel(tmp_path, "run", "EXP").returncode == 0
+    declared = sorted((tmp_path / "out").glob("x/*-*"))
+    listed = keel(tmp_path, "gc", "EXP", "--set", "x/a.n=5", "--yes")
+    assert listed.returncode == 0 and "0 unreached output(s)" in listed.stdout, listed.stdout + listed.stderr
+    assert sorted((tmp_path / "out").glob("x/*-*")) == declared and len(declared) == 2

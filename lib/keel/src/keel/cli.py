@@ -260,8 +260,9 @@ def _act(args, step_lists: list[list]) -> int:
             names = ", ".join(s.name for s in graphs[0].order)
             raise UsageError(f"{option} {pattern.pattern!r} matches no step; the experiment's steps: {names}")
     storage.check_prefix(_prefix(args), write=args.command == "run" or (args.command == "gc" and args.yes))
-    if args.command == "gc":
-        return _gc(args, graphs)
+    if args.command == "gc":  # with --set, what the files declare is reached too
+        declared = [Graph(steps, _prefix(args)) for steps in step_lists] if args.overrides else []
+        return _gc(args, graphs + declared)
     if args.command == "compare":
         from keel.trained.compare import compare_finished
 
@@ -432,7 +433,8 @@ def _run(args, graph: Graph, force: re.Pattern | None, only: re.Pattern | None) 
 
 
 def _gc(args, graphs: list[Graph]) -> int:
-    """List (and with --yes delete) outputs under the prefix that none of the experiments reach.
+    """List (and with --yes delete) outputs under the prefix that none of the `graphs` reach (the
+    experiments as declared and, with `--set`, as changed).
 
     Kept whatever it finds: an output made with `--set` (only the same `--set` reaches it), one an
     External of the experiments reads (or lies inside), and one whose step is running right now."""
