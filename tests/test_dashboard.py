@@ -138,6 +138,17 @@ def test_the_page_of_a_finished_experiment_live_and_exported(tmp_path):
         assert page.locator(".sheet").count() == 2
         assert not local_only(page.requested) and not page.errors
 
+    # --out names any fsspec folder: an object store gets the same files (never a local folder named "memory:")
+    import fsspec
+
+    assert console_main(["dashboard", experiment, "--prefix", prefix, "--out", "memory://dash-export"]) == 0
+    store = fsspec.filesystem("memory")
+    exported = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
+    assert {p.removeprefix("/dash-export/") for p in store.find("/dash-export")} == exported
+    for name in exported - {"state.js"}:
+        assert store.cat(f"/dash-export/{name}") == (out / name).read_bytes(), name
+    assert b"train/dash/a" in store.cat("/dash-export/state.js") and not (REPO / "memory:").exists()
+
 
 def test_a_running_steps_curve_grows_without_reloading(tmp_path):
     experiment = str(tmp_path / "dash_exp.py")

@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 
 from keel.dashboard.state import build_state
+from keel.executor import storage
 
 HOST = "127.0.0.1"
 STATIC = ("app.js", "style.css")
@@ -144,14 +145,11 @@ def _free_port() -> int:
 
 
 def export(experiment: str, graph, out_dir: str) -> str:
-    """`keel dashboard EXP.py --out DIR`: the page as static files (open DIR/index.html); returns its path."""
-    os.makedirs(os.path.join(out_dir, "static"), exist_ok=True)
+    """`keel dashboard EXP.py --out DIR`: the page as static files (open DIR/index.html) in any
+    fsspec folder (local, gs://, s3://, memory://); returns its path."""
     for name in STATIC:
-        with open(os.path.join(out_dir, "static", name), "wb") as f:
-            f.write(_static(name))
-    with open(os.path.join(out_dir, "state.js"), "w") as f:
-        f.write(state_script(build_state(experiment, graph), live=False))
-    index = os.path.join(out_dir, "index.html")
-    with open(index, "wb") as f:
-        f.write(_static("index.html"))
+        storage.write_atomic(storage.join(out_dir, "static", name), _static(name))
+    storage.write_atomic(storage.join(out_dir, "state.js"), state_script(build_state(experiment, graph), live=False))
+    index = storage.join(out_dir, "index.html")
+    storage.write_atomic(index, _static("index.html"))
     return index
