@@ -166,3 +166,35 @@ def test_what_the_kernels_ran_is_held_to_the_plans_phase_layer_by_layer():
     with pytest.raises(LayoutMismatch, match="layer 1's MoE kernel ran 'fixed_all_to_all' with capacity factor 2.0"):
         check_kernel(mixed, 0, plan)
     assert kernel_report({"train/loss": 3.0}) is None, "a model without routed experts reports no kernel"
+
+
+@pytest.mark.parametrize("warmup, decay_to", [(0.01, 0.05), (0.1, 0.0), (0.01, 0.0)])
+def test_the_loops_float32_rates_pass_the_check_at_every_step_and_a_step_off_does_not(warmup, decay_to):
+    """The loop checks its rates (XLA's float32 schedule) against the resolved run's (float64) at every
+    resume and switch: early in the warmup and near a decay to zero they differ by more than 1e-6 of the
+    rate itself, which refused resumes at such steps; a schedule one step off is still refused."""
+    import jax.numpy as jnp
+
+    sys.path.insert(0, HERE)
+    from train_standin import micro_plan
+
+    from keel.spec.train import AdamWConfig, ScheduleConfig, TrainConfig
+    from keel.train.layout import LayoutMismatch, check_rates
+    from keel.train.optimizer import Optimizer
+
+    steps = 100_000
+    config = TrainConfig(batch_size=16, seq_len=64, num_steps=steps, optimizer=AdamWConfig(lr=1e-3),
+                         schedule=ScheduleConfig(warmup_fraction=warmup, decay_to_fraction=decay_to))
+    plan = micro_plan(config)
+    optimizer = Optimizer(config, {"w": jnp.zeros((2,))})
+
+    def live(step: int, schedule_step: int) -> dict:
+        rate = lambda at: {"adamw": float(optimizer.rates_at(at)["lr/adamw"])}
+        return {"step": step, "learning_rates": rate(schedule_step), "peak_learning_rates": rate(plan.warmup_steps)}
+
+    checked = [*range(0, 2_048), *range(steps - 2_048, steps)]  # the warmup's start and the decay's end
+    for step in checked:
+        check_rates(live(step, step), plan)
+    for step in (5, plan.warmup_steps - 1, plan.warmup_steps + 5, steps - 3):
+        with pytest.raises(LayoutMismatch, match=f"step {step}: the adamw learning rate at step {step} is"):
+            check_rates(live(step, step + 1), plan)

@@ -126,10 +126,26 @@ def check(live: dict, run: ResolvedRun) -> None:
         if leaf["path"].startswith(COUNTER) and (leaf["shape"] or any(leaf["spec"])):
             raise LayoutMismatch(f"step {step}: optimizer counter {leaf['path']} should be a replicated scalar, "
                                  f"is shape {leaf['shape']} spec {leaf['spec']}")
+    check_rates(live, run)
+
+
+RATE_TOLERANCE = 1e-6
+"""How far a live learning rate may lie from the resolved run's, as a fraction of its group's peak.
+The loop's rates are float32 values of the schedule computed by XLA (`Optimizer.rates_at`), the
+resolved run's float64 Python: they differ by a few float32 roundings of the peak-sized terms (up
+to 1.5e-7 of the peak measured), far more than 1e-6 of the rate itself early in the warmup or near
+a decay to zero. A schedule one step off moves a rate by peak / warmup steps (or by the decay's
+range / decay steps), which this catches for runs of up to about 10^6 decay steps."""
+
+
+def check_rates(live: dict, run: ResolvedRun) -> None:
+    """Raise `LayoutMismatch` where the live record's learning rate (at its step) or peak rate (at
+    the end of the warmup) of a group is not the resolved run's."""
+    step, peaks = live["step"], run.lr_at(run.warmup_steps)
     for key, at in (("learning_rates", step), ("peak_learning_rates", run.warmup_steps)):
         for group, want in run.lr_at(at).items():
             got = live[key].get(group)
-            if got is None or abs(got - want) > 1e-6 * abs(want) + 1e-12:
+            if got is None or abs(got - want) > RATE_TOLERANCE * peaks[group]:
                 raise LayoutMismatch(f"step {step}: the {group} learning rate at step {at} is {got!r} live but "
                                      f"{want!r} in the resolved run")
 
