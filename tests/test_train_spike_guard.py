@@ -179,6 +179,9 @@ def test_the_guard_declares_what_counts_toward_identity():
                       "snapshot_every": True, "max_rollbacks": True}
     with pytest.raises(ValueError, match="min_history=20 exceeds window=10"):
         SpikeGuardConfig(window=10)
+    for window, min_history in ((1, 1), (5, 1)):  # one loss gives no step-to-step change: the guard would never judge
+        with pytest.raises(ValueError, match=f"SpikeGuardConfig.min_history={min_history}: .*set min_history >= 2"):
+            SpikeGuardConfig(window=window, min_history=min_history)
     # its history after a resume comes from metrics.jsonl, so every step needs its row there
     with pytest.raises(ValueError, match="TrainConfig.log_every=5 with a spike_guard.*keep log_every=1"):
         TrainConfig(batch_size=8, seq_len=16, num_steps=10, spike_guard=SpikeGuardConfig(), log_every=5)

@@ -372,6 +372,9 @@ class SpikeGuardConfig:
         _whole("SpikeGuardConfig", self)
         _positive("SpikeGuardConfig", threshold=self.threshold, window=self.window, min_history=self.min_history,
                   snapshot_every=self.snapshot_every)
+        if self.min_history < 2:  # window >= min_history
+            raise ValueError(f"SpikeGuardConfig.min_history={self.min_history}: the guard measures a step's noise from "
+                             "the changes between the window's losses, which takes at least 2 (set min_history >= 2)")
         if self.min_history > self.window:
             raise ValueError(f"SpikeGuardConfig.min_history={self.min_history} exceeds window={self.window}: the "
                              "window never holds that many steps")

@@ -189,7 +189,7 @@ class SpikeGuard:
         phase = max((r for r in self.restarts if r <= self.batch_index(step)), default=0)  # the data's, by batch
         since = phase - sum(1 for b in self.skipped if b < phase)  # the first step reading it: earlier by each skip
         recent = [loss for s, loss in self.losses if since <= s < step][-c.window:]
-        if len(recent) < max(c.min_history, 2):
+        if len(recent) < c.min_history:  # at least 2 (`SpikeGuardConfig`)
             return None
         median = statistics.median(recent)
         changes = [b - a for a, b in zip(recent, recent[1:])]
