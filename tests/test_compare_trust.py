@@ -225,3 +225,32 @@ def test_one_file_given_twice_is_compared_once(tmp_path, capsys):
     capsys.readouterr()
     assert console_main(["compare", experiment, str(tmp_path / "sub" / ".." / "exp.py"), "--prefix", prefix, "--json"]) == 0
     assert [r["run"] for r in json.loads(capsys.readouterr().out)["runs"]] == ["train/once"]
+
+
+def test_a_diverged_runs_figures_are_null_in_every_json_document(tmp_path, capsys):
+    """`compare --json` and the compare step's comparison.json are JSON a strict parser (a browser's
+    `JSON.parse`) reads: a run whose losses became NaN gives null, never a bare `NaN` token."""
+    from keel.spec.trained import CompareConfig
+    from keel.trained.compare import JSON_FILE, compare_step
+
+    prefix = str(tmp_path / "out")
+    experiment = str(tmp_path / "diverged.py")
+    diverging = _EXPERIMENT.replace('"eval/loss": 5.0 + config.train.optimizer.lr}', '"eval/loss": float("nan")}')
+    assert diverging != _EXPERIMENT
+    (tmp_path / "diverged.py").write_text(diverging.replace("RUNS)", '[run("diverged", 1.0)])'))
+    assert console_main(["run", experiment, "--prefix", prefix]) == 0
+    (output,) = (tmp_path / "out" / "train").glob("diverged-*")
+    capsys.readouterr()
+
+    def refuse(token: str):
+        raise ValueError(f"{token} is not JSON")
+
+    def strict(text: str):
+        return json.loads(text, parse_constant=refuse)
+
+    assert console_main(["compare", experiment, "--prefix", prefix, "--json"]) == 0
+    (row,) = strict(capsys.readouterr().out)["runs"]
+    assert row["run"] == "train/diverged" and row["final_loss"] is None
+    compare_step(CompareConfig(runs={"diverged": str(output)}, output_path=str(tmp_path / "compared")))
+    (row,) = strict((tmp_path / "compared" / JSON_FILE).read_text())["runs"]
+    assert row["final_loss"] is None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import socket
 import sys
@@ -21,6 +20,7 @@ from importlib import resources
 
 from keel.dashboard.state import build_state
 from keel.executor import storage
+from keel.spec.metrics import finite_json
 
 HOST = "127.0.0.1"
 STATIC = ("app.js", "style.css")
@@ -32,19 +32,8 @@ def _static(name: str) -> bytes:
     return resources.files("keel.dashboard").joinpath("static", name).read_bytes()
 
 
-def _finite(value):
-    """The document with NaN and infinities as null (JSON has neither)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
 def _state_json(state: dict) -> str:
-    return json.dumps(_finite(state), default=str)
+    return json.dumps(finite_json(state), default=str)
 
 
 def state_script(state: dict, live: bool) -> str:

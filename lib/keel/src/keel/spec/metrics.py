@@ -6,11 +6,25 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from typing import Any
 
 import fsspec
 
 METRICS_FILE = "metrics.jsonl"
+
+
+def finite_json(value: Any) -> Any:
+    """`value` with NaN and infinities as None, for documents others parse: JSON has neither, and
+    Python's `json.dumps` writes bare `NaN` tokens that `JSON.parse` and strict parsers refuse
+    (a diverged run's losses are NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

@@ -29,7 +29,8 @@ from keel.executor.lease import current_lease
 from keel.executor.status import KEEL_DIR, RECORD, keel_path, read_status
 from keel.executor.plan import CACHED, plan_graph
 from keel.executor.step import Step
-from keel.spec.metrics import COMPILE_WAIT, latest_by_step, METRICS_FILE, read_metrics, steady_tokens_per_s
+from keel.spec.metrics import (COMPILE_WAIT, finite_json, latest_by_step, METRICS_FILE, read_metrics,
+                               steady_tokens_per_s)
 from keel.trained import ladder
 from keel.spec.trained import CompareConfig
 from keel.spec.train import TrainStepConfig
@@ -338,7 +339,7 @@ def compare_step(config: CompareConfig) -> None:
     print(table)
     storage.write_atomic(storage.join(config.output_path, TABLE_FILE), table + "\n")
     storage.write_json(storage.join(config.output_path, JSON_FILE),
-                       {"runs": [asdict(r) for r in rows], "paths": dict(config.runs), "columns": COLUMNS})
+                       finite_json({"runs": [asdict(r) for r in rows], "paths": dict(config.runs), "columns": COLUMNS}))
     plot_losses(config.runs, storage.join(config.output_path, PLOT_FILE))
 
 
@@ -390,7 +391,8 @@ def compare_finished(experiments: list[tuple[str | None, Any]], only: re.Pattern
         return 1
     rows = summarize(runs, files if len(experiments) > 1 else None, predictions)
     if as_json:
-        print(json.dumps({"runs": [asdict(r) for r in rows], "not_finished": waiting, "columns": COLUMNS}, indent=1))
+        print(json.dumps(finite_json({"runs": [asdict(r) for r in rows], "not_finished": waiting, "columns": COLUMNS}),
+                         indent=1))
         return 0
     print(render_table(rows))
     if waiting:
