@@ -153,4 +153,21 @@ def test_the_twin_prints_the_tokens_its_blocks_draw_per_component():
     out = _keel("plan", HERO, "--scale", "tiny", "--prefix", "/tmp/keel-hero-plan")
     assert out.returncode == 0, out.stderr
     (line,) = [line for line in out.stdout.splitlines() if "tokens read per component" in line]
-    assert f"world-news {drawn:.3g}".replace("e+", "e") in line, line
+    assert f"world-news {drawn:,.0f}" in line, line
+
+
+def test_variants_of_files_sharing_a_name_are_told_apart_and_small_runs_keep_their_figures(tmp_path):
+    sweep = Path("experiments/tutorials/lr_sweep.py").read_text()
+    assert "STEPS, SCALES = 30," in sweep
+    for folder, steps in (("v1", 30), ("v2", 20)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "lr_sweep.py").write_text(sweep.replace("STEPS, SCALES = 30,", f"STEPS, SCALES = {steps},"))
+    out = _keel("plan", str(tmp_path / "v1" / "lr_sweep.py"), str(tmp_path / "v2" / "lr_sweep.py"), "--prefix",
+                str(tmp_path / "out"))
+    assert out.returncode == 0, out.stderr
+    rows = [line.split(" | ") for line in out.stdout.strip().splitlines()[2:]]
+    assert [r[0].removeprefix("| ") for r in rows] == [f"{v}/lr_sweep.py: train/lr_sweep/lr{s}" for v in ("v1", "v2")
+                                                       for s in ("0.5", "1.0", "2.0")]
+    tokens = {r[0]: r[3] for r in rows}
+    assert tokens["| v1/lr_sweep.py: train/lr_sweep/lr1.0"] == f"{30 * 16 * 128:,}"  # 61,440, not 0.00T
+    assert all(" MB of 2.0 GB" in r[7] for r in rows), rows  # a small run's peak in MB, not "0.0 of 2 GB"

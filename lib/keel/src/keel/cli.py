@@ -325,8 +325,10 @@ def _check_fits(sheets: list[dict]) -> None:
 def _plan_variants(args, graphs: list[Graph]) -> int:
     """`keel plan A.py B.py`: one table of every training step's headline figures, side by side."""
     from keel.plan import render_variants, variant_row
+    from keel.trained.compare import short_names
 
-    sheets = [(f"{os.path.basename(path)}: {s['step']}", s) for path, graph in zip(args.experiments, graphs)
+    files = short_names(args.experiments)  # basenames, unless two files share one (v1/exp.py, v2/exp.py)
+    sheets = [(f"{files[path]}: {s['step']}", s) for path, graph in zip(args.experiments, graphs)
               for s in _fact_sheets(graph)]
     rows = [variant_row(label, sheet) for label, sheet in sheets]
     print(json.dumps({"variants": rows}, indent=1, default=str) if args.json else render_variants(rows))

@@ -11,7 +11,7 @@ def _e(x: float) -> str:
     return f"{x:.3g}".replace("e+", "e")
 
 
-def _gb(x: float) -> str:
+def gb_text(x: float) -> str:
     """GB (1e9 bytes) at the hero's scale; MB or KB for small twins."""
     if x is None:
         return "n/a"
@@ -21,15 +21,16 @@ def _gb(x: float) -> str:
 
 
 def _rack(gb: float | None) -> str:
-    return "n/a" if gb is None else f"{gb / 1000:,.1f} TB" if gb >= 1000 else _gb(gb)
+    return "n/a" if gb is None else f"{gb / 1000:,.1f} TB" if gb >= 1000 else gb_text(gb)
 
 
 def _tera(tokens: float) -> str:
     return f" ({tokens / 1e12:.2f}T)" if tokens >= 1e11 else ""
 
 
-def _tokens(x: float) -> str:
-    return f"{x / 1e12:.2f}T" if x >= 1e11 else _e(x)
+def tokens_text(x: float) -> str:
+    """Trillions at the hero's scale; the count itself for small runs."""
+    return f"{x / 1e12:.2f}T" if x >= 1e11 else _n(x)
 
 
 def _parameters(p: dict) -> list[str]:
@@ -81,7 +82,7 @@ PEAK_PARTS = {"all_to_all_buffers": "all-to-all buffers", "expert_intermediates"
 def _verdict(fits: bool | None, hbm: float) -> str:
     if fits is None:
         return "no hardware declared to fit it in"
-    return f"fits {_gb(hbm)} HBM" if fits else f"DOES NOT FIT {_gb(hbm)} HBM"
+    return f"fits {gb_text(hbm)} HBM" if fits else f"DOES NOT FIT {gb_text(hbm)} HBM"
 
 
 def _memory(m: dict | None) -> list[str]:
@@ -90,30 +91,30 @@ def _memory(m: dict | None) -> list[str]:
     p = m["parts_gb"]
     hbm = m["hbm_per_gpu_gb"]
     lines = [
-        f"memory/GPU   {_n(m['parameters_per_gpu'])} parameters: master weights {_gb(p['master_weights'])}, gradients "
-        f"{_gb(p['gradients'])}, optimizer state {_gb(p['optimizer_state'])} (the state table's bytes: keel plan --json)",
-        f"  one residual per layer {_gb(p['residual_per_layer'])}; "
-        + (f"saved with remat {_gb(p['saved_residuals'])}" if m["remat"] else
-           f"kept for the backward without remat: at least {_gb(p['saved_residuals'])} (every layer's activations)"),
+        f"memory/GPU   {_n(m['parameters_per_gpu'])} parameters: master weights {gb_text(p['master_weights'])}, gradients "
+        f"{gb_text(p['gradients'])}, optimizer state {gb_text(p['optimizer_state'])} (the state table's bytes: keel plan --json)",
+        f"  one residual per layer {gb_text(p['residual_per_layer'])}; "
+        + (f"saved with remat {gb_text(p['saved_residuals'])}" if m["remat"] else
+           f"kept for the backward without remat: at least {gb_text(p['saved_residuals'])} (every layer's activations)"),
     ]
     for phase in m["phases"]:
-        host = (f"; host {_gb(phase['host_gb'])} ({', '.join(phase['on_host'])}) between steps, copied in for "
-                f"compute: {_gb(phase['step_peak_gb'])} on device at the step's peak" if phase["on_host"] else "")
+        host = (f"; host {gb_text(phase['host_gb'])} ({', '.join(phase['on_host'])}) between steps, copied in for "
+                f"compute: {gb_text(phase['step_peak_gb'])} on device at the step's peak" if phase["on_host"] else "")
         rack = f"; per rack {_rack(phase['rack_gb'])} of {_rack(m['hbm_per_rack_gb'])}" if m["hbm_per_rack_gb"] else ""
-        lines.append(f"  from step {_n(phase['from_step'])}: device {_gb(phase['device_gb'])} in the step "
+        lines.append(f"  from step {_n(phase['from_step'])}: device {gb_text(phase['device_gb'])} in the step "
                      f"({', '.join(p.replace('_', ' ') for p in phase['on_device'])}){rack}{host}")
         if phase["peak_gb"] is not None:
             state = phase["step_peak_gb"] or phase["device_gb"]
-            parts = " + ".join(f"{_gb(v)} {PEAK_PARTS.get(k, k.replace('_', ' '))}"
+            parts = " + ".join(f"{gb_text(v)} {PEAK_PARTS.get(k, k.replace('_', ' '))}"
                                for k, v in phase["transient_gb"].items() if v)
-            room = ("" if phase["fits"] is None else f", {_gb(phase['headroom_gb'])} headroom" if phase["fits"]
-                    else f", {_gb(-phase['headroom_gb'])} over")  # None: no hardware declared to fit in
-            lines.append(f"    peak {_gb(phase['peak_gb'])} = {_gb(state)} state + {parts} "
+            room = ("" if phase["fits"] is None else f", {gb_text(phase['headroom_gb'])} headroom" if phase["fits"]
+                    else f", {gb_text(-phase['headroom_gb'])} over")  # None: no hardware declared to fit in
+            lines.append(f"    peak {gb_text(phase['peak_gb'])} = {gb_text(state)} state + {parts} "
                          f"({phase['transport']}): {_verdict(phase['fits'], hbm)}{room}")
         if phase["host_fits"] is not None and phase["host_gb"]:
             host_verdict = "fits" if phase["host_fits"] else "DOES NOT FIT"
-            lines.append(f"    host RAM {_gb(phase['host_per_host_gb'])} per host offloaded: {host_verdict} "
-                         f"{_gb(m['host_ram_per_host_gb'])}")
+            lines.append(f"    host RAM {gb_text(phase['host_per_host_gb'])} per host offloaded: {host_verdict} "
+                         f"{gb_text(m['host_ram_per_host_gb'])}")
     return lines
 
 
@@ -129,7 +130,7 @@ def _all_to_all(rows: list[dict]) -> list[str]:
     short = [{**r, "dtype": SHORT_DTYPES.get(r["dtype"], r["dtype"])} for r in rows]
     return [
         f"all-to-all   {r['transport']} from step {_n(r['from_step'])}: {ROWS[r['kind']].format(**r)}: "
-        f"{_gb(r['buffer_gb_per_layer'])} per buffer per layer, {_gb(r['gb_per_step_per_gpu'])} per step per GPU "
+        f"{gb_text(r['buffer_gb_per_layer'])} per buffer per layer, {gb_text(r['gb_per_step_per_gpu'])} per step per GPU "
         f"({r['off_gpu_fraction']:.0%} leaves the GPU)"
         for r in short
     ]
@@ -138,9 +139,9 @@ def _all_to_all(rows: list[dict]) -> list[str]:
 def _cross_rack(c: dict | None) -> list[str]:
     if c is None:
         return []
-    line = f"cross-rack   per step per GPU: gradient all-reduce {_gb(c['gradient_all_reduce_gb'])}"
+    line = f"cross-rack   per step per GPU: gradient all-reduce {gb_text(c['gradient_all_reduce_gb'])}"
     if c["router_histogram_gb"]:
-        line += f", router histogram sum {_gb(c['router_histogram_gb'])}"
+        line += f", router histogram sum {gb_text(c['router_histogram_gb'])}"
     return [line]
 
 
@@ -212,8 +213,8 @@ def _launch(lf: dict) -> list[str]:
         cost = f", cost {g['cost']:,.0f}" if g["cost"] is not None else ""
         lines.append(f"  GPU-hours {_n(g['hours'])} ({g['basis']}){cost}")
     if lf["components"]:
-        reads = [f"{r['component']} {_tokens(r['tokens_read'])}"
-                 + (f" of {_tokens(r['cache_tokens'])} ({r['epochs']:.2f} epochs{', REPEATS' if r['epochs'] > 1 else ''})"
+        reads = [f"{r['component']} {tokens_text(r['tokens_read'])}"
+                 + (f" of {tokens_text(r['cache_tokens'])} ({r['epochs']:.2f} epochs{', REPEATS' if r['epochs'] > 1 else ''})"
                     if r["epochs"] is not None else "") for r in lf["components"]]
         lines.append("  tokens read per component: " + ", ".join(reads))
     return lines

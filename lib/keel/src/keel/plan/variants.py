@@ -7,6 +7,8 @@ variant has one, so a table that mixed the two made a slower variant look 3 days
 
 from __future__ import annotations
 
+from keel.plan.render import gb_text, tokens_text
+
 COLUMNS = ("variant", "hardware", "steps", "tokens", "s/step", "MFU", "days at full goodput (end)", "peak/GPU",
            "verdict", "GPU-hours at full goodput")
 
@@ -51,10 +53,10 @@ def render_variants(rows: list[dict]) -> str:
     def cells(r: dict) -> list[str]:
         seconds = " / ".join(f"{s:.1f}" for s in r["step_seconds"]) + (f" ({r['basis']})" if r["basis"] else "")
         return [
-            r["variant"], r["hardware"], f"{r['steps']:,}", f"{r['tokens'] / 1e12:.2f}T", seconds or "n/a",
+            r["variant"], r["hardware"], f"{r['steps']:,}", tokens_text(r["tokens"]), seconds or "n/a",
             " / ".join(f"{m:.1%}" for m in r["mfu"] if m is not None) or "n/a",
             f"{r['days']:.0f}" + (f" ({r['end_date']})" if r["end_date"] else "") if r["days"] is not None else "n/a",
-            f"{r['peak_gb']:.1f} of {r['hbm_gb']:g} GB" if r["peak_gb"] is not None else "n/a",
+            f"{gb_text(r['peak_gb'])} of {gb_text(r['hbm_gb'])}" if r["peak_gb"] is not None else "n/a",
             {True: "fits", False: "DOES NOT FIT", None: "n/a"}[r["fits"]],
             f"{r['gpu_hours']:,.0f}" if r["gpu_hours"] is not None else "n/a",
         ]

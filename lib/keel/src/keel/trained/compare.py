@@ -356,7 +356,7 @@ def training_plans(experiments: list[tuple[str | None, Any]], only: re.Pattern |
     return out
 
 
-def _short_names(sources: list[str | None]) -> dict[str | None, str]:
+def short_names(sources: list[str | None]) -> dict[str | None, str]:
     """Each experiment file by the fewest trailing parts of its path that tell it from the others:
     its basename, unless two files share it (sweeps/v1/exp.py and sweeps/v2/exp.py: v1/exp.py). A
     file given twice under two spellings (exp.py, ./exp.py) is one file: nothing tells it from itself."""
@@ -376,7 +376,7 @@ def compare_finished(experiments: list[tuple[str | None, Any]], only: re.Pattern
     code 1 when no such step has finished."""
     plans = training_plans(experiments, only)
     names = [p.name for _, _, p in plans]
-    short = _short_names([source for source, _ in experiments])
+    short = short_names([source for source, _ in experiments])
     runs, files, predictions = {}, {}, {}
     for source, graph, plan in plans:
         if plan.state == CACHED:
