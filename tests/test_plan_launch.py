@@ -60,6 +60,8 @@ def test_tokens_read_per_component_against_what_its_cache_holds():
     assert "REPEATS" in render_fact_sheet(sheet)
     with pytest.raises(PlanError, match=r"launch.cache_tokens names maths, which the mixture does not have"):
         fact_sheet(dataclasses.replace(config, launch=LaunchPlan(cache_tokens=(("maths", 1e12),))))
+    with pytest.raises(ValueError, match=r"LaunchPlan.cache_tokens names 'math' more than once"):
+        LaunchPlan(cache_tokens=(("math", 1e11), ("law", 1e12), ("math", 1e13)))  # which would the sheet read?
 
 
 def test_positions_are_fractions_of_the_run_resolved_to_steps():

@@ -585,6 +585,11 @@ class LaunchPlan:
                                                                   ("gpu_hour_price", self.gpu_hour_price))
                                    if value is not None},
                   **{f"cache_tokens[{name!r}]": tokens for name, tokens in self.cache_tokens})
+        names = [name for name, _ in self.cache_tokens]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"LaunchPlan.cache_tokens names {', '.join(map(repr, repeated))} more than once: give each "
+                             "component the tokens its cache holds once")
 
 
 @dataclass(frozen=True)
