@@ -208,3 +208,13 @@ def test_a_variants_days_at_full_goodput_do_not_check_a_claim_in_calendar_days(h
     for claim in on_days:
         assert claim["holds"] is None and "predicted at full goodput" in claim["finding"], claim
     assert {c["claim"]: c for c in hero["claims"]}["trains in 60 days"]["holds"] is False  # the hero's own: its schedule
+
+
+def test_a_bad_observation_date_names_the_entry_as_declared():
+    from keel.spec import PlanError
+
+    first, second = HERO.facts.observed  # declared in step order: declare them the other way round
+    bad = dataclasses.replace(second, date="2026-09-31")
+    facts = dataclasses.replace(HERO.facts, observed=(bad, first))
+    with pytest.raises(PlanError, match=r"facts\.observed\[0\]\.date='2026-09-31' is not an ISO date"):
+        fact_sheet(dataclasses.replace(HERO, facts=facts))

@@ -282,7 +282,7 @@ def time(config: TrainStepConfig, train_facts: dict) -> dict | None:
         "steps_per_day": 86_400 / seen.step_seconds,
         "mfu": mfu(seen.step_seconds, flops_per_step),
         "mfu_6nt": mfu(seen.step_seconds, flops_6nt),
-    } for i, seen in enumerate(sorted(facts.observed, key=lambda s: s.step))]
+    } for i, seen in sorted(enumerate(facts.observed), key=lambda pair: pair[1].step)]  # i: the index as declared
     last = speeds[-1]
     rate = facts.projected_steps_per_day or last["steps_per_day"]
     days = (dt.date.fromisoformat(last["date"]) - start).days + (train.num_steps - last["step"]) / rate
