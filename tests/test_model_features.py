@@ -231,3 +231,29 @@ def test_softmax_routing_with_auxiliary_loss():
     value, grads = jax.jit(jax.value_and_grad(aux_loss))(model)
     assert float(value) == pytest.approx(0.01 * config.num_layers, rel=0.5)  # about 1 per layer when balanced
     assert float(np.abs(np.asarray(grads.layers.stacked.moe.router.array)).max()) > 0
+
+
+def test_the_router_computes_its_logits_in_full_fp32_in_the_bf16_training_forward():
+    """The reference's router is fp32: its dot must ask for HIGHEST, or XLA runs an fp32 dot in TF32 on
+    GPUs (bf16 passes on TPUs). Read from the program the loss compiles, the model's own forward."""
+    config = hero_like()
+    model = compiled_init(config, jax.random.PRNGKey(0))
+    ids, seg = packed_batch(config)
+    program = jax.make_jaxpr(lambda m: loss_fn(m, TokenBatch(ids, seg), transport=TransportSpec("local"),
+                                               compute_dtype=jnp.bfloat16)[0])(model)
+
+    def dots(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield eqn
+            for value in eqn.params.values():
+                for inner in value if isinstance(value, (list, tuple)) else (value,):
+                    inner = getattr(inner, "jaxpr", inner)
+                    if isinstance(inner, jax.extend.core.Jaxpr):
+                        yield from dots(inner)
+
+    router = (config.hidden_dim, config.num_experts)  # the router weight [Embed, Experts], one layer's
+    routers = [eqn for eqn in dots(program.jaxpr) if eqn.invars[1].aval.shape == router]
+    assert routers and all(eqn.outvars[0].aval.dtype == jnp.float32 for eqn in routers)
+    highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    assert all(eqn.params["precision"] == highest for eqn in routers), [eqn.params["precision"] for eqn in routers]

@@ -41,7 +41,9 @@ def route(u: NamedArray, router: NamedArray, router_bias: NamedArray | None, con
     Embed, Experts = router.axes
     k = config.experts_per_token
     TopK = Axis(TOP_K, k)
-    logits = hax.dot(u.astype(jnp.float32), router.astype(jnp.float32), axis=Embed)
+    # fp32 as declared: without HIGHEST, XLA computes an fp32 dot in TF32 on GPUs and in bf16 passes
+    # on TPUs, and rounded logits flip near-ties in the top-k and blur the balancing quantiles
+    logits = hax.dot(u.astype(jnp.float32), router.astype(jnp.float32), axis=Embed, precision=jax.lax.Precision.HIGHEST)
     biased = logits if router_bias is None else plus(logits, jax.lax.stop_gradient(router_bias.astype(jnp.float32)))
     if config.routing is Routing.SIGMOID_TOPK_THRESHOLD:
         values, indices = _top_k(biased, Experts, Axis(TOP_K, k + 1))
