@@ -56,6 +56,23 @@ def test_an_eval_is_keyed_by_its_run_data_and_checkpoint():
     assert final.config.process_env() == run.config.process_env() != {}  # the run's 8 simulated devices
 
 
+def test_an_eval_on_a_cache_of_a_larger_vocabulary_is_refused_before_loading_the_model(tmp_path):
+    """The embedding lookup clamps ids past the model's vocabulary, so such an eval would write a
+    plausible loss and bits per byte; the training step refuses that cache, and so does the eval."""
+    from dataclasses import replace
+
+    from keel.trained.evaluate import eval_step
+
+    cache = tmp_path / "cache-32k"
+    cache.mkdir()
+    (cache / "tokenize.json").write_text(json.dumps({"seq_len": 128, "vocab_size": 32_000}))
+    step = default_eval("e", run=_run("a"), data={"other": str(cache)})
+    config = replace(step.config, data={"other": str(cache)}, output_path=str(tmp_path / "eval"))
+    with pytest.raises(ValueError, match=r"EvalConfig.data\['other'\] .* makes ids up to 31,999 but "
+                                         rf"MoELMConfig.vocab_size={tiny_moe.vocab_size:,}"):
+        eval_step(config)
+
+
 def test_eval_and_sample_follow_their_run_under_set():
     """A `--set` on the run reaches the steps that read it: "final" is its new last step, and the
     checkpoint is loaded with the run's new shapes and batches (not copies made at declaration)."""

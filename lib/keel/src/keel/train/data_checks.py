@@ -38,6 +38,18 @@ def cache_components(data: Mixture) -> dict[str, str]:
     return {name: root for name, root in data.components.items() if isinstance(root, str)}
 
 
+def check_cache_vocab(where: str, stats: dict, vocab_size: int) -> None:
+    """Raise a ValueError where a token cache (its tokenize.json `stats`) holds ids the model has no
+    embedding for: the lookup clamps them into the last row, and the loss looks plausible."""
+    if stats["vocab_size"] > vocab_size:
+        raise ValueError(
+            f"the tokenizer of {where} makes ids up to {stats['vocab_size'] - 1:,} but MoELMConfig.vocab_size="
+            f"{vocab_size:,}: ids >= {vocab_size:,} would be clamped into wrong embeddings; set "
+            f"MoELMConfig.vocab_size >= {stats['vocab_size']:,}, or train the tokenizer with "
+            f"TrainTokenizerConfig.vocab_size <= {vocab_size:,}"
+        )
+
+
 def check_token_caches(config: TrainStepConfig) -> None:
     """Raise a ValueError naming both fields and the fix for a cache that does not fit the run."""
     model, train = config.model, config.train
@@ -53,13 +65,7 @@ def check_token_caches(config: TrainStepConfig) -> None:
                 f"TrainConfig.seq_len={train.seq_len} differs from TokenizeConfig.seq_len={found['seq_len']} of {where}: "
                 f"set TrainConfig.seq_len={found['seq_len']}, or tokenize again with TokenizeConfig.seq_len={train.seq_len}"
             )
-        if found["vocab_size"] > model.vocab_size:
-            raise ValueError(
-                f"the tokenizer of {where} makes ids up to {found['vocab_size'] - 1:,} but MoELMConfig.vocab_size="
-                f"{model.vocab_size:,}: ids >= {model.vocab_size:,} would be clamped into wrong embeddings; set "
-                f"MoELMConfig.vocab_size >= {found['vocab_size']:,}, or train the tokenizer with "
-                f"TrainTokenizerConfig.vocab_size <= {model.vocab_size:,}"
-            )
+        check_cache_vocab(where, found, model.vocab_size)
     roots = cache_components(config.data)
     if train.eval_batches > 0 and roots and not any(
             _validation_sequences(stats[name][1]) if name in stats else has_split(root, "validation")

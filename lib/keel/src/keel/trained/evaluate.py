@@ -20,6 +20,7 @@ import jax
 import numpy as np
 from levanter.models.loss import next_token_loss_weight
 
+from keel.data.cache_files import STATS_FILE
 from keel.data.datasets import load_token_cache, read_sequence_bytes
 from keel.data.tokenizer import predicted_tokens
 from keel.executor import storage
@@ -28,6 +29,7 @@ from keel.model.loss import next_token_weight
 from keel.spec.topology import BATCH_AXES
 from keel.spec.trained import EvalConfig
 from keel.train import compile_cache
+from keel.train.data_checks import check_cache_vocab
 from keel.train.loop import eval_loss_fn, validation_losses
 from keel.trained.load import checkpoint_path, load_model
 
@@ -39,6 +41,9 @@ def eval_step(config: EvalConfig) -> None:
     seq_len = config.model.train.seq_len
     datasets = {}
     for label, root in sorted(config.data.items()):
+        stats = storage.read_json(storage.join(root, STATS_FILE))
+        if stats is not None:  # a cache keel tokenized: its ids must all have an embedding (else the loss lies)
+            check_cache_vocab(f"EvalConfig.data[{label!r}] ({root})", stats, config.model.model.vocab_size)
         datasets[label] = load_token_cache(root, config.split, seq_len=seq_len)
         if len(datasets[label]) == 0:
             raise ValueError(f"EvalConfig.data[{label!r}]: the {config.split} split of {root} is empty")
