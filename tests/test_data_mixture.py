@@ -230,3 +230,28 @@ def test_the_block_counts_are_what_levanters_mixture_draws():
             drawn = MixtureDataset._compute_expected_counts_per_block(
                 levanter, MixtureDataset._normalize_weights(weights), mixture.block_size)
             assert counts == dict(zip(sorted(weights), drawn.tolist()))
+
+
+def test_a_phase_after_a_component_served_2_to_the_31_sequences_is_refused_where_levanter_would_wrap():
+    """Levanter's MixtureDataset counts each component's sequences before a phase in int32 and starts
+    the phase's reads there: at 2**31 it wraps, and the phase silently rereads trained data."""
+    from levanter.data.dataset import ListAsyncDataset
+    from levanter.data.mixture import MixtureDataset
+
+    def mixture(phase_step: int) -> Mixture:
+        return Mixture({"a": "gs://a", "b": "gs://b"}, (MixturePhase(0, {"a": 1.0}),
+                                                        MixturePhase(phase_step, {"b": 1.0}),
+                                                        MixturePhase(phase_step + 4, {"a": 1.0})))
+
+    batch = 2048  # a step is one block of 2,048 sequences
+    served = {"below": 2**20 - 1, "at": 2**20}  # blocks of "a" alone: 2**31 - 2048 and 2**31 sequences
+    mixture(served["below"]).check_read_counts(batch)
+    with pytest.raises(MixtureError, match=r"component 'a' has served 2,147,483,648 sequences when phase 1 starts "
+                                           r"\(step 1,048,576\), past the 2,147,483,648"):
+        mixture(served["at"]).check_read_counts(batch)
+    levanter_counts = {}
+    for case, step in served.items():  # what Levanter's own count holds there
+        data = {name: ListAsyncDataset([np.zeros(1)]) for name in ("a", "b")}
+        levanter = MixtureDataset(data, mixture(step).sequence_schedule(batch), block_size=2048, key=0)
+        levanter_counts[case] = int(levanter._counts_after_stage[0][0])
+    assert levanter_counts == {"below": 2**31 - 2048, "at": -(2**31)}, levanter_counts

@@ -97,6 +97,10 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
         config.data.check_batch_size(train.batch_size)
     except ValueError as e:
         fail(f"data.block_size / train.batch_size: {e}")
+    try:
+        config.data.check_read_counts(train.batch_size)
+    except ValueError as e:
+        fail(f"data.phases: {e}")
     parameters = model.parameter_axes()
     for path, axes in parameters.items():
         if optimizer_group(train.optimizer, path) == "muonh":

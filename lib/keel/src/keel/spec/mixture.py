@@ -21,6 +21,10 @@ SINGLE = "data"
 """The component name of a single token cache (`Mixture.single`): `eval/data/loss` in its metrics."""
 
 
+INT32_READS = 2**31
+"""Sequences a component may serve before a phase starts (Levanter's int32 count; `check_read_counts`)."""
+
+
 class MixtureError(ValueError):
     """A mixture declared with weights or phases that cannot be used."""
 
@@ -144,6 +148,24 @@ class Mixture:
         """The phases in sequence indices (what Levanter's MixtureDataset takes): step x batch size."""
         self.check_batch_size(batch_size)
         return [(step * batch_size, weights) for step, weights in self.phase_weights()]
+
+    def check_read_counts(self, batch_size: int) -> None:
+        """Levanter's `MixtureDataset` keeps the sequences each component served before a phase in
+        int32 and starts the phase's reads there: past 2**31 the count wraps silently, and the phase
+        rereads sequences trained on and never reads the ones due. Refused here, naming the phase."""
+        served = dict.fromkeys(self.components, 0)
+        schedule = self.sequence_schedule(batch_size)
+        for i, (counts, (start, _), (end, _)) in enumerate(zip(self.block_counts(), schedule, schedule[1:])):
+            for name, per_block in counts.items():
+                served[name] += per_block * ((end - start) // self.block_size)
+            name = max(served, key=served.get)
+            if served[name] >= INT32_READS:
+                raise MixtureError(
+                    f"component {name!r} has served {served[name]:,} sequences when phase {i + 1} starts (step "
+                    f"{self.phases[i + 1].start_step:,}), past the {INT32_READS:,} Levanter's MixtureDataset counts "
+                    "in int32 (it would wrap and reread trained data): split the component into several caches, "
+                    "or lengthen the sequences so fewer are read"
+                )
 
     def check_batch_size(self, batch_size: int) -> None:
         """Every phase must start on a mixture block boundary at this (constant) batch size."""
