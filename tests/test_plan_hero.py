@@ -171,7 +171,7 @@ def test_a_float32_variant_without_remat_claims_what_its_memory_line_holds():
 
 
 def test_a_variant_whose_observations_are_rejected_prints_no_observed_switch_date():
-    out = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b:train.batch_size=22528")
-    assert "measured on another layout (batch 11264x4096 -> batch 22528x4096): not used" in out.stdout
+    out = _keel("plan", HERO, "--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b:train.batch_size=5632")
+    assert "measured on another layout (batch 11264x4096 -> batch 5632x4096): not used" in out.stdout
     (switch,) = [line for line in out.stdout.splitlines() if line.startswith("transport") and "ragged_all_to_all" in line]
     assert "2026-09-09" not in switch and "(predicted)" in switch, switch

@@ -56,11 +56,11 @@ def test_host_ram_per_host_is_checked_against_what_offload_puts_there():
 
 
 def test_keel_plan_exits_non_zero_and_keel_run_refuses_a_plan_that_does_not_fit():
-    doubled = ("--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b.train.batch_size=22528")
-    out = _keel("plan", HERO, *doubled)
+    unfit = ("--prefix", "/tmp/keel-hero-plan", "--set", "train/hero_535b.train.remat=false")  # every layer's activations kept
+    out = _keel("plan", HERO, *unfit)
     assert out.returncode == 2 and "DOES NOT FIT 192.0 GB HBM" in out.stdout
     assert "keel: error: train/hero_535b: from step 0 the peak is" in out.stderr and "Traceback" not in out.stderr
-    run = _keel("run", HERO, *doubled)
+    run = _keel("run", HERO, *unfit)
     assert run.returncode == 2 and "does not fit" in run.stderr and "ran" not in run.stdout
 
 
