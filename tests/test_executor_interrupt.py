@@ -133,6 +133,22 @@ def test_second_ctrl_c_aborts_at_once(tmp_path):
     time.sleep(0.3)
     assert progress.read_text() == seen, "the step's child process was killed"
     assert _left_behind(launcher_tmp) == [], "the killed child's folder (its payload and temporary files) is removed"
+    helper = int((Path(paths["count/steady"]) / "helper.pid").read_text())  # a process the step started
+    deadline = time.monotonic() + 10
+    while _alive(helper) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _alive(helper):
+        os.kill(helper, signal.SIGKILL)
+        raise AssertionError("a process the step started outlived the abort: it would go on writing the output")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie has ended: only its exit status is left to reap
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _read_until(proc, text: str, timeout: float = 60.0) -> str:

@@ -148,12 +148,17 @@ def _upload_staged_log(workdir: str, log: str) -> None:
 
 
 def abandon(process: subprocess.Popen, workdir: str) -> None:
-    """Kill the child at once and remove its folder, which no `collect` will read now (a launcher
-    aborting on a second Ctrl-C); the step's temporary files go with it."""
+    """Kill the child's process group at once (the step and every process it started, which would
+    otherwise go on writing its output beside the next launcher's attempt) and remove its folder,
+    which no `collect` will read now (a launcher aborting on a second Ctrl-C); the step's temporary
+    files go with it."""
     try:
-        process.kill()
+        os.killpg(process.pid, signal.SIGKILL)  # its own session: the group is the step's processes
+    except OSError:  # the group is gone already
+        pass
+    try:
         process.wait(timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
+    except subprocess.TimeoutExpired:
         pass
     shutil.rmtree(workdir, ignore_errors=True)
 
