@@ -180,6 +180,9 @@ class FakeClock:
     def sleep(self, seconds: float) -> None:
         self.now += seconds
 
+    def monotonic(self) -> float:
+        return self.now
+
 
 class RunningJob:
     """A fray job handle whose job runs until `ends_at` on the clock; its blocking `wait` may only
@@ -187,21 +190,19 @@ class RunningJob:
 
     job_id = "fake-job"
 
-    def __init__(self, clock: FakeClock, ends_at: float, controller_answers: bool = True):
-        self.clock, self.ends_at, self.answers = clock, ends_at, controller_answers
+    def __init__(self, clock: FakeClock, ends_at: float, answers_from: float = 0.0):
+        self.clock, self.ends_at, self.answers_from = clock, ends_at, answers_from
         self.polls, self.waited_at = 0, None
 
     def status(self):
         from fray.types import JobStatus
 
         self.polls += 1
-        if not self.answers:
+        if self.clock.now < self.answers_from:
             raise ConnectionError("controller unavailable")
         return JobStatus.SUCCEEDED if self.clock.now >= self.ends_at else JobStatus.RUNNING
 
     def wait(self, timeout=None, *, raise_on_failure=True):
-        if not self.answers:  # Iris's wait retries an unavailable controller until the job ends
-            self.clock.now = max(self.clock.now, self.ends_at)
         assert self.clock.now >= self.ends_at, "wait() called on a running job: it would poll at Iris's pace"
         self.waited_at = self.clock.now
 
@@ -221,14 +222,78 @@ def test_the_driver_notices_a_finished_job_within_a_poll_interval(monkeypatch, r
     assert job.polls <= runs_for / cluster_module.STATE_POLL_MAX_S + 10  # and no busier than once a second
 
 
-def test_a_controller_that_does_not_answer_a_poll_is_left_to_iris_s_patient_wait(monkeypatch):
+def test_a_controller_that_does_not_answer_is_asked_again_until_it_does(monkeypatch):
     from keel.executor import cluster as cluster_module
 
     clock = FakeClock()
-    job = RunningJob(clock, ends_at=30.0, controller_answers=False)
+    job = RunningJob(clock, ends_at=30.0, answers_from=120.0)  # away for two minutes, past the job's end
     monkeypatch.setattr(cluster_module, "time", clock)
     cluster_module.run_on_cluster(job, request=None, resources="cpu=1")
-    assert job.polls == 1 and job.waited_at == 30.0  # not a failed step
+    assert job.waited_at is not None and job.waited_at - 120.0 <= cluster_module.STATE_POLL_MAX_S  # not a failed step
+    # one that never answers again fails the step after UNANSWERED_S, naming the job (not a wait of years)
+    clock = FakeClock()
+    gone = RunningJob(clock, ends_at=30.0, answers_from=float("inf"))
+    monkeypatch.setattr(cluster_module, "time", clock)
+    with pytest.raises(cluster_module.ClusterJobFailed, match=r"cluster job fake-job .*has not said how it is for 3600s"):
+        cluster_module.run_on_cluster(gone, request=None, resources="cpu=1")
+    assert cluster_module.UNANSWERED_S <= clock.now <= cluster_module.UNANSWERED_S + 2 * cluster_module.STATE_POLL_MAX_S
+
+
+def test_ctrl_c_reaches_a_job_whose_controller_stopped_answering(monkeypatch):
+    """A Ctrl-C while the controller is away still terminates the job; a terminate the controller
+    refuses leaves the step INTERRUPTED (not failed), with the job named as possibly running."""
+    from keel.executor import cluster as cluster_module
+    from keel.executor import interrupt
+
+    class Interrupting(FakeClock):
+        def sleep(self, seconds: float) -> None:
+            super().sleep(seconds)
+            if self.now >= 5.0:
+                interrupt.request()
+
+    for refuses in (False, True):
+        clock = Interrupting()
+        job = RunningJob(clock, ends_at=600.0, answers_from=float("inf"))
+        job.terminated_at = None
+
+        def terminate(job=job, clock=clock, refuses=refuses):
+            if refuses:
+                raise ConnectionError("controller unavailable")
+            job.terminated_at = clock.now
+
+        job.terminate = terminate
+        monkeypatch.setattr(cluster_module, "time", clock)
+        expected = "could not terminate cluster job fake-job .*it may still be running" if refuses else "was terminated"
+        try:
+            with pytest.raises(interrupt.StepInterrupted, match=expected):
+                cluster_module.run_on_cluster(job, request=None, resources="cpu=1")
+        finally:
+            interrupt.clear()
+        assert refuses or job.terminated_at - 5.0 <= cluster_module.STATE_POLL_MAX_S
+
+
+def test_the_abort_terminates_every_live_job_even_when_one_refuses(capsys):
+    from keel.executor import cluster as cluster_module
+
+    class Job:
+        def __init__(self, job_id, refuses):
+            self.job_id, self.refuses, self.terminated = job_id, refuses, False
+
+        def terminate(self):
+            if self.refuses:
+                raise ConnectionError("controller unavailable")
+            self.terminated = True
+
+    jobs = [Job("a", False), Job("b", True), Job("c", False)]
+    with cluster_module._LIVE_LOCK:
+        cluster_module._LIVE_JOBS.update(jobs)
+    try:
+        cluster_module.terminate_live_jobs()
+    finally:
+        with cluster_module._LIVE_LOCK:
+            cluster_module._LIVE_JOBS.difference_update(jobs)
+    assert [j.terminated for j in jobs] == [True, False, True]
+    assert "could not terminate cluster job b (ConnectionError: controller unavailable)" in capsys.readouterr().err
 
 
 def test_an_interrupted_run_terminates_the_job_it_waits_on(monkeypatch):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 import time
 import urllib.parse
@@ -34,6 +35,9 @@ LOG_POLL_S = 0.25
 # step, 18 s late, and its dependents waited as long. One state RPC a second per running step is
 # little for a controller.
 STATE_POLL_MAX_S = 1.0
+# How long a running job's state may go unanswered (a controller restarting, the network away) before
+# the step fails; meanwhile the wait keeps polling, so a Ctrl-C still reaches the job.
+UNANSWERED_S = 3600.0
 
 
 class ClusterUnreachable(RuntimeError):
@@ -139,11 +143,24 @@ def run_on_cluster(client, request, resources: str) -> None:
 
 def terminate_live_jobs() -> None:
     """Terminate every job this process is still waiting on: the driver is about to exit (a second
-    Ctrl-C), and a job left running would keep writing an output a rerun starts again."""
+    Ctrl-C), and a job left running would keep writing an output a rerun starts again. A job the
+    controller does not terminate is named on the console, and the others are still terminated."""
     with _LIVE_LOCK:
         handles = list(_LIVE_JOBS)
     for handle in handles:
+        problem = _terminate(handle)
+        if problem:
+            print(f"keel: {problem}", file=sys.stderr, flush=True)
+
+
+def _terminate(handle) -> str | None:
+    """Ask the cluster to end the job; what went wrong (naming the job and the fix), or None."""
+    try:
         handle.terminate()
+    except Exception as exc:  # noqa: BLE001 - an RPC error: the job may still run, which is what matters
+        return (f"could not terminate cluster job {handle.job_id} ({type(exc).__name__}: {exc}): it may still be "
+                "running and writing its output; stop it with the cluster's own tools (iris) before running the step again")
+    return None
 
 
 _LIVE_JOBS: set = set()
@@ -152,20 +169,25 @@ _LIVE_LOCK = threading.Lock()
 
 def _wait_until_finished(handle) -> None:
     """Poll the job's state, 0.1 s apart at first, growing to STATE_POLL_MAX_S, until it ends or
-    the run is interrupted. A controller that does not answer is left to Iris's own wait, which
-    retries for up to an hour."""
+    the run is interrupted (which terminates it). A controller that does not answer is asked again
+    (the interruption still checked between tries) for up to UNANSWERED_S, then the step fails."""
     from fray.types import JobStatus
 
-    interval = 0.1
+    interval, unanswered_since = 0.1, None
     while True:
         if interrupt.requested():
-            handle.terminate()
-            raise interrupt.StepInterrupted(f"the run was interrupted: cluster job {handle.job_id} was terminated")
+            problem = _terminate(handle)
+            raise interrupt.StepInterrupted(problem or f"the run was interrupted: cluster job {handle.job_id} was terminated")
         try:
             if JobStatus.finished(handle.status()):
                 return
-        except Exception:  # noqa: BLE001 - an RPC error: the caller's handle.wait() rides it out
-            return
+            unanswered_since = None
+        except Exception as exc:  # noqa: BLE001 - an RPC error: ask again, within bounds
+            unanswered_since = unanswered_since or time.monotonic()
+            if time.monotonic() - unanswered_since > UNANSWERED_S:
+                raise ClusterJobFailed(f"cluster job {handle.job_id}: the controller has not said how it is for "
+                                       f"{UNANSWERED_S:.0f}s ({type(exc).__name__}: {exc}); check the cluster, and "
+                                       "stop the job there before running the step again") from exc
         time.sleep(interval)
         interval = min(interval * 1.5, STATE_POLL_MAX_S)
 
