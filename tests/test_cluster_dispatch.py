@@ -117,6 +117,31 @@ def test_run_then_cached(tmp_path, cluster):
     assert ledger(tmp_path) == runs  # nothing executed
 
 
+class NamingCluster:
+    """A fray client that runs each job at once in this process and keeps the names it was given:
+    fray adopts a running job of the same name, so no two outputs' attempts may share one."""
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    def submit(self, request):
+        from fray.types import JobStatus
+
+        self.names.append(request.name)
+        call = request.entrypoint.callable_entrypoint
+        call.callable(*call.args, **call.kwargs)
+        return type("Finished", (), {"job_id": request.name, "status": lambda _: JobStatus.SUCCEEDED,
+                                     "wait": lambda _, timeout=None, raise_on_failure=True: None})()
+
+
+def test_one_step_under_two_prefixes_is_two_cluster_jobs(tmp_path):
+    a, _, _, _ = chain(tmp_path)
+    cluster = NamingCluster()
+    for prefix in ("first", "second"):  # at the same attempt: what a scratch run beside the real one makes
+        assert run_steps([a], str(tmp_path / prefix), cluster=cluster, echo=QUIET).ok
+    assert len(set(cluster.names)) == 2 and all(n.startswith("t-a-") and n.endswith("-attempt1") for n in cluster.names)
+
+
 def test_failure_then_retry(tmp_path, cluster):
     (tmp_path / "explode").touch()
     a, b, c, side = chain(tmp_path, fail="b")

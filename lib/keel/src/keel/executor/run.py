@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import heapq
 import math
 import os
@@ -495,8 +496,7 @@ class Runner:
     def _dispatch(self, step: Step, resolved, output_path: str, attempt: int, lease: leases.Lease, retry: bool = False) -> None:
         from fray.types import Entrypoint, JobRequest, create_environment
 
-        # One job per attempt: a retry's log is its own, never the previous attempt's lines too.
-        job_name = re.sub(r"[^a-zA-Z0-9_.-]", "-", f"{step.name}-{output_path.rsplit('-', 1)[-1]}-attempt{attempt}")
+        job_name = cluster_job_name(step.name, output_path, attempt)
         if step.resources is not None and self.cluster is not None:
             from keel.executor.cluster import run_on_cluster
 
@@ -637,6 +637,15 @@ def _heartbeat_file(output_path: str) -> str:
         os.makedirs(os.path.dirname(beat), exist_ok=True)
         return beat
     return os.path.join(tempfile.gettempdir(), f"keel-heartbeat-{output_path.rsplit('/', 1)[-1]}")
+
+
+def cluster_job_name(name: str, output_path: str, attempt: int) -> str:
+    """One job per attempt (a retry's log is its own, never the previous attempt's lines too), named
+    by the output it writes, prefix included: fray adopts a running job of the same name, so the same
+    step run under two prefixes at once must never share one (the hash in an output's folder name
+    does not depend on the prefix)."""
+    where = hashlib.sha256(output_path.encode()).hexdigest()[:12]
+    return re.sub(r"[^a-zA-Z0-9_.-]", "-", f"{name}-{where}-attempt{attempt}")
 
 
 def _process_env(resolved, processes: int) -> dict[str, str]:
