@@ -108,6 +108,24 @@ def test_sigterm_interrupts_like_ctrl_c(tmp_path):
     assert read_status(paths["count/steady"]).state == "INTERRUPTED"
 
 
+def test_a_step_silent_past_its_progress_timeout_while_stopping_is_interrupted_not_failed(tmp_path):
+    """After Ctrl-C a training step writes its checkpoint without beating; the launcher's stall kill
+    cuts it short when that outlasts progress_timeout_s. The step declares preemption retries, which a
+    stopping run does not spend: it is INTERRUPTED (the rerun resumes), never FAILED."""
+    env = {"KEEL_TEST_PROGRESS_TIMEOUT": "5", "KEEL_TEST_SLOW_STOP": "12", "KEEL_TEST_TICKS": "100000"}
+    paths = _paths(tmp_path, **env)
+    proc = _launch(tmp_path, **env)
+    try:
+        _wait_for_progress(paths["count/steady"])
+        proc.send_signal(signal.SIGINT)
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out
+    status = read_status(paths["count/steady"])
+    assert status.state == "INTERRUPTED" and "no progress for" in status.error, (status.state, status.error, out)
+
+
 def test_second_ctrl_c_aborts_at_once(tmp_path):
     paths = _paths(tmp_path, KEEL_TEST_TICKS="100000")
     launcher_tmp = _launcher_tmp(tmp_path)

@@ -437,7 +437,8 @@ class Runner:
                     self.echo(f"[keel] retry {plan.name}: attempt {running.attempt} ended by {kind} ({error.splitlines()[-1]}); "
                               f"{left[kind]} more {kind} retr{'y' if left[kind] == 1 else 'ies'} after this one")
                     continue
-                if kind == "preemption" and not step.retries.on_preemption:  # nothing declared: resume by hand, as before
+                # nothing declared, or the run is stopping (a stall kill cut its last checkpoint short): resume by hand
+                if kind == "preemption" and (self._stopping or not step.retries.on_preemption):
                     why = f"{error}; `keel run` again resumes it"
                     self._finish(plan.output_path, lease, running, error=why, interrupted=True, attempts=earlier[:-1])
                     raise StepStopped(step.name, plan.output_path, why) from None
