@@ -62,6 +62,15 @@ def test_tokens_read_per_component_against_what_its_cache_holds():
         fact_sheet(dataclasses.replace(config, launch=LaunchPlan(cache_tokens=(("maths", 1e12),))))
     with pytest.raises(ValueError, match=r"LaunchPlan.cache_tokens names 'math' more than once"):
         LaunchPlan(cache_tokens=(("math", 1e11), ("law", 1e12), ("math", 1e13)))  # which would the sheet read?
+    # one token cache (`Mixture.single`, the component "data") reads every token from it
+    from keel.spec import Mixture
+
+    single = dataclasses.replace(config, data=Mixture.single(config.data.components["math"]),
+                                 launch=LaunchPlan(cache_tokens=(("data", 6e12),)))
+    (only,) = fact_sheet(single)["launch"]["components"]
+    assert only["component"] == "data" and only["tokens_read"] == 18_005_144_633_344
+    assert only["epochs"] == pytest.approx(18_005_144_633_344 / 6e12)
+    assert "data 18.01T of 6.00T (3.00 epochs, REPEATS)" in render_fact_sheet(fact_sheet(single))
 
 
 def test_positions_are_fractions_of_the_run_resolved_to_steps():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from keel.spec.checks import PlanError
 from keel.spec.dtypes import bytes_of
+from keel.spec.mixture import SINGLE
 from keel.spec.resolved import ResolvedRun
 
 GB = 1e9
@@ -59,6 +60,8 @@ def launch(run: ResolvedRun, sheet: dict) -> dict:
     for phase in sheet["mixture"]:  # what the blocks draw (whole sequences), not the declared weights
         for name, share in phase["drawn"].items():
             read[name] = read.get(name, 0.0) + share * phase["tokens"]
+    if config.data.is_single:  # one cache, no phases: it serves every token
+        read[SINGLE] = float(config.train.total_tokens)
     held = dict(plan.cache_tokens) if plan else {}
     unknown = sorted(set(held) - set(read))
     if unknown:
