@@ -134,10 +134,11 @@ def default_eval(name: str, *, run: Step | None = None, data: dict[str, Step | E
     loss. The step follows `run`: a `--set` on it reaches here."""
     where = f"default_eval({name!r})"
     _no_old_names(where, run, old)
-    data = _training(where, run).data if data is None else data
+    own_data = data is None
+    data = _training(where, run).data if own_data else data
     caches = dict(data.components) if isinstance(data, Mixture) else dict(data)
     config = EvalConfig(model=trained_model(where, run, checkpoint), data=caches, batch_size=batch_size,
-                        num_batches=num_batches, split=split)
+                        num_batches=num_batches, split=split, own_data=own_data)
     return Step(f"eval/{name}", eval_step, config, resources=resources, isolated=True)
 
 

@@ -73,6 +73,35 @@ def test_an_eval_on_a_cache_of_a_larger_vocabulary_is_refused_before_loading_the
         eval_step(config)
 
 
+def test_an_eval_of_the_runs_own_data_leaves_out_a_cache_without_validation_as_the_loop_does(tmp_path, capsys):
+    from keel.spec import AdamWConfig, MixturePhase
+    from keel.trained.evaluate import evaluated_caches
+    from test_data_mixture import SEQ_LEN, _write_cache
+
+    held_out = _write_cache(tmp_path / "a", "validation", [1999])
+    _write_cache(tmp_path / "a", "train", range(1000, 1040))
+    none_held_out = _write_cache(tmp_path / "b", "validation", [])  # declared with validation_fraction=0
+    _write_cache(tmp_path / "b", "train", range(2000, 2040))
+    data = Mixture({"a": External("a", held_out, version="1"), "b": External("b", none_held_out, version="1")},
+                   (MixturePhase(0, {"a": 0.5, "b": 0.5}),), block_size=8)
+    train = TrainConfig(batch_size=8, seq_len=SEQ_LEN, num_steps=4, optimizer=AdamWConfig(lr=1e-3), eval_batches=1)
+    run = default_train("own", data=data, model=tiny_moe, train=train,
+                        topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4), hardware=cpu_sim)
+
+    def resolved(step):  # the config the step function receives
+        from keel.executor.resolve import resolve_config
+
+        graph = Graph([step], str(tmp_path / "out"))
+        return resolve_config(step.config, graph.path(step), graph.path)
+
+    own = default_eval("own", run=run)
+    assert own.config.own_data and list(evaluated_caches(resolved(own))) == ["a"]
+    assert "EvalConfig.data['b'] (" in capsys.readouterr().out  # said, not silent
+    named = default_eval("named", run=run, data={"a": data.components["a"], "b": data.components["b"]})
+    with pytest.raises(ValueError, match=r"the validation split of EvalConfig.data\['b'\] .* is empty"):
+        evaluated_caches(resolved(named))
+
+
 def test_eval_and_sample_follow_their_run_under_set():
     """A `--set` on the run reaches the steps that read it: "final" is its new last step, and the
     checkpoint is loaded with the run's new shapes and batches (not copies made at declaration)."""

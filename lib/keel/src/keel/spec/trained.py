@@ -77,6 +77,9 @@ class EvalConfig:
     num_batches: int | None = None
     """None: the run's own `eval_batches`."""
     split: str = "validation"
+    own_data: bool = execution_only(default=False)
+    """`data` is the run's own caches (`default_eval` without data=): a cache whose split is empty is
+    left out, as the training loop leaves it out of its validation. Else an empty split is an error."""
     output_path: str = this_output()
 
     def __post_init__(self):

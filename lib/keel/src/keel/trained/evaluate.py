@@ -39,14 +39,7 @@ EVAL_FILE = "eval.json"
 def eval_step(config: EvalConfig) -> None:
     """Step function: evaluate `config.model` on every cache of `config.data`, write eval.json."""
     seq_len = config.model.train.seq_len
-    datasets = {}
-    for label, root in sorted(config.data.items()):
-        stats = storage.read_json(storage.join(root, STATS_FILE))
-        if stats is not None:  # a cache keel tokenized: its ids must all have an embedding (else the loss lies)
-            check_cache_vocab(f"EvalConfig.data[{label!r}] ({root})", stats, config.model.model.vocab_size)
-        datasets[label] = load_token_cache(root, config.split, seq_len=seq_len)
-        if len(datasets[label]) == 0:
-            raise ValueError(f"EvalConfig.data[{label!r}]: the {config.split} split of {root} is empty")
+    datasets = evaluated_caches(config)
     compile_cache.use(config.output_path, "eval")  # the run's own evaluation program, when it trained here
     loaded = load_model(config.model)
     batch_size, num_batches = config.batches
@@ -72,6 +65,28 @@ def eval_step(config: EvalConfig) -> None:
     for label, r in results.items():
         print(f"eval {label}: loss {r['loss']:.4f}  perplexity {r['perplexity']:.2f}  bits/byte "
               f"{'n/a' if r['bits_per_byte'] is None else format(r['bits_per_byte'], '.4f')}")
+
+
+def evaluated_caches(config: EvalConfig) -> dict:
+    """label -> the `split` of that cache, as a dataset. An empty split is an error, except in the
+    run's own caches (`EvalConfig.own_data`), where it is left out as the training loop leaves it out
+    of its validation (a document set declared without held-out documents), and said so."""
+    datasets, empty = {}, []
+    for label, root in sorted(config.data.items()):
+        stats = storage.read_json(storage.join(root, STATS_FILE))
+        if stats is not None:  # a cache keel tokenized: its ids must all have an embedding (else the loss lies)
+            check_cache_vocab(f"EvalConfig.data[{label!r}] ({root})", stats, config.model.model.vocab_size)
+        dataset = load_token_cache(root, config.split, seq_len=config.model.train.seq_len)
+        if len(dataset):
+            datasets[label] = dataset
+        else:
+            empty.append(f"EvalConfig.data[{label!r}] ({root})")
+    if empty and (not config.own_data or not datasets):
+        raise ValueError(f"the {config.split} split of {' and of '.join(empty)} is empty: there is nothing to evaluate "
+                         "on; give a cache with sequences in that split")
+    for where in empty:
+        print(f"eval: {where} has no {config.split} sequences; left out, as the run's own validation leaves it out")
+    return datasets
 
 
 def targets_in(dataset, rows) -> int:
