@@ -2,6 +2,7 @@
 SUCCESS, leases released, exit 130, the rerun resumes); the second aborts at once. Leases held by
 a dead launcher name their owner and are taken over without waiting out the timeout."""
 
+import json
 import os
 import select
 import signal
@@ -227,3 +228,35 @@ def test_a_dead_launchers_lease_names_its_owner_and_is_taken_over_at_once(tmp_pa
     assert time.monotonic() - t0 < 60, "no waiting out the 600 s lease timeout"
     # the orphaned child stopped at a tick with nobody to collect it: it removed its own folder
     assert _left_behind(launcher_tmp, timeout=30) == [], "an orphaned child's folder is left in the launcher's TMPDIR"
+
+
+_THREAD_STARTS_CHILD = """
+import json, os, sys, threading, time
+sys.path.insert(0, {fixtures!r})
+from interruptible_graph import TickConfig, tick
+from keel.executor.child import start_child
+
+started = {{}}
+def start():  # once the step runs, this thread ends, while its process goes on
+    started["child"] = start_child(tick, TickConfig(ticks=60, output_path={output!r}), {output!r}, {{}})
+    while not os.path.exists(os.path.join({output!r}, "progress")):
+        time.sleep(0.02)
+thread = threading.Thread(target=start)
+thread.start()
+thread.join()
+process, workdir = started["child"]
+process.wait(timeout=120)
+print(open(os.path.join(workdir, "result.json")).read())
+"""
+
+
+def test_the_end_of_the_launcher_thread_that_started_a_child_is_not_a_stop_request(tmp_path):
+    """The kernel's parent-death signal fires when the *thread* that started the child ends (during a
+    kill -9 the launcher's threads end one by one): while the launcher lives, the step goes on."""
+    output = tmp_path / "count" / "steady-0123456789"
+    output.mkdir(parents=True)
+    script = _THREAD_STARTS_CHILD.format(fixtures=str(REPO / "tests" / "fixtures"), output=str(output))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["state"] == "succeeded", done.stdout
+    assert (output / "progress").read_text() == "60"

@@ -18,6 +18,10 @@ would: no launcher can record its result now, and the next one takes the lease o
 again (an attempt that died RUNNING, resumed from its last checkpoint like an interrupted one), so an
 orphan must not write the output beside it. It learns of the death from `PR_SET_PDEATHSIG` on Linux,
 else within a second (`_watch_launcher`); until it is gone, the lease names its pid and stays live.
+The death signal is SIGUSR2, which means nothing else here: the kernel sends it when the launcher
+*thread* that started the child ends, which during a kill -9 may be before the launcher's last
+thread (the child then still has the launcher's pid as its parent), so it is not a stop request;
+the child checks whether its parent changed, and the kernel signals again when it does.
 
 A child that crashes in native code (SIGSEGV, SIGABRT, ...: `CRASH_SIGNALS`) reports nothing either
 and comes back `failed`, its Python stacks at the end of its log (`job._crash_stacks_into`). A log
@@ -186,23 +190,31 @@ def _wait(process: subprocess.Popen, heartbeat: str, timeout_s: float) -> str | 
 
 def _install_signal_handlers(launcher: int, workdir: str) -> None:
     def on_signal(signum, _frame):
-        if os.getppid() != launcher:  # `PR_SET_PDEATHSIG`'s
+        if os.getppid() != launcher:  # sent by whoever, the launcher is gone
             _end_orphan(workdir)
         if interrupt.requested():  # the second one: stop now
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
         interrupt.request()
 
+    def on_parent_death(_signum, _frame):
+        if os.getppid() != launcher:  # else only the launcher thread that started this one ended
+            _end_orphan(workdir)
+
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(PARENT_DEATH_SIGNAL, on_parent_death)
+
+
+PARENT_DEATH_SIGNAL = signal.SIGUSR2
 
 
 def _die_with(launcher: int, workdir: str) -> None:
-    """Have the kernel send SIGTERM when the launcher dies (Linux; elsewhere `_watch_launcher` notices
-    within a second), and end now if it died already."""
+    """Have the kernel send PARENT_DEATH_SIGNAL when the launcher dies (Linux; elsewhere
+    `_watch_launcher` notices within a second), and end now if it died already."""
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, PARENT_DEATH_SIGNAL, 0, 0, 0)
         except (OSError, AttributeError):  # no prctl in this libc: the watch thread is the fallback
             pass
     if os.getppid() != launcher:
