@@ -388,38 +388,6 @@ def test_ctrl_c_terminates_a_step_running_on_the_cluster(tmp_path, iris):
     assert not _alive(pid), "the job's process is still running"
 
 
-def test_a_killed_launchers_cluster_job_keeps_the_lease_until_it_ends(tmp_path, iris):
-    """A launcher killed with -9 leaves its job running on the cluster; the job renews the lease, so the
-    next launcher waits for it instead of starting a second job on the same output."""
-    from keel.executor.lease import current_lease
-
-    times = tmp_path / "times"
-    env = {**os.environ, "KEEL_TEST_TIMES": str(times), "KEEL_TEST_SLEEP": "15", "KEEL_LEASE_TIMEOUT": "4"}
-    command = [sys.executable, "-m", "keel.cli_entry", "run", str(REPO / "tests/fixtures/cluster_sleeper.py"),
-               "--prefix", str(tmp_path / "out"), "--cluster", iris[0]]
-    first = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    second = None
-    try:
-        deadline = time.monotonic() + 120
-        while not (times.exists() and "start" in times.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        first.kill()  # the launcher dies; its job does not
-        first.wait()
-        time.sleep(6)  # past the lease's 4 s: only the job's renewals keep it
-        (output,) = (tmp_path / "out" / "t").glob("sleeps-*")
-        held = current_lease(str(output))
-        assert held is not None and held.is_live() and held.job and held.job.endswith("-attempt1"), held
-        second = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=240)
-    finally:
-        first.kill()
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert "its step in cluster job" in second.stdout, second.stdout  # it waited on the job, naming it
-    spans = [float(line.split()[1]) for line in times.read_text().splitlines()]
-    kinds = [line.split()[0] for line in times.read_text().splitlines()]
-    assert kinds[:2] == ["start", "end"], kinds  # the first job ran to its end before any other started
-    assert all(kinds[i] == "start" and kinds[i + 1] == "end" for i in range(0, len(kinds), 2)) and spans == sorted(spans)
-
-
 def test_concurrent_launchers_run_each_step_once(tmp_path, cluster, iris):
     """Three `keel run` processes on overlapping graphs (with `--cluster` for iris)."""
     flags = ["--cluster", iris[0]] if cluster is not None else []

@@ -24,7 +24,7 @@ import tempfile
 import threading
 import traceback
 
-from keel.executor import interrupt, lease, logs, step_warnings, storage, writes
+from keel.executor import interrupt, logs, step_warnings, storage, writes
 from keel.executor.collector import no_cycle_collection
 from keel.executor.replicas import replica_index, wait_for_replicas
 from keel.executor.status import HOST, keel_path
@@ -146,8 +146,7 @@ def _crash_stacks_into(log: _LazyLog):
 
 
 def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = False, watch: bool = False,
-                 whole_process: bool = False, prefix: str | None = None,
-                 cluster_lease: tuple[str, tuple[int, str, float]] | None = None) -> None:
+                 whole_process: bool = False, prefix: str | None = None) -> None:
     """Run one step: its outputs land under `output_path`, its log in `.keel/log.txt`.
 
     With `in_launcher` (in-process steps of a local run) the log file is created on the step's
@@ -159,15 +158,9 @@ def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = Fals
     `whole_process` watches every thread of this process, which runs only this step (an isolated
     step's child), not just the calling thread, lets `warn()` from any of its threads record on this
     step (`step_warnings.py`) and sends every thread's output to the step's log (`logs.capture`).
-    A cluster job gets `cluster_lease`: its name and the launcher's lease, which its first replica
-    renews while the step runs (`lease.keep_alive`), so the launcher's death frees it only then.
     """
     storage.make_folder(output_path)
     replica = replica_index()
-    if cluster_lease is not None and replica == 0:
-        job, held = cluster_lease
-        with lease.keep_alive(output_path, held, job):
-            return run_step_job(fn, resolved_config, output_path, in_launcher, watch, whole_process, prefix)
     if replica == 0 and not in_launcher:  # a child process's host (the driver's) or a cluster worker's
         storage.write_atomic(keel_path(output_path, HOST), socket.gethostname())
     target = log_url(output_path) if replica == 0 else keel_path(output_path, f"log.replica{replica}.txt")

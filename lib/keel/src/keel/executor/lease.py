@@ -8,10 +8,8 @@ belongs to a dead launcher and may be superseded by the next epoch; so does one 
 this host under a pid that no longer exists (no need to wait out the timeout). A step that runs in
 a process of its own (`child.py`) has that pid recorded too (`Lease.runs_in`): the lease stays live
 while either process exists, so a launcher killed with -9 is not taken over while its step's process
-still writes the output. A step sent to a cluster renews its launcher's lease from the job itself
-(`Lease.runs_on_cluster`, `keep_alive`), so a launcher killed meanwhile is not taken over while the
-job still runs elsewhere: the lease expires only once neither beats. Each lease records its own
-timeout, so every reader judges expiry the same way. Release deletes the holder's own epoch file (never a newer one, so a slow holder that was
+still writes the output. Each lease records its own timeout, so every reader judges expiry the same
+way. Release deletes the holder's own epoch file (never a newer one, so a slow holder that was
 superseded cannot free its successor's lease). A holder that was suspended (SIGSTOP, a paused VM)
 past the timeout may have been superseded: its heartbeat stops renewing once a newer epoch exists,
 and `Lease.taken_over` tells the launcher, before it records anything, that the step is no longer
@@ -72,8 +70,6 @@ class LeaseInfo:
     timeout: float
     child: int | None = None
     """The pid of the process the step runs in, when not the owner's (an isolated step's)."""
-    job: str | None = None
-    """The cluster job the step runs in, which renews the lease too: the owner's pid says nothing then."""
 
     @property
     def host(self) -> str:
@@ -94,7 +90,7 @@ class LeaseInfo:
 
     def owner_gone(self) -> bool:
         """The owner ran on this host and neither its process nor its step's process exists."""
-        if self.job is not None or self.host != socket.gethostname() or self.pid is None or self.pid == os.getpid():
+        if self.host != socket.gethostname() or self.pid is None or self.pid == os.getpid():
             return False
         return not _exists(self.pid) and (self.child is None or not _exists(self.child))
 
@@ -108,8 +104,7 @@ class LeaseInfo:
             return f"{self.who} (that process is gone; taking over now)"
         left = self.timeout - age
         when = f"takeover in {left:.0f}s unless it heartbeats" if left > 0 else "expired; taking over now"
-        step = (f", its step in pid {self.child}" if self.child is not None else
-                f", its step in cluster job {self.job}" if self.job is not None else "")
+        step = f", its step in pid {self.child}" if self.child is not None else ""
         return f"{self.who}{step}, last heartbeat {age:.0f}s ago ({when})"
 
 
@@ -150,10 +145,9 @@ def current_lease(output_path: str) -> LeaseInfo | None:
         return LeaseInfo(epoch, "?", _created(_lease_url(output_path, epoch)), EMPTY_LEASE_S)
     try:
         record = json.loads(text)
-        child, job = record.get("child"), record.get("job")
+        child = record.get("child")
         return LeaseInfo(epoch, str(record["owner"]), float(record["heartbeat"]), float(record["timeout"]),
-                         child if isinstance(child, int) and not isinstance(child, bool) else None,
-                         job if isinstance(job, str) else None)
+                         child if isinstance(child, int) and not isinstance(child, bool) else None)
     except (ValueError, KeyError, TypeError):  # not a lease keel wrote (torn, or edited): expired, so taken over
         return LeaseInfo(epoch, f"unreadable lease {_lease_url(output_path, epoch)}", 0.0, 0.0)
 
@@ -170,7 +164,6 @@ class Lease:
         self._released = False
         self._superseded = False
         self._child: int | None = None
-        self._job: str | None = None
 
     def heartbeat(self) -> None:
         """Renew the lease, unless a newer epoch superseded it (this holder was suspended past its
@@ -183,8 +176,7 @@ class Lease:
                 _HEARTBEATS.discard(self)
                 return
             record = {"owner": self.owner, "heartbeat": time.time(), "timeout": self.timeout,
-                      **({"child": self._child} if self._child is not None else {}),
-                      **({"job": self._job} if self._job is not None else {})}
+                      **({"child": self._child} if self._child is not None else {})}
             storage.write_atomic(_lease_url(self.output_path, self.epoch), json.dumps(record))
 
     def runs_in(self, child: int | None) -> None:
@@ -193,14 +185,6 @@ class Lease:
         self._child = child
         with contextlib.suppress(OSError):
             self.heartbeat()
-
-    def runs_on_cluster(self, job: str | None) -> tuple[int, str, float] | None:
-        """Record that the step now runs in cluster job `job` (None: no longer), which renews the
-        lease from where it runs; returns what the job needs to (`keep_alive`'s `held`)."""
-        self._job = job
-        with contextlib.suppress(OSError):
-            self.heartbeat()
-        return None if job is None else (self.epoch, self.owner, self.timeout)
 
     def taken_over(self) -> str | None:
         """Who holds the step's lease now, when it is no longer this one (None while it is): a
@@ -236,23 +220,6 @@ def try_acquire(output_path: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[L
         return None, current_lease(output_path)
     _HEARTBEATS.add(lease, timeout)
     return lease, current
-
-
-@contextlib.contextmanager
-def keep_alive(output_path: str, held: tuple[int, str, float], job: str):
-    """While the block runs (a cluster job's step), renew the launcher's lease `held` (epoch, owner,
-    timeout) from this process, naming `job`: the lease stays live while the job runs, even if the
-    launcher died. It stops at the end, or when a newer lease superseded this one."""
-    epoch, owner, timeout = held
-    lease = Lease(output_path, epoch, owner, timeout)
-    lease._job = job
-    _HEARTBEATS.add(lease, timeout)
-    try:
-        yield
-    finally:
-        _HEARTBEATS.discard(lease)
-        with lease._lock:  # waits out a renewal under way: none lands after the launcher's release
-            lease._released = True
 
 
 class _Heartbeats:

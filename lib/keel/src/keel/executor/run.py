@@ -502,18 +502,13 @@ class Runner:
             from keel.executor.cluster import run_on_cluster
 
             env = _process_env(resolved, processes=step.resources.replicas)
-            held = lease.runs_on_cluster(job_name)  # the job renews it: this launcher's death does not free it
             request = JobRequest(
                 name=job_name,
-                entrypoint=Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path),
-                                                    kwargs={"cluster_lease": (job_name, held)}),
+                entrypoint=Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path)),
                 resources=step.resources.to_fray(),
                 environment=create_environment(env_vars=env) if env else None,
             )
-            try:
-                run_on_cluster(self.cluster, request, step.resources.describe())
-            finally:
-                lease.runs_on_cluster(None)
+            run_on_cluster(self.cluster, request, step.resources.describe())
             return
         if step.isolated:  # never under memory:// (`_refuse_isolated_in_memory`)
             self._run_in_child(step, resolved, output_path, lease, retry)
