@@ -164,7 +164,7 @@ class Mixture:
                     f"component {name!r} has served {served[name]:,} sequences when phase {i + 1} starts (step "
                     f"{self.phases[i + 1].start_step:,}), past the {INT32_READS:,} Levanter's MixtureDataset counts "
                     "in int32 (it would wrap and reread trained data): split the component into several caches, "
-                    "or lengthen the sequences so fewer are read"
+                    "each counted on its own"
                 )
 
     def check_batch_size(self, batch_size: int) -> None:
