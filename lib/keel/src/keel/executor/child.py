@@ -206,9 +206,6 @@ def _install_signal_handlers(launcher: int, workdir: str) -> None:
     signal.signal(PARENT_DEATH_SIGNAL, on_parent_death)
 
 
-PARENT_DEATH_SIGNAL = signal.SIGUSR2
-
-
 def _die_with(launcher: int, workdir: str) -> None:
     """Have the kernel send PARENT_DEATH_SIGNAL when the launcher dies (Linux; elsewhere
     `_watch_launcher` notices within a second), and end now if it died already."""
@@ -222,6 +219,7 @@ def _die_with(launcher: int, workdir: str) -> None:
 
 
 _PR_SET_PDEATHSIG = 1
+PARENT_DEATH_SIGNAL = signal.SIGUSR2  # sent for nothing else (see the module's docstring)
 
 
 _ORPHANED = threading.RLock()  # re-entrant: a second signal may land inside the first one's removal
