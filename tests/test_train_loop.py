@@ -294,25 +294,54 @@ def test_a_non_finite_loss_fails_the_run_naming_the_step(tmp_path):
 
 
 def test_a_tracker_that_cannot_open_does_not_hide_why_the_run_stopped(tmp_path, monkeypatch, caplog):
-    """wandb opens after the first step, or at the end of a run that stopped before it: failing to
-    open then is logged, and the run's own error is the one raised."""
+    """wandb opens after the first step; failing to open in a run that then stops is logged, and
+    the run's own error is the one raised."""
     from train_standin import loop_inputs
 
     from keel.train import loop
 
+    release = threading.Event()
+
     def no_wandb(*args, **kwargs):
+        release.wait(60)
         raise PermissionError("wandb: invalid API key")
+
+    def report_fails_at_step_2(self, done):
+        if done.step == 2:
+            release.set()  # wandb fails to open while the run stops for a reason of its own
+            raise ValueError("step 2's report failed")
+        return report(self, done)
+
+    report = loop._Run._report
+    monkeypatch.setattr(loop, "open_wandb", no_wandb)
+    monkeypatch.setattr(loop._Run, "_report", report_fails_at_step_2)
+    config = TrainConfig(num_steps=6, optimizer=AdamWConfig(lr=1e-2), compute_dtype="float32", **BASE)
+    with pytest.raises(ValueError, match="step 2's report failed"):
+        loop.train(config, loop_inputs(config), str(tmp_path / "tiny_stop-0123abcd89"))
+    assert "the wandb tracker did not finish after the run stopped" in caplog.text
+    assert "wandb: invalid API key" in caplog.text
+
+
+def test_a_run_that_stops_before_its_first_step_does_not_open_wandb(tmp_path, monkeypatch, caplog):
+    """Opening wandb could hold the stop for minutes (`OpenedLater` waits up to 300 s for its
+    service); the run says where its records are instead."""
+    from train_standin import loop_inputs
+
+    from keel.train import loop
+
+    opened = []
 
     def unreadable_validation(self, step, phase):
         raise ValueError("validation split unreadable")
 
-    monkeypatch.setattr(loop, "open_wandb", no_wandb)
+    monkeypatch.setattr(loop, "open_wandb", lambda *args, **kwargs: opened.append(args))
     monkeypatch.setattr(loop._Run, "_evaluate", unreadable_validation)  # step 0's, before the first step
     config = TrainConfig(num_steps=6, optimizer=AdamWConfig(lr=1e-2), compute_dtype="float32", **BASE)
+    out = str(tmp_path / "tiny_stop-0123abcd89")
     with pytest.raises(ValueError, match="validation split unreadable"):
-        loop.train(config, loop_inputs(config), str(tmp_path / "tiny_stop-0123abcd89"))
-    assert "the wandb tracker did not finish after the run stopped" in caplog.text
-    assert "wandb: invalid API key" in caplog.text
+        loop.train(config, loop_inputs(config), out)
+    assert opened == []
+    assert f"wandb was not opened: the run stopped before its first step; its records are in {out}/{METRICS_FILE}" in caplog.text
 
 
 def test_a_kernel_that_runs_another_capacity_than_planned_stops_the_run_after_its_first_step(tmp_path):

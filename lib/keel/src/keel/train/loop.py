@@ -643,8 +643,14 @@ class _Run:
 
     def _finish_trackers(self, *, stopped: bool) -> None:
         """Finish every tracker. In a run already stopped by an error or an interruption, a tracker
-        that cannot finish (wandb failing to open) is logged, not raised: it would hide the reason."""
+        that cannot finish (wandb failing to open) is logged, not raised: it would hide the reason.
+        A stopped run that never reached its first step does not open wandb at all: its service could
+        hold the stop for minutes, and every record it would get is in the metrics file."""
         for tracker in self.trackers:
+            if stopped and tracker is self.wandb and not self.wandb.started:
+                logger.warning("wandb was not opened: the run stopped before its first step; its records are in %s",
+                               os.path.join(self.output_path, METRICS_FILE))
+                continue
             try:
                 tracker.finish()
             except Exception:

@@ -247,6 +247,11 @@ class OpenedLater(Tracker):
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
+    @property
+    def started(self) -> bool:
+        """Whether anything asked it to open (the loop does after its first step)."""
+        return self._thread is not None
+
     def open(self) -> None:
         """Start opening (once); calls until it has opened are queued."""
         if self._thread is None:
