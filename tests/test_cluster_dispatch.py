@@ -388,6 +388,34 @@ def test_ctrl_c_terminates_a_step_running_on_the_cluster(tmp_path, iris):
     assert not _alive(pid), "the job's process is still running"
 
 
+def beat_then_hang(config: SleepConfig) -> None:
+    from keel.executor import heartbeat
+
+    Path(config.pid_file).write_text(str(os.getpid()))
+    for step in range(3):
+        heartbeat.beat(step)
+        time.sleep(0.5)
+    time.sleep(config.seconds)  # a hung collective: no more beats
+
+
+def test_a_cluster_job_silent_past_its_progress_timeout_is_terminated(tmp_path, iris):
+    pid_file = tmp_path / "pid"
+    step = Step("t/hangs", beat_then_hang, SleepConfig(300.0, str(pid_file)), resources=Resources.with_cpu(),
+                isolated=True, progress_timeout_s=5)
+    started = time.monotonic()
+    report = run_steps([step], str(tmp_path / "out"), cluster=iris[1], echo=QUIET)
+    assert time.monotonic() - started < 150, "waited on the hung job rather than its heartbeat"
+    assert [s.step for s in report.interrupted] == ["t/hangs"], report  # no preemption retries declared: resume by hand
+    output = Graph([step], str(tmp_path / "out")).path(step)
+    status = read_status(output)
+    assert status.state == "INTERRUPTED" and "no progress for" in status.error and "was terminated" in status.error, status
+    assert Path(keel_path(output, "heartbeat")).read_text().startswith("2 ")  # the job's beats reached the shared store
+    pid, deadline = int(pid_file.read_text()), time.monotonic() + 120
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "the hung job's process is still running"
+
+
 def test_concurrent_launchers_run_each_step_once(tmp_path, cluster, iris):
     """Three `keel run` processes on overlapping graphs (with `--cluster` for iris)."""
     flags = ["--cluster", iris[0]] if cluster is not None else []

@@ -162,3 +162,25 @@ def test_a_crashed_step_with_remote_outputs_still_gets_its_log(tmp_path):
     assert "step output before the crash" in text and "Fatal Python error: Segmentation fault" in text, text
     assert re.search(r'File "<string>", line \d+ in crash\n', text), text
     assert not workdir.exists()
+
+
+def test_a_heartbeat_on_an_object_store_is_written_at_most_every_few_seconds_and_read_by_its_age(monkeypatch):
+    """A cluster job beats on the shared store (`gs://`, here `memory://`), which takes about one
+    write per object per second: a training step's beats are thinned to one per REMOTE_BEAT_S, and
+    the launcher reads the beat's age from the store's own time."""
+    import time
+
+    from keel.executor import heartbeat, storage
+
+    target = "memory://supervision/heartbeat-thinned/.keel/heartbeat"
+    monkeypatch.setenv(heartbeat.ENV, target)
+    monkeypatch.setattr(heartbeat, "_last_remote_beat", 0.0)
+    started = time.time()
+    for step in range(50):  # fast steps: only the first lands within REMOTE_BEAT_S
+        heartbeat.beat(step)
+    assert storage.read_text(target).split()[0] == "0"
+    assert heartbeat.seconds_since(target, started - 60, time.time()) < 5  # it just beat
+    assert heartbeat.seconds_since(target, started - 60, time.time() + 600) > 590  # silent for ten minutes
+    monkeypatch.setattr(heartbeat, "_last_remote_beat", time.monotonic() - heartbeat.REMOTE_BEAT_S)
+    heartbeat.beat(50)
+    assert storage.read_text(target).split()[0] == "50"

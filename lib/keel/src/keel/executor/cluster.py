@@ -20,7 +20,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from keel.executor import interrupt
+from keel.executor import heartbeat, interrupt
 
 LOG_TAIL_LINES = 30
 HEALTH_TIMEOUT_S = 5.0
@@ -50,6 +50,10 @@ class NoProject(FileNotFoundError):
 
 class ClusterJobFailed(RuntimeError):
     """A step's cluster job failed, or the cluster refused it; the message carries the job's log tail."""
+
+
+class ClusterJobStalled(RuntimeError):
+    """A step's cluster job beat no heartbeat for its `progress_timeout_s`, and was terminated."""
 
 
 def in_iris_job() -> bool:
@@ -113,8 +117,10 @@ def check_reachable(url: str) -> None:
     )
 
 
-def run_on_cluster(client, request, resources: str) -> None:
-    """Submit `request` and wait for it; any failure becomes `ClusterJobFailed`.
+def run_on_cluster(client, request, resources: str, beat: str | None = None, timeout_s: float | None = None) -> None:
+    """Submit `request` and wait for it; any failure becomes `ClusterJobFailed`. With `beat` (the
+    heartbeat the job writes on the shared store) and `timeout_s`, a job silent for longer (a hung
+    collective, a wedged host) is terminated: `ClusterJobStalled`.
 
     A request the cluster cannot place (no scaling group offers the device) fails here, at submit,
     before anything waits on it. A job that fails brings back the tail of its log. An interrupted
@@ -129,9 +135,9 @@ def run_on_cluster(client, request, resources: str) -> None:
     with _LIVE_LOCK:
         _LIVE_JOBS.add(handle)
     try:
-        _wait_until_finished(handle)
+        _wait_until_finished(handle, beat, timeout_s)
         handle.wait(raise_on_failure=True)  # finished: returns at once, or raises as fray does on a failure
-    except interrupt.StepInterrupted:
+    except (interrupt.StepInterrupted, ClusterJobStalled):
         raise
     except Exception as exc:  # noqa: BLE001 - JobFailedError, JobFailed, timeouts: one error for all
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -167,17 +173,28 @@ _LIVE_JOBS: set = set()
 _LIVE_LOCK = threading.Lock()
 
 
-def _wait_until_finished(handle) -> None:
+def _wait_until_finished(handle, beat: str | None = None, timeout_s: float | None = None) -> None:
     """Poll the job's state, 0.1 s apart at first, growing to STATE_POLL_MAX_S, until it ends or
     the run is interrupted (which terminates it). A controller that does not answer is asked again
-    (the interruption still checked between tries) for up to UNANSWERED_S, then the step fails."""
+    (the interruption still checked between tries) for up to UNANSWERED_S, then the step fails.
+    The heartbeat `beat`, when given, is read every quarter of `timeout_s` (at least once a minute),
+    and a job silent for longer is terminated."""
     from fray.types import JobStatus
 
     interval, unanswered_since = 0.1, None
+    started, beat_read = time.time(), time.monotonic()
     while True:
         if interrupt.requested():
             problem = _terminate(handle)
             raise interrupt.StepInterrupted(problem or f"the run was interrupted: cluster job {handle.job_id} was terminated")
+        if beat and timeout_s and time.monotonic() - beat_read >= min(timeout_s / 4, 60.0):
+            beat_read = time.monotonic()
+            silent = heartbeat.seconds_since(beat, started, time.time())
+            if silent > timeout_s:
+                problem = _terminate(handle)
+                raise ClusterJobStalled(f"no progress for {silent:.0f}s (progress_timeout_s={timeout_s:g}): its heartbeat "
+                                        f"{beat} stopped, so cluster job {handle.job_id} was terminated"
+                                        + (f"; {problem}" if problem else ""))
         try:
             if JobStatus.finished(handle.status()):
                 return

@@ -7,6 +7,10 @@ lease alive through the launcher, so nothing else would ever notice it. The file
 Levanter's (`levanter.recovery.detection.touch_heartbeat`: "<step> <time>", replaced whole, so its
 supervisor could watch a keel step too); it is written here because that module imports jax, which
 a step that beats need not load. The launcher only reads the file's mtime.
+
+A step on a cluster beats into its output's `.keel/heartbeat` on the shared store, which its
+launcher reads a few times per timeout (`keel.executor.cluster`). An object store takes one write
+per object per second or so, so a beat there waits REMOTE_BEAT_S after the last one.
 """
 
 from __future__ import annotations
@@ -21,6 +25,11 @@ ENV = "KEEL_HEARTBEAT"
 
 FILE = "heartbeat"
 
+REMOTE_BEAT_S = 2.0
+"""Least seconds between two beats written to an object store."""
+
+_last_remote_beat = 0.0
+
 
 def path() -> str | None:
     """The heartbeat file this process should touch, or None when nobody watches it."""
@@ -29,16 +38,24 @@ def path() -> str | None:
 
 def beat(step: int) -> None:
     """Say "still making progress, at `step`" when the launcher watches this process; else nothing."""
+    global _last_remote_beat
     target = path()
     if target is None:
         return
-    storage.replace_local(target, f"{step} {time.time()}\n".encode())
+    data = f"{step} {time.time()}\n".encode()
+    if storage.is_local(target):
+        storage.replace_local(storage.split(target)[1], data)
+    elif time.monotonic() - _last_remote_beat >= REMOTE_BEAT_S:
+        storage.write_atomic(target, data)
+        _last_remote_beat = time.monotonic()
 
 
 def seconds_since(heartbeat: str, started: float, now: float) -> float:
-    """Seconds since the last beat, or since `started` (wall clock) when there was none yet."""
+    """Seconds since the last beat (a local path or a store's URL), or since `started` (wall clock)
+    when there was none yet."""
     try:
-        last = os.stat(heartbeat).st_mtime
+        fs, where = storage.split(heartbeat)
+        last = fs.modified(where).timestamp() if not storage.is_local(heartbeat) else os.stat(where).st_mtime
     except FileNotFoundError:
         last = started
     return now - max(last, started)

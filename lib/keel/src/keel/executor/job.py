@@ -24,7 +24,7 @@ import tempfile
 import threading
 import traceback
 
-from keel.executor import interrupt, logs, step_warnings, storage, writes
+from keel.executor import heartbeat, interrupt, logs, step_warnings, storage, writes
 from keel.executor.collector import no_cycle_collection
 from keel.executor.replicas import replica_index, wait_for_replicas
 from keel.executor.status import HOST, keel_path
@@ -146,7 +146,7 @@ def _crash_stacks_into(log: _LazyLog):
 
 
 def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = False, watch: bool = False,
-                 whole_process: bool = False, prefix: str | None = None) -> None:
+                 whole_process: bool = False, prefix: str | None = None, heartbeat_at: str | None = None) -> None:
     """Run one step: its outputs land under `output_path`, its log in `.keel/log.txt`.
 
     With `in_launcher` (in-process steps of a local run) the log file is created on the step's
@@ -158,7 +158,12 @@ def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = Fals
     `whole_process` watches every thread of this process, which runs only this step (an isolated
     step's child), not just the calling thread, lets `warn()` from any of its threads record on this
     step (`step_warnings.py`) and sends every thread's output to the step's log (`logs.capture`).
+    A cluster job of a step declaring `progress_timeout_s` gets `heartbeat_at`, where it beats on
+    the shared store: an argument, not an environment variable, because a cluster may rewrite the
+    job's environment (a local Iris worker maps the paths under /tmp in it into its sandbox).
     """
+    if heartbeat_at is not None:
+        os.environ[heartbeat.ENV] = heartbeat_at
     storage.make_folder(output_path)
     replica = replica_index()
     if replica == 0 and not in_launcher:  # a child process's host (the driver's) or a cluster worker's

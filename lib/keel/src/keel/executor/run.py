@@ -499,16 +499,21 @@ class Runner:
 
         job_name = cluster_job_name(step.name, output_path, attempt)
         if step.resources is not None and self.cluster is not None:
-            from keel.executor.cluster import run_on_cluster
+            from keel.executor.cluster import ClusterJobStalled, run_on_cluster
 
             env = _process_env(resolved, processes=step.resources.replicas)
+            beat = keel_path(output_path, heartbeat.FILE) if step.progress_timeout_s else None  # on the shared store
             request = JobRequest(
                 name=job_name,
-                entrypoint=Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path)),
+                entrypoint=Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path),
+                                                    kwargs={"heartbeat_at": beat}),
                 resources=step.resources.to_fray(),
                 environment=create_environment(env_vars=env) if env else None,
             )
-            run_on_cluster(self.cluster, request, step.resources.describe())
+            try:
+                run_on_cluster(self.cluster, request, step.resources.describe(), beat, step.progress_timeout_s)
+            except ClusterJobStalled as stalled:
+                raise StepPreempted(str(stalled)) from None
             return
         if step.isolated:  # never under memory:// (`_refuse_isolated_in_memory`)
             self._run_in_child(step, resolved, output_path, lease, retry)
