@@ -170,3 +170,78 @@ def test_a_dependency_with_another_function_under_a_reused_name_is_refused_end_t
     a, b = Step("gen", scaled, Cfg(1)), Step("gen", other, Cfg(1))
     with pytest.raises(StepDeclarationError, match="two different steps are named 'gen'"):
         run_steps([Step("use", quiet, Pair(output_of(a), output_of(b)), no_outputs=True)], str(tmp_path), echo=lambda _: None)
+
+
+def scale_maker(scale: int):
+    def make(config: Cfg) -> None:
+        write(config.output_path, str(config.n * scale))
+    return make
+
+
+LAMBDAS = [lambda config, k=k: write(config.output_path, str(config.n * k)) for k in (2, 10)]
+
+
+@pytest.mark.parametrize("made", [scale_maker, lambda k: LAMBDAS[(2, 10).index(k)]], ids=["closure", "lambda-default"])
+def test_functions_of_one_source_that_read_other_values_are_other_work(tmp_path, made):
+    """A sweep's functions made by one maker share their source: the closure's cell or the lambda's
+    default says which work each did."""
+    prefix = str(tmp_path)
+    assert run_steps([Step("sweep/scale2", made(2), Cfg(3))], prefix, echo=lambda _: None).ok
+    [other_scale] = plan_graph(Graph([Step("sweep/scale10", made(10), Cfg(3))], prefix))
+    assert other_scale.state == RUN and other_scale.reused_from is None
+    [same_scale] = plan_graph(Graph([Step("again/scale2", made(2), Cfg(3))], prefix))
+    assert same_scale.state == CACHED and same_scale.reused_from == "sweep/scale2"
+    assert code.fingerprint(scale_maker(object())) is None  # a cell with no canonical encoding: never reused
+
+
+EXPERIMENT = '''
+import logging
+import os
+from dataclasses import dataclass
+
+from keel import Step, this_output
+
+logger = logging.getLogger("experiment")
+SCALE = {scale}
+
+
+@dataclass(frozen=True)
+class C:
+    n: int
+    output_path: str = this_output()
+
+
+def scaled(n):
+    return n * SCALE
+
+
+def make(config: C) -> None:
+    logger.info("making")
+    os.makedirs(config.output_path, exist_ok=True)
+    with open(os.path.join(config.output_path, "out.txt"), "w") as f:
+        f.write(str({call}))
+
+
+step = Step("{name}", make, C(3))
+'''
+
+
+def _experiment(tmp_path, name: str, scale: int, call: str = "config.n * SCALE") -> Step:
+    """A step declared in an experiment file, loaded as `keel run` loads one: as `__main__`."""
+    import runpy
+
+    path = tmp_path / f"{name.replace('/', '_')}_{scale}_{abs(hash(call))}.py"
+    path.write_text(EXPERIMENT.format(scale=scale, name=name, call=call))
+    return runpy.run_path(str(path), run_name="__main__")["step"]
+
+
+@pytest.mark.parametrize("call", ["config.n * SCALE", "scaled(config.n)"], ids=["global", "helper-reading-a-global"])
+def test_two_experiment_files_whose_function_reads_another_global_are_other_work(tmp_path, call):
+    prefix = str(tmp_path / "out")
+    first = _experiment(tmp_path, "a/numbers", 2, call)
+    assert code.fingerprint(first.fn) is not None  # a logger global is read by its type: still reusable
+    assert run_steps([first], prefix, echo=lambda _: None).ok
+    [other_scale] = plan_graph(Graph([_experiment(tmp_path, "b/numbers", 10, call)], prefix))
+    assert other_scale.state == RUN and other_scale.reused_from is None
+    [same_scale] = plan_graph(Graph([_experiment(tmp_path, "c/numbers", 2, call)], prefix))
+    assert same_scale.state == CACHED and same_scale.reused_from == "a/numbers"

@@ -89,7 +89,7 @@ class Identities:
         return found
 
     def content_hash(self, step: Step | External) -> str:
-        """The hash of the work a step does, whatever its name: its function (by name and source:
+        """The hash of the work a step does, whatever its name: its function (by name and `code.fingerprint`:
         every experiment file's own functions are `__main__.<name>`, so the name alone would make two
         files' `make` the same work), config (with each dependency by its content hash) and input
         files; an External by its path, version and files."""
