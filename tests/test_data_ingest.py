@@ -50,6 +50,40 @@ def test_each_record_format_is_ingested_with_its_text_field(tmp_path, suffix):
         assert doc_id in {d.id for d in iter_documents(out, expected)}
 
 
+def test_a_zst_file_of_several_frames_is_read_to_its_end(tmp_path):
+    records = [{"text": f"document {i} " * 50} for i in range(3000)]
+    frames = b"".join(zstandard.compress(_jsonl(records[i:i + 700])) for i in range(0, 3000, 700))  # concatenated
+    (tmp_path / "many.jsonl.zst").write_bytes(frames)
+    out = _ingest(tmp_path, inputs=(str(tmp_path / "many.jsonl.zst"),), validation_fraction=0.0)
+    assert len(_all_documents(out)) == 3000
+
+
+def _cut(data: bytes) -> bytes:
+    return data[: len(data) // 2]  # an interrupted download
+
+
+@pytest.mark.parametrize("suffix, write", [
+    (".jsonl.gz", lambda path, raw: path.write_bytes(_cut(gzip.compress(raw)))),
+    (".jsonl.zst", lambda path, raw: path.write_bytes(_cut(zstandard.compress(raw)))),
+    (".parquet", lambda path, raw: path.write_bytes(_cut(_parquet_bytes(raw)))),
+])
+def test_an_input_file_cut_short_fails_the_step_naming_the_file(tmp_path, suffix, write):
+    """zstd's stream reader read a cut `.zst` as a shorter file: 1,417 of 3,000 records were kept,
+    the cut line was one bad record of many, and the step succeeded."""
+    raw = _jsonl({"text": f"document {i} " * 20} for i in range(3000))
+    path = tmp_path / f"cut{suffix}"
+    write(path, raw)
+    with pytest.raises(RuntimeError, match=rf"{path} could not be read \(.*\); fetch or write it again, or leave it out"):
+        _ingest(tmp_path, inputs=(str(path),), validation_fraction=0.0)
+    assert not (tmp_path / "out" / "documents.json").exists()
+
+
+def _parquet_bytes(raw: bytes) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist([json.loads(line) for line in raw.splitlines()]), sink)
+    return sink.getvalue().to_pybytes()
+
+
 def test_txt_files_are_one_document_each_from_a_sorted_glob(tmp_path):
     (tmp_path / "in" / "sub").mkdir(parents=True)
     (tmp_path / "in" / "b.txt").write_text("bee")
@@ -140,6 +174,17 @@ def test_parquet_text_that_is_not_utf8_is_repaired_or_skipped_as_declared(tmp_pa
     skipped = _ingest(tmp_path, "skipped", inputs=inputs, validation_fraction=0.0, on_decode_error="skip", max_bad_fraction=0.5)
     assert list(_all_documents(skipped).values()) == ["good text", "more good"]
     assert read_index(skipped)["bad_records"]["examples"][0].startswith(f"{tmp_path}/p.parquet:2: not valid UTF-8")
+
+
+@pytest.mark.parametrize("name, data, why", [
+    ("small.jsonl", _jsonl([{"body": "one record"}]), "missing text field 'text'"),
+    ("note.txt", "UTF-16 text\n".encode("utf-16-le"), "not text"),
+], ids=["one-record-jsonl", "binary-txt"])
+def test_a_file_of_one_record_that_is_skipped_fails_the_step_too(tmp_path, name, data, why):
+    (tmp_path / "notes.txt").write_text("".join(f"note {i}\n" for i in range(5000)))
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(BadRecordError, match=rf"the only record of .*{name} was skipped \(1 {why}"):
+        _ingest(tmp_path, inputs=(str(tmp_path / "notes.txt"), str(tmp_path / name)), validation_fraction=0.0)
 
 
 def test_a_file_whose_every_record_is_skipped_fails_even_when_other_inputs_dilute_the_share(tmp_path):

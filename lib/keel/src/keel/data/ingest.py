@@ -284,10 +284,49 @@ def _text_of(record, text_field: str) -> tuple[str | None, str, str]:
     return text, "", ""
 
 
+class _Zstd(io.RawIOBase):
+    """A `.zst` file's decompressed bytes, frame after frame, raising at its end when the last frame
+    is incomplete (a download cut short). `zstandard`'s stream reader, which fsspec opens, reads such
+    a file as a shorter one: 1,417 of 3,000 records were ingested, and the step succeeded."""
+
+    def __init__(self, raw, url: str):
+        import zstandard
+
+        self._raw, self._url, self._context = raw, url, zstandard.ZstdDecompressor()
+        self._frame, self._in_frame, self._ready = self._context.decompressobj(), False, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._ready:
+            data = self._raw.read(1 << 20)
+            if not data:
+                if self._in_frame:
+                    raise EOFError("it ends inside a zstd frame: cut short (an interrupted download or copy?)")
+                return 0
+            self._ready = self._decompress(data)
+        n = min(len(buffer), len(self._ready))
+        buffer[:n], self._ready = self._ready[:n], self._ready[n:]
+        return n
+
+    def _decompress(self, data: bytes) -> bytes:
+        out = []
+        while data:
+            self._in_frame = True
+            out.append(self._frame.decompress(data))
+            if not self._frame.eof:
+                break
+            data, self._frame, self._in_frame = self._frame.unused_data, self._context.decompressobj(), False
+        return b"".join(out)
+
+
 def _read_jsonl(file: InputFile, config: IngestConfig, log: RecordLog) -> Iterator[Document]:
-    # fsspec decompresses as the suffix says (gzip for .gz, zstd for .zst); the buffered reader gives
-    # every format's stream line iteration (fsspec's zstd stream, from `zstandard`, has none)
-    with fsspec.open(file.url, "rb", compression="infer") as f, io.BufferedReader(f) as stream:
+    # fsspec decompresses .gz (whose reader raises on a cut file); .zst is read by `_Zstd`, which does
+    # too. The buffered reader gives every format's stream line iteration.
+    compression = None if file.url.endswith(".zst") else "infer"
+    with fsspec.open(file.url, "rb", compression=compression) as f, \
+            io.BufferedReader(_Zstd(f, file.url) if compression is None else f) as stream:
         for line_number, raw in enumerate(stream, start=1):
             if line_number == 1:
                 raw = raw.removeprefix(BOM)
@@ -362,6 +401,22 @@ def _read_parquet(file: InputFile, config: IngestConfig, log: RecordLog) -> Iter
                 yield Document(f"{file.id_prefix}:{row}", text)
 
 
+class BadInputFileError(RuntimeError):
+    """An input file that cannot be read to its end (cut short, corrupt)."""
+
+
+def _unreadable() -> tuple[type[BaseException], ...]:
+    """The errors of a file cut short or corrupt, as gzip, zstd and Parquet raise them (imported
+    when one is raised: `keel plan` reads this module)."""
+    import gzip
+    import zlib
+
+    import pyarrow as pa
+    import zstandard
+
+    return EOFError, gzip.BadGzipFile, zlib.error, zstandard.ZstdError, pa.ArrowInvalid
+
+
 def _read_files(config: IngestConfig, files: list[InputFile], log: RecordLog) -> Iterator[Document]:
     """Every file's documents. A file whose every record was skipped (a wrong `text_field`, say) fails
     the step even when the share `max_bad_fraction` bounds is small: the other inputs' records dilute
@@ -371,17 +426,17 @@ def _read_files(config: IngestConfig, files: list[InputFile], log: RecordLog) ->
     for file in files:
         fmt = _format_of(file.url)
         looked, before = log.records, log.skipped_counts()
-        if fmt == ".txt":
-            yield from _read_txt(file, config, log)
-        elif fmt == ".parquet":
-            yield from _read_parquet(file, config, log)
-        else:
-            yield from _read_jsonl(file, config, log)
+        read = _read_txt if fmt == ".txt" else _read_parquet if fmt == ".parquet" else _read_jsonl
+        try:
+            yield from read(file, config, log)
+        except _unreadable() as exc:  # raised without the file's name
+            raise BadInputFileError(f"{file.url} could not be read ({type(exc).__name__}: {exc}); fetch or write it "
+                                    "again, or leave it out of IngestConfig.inputs") from exc
         looked = log.records - looked
         kinds = {kind: n - before.get(kind, 0) for kind, n in log.skipped_counts().items() if n > before.get(kind, 0)}
-        if looked > 1 and sum(kinds.values()) == looked and config.max_bad_fraction < 1:
-            emptied.append(f"every one of the {looked:,} records of {file.url} was skipped "
-                           f"({', '.join(f'{n:,} {kind}' for kind, n in kinds.items())})")
+        if looked and sum(kinds.values()) == looked and config.max_bad_fraction < 1:
+            records = f"every one of the {looked:,} records" if looked > 1 else "the only record"
+            emptied.append(f"{records} of {file.url} was skipped ({', '.join(f'{n:,} {kind}' for kind, n in kinds.items())})")
     if emptied:
         log.check()  # over the share: its message, which names the first record of each kind, comes first
         raise BadRecordError(f"{'; '.join(emptied)}: the other inputs' records kept the share under "
