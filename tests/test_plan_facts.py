@@ -222,12 +222,14 @@ def test_the_ring_holds_expert_rows_for_every_gathered_assignment():
     """The ring gathers the tokens of its expert_parallel shards and its kernel sizes each device's
     buffers to all of their assignments (`kernel_capacity_factor`): expert_parallel times the rows
     of a transport at capacity 1.0."""
-    def intermediates(phase):
+    def layer(phase):  # one layer's activations at the backward's peak, the received rows (the buffer) included
         sheet = fact_sheet(hero_config(transports=(phase,)))
-        return sheet["memory"]["phases"][0]["transient_gb"]["expert_intermediates"]
+        return sheet["memory"]["phases"][0]["transient_gb"]["layer_activations"] + sheet["all_to_all"][0]["buffer_gb_per_layer"]
 
-    ring, even = intermediates(TransportPhase(0, "ring")), intermediates(TransportPhase(0, "fixed_all_to_all", capacity_factor=1.0))
-    assert ring == pytest.approx(even * hero_config().topology.expert_parallel)
+    ring, even = layer(TransportPhase(0, "ring")), layer(TransportPhase(0, "fixed_all_to_all", capacity_factor=1.0))
+    model, ep = hero_config().model, hero_config().topology.expert_parallel
+    expert_rows = 16 * 4096 * model.experts_per_token * (3 * model.expert_dim + model.expert_input_dim) * 2 / 1e9  # at 1.0
+    assert ring - even == pytest.approx((ep - 1) * expert_rows)
 
 
 def test_a_run_that_declares_no_claims_prints_none(hero):

@@ -7,6 +7,8 @@ import pytest
 
 from defaults.hardware import gb200_nvl72
 from keel.plan import check_fits, fact_sheet, render_fact_sheet
+from keel.plan.peak import layer_activations_per_token
+from keel.spec.resolved import resolve
 from keel.spec import PlanError
 from test_plan_facts import hero_config
 from test_plan_hero import HERO, _keel
@@ -23,10 +25,19 @@ def test_the_hero_peak_is_its_state_plus_named_transients_and_fits_with_headroom
     t = launch["transient_gb"]
     assert t["all_to_all_buffers"] == pytest.approx(2 * pooled["buffer_gb_per_layer"])  # send and receive
     rows = 16 * 4096 * 8 * 1.15  # the receive buffer: capacity x the even share of a GPU's assignments
-    assert t["expert_intermediates"] == pytest.approx(3 * rows * 3072 * 2 / 1e9)
+    assert pooled["buffer_gb_per_layer"] == pytest.approx(rows * 3072 * 2 / 1e9)
+    # the backward computes the layer's forward again: all of it is live, but the received rows are the buffer
+    whole_layer = 16 * 4096 * sum(layer_activations_per_token(hero_config().model, 1.15).values()) * 2 / 1e9
+    assert t["layer_activations"] == pytest.approx(whole_layer - pooled["buffer_gb_per_layer"])
+    assert t["layer_activations"] > 3 * rows * 3072 * 2 / 1e9 + 10  # far beyond the experts' gate, up and product
     assert t["gathered_weights"] == pytest.approx(3 * 6144 * 128_256 * 2 / 1e9)  # lm_head: the largest FSDP leaf
+    elements = resolve(hero_config()).newton_schulz_elements_per_device()
+    assert launch["update_gb"] == {"newton_schulz_loop": pytest.approx(elements * (4 * 2 + 2 * 4) / 1e9)}
     for phase in m["phases"]:
-        assert phase["peak_gb"] == pytest.approx(phase["step_peak_gb"] + sum(phase["transient_gb"].values()))
+        assert phase["backward_peak_gb"] == pytest.approx(phase["step_peak_gb"] + sum(phase["transient_gb"].values()))
+        assert phase["update_peak_gb"] == pytest.approx(
+            phase["step_peak_gb"] - m["parts_gb"]["saved_residuals"] + phase["update_gb"]["newton_schulz_loop"])
+        assert phase["peak_in"] == "backward" and phase["peak_gb"] == phase["backward_peak_gb"] > phase["update_peak_gb"]
         assert phase["fits"] and phase["headroom_gb"] == pytest.approx(192 - phase["peak_gb"])
         assert phase["host_fits"] and phase["host_per_host_gb"] == pytest.approx(4 * phase["host_gb"])
     assert hero["verdict"] == {"fits": True, "problems": [], "enforced": True}
@@ -75,3 +86,24 @@ def test_vanilla_attention_holds_its_fp32_scores_and_probabilities_at_the_peak(h
     assert "103.1 GB vanilla attention scores and probabilities" in render_fact_sheet(sheet)
     with pytest.raises(PlanError, match="over the 192 GB HBM"):
         check_fits([sheet])
+
+
+def test_the_update_is_the_peak_when_newton_schulz_gathers_every_matrix_at_once():
+    """The saved residuals are freed once the backward ends; a Newton-Schulz loop allowed to batch
+    every MuonH matrix on a device then holds more than any layer's backward does."""
+    config = hero_config()
+    optimizer = dataclasses.replace(config.train.optimizer, newton_schulz_batch=10**12)
+    sheet = fact_sheet(dataclasses.replace(config, train=dataclasses.replace(config.train, optimizer=optimizer)), "hero/ns")
+    launch = sheet["memory"]["phases"][0]
+    assert launch["peak_in"] == "update" and launch["peak_gb"] == launch["update_peak_gb"] > launch["backward_peak_gb"]
+    assert launch["fits"] is False
+    text = render_fact_sheet(sheet)
+    assert "peak in the update" in text and "(the saved residuals freed) + " in text and "Newton-Schulz loop: DOES NOT FIT" in text
+    with pytest.raises(PlanError, match=r"hero/ns: from step 0 the peak is .* GB per GPU \(in the update\)"):
+        check_fits([sheet])
+
+
+def test_without_remat_the_saved_residuals_hold_the_layer_activations_once():
+    config = hero_config()
+    sheet = fact_sheet(dataclasses.replace(config, train=dataclasses.replace(config.train, remat=False)))
+    assert all(phase["transient_gb"]["layer_activations"] == 0 for phase in sheet["memory"]["phases"])

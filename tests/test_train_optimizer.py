@@ -229,9 +229,9 @@ def test_muonh_step_is_the_same_on_the_rack_mesh(muonh_step):
 
 @pytest.mark.parametrize("newton_schulz_batch", [GroupedOptimizerConfig.newton_schulz_batch, 0])
 def test_newton_schulz_batches_parameters_and_holds_no_more_than_the_plan_says(newton_schulz_batch):
-    """MuonH orthogonalises matrices of one shape and layout in shared loops, each holding at most
-    what `keel plan` prints as `newton_schulz_gathered`, and every logical matrix goes through
-    exactly one loop. With the default `newton_schulz_batch` tiny_moe's matrices of a shape and
+    """MuonH orthogonalises matrices of one shape and layout in shared loops, each carrying at most
+    `ResolvedRun.newton_schulz_bytes_per_device` (the x of the plan's `newton_schulz_loop`), and
+    every logical matrix goes through exactly one loop. With the default `newton_schulz_batch` tiny_moe's matrices of a shape and
     layout all share one loop; with 0 a loop holds at most the largest MuonH parameter gathered
     whole on a device, so groups split, and the largest loop is exactly the plan's figure. Read
     from the update the loop's optimizer traces on tiny_moe's parameters placed as its resolved run

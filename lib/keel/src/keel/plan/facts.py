@@ -27,7 +27,7 @@ from keel.spec.checks import PlanError, mixture_phases
 from keel.spec.resolved import ResolvedRun, resolve
 from keel.spec.dtypes import bytes_of
 from keel.plan.launch import launch
-from keel.plan.peak import transients
+from keel.plan.peak import backward_transients, layer_activations_per_token, update_transients
 from keel.plan.step_time import observed_here, seconds_to, step_time, stretches
 from keel.plan.verdicts import verdict
 from keel.spec.train import CLAIM_FIGURES, TrainStepConfig
@@ -92,8 +92,9 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
     """Bytes per GPU on device and on host, for each stretch of the run (split where the master
     weights come back from the host and at transport switches): the state summed over the
     parameter table (each leaf as placed on the mesh; optimizer state placed like its leaf), the
-    offloaded state the step copies in, and the step's transient buffers (`peak`). "fits" is
-    judged at the peak; the host's share is checked against the host RAM."""
+    offloaded state the step copies in, and the step's transient buffers at its two peaks
+    (`keel.plan.peak`: a layer's backward, the optimizer's update). "fits" is judged at the larger;
+    the host's share is checked against the host RAM."""
     config = run.config
     topo, train, hw, model = config.topology, config.train, config.hardware, config.model
     if topo is None:
@@ -131,14 +132,14 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
         transport = run.transport_at(start)
         a2a = next((r for r in a2a_rows if r["from_step"] == transport.start_step), None)
         rows = kernel_capacity_factor(transport.transport, transport.capacity_factor, topo.expert_parallel)
-        transient = transients(run, a2a, rows, compute)
-        if run.newton_schulz_bytes_per_device():
-            transient["newton_schulz_gathered"] = run.newton_schulz_bytes_per_device() / GB
+        transient, update = backward_transients(run, a2a, rows, compute), update_transients(run)
         host = sum(parts[p] for p in on_host)
         # keel.train.offload copies the host-resident state in for the step's compute: at its
         # peak the device holds it too (it lives on the host between steps).
         state_peak = None if device is None else device + host
-        peak = None if state_peak is None else state_peak + sum(transient.values())
+        backward = None if state_peak is None else state_peak + sum(transient.values())
+        updating = None if state_peak is None or not update else state_peak - parts["saved_residuals"] + sum(update.values())
+        peak = None if backward is None else max(backward, updating or 0.0)
         host_per_host = host * hw.gpus_per_host if hw and hw.gpus_per_host else None
         phases.append({
             "from_step": start,
@@ -150,6 +151,10 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
             "host_gb": host,
             "step_peak_gb": state_peak if on_host else None,
             "transient_gb": transient,
+            "backward_peak_gb": backward,
+            "update_gb": update,
+            "update_peak_gb": updating,
+            "peak_in": None if peak is None else "update" if updating and updating > backward else "backward",
             "peak_gb": peak,
             "headroom_gb": None if hbm is None or peak is None else hbm - peak,
             "fits": None if hbm is None or peak is None else peak <= hbm,
@@ -396,28 +401,6 @@ def _batch_bytes(config: TrainStepConfig, sheet: dict) -> tuple[float, str]:
     return value, (f"{train.tokens_per_step:,} token ids x {TOKEN_ID_BYTES} bytes = {value / 1e6:.4g} MB; "
                    + ("2-byte ids would also do" if two_byte_ok else
                       f"2-byte ids cannot hold a {model.vocab_size:,}-token vocabulary"))
-
-
-def layer_activations_per_token(model, capacity_factor: float) -> dict[str, float]:
-    """Values one token leaves in one layer's forward for its backward (without rematerialisation),
-    by site: the norms and GatedNorms, q/k/v (and the key convolution), the attention output before
-    and after XSA and the gate, the output projection and its convolution; the router logits, the
-    latent projection, every routed expert's gate/up/activation/output over its rows (the token's
-    `experts_per_token` assignments x `capacity_factor`, a fixed-shape transport's padding), the
-    shared experts, the MoE output convolution. A lower bound: attention scores are not kept (a
-    fused kernel recomputes them)."""
-    d, heads, hd = model.hidden_dim, model.num_heads, model.head_dim
-    kv, gate_rank = model.num_kv_heads * hd, model.gated_norm_rank
-    norms = 2 * (d + (gate_rank + d if gate_rank else 0))
-    attention = heads * hd * (3 if model.xsa else 2) + 2 * kv + (kv if model.conv_sites else 0) + heads + 2 * d
-    routed = 0.0
-    if model.num_experts:
-        rows = model.experts_per_token * capacity_factor
-        routed = model.num_experts * 2 + (2 * model.latent_dim if model.latent_dim else 0) \
-            + rows * (3 * model.expert_dim + model.expert_input_dim) + d
-    shared = model.num_shared_experts * 3 * model.shared_expert_dim
-    return {"norms": norms, "attention": attention, "routed_experts": routed, "shared_experts": shared,
-            "residual_and_convolutions": 2 * d}
 
 
 def _fewest_rows(capacity_factors) -> float:

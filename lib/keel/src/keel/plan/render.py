@@ -75,8 +75,13 @@ def _training(t: dict, o: dict) -> list[str]:
     return lines
 
 
-PEAK_PARTS = {"all_to_all_buffers": "all-to-all buffers", "expert_intermediates": "expert intermediates",
-              "gathered_weights": "gathered weights", "attention_scores": "vanilla attention scores and probabilities"}
+PEAK_PARTS = {"all_to_all_buffers": "all-to-all buffers", "layer_activations": "layer activations",
+              "gathered_weights": "gathered weights", "attention_scores": "vanilla attention scores and probabilities",
+              "newton_schulz_loop": "Newton-Schulz loop"}
+
+
+def _parts(transients: dict[str, float]) -> str:
+    return " + ".join(f"{gb_text(v)} {PEAK_PARTS.get(k, k.replace('_', ' '))}" for k, v in transients.items() if v)
 
 
 def _verdict(fits: bool | None, hbm: float) -> str:
@@ -105,12 +110,16 @@ def _memory(m: dict | None) -> list[str]:
                      f"({', '.join(p.replace('_', ' ') for p in phase['on_device'])}){rack}{host}")
         if phase["peak_gb"] is not None:
             state = phase["step_peak_gb"] or phase["device_gb"]
-            parts = " + ".join(f"{gb_text(v)} {PEAK_PARTS.get(k, k.replace('_', ' '))}"
-                               for k, v in phase["transient_gb"].items() if v)
             room = ("" if phase["fits"] is None else f", {gb_text(phase['headroom_gb'])} headroom" if phase["fits"]
                     else f", {gb_text(-phase['headroom_gb'])} over")  # None: no hardware declared to fit in
-            lines.append(f"    peak {gb_text(phase['peak_gb'])} = {gb_text(state)} state + {parts} "
-                         f"({phase['transport']}): {_verdict(phase['fits'], hbm)}{room}")
+            backward = (f"in the backward {gb_text(phase['backward_peak_gb'])} = {gb_text(state)} state + "
+                        f"{_parts(phase['transient_gb'])} ({phase['transport']})")
+            update = (f"in the update {gb_text(phase['update_peak_gb'])} = {gb_text(state - p['saved_residuals'])} state "
+                      f"(the saved residuals freed) + {_parts(phase['update_gb'])}") if phase["update_gb"] else None
+            first, second = (update, backward) if phase["peak_in"] == "update" else (backward, update)
+            lines.append(f"    peak {first}: {_verdict(phase['fits'], hbm)}{room}")
+            if second:
+                lines.append(f"    {second}")
         if phase["host_fits"] is not None and phase["host_gb"]:
             host_verdict = "fits" if phase["host_fits"] else "DOES NOT FIT"
             lines.append(f"    host RAM {gb_text(phase['host_per_host_gb'])} per host offloaded: {host_verdict} "

@@ -14,7 +14,7 @@ def verdict(sheet: dict, enforced: bool) -> dict:
     problems = []
     for phase in memory.get("phases", ()):
         if phase["fits"] is False:
-            problems.append(f"from step {phase['from_step']:,} the peak is {phase['peak_gb']:.1f} GB per GPU, "
+            problems.append(f"from step {phase['from_step']:,} the peak is {phase['peak_gb']:.1f} GB per GPU (in the {phase['peak_in']}), "
                             f"{-phase['headroom_gb']:.1f} GB over the {memory['hbm_per_gpu_gb']:g} GB HBM")
         if phase["host_fits"] is False:
             problems.append(f"from step {phase['from_step']:,} the offloaded state is {phase['host_per_host_gb']:.1f} "

@@ -155,7 +155,7 @@ class GroupedOptimizerConfig:
     largest MuonH parameter's. MuonH orthogonalises the matrices of a shape and layout together in
     loops of at most the largest parameter or this many elements, whichever is more: on the hero
     the largest parameter is far larger, so each loop holds no more than one parameter does (the
-    plan's `newton_schulz_gathered`); on a small model every shape takes one loop, and each loop is
+    x of the plan's `newton_schulz_loop`); on a small model every shape takes one loop, and each loop is
     a compiled program of its own (tiny_moe: 4 loops instead of 11, its training step compiling in
     10.1 s instead of 12.3 s on 2 cores). 0: never more than the largest parameter."""
     muonh_params: tuple[str, ...] = MUONH_PARAMS

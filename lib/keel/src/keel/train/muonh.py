@@ -123,7 +123,7 @@ def _muonh_updates(params: list, updates: list, rate, steps: int, eps: float, dt
 
     Parameters of a group (`_as_matrices`) go through one batched Newton-Schulz loop together, up
     to `loop_elements` on a device: the plan's bound (`ResolvedRun.newton_schulz_elements_per_device`,
-    what `keel plan` prints as `newton_schulz_gathered`), which a parameter laid out larger than
+    the x of what `keel plan` prints as `newton_schulz_loop`), which a parameter laid out larger than
     the plan says is refused against; None, outside a resolved run, is the largest parameter's
     size. Each loop compiles to kernels of its own:
     tiny_moe's 20 MuonH parameters took 20 loops one per parameter, 11 bounded by its largest
