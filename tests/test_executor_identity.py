@@ -91,11 +91,20 @@ def test_resources_never_count():
 def test_floats_exact_and_distinct_from_ints():
     h = lambda v: graph_hashes(Step("x/f", noop, Config(n=1, inner=Inner(v))))[0]  # noqa: E731
     assert h(0.1) != h(0.1 + 1e-17 * 10)
-    assert h(1.0) != h(1)
     assert h(0.30000000000000004) != h(0.3)
+    tagged = lambda v: graph_hashes(Step("x/f", noop, Config(n=1, inner=Inner(0.1, (v,)))))[0]  # noqa: E731
+    assert tagged(1.0) != tagged(1)  # a field not declared float keeps what it was given
     import numpy as np
 
     assert h(np.logspace(-3, -1, 3)[0]) == h(0.001)  # a sweep's numpy float is its value, whatever numpy's repr
+
+
+def test_an_int_given_to_a_float_field_is_that_float():
+    """`lr: float = 1` in a file and `--set ...lr=1` (read as 1.0) are one identity: the int is made
+    the float its field declares, in the config the step runs."""
+    inner = Inner(1)
+    assert graph_hashes(Step("x/f", noop, Config(n=1, inner=inner))) == graph_hashes(Step("x/f", noop, Config(n=1, inner=Inner(1.0))))
+    assert type(inner.lr) is float
 
 
 def test_changing_a_dependency_rekeys_descendants_only():

@@ -316,17 +316,31 @@ def _checkable(hint: Any) -> bool:
     return origin in (typing.Union, types.UnionType) and any(_checkable(a) for a in typing.get_args(hint))
 
 
+@dataclasses.dataclass(frozen=True)
+class _FieldCheck:
+    name: str
+    hint: Any  # its annotation when `_admits` can judge it, else None
+    holds_output: bool  # its default is `this_output()`
+    execution_only: bool
+    wants_float: bool  # declared float (or float | None): an int given to it is made a float
+
+
 @functools.lru_cache(maxsize=None)
-def _field_checks(cls: type) -> tuple[tuple[str, Any, bool], ...]:
-    """Per field of a config class: (name, its annotation when `_admits` can judge it else None,
-    whether its default is `this_output()`). Worked out once per class: declaring 10,000 steps
-    must stay fast."""
+def _field_checks(cls: type) -> tuple[_FieldCheck, ...]:
+    """Per field of a config class, what `check_types` checks. Worked out once per class: declaring
+    10,000 steps must stay fast."""
     try:
         hints = typing.get_type_hints(cls)
     except Exception:  # noqa: BLE001 - an unresolvable forward reference: nothing to check against
         hints = {}
-    return tuple((f.name, hints[f.name] if f.name in hints and _checkable(hints[f.name]) else None, isinstance(f.default, ThisOutput))
-                 for f in dataclasses.fields(cls))
+    checks = []
+    for f in dataclasses.fields(cls):
+        hint = hints.get(f.name)
+        floats = hint is float or typing.get_origin(hint) in (typing.Union, types.UnionType) and set(
+            typing.get_args(hint)) == {float, type(None)}
+        checks.append(_FieldCheck(f.name, hint if hint is not None and _checkable(hint) else None,
+                                  isinstance(f.default, ThisOutput), is_execution_only(f), floats))
+    return tuple(checks)
 
 
 def _admits(hint: Any, value: Any) -> bool | None:
@@ -346,12 +360,24 @@ def _admits(hint: Any, value: Any) -> bool | None:
 def check_types(config: Any, step_name: str) -> None:
     """Refuse a config value of the wrong scalar type (`n="100"` for `n: int`) when the step is
     declared, naming the field: inside the step it would fail far from the mistake, or not at all;
-    and a path given to a field declared `this_output()`: the step would write outside keel's reach."""
+    a path given to a field declared `this_output()`: the step would write outside keel's reach;
+    and a step's output in an `execution_only` field, which identity does not read: the step would
+    stay cached on output made from its dependency's old version. An int given to a float field
+    is made that float, so that `lr=1` and `--set ...lr=1` (1.0) are one identity."""
     stack: list[tuple[str, Any]] = [("config", config)]
     while stack:
         where, obj = stack.pop()
-        for name, hint, holds_output in _field_checks(type(obj)):
+        for check in _field_checks(type(obj)):
+            name, hint, holds_output = check.name, check.hint, check.holds_output
             value = getattr(obj, name)
+            if check.execution_only and _references(value):
+                raise StepDeclarationError(f"step {step_name!r}: {where}.{name} holds the output of "
+                                           f"{_references(value)[0]!r}, but the field is execution_only, which identity "
+                                           "does not read: a change upstream would not rerun this step; declare the "
+                                           "field without execution_only")
+            if check.wants_float and type(value) is int:
+                object.__setattr__(obj, name, float(value))
+                continue
             if isinstance(value, (Step, External, OutputOf, ThisOutput)):
                 continue
             if holds_output:
