@@ -153,6 +153,9 @@ def test_unencodable_values_name_the_field():
         graph_hashes(step)
     with pytest.raises(IdentityError, match="dict keys must be strings"):
         graph_hashes(Step("bad/b", noop, Config(n=1, mapping={1: 2})))
+    # a key named like the encoding's markers would make {"__float__": "1.0"} the float 1.0
+    with pytest.raises(IdentityError, match=r"bad/c\.config\.mapping: dict key '__float__' is a name the encoding keeps"):
+        graph_hashes(Step("bad/c", noop, Config(n=1, mapping={"__float__": "1.0"})))
 
 
 @pytest.mark.parametrize("name", ["Upper/x", "/lead", "a/../b", "sp ace", "", "a//b", "x/"])

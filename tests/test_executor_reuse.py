@@ -178,3 +178,18 @@ def test_an_output_that_force_makes_again_in_this_run_is_not_reused_by_another_s
     CALLS.clear()
     report = run_steps(both, prefix, echo=lambda _: None, force="^exp1/a$")
     assert report.ok and sorted(CALLS) == ["a", "a"]
+
+
+def test_an_index_that_cannot_be_written_leaves_the_step_finished_and_says_so(tmp_path):
+    """The index is a cache: a failed write (a quota, a store error; here its folder is a file) is
+    named on the console, and the step that finished stays SUCCESS for the run and its dependents."""
+    (tmp_path / ".keel").mkdir()
+    (tmp_path / ".keel" / "content").write_text("")
+    said: list[str] = []
+    made = Step("one/text", write, Text("hello"))
+    report = run_steps([Step("one/use", write, Text("use", source=output_of(made, "out.txt")))], str(tmp_path), echo=said.append)
+    assert report.ok, report.failures
+    warned = [line for line in said if line.startswith("[keel] warn  one/text: not indexed for reuse")]
+    assert warned and "FileExistsError" in warned[0] and f"until {tmp_path}/.keel/content can be written" in warned[0]
+    assert run_steps([made], str(tmp_path), echo=said.append).ok  # cached: indexing it again fails again
+    assert [p.state for p in plan_graph(Graph([made], str(tmp_path)))] == [CACHED]

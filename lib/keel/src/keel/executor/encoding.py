@@ -55,6 +55,9 @@ def encode(value: Any, where: str, dep_hash) -> Any:
         for k in value:
             if not isinstance(k, str):
                 raise IdentityError(f"{where}: dict keys must be strings, got {type(k).__name__} key {k!r}")
+            if k.startswith("__") and k.endswith("__"):  # {"__float__": "1.0"} would encode as the float 1.0
+                raise IdentityError(f"{where}: dict key {k!r} is a name the encoding keeps for its own markers "
+                                    "(__float__, __class__, ...): rename the key")
         return {k: encode(value[k], f"{where}.{k}", dep_hash) for k in sorted(value)}
     raise IdentityError(
         f"{where}: a value of type {type(value).__name__} has no canonical encoding; use a dataclass, "

@@ -236,14 +236,31 @@ class Runner:
         index, a write only for what it lacks. Only an output whose step.json records that content
         hash is the work it names: one cached across an edit of its (or an ancestor's) function was
         made by the old code."""
-        known = reuse.indexed(self.graph.prefix)
+        try:
+            known = reuse.indexed(self.graph.prefix)
+        except OSError as exc:
+            self._not_indexed("the finished outputs", exc)
+            return
         for p in plans:
             if p.state != CACHED or p.reused_from is not None or not isinstance(p.step, Step) or not reuse.reusable(p.step):
                 continue
             content = self.graph.identities.content_hash(p.step)
             if f"{content}.json" not in known and (storage.read_json(keel_path(p.output_path, RECORD)) or {}).get(
                     "content_hash") == content:
-                reuse.record(self.graph.prefix, content, p.step, p.output_path, known)
+                self._index(content, p.step, p.output_path, known)
+
+    def _index(self, content: str, step: Step, output_path: str, known: set[str] | None = None) -> None:
+        """Index a finished output for reuse under other names; the index is a cache, so a write
+        that fails is named on the console, and the step stays finished."""
+        try:
+            reuse.record(self.graph.prefix, content, step, output_path, known)
+        except OSError as exc:
+            self._not_indexed(step.name, exc)
+
+    def _not_indexed(self, what: str, exc: OSError) -> None:
+        self.echo(f"[keel] warn  {what}: not indexed for reuse under other names ({type(exc).__name__}: {exc}); "
+                  f"finished all the same, but the same work declared under another name runs again until "
+                  f"{reuse.index(self.graph.prefix)} can be written")
 
     def _schedule(self, plans: list[StepPlan], chosen: set[int], report: RunReport) -> RunReport:
         """Start each chosen step, in plan order and at most `max_concurrent` at a time, once its
@@ -393,7 +410,7 @@ class Runner:
                 if name.startswith("log.") and name.endswith(".txt"):
                     storage.delete_file(keel_path(plan.output_path, name))
         status = self._attempts(plan, step, resolved, record, previous, lease)
-        reuse.record(self.graph.prefix, self.graph.identities.content_hash(step), step, plan.output_path)
+        self._index(self.graph.identities.content_hash(step), step, plan.output_path)
         warned = f", with {_count(len(status.warnings), 'warning')}: {status.warnings[0]}" if status.warnings else ""
         self.echo(f"[keel] done  {plan.name} in {status.duration:.2f}s{warned}")
         if status.warnings:
