@@ -76,7 +76,7 @@ def test_a_superseded_lease_is_never_renewed_and_says_who_took_it(tmp_path):
     assert first.taken_over() == f"host {second.owner.split(':')[0]}, pid {os.getpid()}"
     second.release()
     first.heartbeat()  # not even once the new holder let go
-    assert leases.current_lease(output).epoch == first.epoch and not leases.current_lease(output).is_live()
+    assert leases.current_lease(output) is None and not _epoch(output, first.epoch).is_live()
     assert first.taken_over() == "a launcher that has since let it go"
     first.release()
 
@@ -147,3 +147,35 @@ def test_a_killed_launchers_step_process_dies_with_it_before_the_next_launcher_r
     assert f"its lease was held by host {os.uname().nodename}, pid {a.pid} (that process is gone" in b_out, b_out
     assert read_status(output).state == "SUCCESS" and read_status(output).attempt == 2  # attempt 1 died RUNNING
     assert holder.child == orphan, "the lease names the step's process, live while it is"
+
+
+def test_a_lease_released_while_another_launcher_takes_it_over_leaves_one_holder(tmp_path, monkeypatch):
+    """B finds A's lease expired (A alive but starved) and numbers its own after it; before B creates
+    that, A finishes and releases, and D arrives. Had the release emptied the folder, D would have
+    numbered from 0 and both would hold the step; the released lease numbers D after it, so B's and
+    D's creates race for one epoch, which one of them wins."""
+    from keel.executor import storage
+
+    output = str(tmp_path / "step-0123456789")
+    starved = f"{os.uname().nodename}:{os.getppid()}:aaaaaa"  # a live process: not taken over for being gone
+    storage.write_atomic(leases._lease_url(output, 5), json.dumps({"owner": starved, "heartbeat": 0.0, "timeout": 60}))
+    create, meanwhile = storage.create_exclusive, []
+
+    def a_releases_and_d_arrives(url, text):
+        if not meanwhile:
+            meanwhile.append(leases.Lease(output, 5, starved, 60).release())
+            meanwhile.append(leases.try_acquire(output, 60)[0])
+        return create(url, text)
+
+    monkeypatch.setattr(storage, "create_exclusive", a_releases_and_d_arrives)
+    b = leases.try_acquire(output, 60)[0]
+    d = meanwhile[1]
+    try:
+        assert [lease.epoch for lease in (b, d) if lease is not None] == [6]
+        assert sorted(os.listdir(Path(output, ".keel"))) == ["lease-00000006"]  # the released lease went with its successor
+    finally:
+        for lease in (b, d):
+            if lease is not None:
+                lease.release()
+    assert leases.current_lease(output) is None  # released: no holder, the epoch kept
+    assert sorted(os.listdir(Path(output, ".keel"))) == ["lease-00000006"]

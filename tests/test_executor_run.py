@@ -244,7 +244,9 @@ def test_one_record_per_attempt_and_a_status_only_at_its_end(tmp_path):
     step = Step("t/peek", peek, WriteConfig("p"))
     assert run_steps([step], str(tmp_path), echo=lambda _: None).ok
     path = Graph([step], str(tmp_path)).path(step)
-    assert sorted(os.listdir(keel_path(path, ""))) == ["status", "step.json"]  # no manifest.json, no lease, no log
+    # no manifest.json, no log; the lease released, its file kept so that the next one numbers after it
+    assert sorted(os.listdir(keel_path(path, ""))) == ["lease-00000000", "status", "step.json"]
+    assert leases.current_lease(path) is None
     (running, state), = SEEN_WHILE_RUNNING
     assert running.state == "RUNNING" and running.attempt == 1 and state == "running-elsewhere"
     status = read_status(path)

@@ -9,8 +9,11 @@ this host under a pid that no longer exists (no need to wait out the timeout). A
 a process of its own (`child.py`) has that pid recorded too (`Lease.runs_in`): the lease stays live
 while either process exists, so a launcher killed with -9 is not taken over while its step's process
 still writes the output. Each lease records its own timeout, so every reader judges expiry the same
-way. Release deletes the holder's own epoch file (never a newer one, so a slow holder that was
-superseded cannot free its successor's lease). A holder that was suspended (SIGSTOP, a paused VM)
+way. Release marks the holder's own epoch file released (never a newer one, so a slow holder that
+was superseded cannot free its successor's lease) rather than deleting it: epochs only ever rise, so
+two launchers can never both hold a lease, one numbered after an expired lease and one numbered 0
+after that lease's release emptied the folder. The next lease deletes the released one it follows,
+so one file at most stays behind. A holder that was suspended (SIGSTOP, a paused VM)
 past the timeout may have been superseded: its heartbeat stops renewing once a newer epoch exists,
 and `Lease.taken_over` tells the launcher, before it records anything, that the step is no longer
 its own.
@@ -137,18 +140,23 @@ def _latest_epoch(output_path: str) -> int | None:
 
 
 def current_lease(output_path: str) -> LeaseInfo | None:
+    """The newest lease on the output, None when there is none or it was released."""
     epoch = _latest_epoch(output_path)
-    if epoch is None:
-        return None
+    return None if epoch is None else _read(output_path, epoch)
+
+
+def _read(output_path: str, epoch: int) -> LeaseInfo | None:
     text = storage.read_text(_lease_url(output_path, epoch))
     if not text:  # being written right now (created, still empty, or gone): fresh, for a moment
         return LeaseInfo(epoch, "?", _created(_lease_url(output_path, epoch)), EMPTY_LEASE_S)
     try:
         record = json.loads(text)
+        if record.get("released") is True:
+            return None
         child = record.get("child")
         return LeaseInfo(epoch, str(record["owner"]), float(record["heartbeat"]), float(record["timeout"]),
                          child if isinstance(child, int) and not isinstance(child, bool) else None)
-    except (ValueError, KeyError, TypeError):  # not a lease keel wrote (torn, or edited): expired, so taken over
+    except (ValueError, KeyError, TypeError, AttributeError):  # not a lease keel wrote (torn, or edited): expired, so taken over
         return LeaseInfo(epoch, f"unreadable lease {_lease_url(output_path, epoch)}", 0.0, 0.0)
 
 
@@ -200,7 +208,11 @@ class Lease:
         _HEARTBEATS.discard(self)
         with self._lock:
             self._released = True
-            storage.delete_file(_lease_url(self.output_path, self.epoch))
+            url = _lease_url(self.output_path, self.epoch)
+            if (_latest_epoch(self.output_path) or 0) > self.epoch:  # superseded: the newer epoch numbers on
+                storage.delete_file(url)
+            else:
+                storage.write_atomic(url, json.dumps({"owner": self.owner, "released": True}))
 
 
 def try_acquire(output_path: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[Lease | None, LeaseInfo | None]:
@@ -209,15 +221,18 @@ def try_acquire(output_path: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[L
 
     `timeout` is how long this lease stays valid without a heartbeat if this process dies.
     """
-    current = current_lease(output_path)
+    latest = _latest_epoch(output_path)
+    current = None if latest is None else _read(output_path, latest)
     if current is not None and current.is_live():
         return None, current
-    epoch = 0 if current is None else current.epoch + 1
+    epoch = 0 if latest is None else latest + 1
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
     lease = Lease(output_path, epoch, owner, timeout)
     record = json.dumps({"owner": owner, "heartbeat": time.time(), "timeout": timeout})
     if not storage.create_exclusive(_lease_url(output_path, epoch), record):
         return None, current_lease(output_path)
+    if latest is not None and current is None:  # the released lease this one follows: no longer needed to number on
+        storage.delete_file(_lease_url(output_path, latest))
     _HEARTBEATS.add(lease, timeout)
     return lease, current
 
