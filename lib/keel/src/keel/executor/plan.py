@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import Container
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from keel.executor.collector import no_cycle_collection
 from keel.executor.graph import substitute, topological_order
 from keel.executor.identity import Identities, output_path
 from keel.executor.inputs import describe_change
-from keel.executor.status import FAILED, INTERRUPTED, SUCCESS, Status, keel_path, read_status, verify_manifest
+from keel.executor.status import FAILED, INTERRUPTED, SUCCESS, Status, keel_path, output_digest, read_status, verify_manifest
 from keel.executor.step import External, Step, StepDeclarationError
 
 CACHED, RUN, STALE, FAILED_STATE, RUNNING_ELSEWHERE, EXTERNAL = "cached", "run", "stale", "failed", "running-elsewhere", "external"
@@ -40,6 +41,10 @@ class StepPlan:
     status: Status | None = None
     reused_from: str | None = None
     """The step name whose finished output this one reuses (the same work under another name)."""
+    remade_inputs: bool = False
+    """A finished output this run makes again because a step it read is made again (in this run,
+    or since it was made): a rerun starts clean, and only a newer output than `status`'s counts
+    as another launcher having done it."""
 
     @property
     def name(self) -> str:
@@ -207,7 +212,37 @@ def plan_graph(graph: Graph, force: re.Pattern | None = None) -> list[StepPlan]:
     listings = _Listings()
     with no_cycle_collection():
         rerun = {graph.path(s) for s in graph.steps() if force.search(s.name)} if force else set()
-        return [plan_step(graph, s, force, listings, rerun) for s in graph.order]
+        plans: dict[Step | External, StepPlan] = {}
+        for s in graph.order:
+            plan = plan_step(graph, s, force, listings, rerun)
+            if plan.state == CACHED and plan.reused_from is None and isinstance(s, Step):
+                why = inputs_made_again(s, plan.status, plans)
+                if why:
+                    plan = StepPlan(s, plan.output_path, RUN, why, plan.deps, plan.status, remade_inputs=True)
+            plans[s] = plan
+        return list(plans.values())
+
+
+def inputs_made_again(step: Step, status: Status, plans: dict) -> str:
+    """Why a finished output may be out of date with the steps it read ('' when it is not): one of
+    them is made again in this run (`--force`, a damaged output; the runner keeps this output when
+    that gives the same content, `Runner._inputs_unchanged`), or was made again with other content
+    after it (a forced step run alone, `--only`). Its identity cannot say so: an input made again
+    keeps its path."""
+    for dep in step.deps:
+        if not isinstance(dep, Step):
+            continue
+        made = plans.get(dep)
+        if made is None:
+            continue
+        if made.state != CACHED:
+            cause = "after its own input" if made.remade_inputs else made.reason or made.state
+            return f"its input {dep.name} is made again in this run ({cause}): it runs again unless that output comes out the same"
+        recorded = (status.inputs or {}).get(dep.name)
+        if recorded is not None and made.status is not None and output_digest(made.status) != recorded:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(made.status.finished))
+            return f"its input {dep.name} was made again ({when}) after this output: it runs again on the new one"
+    return ""
 
 
 def _most_recent_record(paths: list[str]) -> dict | None:

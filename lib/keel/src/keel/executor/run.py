@@ -56,7 +56,7 @@ from keel.executor.plan import CACHED, EMPTY_EXTERNAL, EXTERNAL, Graph, StepPlan
 from keel.executor.provenance import _secret_values, provenance, scrub
 from keel.executor.resolve import resolve_config
 from keel.executor.identity import HASH_CHARS
-from keel.executor.status import (KEEL_DIR, RECORD, SUCCESS, Status, keel_path, mark_finished, mark_running, read_status,
+from keel.executor.status import (KEEL_DIR, RECORD, SUCCESS, Status, keel_path, mark_finished, mark_running, output_digest, read_status,
                                   verify_manifest, write_running_record)
 from keel.executor.step import DeclaresDevices, Step, StepDeclarationError
 
@@ -219,6 +219,9 @@ class Runner:
         _refuse_empty_externals(plans, chosen)
         _refuse_isolated_in_memory(plans, chosen)
         self._index_cached(plans)
+        for p in plans:  # what `keel plan` says of a cached output made by code since edited
+            if p.state == CACHED and p.reused_from is None and p.reason:
+                self.echo(f"[keel] note  {p.name}: {p.reason}")
         report = RunReport(plans)
         if not chosen:
             return report
@@ -343,11 +346,12 @@ class Runner:
         """The lease on the step's output and its last status; no lease when another launcher
         finished the step meanwhile, and neither when the run was interrupted while waiting for it."""
         forced = bool(self.force and self.force.search(plan.name))
+        out_of_date = plan.status.finished if plan.remade_inputs else None  # only a newer output is finished
         delay, told = 0.02, None
         while True:
             lease, holder = leases.try_acquire(plan.output_path, self.lease_timeout)
             status = read_status(plan.output_path)
-            finished = (status is not None and status.state == SUCCESS
+            finished = (status is not None and status.state == SUCCESS and status.finished != out_of_date
                         and verify_manifest(plan.output_path, status, no_outputs=plan.step.no_outputs) is None)
             if lease is not None:
                 if finished and not forced:
@@ -368,6 +372,9 @@ class Runner:
             delay = min(delay * 2, _MAX_WAIT_POLL_S)
 
     def _execute(self, plan: StepPlan) -> str:
+        if plan.remade_inputs and self._inputs_unchanged(plan):
+            self.echo(f"[keel] keep  {plan.name}: its inputs were made again with the content it read")
+            return "reused"
         try:
             return self._claim_and_run(plan)
         except OSError as exc:  # keel's own records could not be written: a full disk, a quota
@@ -403,8 +410,8 @@ class Runner:
         step: Step = plan.step  # type: ignore[assignment]
         resolved = resolve_config(step.config, plan.output_path, self.graph.path)
         record = _step_record(self.graph, step, resolved, self._launch, self._secrets)
-        if previous is not None and self.force and self.force.search(plan.name):
-            # --force starts clean: no old checkpoint resumes, and no old run's lines lead its log
+        if previous is not None and (plan.remade_inputs or self.force and self.force.search(plan.name)):
+            # --force (or an input made again) starts clean: no old checkpoint resumes, and no old run's lines lead its log
             storage.delete_contents(plan.output_path, keep=KEEL_DIR)
             for name in storage.list_names(storage.join(plan.output_path, KEEL_DIR)):
                 if name.startswith("log.") and name.endswith(".txt"):
@@ -469,7 +476,8 @@ class Runner:
                          "a step writes only under config.output_path (those files were left where they are)")
                 self._finish(plan.output_path, lease, running, error=error, attempts=earlier)
                 raise StepFailed(step.name, plan.output_path, error, _log_or_none(plan.output_path))
-            status = self._finish(plan.output_path, lease, running, no_outputs=step.no_outputs, attempts=earlier, code=code.fingerprint(step.fn))
+            status = self._finish(plan.output_path, lease, running, no_outputs=step.no_outputs, attempts=earlier, code=code.fingerprint(step.fn),
+                                  inputs=self._read_inputs(step))
             if status.state != SUCCESS:
                 raise StepFailed(step.name, plan.output_path, status.error or "", _log_or_none(plan.output_path))
             return status
@@ -487,6 +495,21 @@ class Runner:
         with contextlib.suppress(OSError):
             lease.heartbeat()
         return True
+
+    def _read_inputs(self, step: Step) -> dict[str, str]:
+        """The `output_digest` of each finished step it reads (`Status.inputs`), by name."""
+        read = {}
+        for dep in step.deps:
+            status = read_status(self.graph.path(dep)) if isinstance(dep, Step) else None
+            if status is not None and status.state == SUCCESS:
+                read[dep.name] = output_digest(status)
+        return read
+
+    def _inputs_unchanged(self, plan: StepPlan) -> bool:
+        """Whether an output planned again because an input is made again read inputs with the
+        content they have now (a deterministic step forced, a damaged output restored)."""
+        recorded = plan.status.inputs if plan.status is not None else None
+        return bool(recorded) and self._read_inputs(plan.step) == recorded
 
     @staticmethod
     def _finish(output_path: str, lease: leases.Lease, running: Status, **how) -> Status:

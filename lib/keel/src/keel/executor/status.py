@@ -22,6 +22,7 @@ the file, so the step reruns instead of `plan` crashing.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from dataclasses import dataclass, fields
@@ -56,6 +57,9 @@ class Status:
     """The fingerprint of the step function's source that made this attempt (`code.py`)."""
     warnings: list | None = None
     """What the attempt recorded with `keel.executor.warn` (`step_warnings.py`): a SUCCESS to look at."""
+    inputs: dict | None = None
+    """SUCCESS only: the `output_digest` of each step it read, by step name, as it read them. An
+    input made again since with other content leaves this output stale (`plan.inputs_made_again`)."""
 
     @property
     def duration(self) -> float | None:
@@ -95,6 +99,9 @@ def _status_from(record, where: str) -> Status:
         return _not_keels(where, "a manifest that is not an object")
     if not isinstance(record.get("warnings"), (list, type(None))):
         return _not_keels(where, "warnings that are not a list")
+    inputs = record.get("inputs")
+    if inputs is not None and not (isinstance(inputs, dict) and all(isinstance(d, str) for d in inputs.values())):
+        return _not_keels(where, "inputs that are not step names and digests")
     return Status(**record)
 
 
@@ -133,19 +140,21 @@ NO_OUTPUTS_ERROR = ("the step wrote no files under its output path (a step write
 
 
 def mark_finished(output_path: str, running: Status, error: str | None = None, *, interrupted: bool = False,
-                  no_outputs: bool = False, attempts: list | None = None, code: str | None = None) -> Status:
+                  no_outputs: bool = False, attempts: list | None = None, code: str | None = None,
+                  inputs: dict | None = None) -> Status:
     """SUCCESS (with the manifest of the outputs as they are now), FAILED (with `error`) or
     INTERRUPTED (stopped on request; `error` says how to resume). A step that wrote no file is
     FAILED unless it declares `no_outputs`: an empty SUCCESS would only fail its dependents later.
     `attempts` lists the earlier attempts of this launch that were retried; `code` fingerprints
-    the step function that ran; the warnings the attempt recorded (`step_warnings.warn`) go in too."""
+    the step function that ran; `inputs` when the outputs it read were made (`Status.inputs`); the
+    warnings the attempt recorded (`step_warnings.warn`) go in too."""
     state = INTERRUPTED if interrupted else FAILED if error else SUCCESS
     manifest = _manifest(output_path) if state == SUCCESS else None
     if manifest is not None and not manifest["files"] and not no_outputs:
         state, error, manifest = FAILED, NO_OUTPUTS_ERROR, None
     status = Status(state, running.attempt, running.started, time.time(), error, manifest, attempts or None, code,
-                    step_warnings.read(output_path) or None)
-    _write(output_path, STATUS, {k: v for k, v in vars(status).items() if v is not None or k != "warnings"})
+                    step_warnings.read(output_path) or None, inputs if state == SUCCESS else None)
+    _write(output_path, STATUS, {k: v for k, v in vars(status).items() if v is not None or k not in ("warnings", "inputs")})
     return status
 
 
@@ -165,6 +174,17 @@ def _manifest(output_path: str) -> dict:
     files = {rel: {"size": size, "mtime_ns": mtime, "blake2b": content_hash(os.path.join(root, rel))}
              for rel, (size, mtime) in sorted(stats.items())}
     return {"files": files, "total_bytes": sum(size for size, _ in stats.values())}
+
+
+def output_digest(status: Status) -> str:
+    """What a finished output holds, as its dependents record having read it (`Status.inputs`): its
+    files' sizes and content hashes, so an output made again with the same bytes is the same input.
+    Where the manifest has no content hashes (object stores) or no files, the time it was made
+    counts too: there, every remake is another input."""
+    files = {rel: {k: v for k, v in entry.items() if k != "mtime_ns"} for rel, entry in (status.manifest or {}).get("files", {}).items()}
+    hashed = bool(files) and all("blake2b" in entry for entry in files.values())
+    text = json.dumps({"files": files, "made": None if hashed else status.finished}, sort_keys=True)
+    return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
 
 
 def content_hash(path: str) -> str:
