@@ -183,28 +183,3 @@ def test_only_checks_the_fit_of_the_steps_it_selects(monkeypatch, capsys, tmp_pa
         assert "train/lr_sweep/lr2.0: from step 0 the peak is" in capsys.readouterr().err
     assert reached == [r"lr1\.0"]
 
-
-def test_a_steps_output_in_an_execution_only_field_is_refused_naming_the_field():
-    """Identity does not read an execution_only field: a dependency there would leave the step
-    cached on output made from its dependency's old version."""
-    from dataclasses import dataclass
-
-    from keel import Step, execution_only, output_of, this_output
-    from keel.executor.step import StepDeclarationError
-
-    @dataclass(frozen=True)
-    class Made:
-        n: int
-        output_path: str = this_output()
-
-    @dataclass(frozen=True)
-    class Reads:
-        source: object = execution_only(default=None)
-        output_path: str = this_output()
-
-    made = Step("made", print, Made(1))
-    for held in (output_of(made), made, [output_of(made, "part")]):
-        with pytest.raises(StepDeclarationError, match=r"step 'reads': config.source holds the output of Step\('made'\), "
-                                                       r"but the field is execution_only.*declare the field without"):
-            Step("reads", print, Reads(held))
-    Step("reads", print, Reads("/a/path"))  # a plain value there is the field's business

@@ -9,7 +9,7 @@ import re
 import os
 from dataclasses import dataclass
 
-from keel import Step, output_of, this_output
+from keel import Step, execution_only, output_of, this_output
 from keel.executor.plan import CACHED, RUN, Graph, plan_graph
 from keel.executor.run import run_steps
 from keel.executor.status import output_digest, read_status
@@ -149,3 +149,26 @@ def test_keel_run_names_a_cached_output_whose_function_changed_since(tmp_path):
     assert report.ok and not report.ran
     assert "[keel] note  r/edited: make changed since this output was made (the code is not part of the identity): " \
            "`--force '^r/edited$'` reruns it" in said
+
+
+@dataclass(frozen=True)
+class Ordered:
+    n: int
+    after: object = execution_only(default=None)  # what it runs after, not what it is made from
+    output_path: str = this_output()
+
+
+def note(config: Ordered) -> None:
+    os.makedirs(config.output_path, exist_ok=True)
+    open(os.path.join(config.output_path, "n.txt"), "w").write(str(config.n))
+
+
+def test_a_step_held_only_in_an_execution_only_field_orders_the_run_and_remakes_nothing(tmp_path):
+    """A ladder's prediction, say: the training step runs after it, but is not made from it."""
+    prefix = str(tmp_path)
+    source = Step("r/source", draw, Source())
+    after = Step("r/after", note, Ordered(1, after=output_of(source, "value.json")))
+    assert after.deps == (source,) and after.keyed_deps == ()
+    assert run_steps([after], prefix, echo=quiet).ran == ["r/source", "r/after"]
+    assert run_steps([after], prefix, force="^r/source$", echo=quiet).ran == ["r/source"]
+    assert [p.state for p in plan_graph(Graph([after], prefix))] == [CACHED, CACHED]

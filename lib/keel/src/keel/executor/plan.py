@@ -229,7 +229,7 @@ def inputs_made_again(step: Step, status: Status, plans: dict) -> str:
     that gives the same content, `Runner._inputs_unchanged`), or was made again with other content
     after it (a forced step run alone, `--only`). Its identity cannot say so: an input made again
     keeps its path."""
-    for dep in step.deps:
+    for dep in step.keyed_deps:
         if not isinstance(dep, Step):
             continue
         made = plans.get(dep)

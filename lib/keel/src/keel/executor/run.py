@@ -497,9 +497,9 @@ class Runner:
         return True
 
     def _read_inputs(self, step: Step) -> dict[str, str]:
-        """The `output_digest` of each finished step it reads (`Status.inputs`), by name."""
+        """The `output_digest` of each finished step it is made from (`Status.inputs`), by name."""
         read = {}
-        for dep in step.deps:
+        for dep in step.keyed_deps:
             status = read_status(self.graph.path(dep)) if isinstance(dep, Step) else None
             if status is not None and status.state == SUCCESS:
                 read[dep.name] = output_digest(status)

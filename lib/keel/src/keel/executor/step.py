@@ -64,7 +64,8 @@ def execution_only(*, default: Any = dataclasses.MISSING, default_factory: Any =
     """A dataclass field that never counts toward a step's identity.
 
     Use it for how a step runs (parallelism, logging and checkpoint cadence, devices), never for
-    what it computes: changing it reuses the cached output.
+    what it computes: changing it reuses the cached output. A step's output held here (`output_of`)
+    orders the run (the step runs after it) without keying this one: remaking it reruns nothing.
     """
     metadata = dict(kwargs.pop("metadata", None) or {})
     metadata[EXECUTION_ONLY] = True
@@ -229,6 +230,12 @@ class Step:
             self._deps = tuple(found)
         return self._deps
 
+    @property
+    def keyed_deps(self) -> "tuple[Step | External, ...]":
+        """The dependencies its identity reads (not those held only in `execution_only` fields, which
+        order the run without keying the output: a ladder's prediction, say): what it is made from."""
+        return tuple({target: None for target in _references(self.config, keyed_only=True) if target is not self})
+
     def with_config(self, config: Any) -> "Step":
         return Step(self.name, self.fn, config, resources=self.resources, description=self.description,
                     isolated=self.isolated, no_outputs=self.no_outputs, retries=self.retries,
@@ -321,7 +328,6 @@ class _FieldCheck:
     name: str
     hint: Any  # its annotation when `_admits` can judge it, else None
     holds_output: bool  # its default is `this_output()`
-    execution_only: bool
     wants_float: bool  # declared float (or float | None): an int given to it is made a float
 
 
@@ -339,7 +345,7 @@ def _field_checks(cls: type) -> tuple[_FieldCheck, ...]:
         floats = hint is float or typing.get_origin(hint) in (typing.Union, types.UnionType) and set(
             typing.get_args(hint)) == {float, type(None)}
         checks.append(_FieldCheck(f.name, hint if hint is not None and _checkable(hint) else None,
-                                  isinstance(f.default, ThisOutput), is_execution_only(f), floats))
+                                  isinstance(f.default, ThisOutput), floats))
     return tuple(checks)
 
 
@@ -360,21 +366,15 @@ def _admits(hint: Any, value: Any) -> bool | None:
 def check_types(config: Any, step_name: str) -> None:
     """Refuse a config value of the wrong scalar type (`n="100"` for `n: int`) when the step is
     declared, naming the field: inside the step it would fail far from the mistake, or not at all;
-    a path given to a field declared `this_output()`: the step would write outside keel's reach;
-    and a step's output in an `execution_only` field, which identity does not read: the step would
-    stay cached on output made from its dependency's old version. An int given to a float field
-    is made that float, so that `lr=1` and `--set ...lr=1` (1.0) are one identity."""
+    and a path given to a field declared `this_output()`: the step would write outside keel's reach.
+    An int given to a float field is made that float, so that `lr=1` and `--set ...lr=1` (1.0) are
+    one identity."""
     stack: list[tuple[str, Any]] = [("config", config)]
     while stack:
         where, obj = stack.pop()
         for check in _field_checks(type(obj)):
             name, hint, holds_output = check.name, check.hint, check.holds_output
             value = getattr(obj, name)
-            if check.execution_only and _references(value):
-                raise StepDeclarationError(f"step {step_name!r}: {where}.{name} holds the output of "
-                                           f"{_references(value)[0]!r}, but the field is execution_only, which identity "
-                                           "does not read: a change upstream would not rerun this step; declare the "
-                                           "field without execution_only")
             if check.wants_float and type(value) is int:
                 object.__setattr__(obj, name, float(value))
                 continue
@@ -396,6 +396,11 @@ def check_types(config: Any, step_name: str) -> None:
 @functools.cache
 def _field_names(config_type: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(config_type))
+
+
+@functools.cache
+def _keyed_field_names(config_type: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(config_type) if not is_execution_only(f))
 
 
 PLAIN, ENUM, FLOAT, OUTPUT_OF, STEP, THIS_OUTPUT, PATH, DATACLASS, SEQUENCE, DICT = (
@@ -422,9 +427,11 @@ def value_kind(value_type: type) -> str | None:
     return None
 
 
-def _references(config: Any) -> list["Step | External"]:
+def _references(config: Any, keyed_only: bool = False) -> list["Step | External"]:
     """Every step a config refers to (`output_of` or the step itself), depth first, in field order:
-    dataclass fields, list/tuple items, dict values."""
+    dataclass fields (with `keyed_only`, only those identity reads: not `execution_only` ones),
+    list/tuple items, dict values."""
+    fields_of = _keyed_field_names if keyed_only else _field_names
     found = []
     stack = [config]
     while stack:
@@ -435,7 +442,7 @@ def _references(config: Any) -> list["Step | External"]:
         elif kind is STEP:
             found.append(value)
         elif kind is DATACLASS:
-            stack.extend([getattr(value, name) for name in reversed(_field_names(type(value)))])
+            stack.extend([getattr(value, name) for name in reversed(fields_of(type(value)))])
         elif kind is SEQUENCE:
             stack.extend(reversed(value))
         elif kind is DICT:
