@@ -288,3 +288,30 @@ def test_a_tokenizer_whose_ids_leave_gaps_is_checked_by_its_largest_id(caches, t
     assert json.loads((tmp_path / "cache" / "tokenize.json").read_text())["vocab_size"] == 5001
     with pytest.raises(ValueError, match=r"makes ids up to 5,000 but MoELMConfig.vocab_size=512"):
         check_token_caches(_config(str(tmp_path / "cache")))
+
+
+def test_a_data_step_read_where_another_kind_of_output_is_wanted_is_refused_when_declared():
+    """A documents step given as training data failed only at run time, on its missing token cache,
+    after a plan that called it an External cache; swapped tokenize arguments failed on a missing
+    tokenizer.json."""
+    from defaults import default_tokenize, default_tokenizer, default_train, ingest
+    from keel.data import StdlibCorpusConfig
+    from keel import Step
+
+    documents = ingest("corpus", ("corpus.jsonl",))
+    tokenizer = default_tokenizer("corpus-bpe", documents, vocab_size=320)
+    train = TrainConfig(batch_size=8, num_steps=2, optimizer=AdamWConfig(lr=1e-3))
+    with pytest.raises(ValueError, match=r"^data is the step 'documents/corpus', which makes a document set, not a token "
+                                         r"cache: give a tokenize step made from it \(`default_tokenize`\)"):
+        default_train("t", data=documents, model=tiny_moe, train=train)
+    with pytest.raises(ValueError, match=r"data is the step 'tokenizers/corpus-bpe', which makes a tokenizer"):
+        default_train("t", data=tokenizer, model=tiny_moe, train=train)
+    with pytest.raises(ValueError, match=r"^TokenizeConfig.documents is the step 'tokenizers/corpus-bpe', which makes a "
+                                         r"tokenizer, not a document set"):
+        default_tokenize("x", tokenizer, documents, seq_len=64)
+    stdlib = Step("documents/stdlib", print, StdlibCorpusConfig(max_files=3))
+    with pytest.raises(ValueError, match=r"^TokenizeConfig.tokenizer is the step 'documents/stdlib', which makes a "
+                                         r"document set, not a tokenizer"):
+        TokenizeConfig(documents=documents, tokenizer=stdlib)
+    cache = default_tokenize("x", documents, tokenizer, seq_len=64)  # in order: declared
+    assert default_train("t", data=cache, model=tiny_moe, train=train).config.data.components["data"] is cache

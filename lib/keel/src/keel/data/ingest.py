@@ -26,6 +26,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import ClassVar
 
 import fsspec
 
@@ -34,6 +35,7 @@ from keel.data.documents import (NEAR_DUPLICATE_OVERLAP, Document, check_near_du
 from keel.data.quality import BadRecord, BadRecordError, RecordLog, not_text
 from keel.executor import storage
 from keel.executor.step import External, OutputOf, Step, StepDeclarationError, execution_only, this_output
+from keel.spec.data import DOCUMENTS
 
 FORMATS = (".txt", ".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 BOM = b"\xef\xbb\xbf"
@@ -121,6 +123,8 @@ class IngestConfig:
       as a bad record).
     - `input_version`: stands for the input files' contents in the identity (see the module doc).
     """
+
+    makes: ClassVar[str] = DOCUMENTS
 
     inputs: tuple[str, ...] = ()
     hf_dataset: HfDatasetSpec | None = None

@@ -23,11 +23,13 @@ import platform
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from keel.data.documents import (NEAR_DUPLICATE_OVERLAP, Document, check_near_duplicate_overlap, check_validation_fraction,
                                  write_documents)
 from keel.data.quality import BadRecord, RecordLog
 from keel.executor.step import this_output
+from keel.spec.data import DOCUMENTS
 
 _SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
@@ -41,6 +43,7 @@ def _built_here(directory_or_file: str) -> bool:
 
 @dataclass(frozen=True)
 class StdlibCorpusConfig:
+    makes: ClassVar[str] = DOCUMENTS
     python_version: str = field(default_factory=platform.python_version)
     python_implementation: str = field(default_factory=platform.python_implementation)
     include_tests: bool = True

@@ -8,9 +8,10 @@ and `keel.data.tokenize.tokenize_documents`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from keel.executor import storage
-from keel.executor.step import execution_only, this_output
+from keel.executor.step import OutputOf, Step, execution_only, this_output
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -33,10 +34,28 @@ def tokenizer_input_files(ref) -> dict[str, str]:
     return {path: path for path in tokenizer_files(ref) if storage.exists(path)}
 
 
+DOCUMENTS, TOKENIZER, TOKEN_CACHE = "a document set", "a tokenizer", "a token cache"
+"""What a data step makes (its config class's `makes`), checked where another step reads it."""
+
+
+def check_made(field_name: str, value, wanted: str) -> None:
+    """Refuse a keel data step's output where another kind of output is read (`default_tokenize`'s
+    documents and tokenizer swapped, the documents step given as training data), naming the field;
+    a path, an External or a step of the user's own is the reader's to check."""
+    step = value.step if isinstance(value, OutputOf) else value
+    made = getattr(type(getattr(step, "config", None)), "makes", None) if isinstance(step, Step) else None
+    if made is not None and made != wanted:
+        raise ValueError(f"{field_name} is the step {step.name!r}, which makes {made}, not {wanted}: give "
+                         + {DOCUMENTS: "a documents step (an ingest or corpus step)", TOKENIZER: "a tokenizer step, "
+                            "a tokenizer path or a hub name", TOKEN_CACHE: "a tokenize step made from it "
+                            "(`default_tokenize`), or an External token cache"}[wanted])
+
+
 @dataclass(frozen=True)
 class TrainTokenizerConfig:
     """Train a byte-level BPE on the train split of the document set at `documents`."""
 
+    makes: ClassVar[str] = TOKENIZER
     documents: str
     vocab_size: int = 1024
     bos_token: str | None = "<|bos|>"
@@ -47,6 +66,7 @@ class TrainTokenizerConfig:
     output_path: str = this_output()
 
     def __post_init__(self):
+        check_made("TrainTokenizerConfig.documents", self.documents, DOCUMENTS)
         if self.min_frequency < 0:
             raise ValueError(f"TrainTokenizerConfig.min_frequency={self.min_frequency} must be >= 0")
         if self.max_training_bytes is not None and self.max_training_bytes <= 0:
@@ -76,6 +96,7 @@ class TokenizeConfig:
     tokenizer given by path counts toward the step's identity by its files' contents.
     """
 
+    makes: ClassVar[str] = TOKEN_CACHE
     documents: str
     tokenizer: str
     seq_len: int = 1024
@@ -89,6 +110,8 @@ class TokenizeConfig:
     def __post_init__(self):
         if self.seq_len <= 0:
             raise ValueError(f"TokenizeConfig.seq_len must be positive, got {self.seq_len}")
+        check_made("TokenizeConfig.documents", self.documents, DOCUMENTS)
+        check_made("TokenizeConfig.tokenizer", self.tokenizer, TOKENIZER)
         if self.batch_documents <= 0:
             raise ValueError(f"TokenizeConfig.batch_documents must be positive, got {self.batch_documents}")
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keel.executor.step import execution_only, this_output
+from keel.spec.data import TOKEN_CACHE, check_made
 from keel.spec.fields import not_whole
 from keel.spec.hardware import Hardware
 from keel.spec.metrics import METRICS_FILE, read_metrics, steady_tokens_per_s
@@ -628,6 +629,8 @@ class TrainStepConfig:
     def __post_init__(self):
         if not isinstance(self.data, Mixture):
             object.__setattr__(self, "data", Mixture.single(self.data))
+        for name, cache in self.data.components.items():
+            check_made("data" if self.data.is_single else f"data.components[{name!r}]", cache, TOKEN_CACHE)
         if self.train.seq_len in (None, self.derived_seq_len):  # left out: the length the data was tokenized at
             seq_len = self.data.tokenized_seq_len()
             if seq_len is None and self.train.seq_len is None:
