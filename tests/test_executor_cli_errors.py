@@ -384,3 +384,18 @@ def test_a_lease_timeout_no_run_can_use_is_refused_before_anything_runs(tmp_path
     monkeypatch.delenv("KEEL_LEASE_TIMEOUT")
     with pytest.raises(ValueError, match="lease_timeout=0: give at least 1 s"):
         run_steps([Step("x/other", noop, Cfg(1))], str(tmp_path / "out"), lease_timeout=0)
+
+
+@pytest.mark.parametrize("how", ["keel", "script"])
+def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path, how):
+    """`keel plan EXP | head` printed a BrokenPipeError traceback once head had what it wanted."""
+    hello = str(Path(__file__).resolve().parent.parent / "experiments/tutorials/hello_world.py")
+    command = ([sys.executable, "-m", "keel.cli_entry", "plan", hello] if how == "keel" else [sys.executable, hello, "plan"])
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        done = subprocess.run([*command, "--prefix", str(tmp_path / "out")], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert done.returncode == 141 and "Traceback" not in done.stderr, done.stderr

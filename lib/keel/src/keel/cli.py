@@ -18,6 +18,7 @@ import re
 import reprlib
 import runpy
 import shlex
+import signal
 import sys
 import traceback
 from collections.abc import Iterable
@@ -111,6 +112,15 @@ def console_main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         print(f"keel: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """Whoever read the output stopped (`keel plan ... | head`): end quietly, with the status of a
+    tool that SIGPIPE ended, and nothing more written to the closed pipe at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 def load_experiment(path: str, scale: str | None = None) -> list:
@@ -207,6 +217,8 @@ def experiment_main(steps, argv: list[str] | None = None, scales: dict | None = 
     except USER_ERRORS as exc:
         print(f"keel: error: {exc}", file=sys.stderr)
         code = 2
+    except BrokenPipeError:
+        code = _reader_gone()
     if argv is None:
         sys.exit(code)
     return code
