@@ -374,3 +374,20 @@ def test_activation_claims_count_the_compute_dtype_and_quote_the_bf16_tensor_per
     assert f"{tensor_gb:.4g} GB is one bf16 6144-wide tensor" in per_layer["finding"]
     assert f"(per GPU {tensor_gb / devices:.3g} GB)" in per_layer["finding"]  # 0.805, not 1.61
     assert f"{tensor_gb * layers / 1000:.3g} TB is one bf16 6144-wide tensor per layer" in all_layers["finding"]
+
+
+@pytest.mark.parametrize("change, said", [
+    (lambda f: {"observed": (f.observed[0], dataclasses.replace(f.observed[1], date="2026-08-01"))},
+     r"facts.observed\[1\].date=2026-08-01 is before facts.start_date=2026-08-19"),
+    (lambda f: {"observed": (dataclasses.replace(f.observed[0], date="2026-09-30"), f.observed[1])},
+     r"facts.observed\[1\] reaches step 81,716 on 2026-09-09, before facts.observed\[0\] reached step 0 \(2026-09-30\)"),
+    (lambda f: {"projected_steps_per_day": 20_000},
+     r"facts.projected_steps_per_day=20000 is faster than the last measured rate \(5143 steps a day at step 81,716\)"),
+], ids=["before the start", "out of order", "goodput above 1"])
+def test_facts_that_would_move_the_projected_end_silently_are_refused(change, said):
+    """Each was accepted and moved the end date (an observation before the start put the hero's end
+    on 2026-10-10, 52 days), or printed a goodput of 3.89 and an MFU of 0.899."""
+    config = hero_config()
+    facts = dataclasses.replace(config.facts, **change(config.facts))
+    with pytest.raises(PlanError, match=said):
+        fact_sheet(dataclasses.replace(config, facts=facts))

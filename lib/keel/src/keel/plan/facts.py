@@ -266,6 +266,20 @@ def _date(text: str, field: str) -> dt.date:
         raise PlanError(f"{field}={text!r} is not an ISO date: write it as 'yyyy-mm-dd'") from None
 
 
+def _check_observations(facts, start: dt.date) -> None:
+    """Observations come on or after the start, and a later step never on an earlier date: either
+    mistake moved the projected end silently."""
+    dated = sorted((seen.step, _date(seen.date, f"facts.observed[{i}].date"), i) for i, seen in enumerate(facts.observed))
+    for step, date, i in dated:
+        if date < start:
+            raise PlanError(f"facts.observed[{i}].date={date.isoformat()} is before facts.start_date={start.isoformat()}: "
+                            "a step is reached after the run starts; fix the date or the start")
+    for (step, date, i), (later_step, later_date, j) in zip(dated, dated[1:]):
+        if later_date < date:
+            raise PlanError(f"facts.observed[{j}] reaches step {later_step:,} on {later_date.isoformat()}, before "
+                            f"facts.observed[{i}] reached step {step:,} ({date.isoformat()}): fix one of the two dates")
+
+
 def time(config: TrainStepConfig, train_facts: dict) -> dict | None:
     """Each measured speed with its MFU, the projection rate and the goodput it implies (projected
     over measured rate), and the completion date projected from the last observation."""
@@ -288,7 +302,12 @@ def time(config: TrainStepConfig, train_facts: dict) -> dict | None:
         "mfu": mfu(seen.step_seconds, flops_per_step),
         "mfu_6nt": mfu(seen.step_seconds, flops_6nt),
     } for i, seen in sorted(enumerate(facts.observed), key=lambda pair: pair[1].step)]  # i: the index as declared
+    _check_observations(facts, start)
     last = speeds[-1]
+    if facts.projected_steps_per_day and facts.projected_steps_per_day > last["steps_per_day"] * (1 + 1e-9):
+        raise PlanError(f"facts.projected_steps_per_day={facts.projected_steps_per_day:g} is faster than the last measured "
+                        f"rate ({last['steps_per_day']:.0f} steps a day at step {last['step']:,}): a projection allows for "
+                        "restarts, evaluation and checkpoints (a goodput of at most 1); give at most that rate")
     rate = facts.projected_steps_per_day or last["steps_per_day"]
     days = (dt.date.fromisoformat(last["date"]) - start).days + (train.num_steps - last["step"]) / rate
     end = start + dt.timedelta(days=days)
