@@ -62,3 +62,15 @@ def test_a_derived_seq_len_survives_the_config_the_running_step_gets():
     train = _after(TINY)["train/tiny_moe"]
     resolved = resolve_config(train.config, "/tmp/out/train/tiny_moe-x", lambda step: f"/tmp/out/{step.name}")
     assert resolved.train.seq_len == 128 and dataclasses.replace(resolved, facts=None).train.seq_len == 128
+
+
+def test_resources_of_more_gpus_per_replica_than_a_host_holds_are_refused():
+    """8 GPUs x 88 replicas start 704 GPUs, as the topology lays out, but a GB200 host holds 4: the
+    host RAM figures (per host of 4) and the dispatch would disagree."""
+    from keel import Resources
+
+    hero = _after(HERO)["train/hero_535b"]
+    assert hero.config.resources_problem(hero.resources) is None
+    problem = hero.config.resources_problem(Resources.with_gpu("GB200", 8, replicas=88))
+    assert problem == ("resources ask for 8 GPUs per replica, but hardware.gpus_per_host=4 (GB200 NVL72): a replica is "
+                       "one host; declare Resources.with_gpu('GB200', 4, replicas=176) with the step")

@@ -687,6 +687,11 @@ class TrainStepConfig:
         if resources is None or topology is None or not resources.gpu_count:
             return None
         asked = resources.gpu_count * resources.replicas
+        per_host = self.hardware.gpus_per_host if self.hardware else None
+        if asked == topology.num_devices and per_host and resources.gpu_count != per_host:
+            return (f"resources ask for {resources.gpu_count} GPUs per replica, but hardware.gpus_per_host="
+                    f"{per_host} ({self.hardware.name}): a replica is one host; declare Resources.with_gpu("
+                    f"{resources.gpu_type!r}, {per_host}, replicas={topology.num_devices // per_host}) with the step")
         if asked == topology.num_devices:
             return None
         replicas, left = divmod(topology.num_devices, resources.gpu_count)
