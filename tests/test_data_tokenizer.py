@@ -1,5 +1,6 @@
 """The tokenizer step: a byte-level BPE that round-trips text, deterministic, readable by Levanter."""
 
+import re
 import json
 
 import pytest
@@ -110,3 +111,12 @@ def test_bad_tokenizer_declarations():
         TrainTokenizerConfig(documents="x", vocab_size=100)
     with pytest.raises(ValueError, match="must differ"):
         TrainTokenizerConfig(documents="x", bos_token="<|endoftext|>")
+
+
+@pytest.mark.parametrize("ref", ["/no/such/tokenizer", "./tok", "runs/bpe/tokenizer", "my-tokenizer.json"])
+def test_a_tokenizer_path_that_is_missing_says_so_and_not_that_the_hub_has_no_such_repo(ref):
+    """A typo in a local path was sent to the hub, which answered that repo ids look like 'org/name'."""
+    from keel.data.tokenizer import load_tokenizer
+
+    with pytest.raises(FileNotFoundError, match=rf"no tokenizer.json at '{re.escape(ref)}'.*TokenizeConfig.tokenizer"):
+        load_tokenizer(ref)

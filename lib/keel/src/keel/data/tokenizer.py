@@ -102,6 +102,12 @@ def train_tokenizer(config: TrainTokenizerConfig) -> None:
     write_summary(config.output_path, summary, line + "".join(f"\n  {w}" for w in warnings))
 
 
+def _looks_like_a_path(ref: str) -> bool:
+    """A tokenizer named as a file or folder rather than a hub repo ('org/name'): a typo in it
+    should say the file is missing, not that the hub has no such repo."""
+    return ref.startswith((".", "/", "~")) or ref.endswith(".json") or ref.count("/") > 1
+
+
 def load_tokenizer(
     ref: str, *, bos_token: str | None = None, eos_token: str | None = None, pad_token: str | None = None
 ) -> LoadedTokenizer:
@@ -116,11 +122,13 @@ def load_tokenizer(
     if text is not None:
         tokenizer = Tokenizer.from_str(text)
         names = storage.read_json(config_file) or {}
-    elif not os.path.exists(ref) and "://" not in ref:
+    elif not os.path.exists(ref) and "://" not in ref and not _looks_like_a_path(ref):
         tokenizer = Tokenizer.from_pretrained(ref)  # a hub name; fails offline with the hub's own error
         names = {}
     else:
-        raise FileNotFoundError(f"no {TOKENIZER_FILE} at {ref!r}")
+        where = "" if os.path.exists(ref) or "://" in ref or os.path.isabs(ref) else f" (relative to {os.getcwd()})"
+        raise FileNotFoundError(f"no {TOKENIZER_FILE} at {ref!r}{where}: give the tokenizer's folder or its "
+                                f"{TOKENIZER_FILE} (TokenizeConfig.tokenizer), or a hub name such as 'org/name'")
     tokenizer.no_truncation()
     tokenizer.no_padding()
     names.update({k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token), ("pad_token", pad_token)) if v})
