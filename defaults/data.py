@@ -55,10 +55,17 @@ def default_tokenize(name: str, dataset: Step, tokenizer: Step | str, *, seq_len
     return Step(f"tokenized/{name}", tokenize_documents, config)
 
 
-def stdlib_tokens(*, seq_len: int = 128, vocab_size: int = 1024, max_bytes: int = 4_000_000) -> Step:
+STDLIB_BYTES = 4_000_000
+
+
+def stdlib_tokens(*, seq_len: int = 128, vocab_size: int = 1024, max_bytes: int = STDLIB_BYTES) -> Step:
     """The tutorials' data chain, declared once: the running Python's standard library (its first
     `max_bytes`) -> a byte-level BPE of `vocab_size` tokens -> packed `seq_len`-token sequences.
-    Every tutorial that calls it names the same three steps, so the second one finds them cached."""
-    corpus = stdlib_corpus(max_bytes=max_bytes)
-    tokenizer = default_tokenizer(f"stdlib-bpe-{vocab_size // 1024}k", corpus, vocab_size=vocab_size)
-    return default_tokenize(f"stdlib-bpe-{vocab_size // 1024}k-{seq_len}", corpus, tokenizer, seq_len=seq_len)
+    Every tutorial that calls it names the same three steps, so the second one finds them cached;
+    each argument is in the names (a vocabulary in k where it is whole thousands of 1024, bytes
+    past the default), so two chains that differ are two sets of steps."""
+    corpus = stdlib_corpus(max_bytes=max_bytes, name="stdlib" if max_bytes == STDLIB_BYTES else f"stdlib-{max_bytes}b")
+    vocab = f"{vocab_size // 1024}k" if vocab_size % 1024 == 0 else str(vocab_size)
+    bpe = f"{corpus.name.removeprefix('documents/')}-bpe-{vocab}"
+    tokenizer = default_tokenizer(bpe, corpus, vocab_size=vocab_size)
+    return default_tokenize(f"{bpe}-{seq_len}", corpus, tokenizer, seq_len=seq_len)

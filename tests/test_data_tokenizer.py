@@ -1,7 +1,7 @@
 """The tokenizer step: a byte-level BPE that round-trips text, deterministic, readable by Levanter."""
 
-import re
 import json
+import re
 
 import pytest
 

@@ -183,3 +183,17 @@ def test_only_checks_the_fit_of_the_steps_it_selects(monkeypatch, capsys, tmp_pa
         assert "train/lr_sweep/lr2.0: from step 0 the peak is" in capsys.readouterr().err
     assert reached == [r"lr1\.0"]
 
+
+
+def test_stdlib_token_chains_that_differ_in_any_argument_are_other_steps():
+    """Names used vocab_size // 1024: 512 was '0k', and 1024 and 1536 were one name (refused as two
+    steps of one name), as were two max_bytes."""
+    from defaults.data import stdlib_tokens
+    from keel.executor.plan import Graph
+
+    chains = [stdlib_tokens(), stdlib_tokens(vocab_size=512), stdlib_tokens(vocab_size=1536),
+              stdlib_tokens(max_bytes=1_000_000), stdlib_tokens(seq_len=64)]
+    names = [step.name for step in Graph(chains, "memory://stdlib-chains").order]
+    assert len(names) == len(set(names)) == 2 + 4 + 5  # 2 corpora, 4 tokenizers (seq_len shares one), 5 caches
+    assert [s.name for s in topological_order([chains[0]])] == ["documents/stdlib", "tokenizers/stdlib-bpe-1k",
+                                                                "tokenized/stdlib-bpe-1k-128"]  # the tutorials' names, kept
