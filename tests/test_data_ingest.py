@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -393,3 +394,23 @@ def test_held_out_draws_come_back_from_their_spill_exactly_and_in_order(tmp_path
     direct = _ingest(tmp_path, "direct", inputs=(str(path),), validation_fraction=0.3, near_duplicate_overlap=None)
     spilled = [(d.id, d.text) for d in iter_documents(checked, "validation")]
     assert len(spilled) > 50 and spilled == [(d.id, d.text) for d in iter_documents(direct, "validation")]
+
+
+def test_an_empty_split_warns_with_its_real_cause_and_fix(tmp_path):
+    """Files sharing a license header: every validation draw is a 'near-copy' of training text and
+    is kept in train, and raising validation_fraction (what the warning said) cannot help. A split
+    that leaves train empty said nothing until tokenizing failed."""
+    from keel.data import read_summary
+
+    header = "".join(f"# licensed under the example license, line {i} of the shared header\n" for i in range(12))
+    for i in range(60):
+        (tmp_path / f"mod{i:02d}.txt").write_text(header + f"def function_{i}(value):\n    return value * {i * 7919}\n")
+    out = _ingest(tmp_path, "boilerplate", inputs=(str(tmp_path / "*.txt"),), validation_fraction=0.2)
+    [warning] = read_summary(out)["warnings"]
+    assert re.match(r"the validation split is empty: all \d+ documents drawn for it are near-copies of training documents "
+                    r"\(at least 50% of their lines appear in training text\).*raise near_duplicate_overlap", warning), warning
+    out = _ingest(tmp_path, "no-train", inputs=(str(tmp_path / "mod0*.txt"),), validation_fraction=0.99,
+                  near_duplicate_overlap=None)
+    assert read_summary(out)["warnings"] == ["the train split is empty: all 10 documents are in validation "
+                                             "(validation_fraction=0.99); lower it (or give more documents) to tokenize "
+                                             "this set for training"]

@@ -312,9 +312,18 @@ def write_documents(
                              "check that the files hold records with text")
     warnings = []
     if validation_fraction > 0 and not writers["validation"].documents:
-        warnings.append(f"the validation split is empty: none of the {total} documents fell in validation_fraction="
-                        f"{validation_fraction:g} (about {total * validation_fraction:.2g} expected); raise it to "
-                        "evaluate on this data")
+        if moved:  # drawn, then kept out: raising the fraction would draw more of the same
+            warnings.append(f"the validation split is empty: all {len(moved)} documents drawn for it are near-copies of "
+                            f"training documents (at least {near_duplicate_overlap:.0%} of their lines appear in training "
+                            "text) and were kept in train; if they share boilerplate (a license header, a template) "
+                            "rather than text, raise near_duplicate_overlap (None keeps every draw)")
+        else:
+            warnings.append(f"the validation split is empty: none of the {total} documents fell in validation_fraction="
+                            f"{validation_fraction:g} (about {total * validation_fraction:.2g} expected); raise it to "
+                            "evaluate on this data")
+    if not writers["train"].documents:
+        warnings.append(f"the train split is empty: all {total} documents are in validation (validation_fraction="
+                        f"{validation_fraction:g}); lower it (or give more documents) to tokenize this set for training")
     index = {
         "format": FORMAT,
         "source": source,
