@@ -318,7 +318,7 @@ def test_set_override_runs_and_errors(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no config field 'nn'" in err and "closest: tutorial/numbers:n" in err
     assert console_main(["plan", HELLO, "--prefix", prefix, "--set", "tutorial/numbers.n=abc"]) == 2
-    assert "cannot read 'abc' as a int" in capsys.readouterr().err
+    assert "cannot read 'abc' as an int" in capsys.readouterr().err
     assert console_main(["plan", HELLO, "--prefix", prefix, "--set", "tutorial/nope.n=1"]) == 2
     assert "no step named" in capsys.readouterr().err
 

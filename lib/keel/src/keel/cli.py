@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import difflib
 import json
 import linecache
 import os
@@ -156,12 +158,30 @@ def _where_it_failed(path: str, exc: BaseException) -> str:
     else:
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == target]
         lineno = frames[-1].lineno if frames else None
-        where, detail = path, str(exc) or "(no message)"
+        where, detail = path, (str(exc) or "(no message)") + _closest_fields(exc, target)
         if isinstance(exc, SyntaxError) and exc.filename:  # in a module the experiment imports
             detail = f"{exc.msg} ({exc.filename}:{exc.lineno})"
     text = (linecache.getline(target, lineno).strip() if lineno else "")
     head = f"{where}:{lineno}: " if lineno else f"{where}: "
     return head + f"{type(exc).__name__}: {detail}" + (f"\n    {lineno} | {text}" if text else "")
+
+
+_UNKNOWN_KEYWORD = re.compile(r"^(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'$")
+
+
+def _closest_fields(exc: BaseException, target: str) -> str:
+    """For a config built with a field it does not have (`TrainConfig(batch_sise=16)`), the fields
+    it does have that are closest, as a `--set` with that typo names them; '' otherwise."""
+    found = _UNKNOWN_KEYWORD.match(str(exc)) if isinstance(exc, TypeError) else None
+    if found is None:
+        return ""
+    frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__) if os.path.abspath(frame.f_code.co_filename) == target]
+    cls = frames[-1].f_globals.get(found.group(1)) if frames else None
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        return ""
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    close = difflib.get_close_matches(found.group(2), names, n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else f"; {cls.__name__}'s fields are {', '.join(names)}"
 
 
 def script_error(exc: BaseException, shown: str, main_file: str) -> str | None:

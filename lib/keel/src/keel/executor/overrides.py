@@ -102,7 +102,9 @@ def _parse_value(obj: Any, name: str, text: str, key: str) -> Any:
     try:
         return decode(declared, raw)
     except Exception as exc:  # noqa: BLE001 - draccus raises its own DecodingError, or the config's ValueError
-        raise OverrideError(f"--set {key}: cannot read {text!r} as a {_shown(declared)} ({_innermost(exc)})") from None
+        shown = _shown(declared)
+        article = "an" if shown[:1].lower() in "aeiou" else "a"
+        raise OverrideError(f"--set {key}: cannot read {text!r} as {article} {shown} ({_innermost(exc)})") from None
 
 
 def _shown(declared: Any) -> str:
