@@ -414,3 +414,13 @@ def test_an_empty_split_warns_with_its_real_cause_and_fix(tmp_path):
     assert read_summary(out)["warnings"] == ["the train split is empty: all 10 documents are in validation "
                                              "(validation_fraction=0.99); lower it (or give more documents) to tokenize "
                                              "this set for training"]
+
+
+def test_a_hugging_face_source_that_cannot_say_what_it_reads_is_refused_when_declared():
+    """A file builder with no files failed at run time saying the files held no text; a hub dataset
+    with no revision kept one identity while the hub's data changed."""
+    with pytest.raises(ValueError, match=r"HfDatasetSpec\('json'\) is a file builder with no data_files"):
+        HfDatasetSpec("json")
+    with pytest.raises(ValueError, match=r"HfDatasetSpec\('someone/corpus'\) is a hub dataset with no revision: pin one"):
+        HfDatasetSpec("someone/corpus")
+    assert HfDatasetSpec("someone/corpus", revision="abc123").revision == "abc123"

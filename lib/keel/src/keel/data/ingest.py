@@ -103,6 +103,13 @@ class HfDatasetSpec:
 
     def __post_init__(self):
         object.__setattr__(self, "data_files", _paths("HfDatasetSpec.data_files", self.data_files))
+        if self.path in HF_FILE_BUILDERS and not self.data_files:
+            raise ValueError(f"HfDatasetSpec({self.path!r}) is a file builder with no data_files: give the files it reads "
+                             f"(HfDatasetSpec({self.path!r}, data_files=('data/part-*',)))")
+        if self.path not in HF_FILE_BUILDERS and not self.revision:
+            raise ValueError(f"HfDatasetSpec({self.path!r}) is a hub dataset with no revision: pin one (a commit or tag, "
+                             "revision='...'), which stands for its contents in the step's identity; unpinned, a "
+                             "dataset updated on the hub would still be read from the old cached documents")
 
 
 @dataclass(frozen=True)
