@@ -526,3 +526,15 @@ def test_an_isolated_step_under_memory_is_refused_before_anything_runs():
         run_steps([isolated], prefix, echo=lambda _: None)
     assert not fsspec.filesystem("memory").exists(Graph([plain], prefix).path(plain)), "nothing ran, not even its input"
     assert run_steps([plain], prefix, echo=lambda _: None).ok  # a step in the launcher is fine there
+
+
+def test_a_stale_step_is_told_apart_from_its_newest_finished_output_not_a_failed_attempt_or_a_set(tmp_path, capsys):
+    """A failed attempt, or a one-off `--set`, between the last good output and now listed changes
+    the file never had."""
+    prefix = str(tmp_path)
+    assert console_main(["run", HELLO, "--prefix", prefix]) == 0  # n=100, finished
+    assert console_main(["run", HELLO, "--prefix", prefix, "--set", "tutorial/numbers:n=3"]) == 0  # a one-off, newer
+    capsys.readouterr()
+    assert console_main(["plan", HELLO, "--prefix", prefix, "--set", "tutorial/numbers:n=7", "--json"]) == 0
+    states = {s["name"]: s for s in json.loads(capsys.readouterr().out)["steps"]}
+    assert states["tutorial/numbers"]["reason"] == "config.n: 100 -> 7"  # the file's own output, not the --set one's 3

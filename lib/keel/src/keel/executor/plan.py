@@ -186,10 +186,11 @@ def plan_step(graph: Graph, step: Step | External, force: re.Pattern | None = No
             return StepPlan(step, same.output_path, CACHED, f"the same work as {same.name}: its output is reused", deps,
                             same.status, reused_from=same.name)
     if status is None:
-        earlier = _most_recent_record(listings.earlier_runs(path))
+        earlier = _closest_record(listings.earlier_runs(path))
         if earlier is not None:
-            diff = diff_identities(earlier["identity"], graph.identities.payload(step))
-            return StepPlan(step, path, STALE, "; ".join(diff) or "identity changed", deps)
+            record, against = earlier
+            diff = "; ".join(diff_identities(record["identity"], graph.identities.payload(step))) or "identity changed"
+            return StepPlan(step, path, STALE, f"{diff} (against {against})" if against else diff, deps)
         return StepPlan(step, path, RUN, "forced" if forced else "never ran", deps)
     if status.state == SUCCESS:
         problem = verify_manifest(path, status, no_outputs=step.no_outputs)
@@ -245,8 +246,12 @@ def inputs_made_again(step: Step, status: Status, plans: dict) -> str:
     return ""
 
 
-def _most_recent_record(paths: list[str]) -> dict | None:
-    best = None
+def _closest_record(paths: list[str]) -> tuple[dict, str] | None:
+    """The earlier run of a step that a stale one is best told apart from, and what it is when not
+    the newest finished output ('' then): that, made without `--set`, before one made with it,
+    before an attempt that did not finish (a failed attempt or a one-off `--set` would list changes
+    the file never had)."""
+    best, best_rank = None, None
     for p in paths:
         try:
             record = storage.read_json(keel_path(p, "step.json"))
@@ -254,9 +259,18 @@ def _most_recent_record(paths: list[str]) -> dict | None:
             continue
         if not isinstance(record, dict) or not isinstance(record.get("identity"), dict) or not isinstance(record.get("provenance", {}), dict):
             continue  # not a record keel wrote: it cannot say what changed
-        if best is None or record.get("provenance", {}).get("time", 0) > best.get("provenance", {}).get("time", 0):
-            best = record
-    return best
+        status = read_status(p)
+        rank = (status is not None and status.state == SUCCESS, "overrides" not in record,
+                record.get("provenance", {}).get("time", 0))
+        if best_rank is None or rank > best_rank:
+            best, best_rank = record, rank
+    if best is None:
+        return None
+    finished, plain, _ = best_rank
+    if finished and plain:
+        return best, ""
+    what = "the newest finished output" if finished else "the newest attempt, which did not finish"
+    return best, what + ("" if plain else ", made with --set")
 
 
 def _display(value) -> str:
