@@ -255,3 +255,14 @@ def test_a_phase_after_a_component_served_2_to_the_31_sequences_is_refused_where
         levanter = MixtureDataset(data, mixture(step).sequence_schedule(batch), block_size=2048, key=0)
         levanter_counts[case] = int(levanter._counts_after_stage[0][0])
     assert levanter_counts == {"below": 2**31 - 2048, "at": -(2**31)}, levanter_counts
+
+
+def test_the_sequences_a_run_draws_from_each_component_follow_its_phases():
+    from keel import External
+    from keel.spec import Mixture, MixturePhase
+
+    caches = {name: External(name, f"memory://{name}", version="1") for name in ("a", "b")}
+    mixture = Mixture(caches, (MixturePhase(0, {"a": 1.0}), MixturePhase(10, {"a": 0.5, "b": 0.5})), block_size=8)
+    assert mixture.sequences_drawn(batch_size=8, num_steps=10) == {"a": 80, "b": 0}
+    assert mixture.sequences_drawn(batch_size=8, num_steps=20) == {"a": 120, "b": 40}
+    assert mixture.sequences_drawn(batch_size=8, num_steps=5) == {"a": 40, "b": 0}  # the run ends inside phase 0

@@ -2,6 +2,7 @@
 at another sequence length, or a declared evaluation with no validation data is refused by
 `keel plan` where the data steps' configs say it, and by the training step before it compiles."""
 
+import dataclasses
 import json
 import textwrap
 from pathlib import Path
@@ -315,3 +316,19 @@ def test_a_data_step_read_where_another_kind_of_output_is_wanted_is_refused_when
         TokenizeConfig(documents=documents, tokenizer=stdlib)
     cache = default_tokenize("x", documents, tokenizer, seq_len=64)  # in order: declared
     assert default_train("t", data=cache, model=tiny_moe, train=train).config.data.components["data"] is cache
+
+
+def test_a_run_that_draws_more_sequences_than_a_cache_holds_warns_with_the_passes(caches, capsys):
+    """Levanter's datasets wrap around: 16 passes over 10 training sequences trained without a word."""
+    from keel.train.data_checks import check_token_caches
+
+    cache = caches["with_validation"]
+    held = json.loads((Path(cache) / "tokenize.json").read_text())["splits"]["train"]["sequences"]
+    config = _config(cache)
+    steps = -(-3 * held // config.train.batch_size)  # about three passes
+    check_token_caches(dataclasses.replace(config, train=dataclasses.replace(config.train, num_steps=steps)))
+    drawn = steps * config.train.batch_size
+    assert (f"[data] warning: token cache 'data' ({cache}) holds {held:,} training sequences and the run draws about "
+            f"{drawn:,} from it: {drawn / held:.1f} passes over the same data") in capsys.readouterr().out
+    check_token_caches(dataclasses.replace(config, train=dataclasses.replace(config.train, num_steps=held // 16)))
+    assert "passes over the same data" not in capsys.readouterr().out  # one pass or less: nothing to say

@@ -149,6 +149,18 @@ class Mixture:
         self.check_batch_size(batch_size)
         return [(step * batch_size, weights) for step, weights in self.phase_weights()]
 
+    def sequences_drawn(self, batch_size: int, num_steps: int) -> dict[str, int]:
+        """About how many sequences each component serves over `num_steps` steps (whole blocks as
+        `block_counts` draws them; the last, partial block at most its per-block count)."""
+        served = dict.fromkeys(self.components, 0)
+        schedule, total = self.sequence_schedule(batch_size), num_steps * batch_size
+        ends = [start for start, _ in schedule[1:]] + [total]
+        for counts, (start, _), end in zip(self.block_counts(), schedule, ends):
+            blocks, rest = divmod(max(min(end, total) - start, 0), self.block_size)
+            for name, per_block in counts.items():
+                served[name] += per_block * blocks + min(per_block, rest)
+        return served
+
     def check_read_counts(self, batch_size: int) -> None:
         """Levanter's `MixtureDataset` keeps the sequences each component served before a phase in
         int32 and starts the phase's reads there: past 2**31 the count wraps silently, and the phase

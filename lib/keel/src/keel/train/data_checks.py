@@ -66,6 +66,7 @@ def check_token_caches(config: TrainStepConfig) -> None:
                 f"set TrainConfig.seq_len={found['seq_len']}, or tokenize again with TokenizeConfig.seq_len={train.seq_len}"
             )
         check_cache_vocab(where, found, model.vocab_size)
+    _warn_of_repeats(config, stats)
     roots = cache_components(config.data)
     if train.eval_batches > 0 and roots and not any(
             _validation_sequences(stats[name][1]) if name in stats else has_split(root, "validation")
@@ -80,6 +81,20 @@ def check_token_caches(config: TrainStepConfig) -> None:
         )
     if train.eval_batches > 0:
         check_held_out_documents(stats, trained=drawn_components(config.data))
+
+
+def _warn_of_repeats(config: TrainStepConfig, stats: dict[str, tuple[str, dict]]) -> None:
+    """A run that draws more sequences from a cache than its train split holds reads the same data
+    again (Levanter's datasets wrap around) with no word said: warn, with the passes it makes."""
+    drawn = config.data.sequences_drawn(config.train.batch_size, config.train.num_steps)
+    for name, (root, found) in stats.items():
+        held = found["splits"].get("train", {}).get("sequences", 0)
+        if held and drawn.get(name, 0) > held:
+            message = (f"token cache {name!r} ({root}) holds {held:,} training sequences and the run draws about "
+                       f"{drawn[name]:,} from it: {drawn[name] / held:.1f} passes over the same data; give it more "
+                       "documents, or train fewer steps or a smaller batch")
+            print(f"[data] warning: {message}")
+            warn(message)
 
 
 SHARED_VALIDATION_REFUSED_ABOVE = 0.01
