@@ -148,9 +148,11 @@ def _read(value, seen: frozenset, *, strict: bool):
     not at all (`strict`: a closure cell or default)."""
     if isinstance(value, types.FunctionType) and (value.__module__ == "__main__" or value.__closure__):
         found = _function_hash(value, seen) if value not in seen else "recursive"
-        if found is None:
+        if found is not None:
+            return {"function": found}
+        if strict:
             raise _Unreadable(value)
-        return {"function": found}
+        return {"imported": qualified_name(value)}
     if isinstance(value, type) and value.__module__ == "__main__":
         return {"class": _source_hash(value) or value.__qualname__}
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type, functools.partial)):
