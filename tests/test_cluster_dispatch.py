@@ -345,6 +345,32 @@ def test_an_interrupted_run_terminates_the_job_it_waits_on(monkeypatch):
     assert job.waited_at is None  # never left to Iris's wait on a running job
 
 
+def test_a_job_queued_for_its_hardware_is_not_silent_until_it_runs(monkeypatch, tmp_path):
+    """The stall clock of `progress_timeout_s` starts when the job is first seen running: a job that
+    waits 100 s in the cluster's queue, then never beats, is terminated 30 s after it started."""
+    from fray.types import JobStatus
+
+    from keel.executor import cluster as cluster_module
+
+    class WallClock(FakeClock):
+        def time(self) -> float:
+            return 1e9 + self.now
+
+    class QueuedThenSilent(RunningJob):
+        def status(self):
+            self.polls += 1
+            return JobStatus.PENDING if self.clock.now < 100.0 else JobStatus.RUNNING
+
+    clock = WallClock()
+    job = QueuedThenSilent(clock, ends_at=float("inf"))
+    job.terminated_at = None
+    job.terminate = lambda: setattr(job, "terminated_at", clock.now)
+    monkeypatch.setattr(cluster_module, "time", clock)
+    with pytest.raises(cluster_module.ClusterJobStalled, match=r"no progress for 3\ds \(progress_timeout_s=30\).*was terminated"):
+        cluster_module.run_on_cluster(job, None, "cpu=1", str(tmp_path / "heartbeat"), 30.0)  # never written
+    assert 130.0 <= job.terminated_at <= 130.0 + 30.0 / 4 + cluster_module.STATE_POLL_MAX_S
+
+
 @dataclass(frozen=True)
 class SleepConfig:
     seconds: float

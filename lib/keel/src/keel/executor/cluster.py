@@ -177,17 +177,18 @@ def _wait_until_finished(handle, beat: str | None = None, timeout_s: float | Non
     """Poll the job's state, 0.1 s apart at first, growing to STATE_POLL_MAX_S, until it ends or
     the run is interrupted (which terminates it). A controller that does not answer is asked again
     (the interruption still checked between tries) for up to UNANSWERED_S, then the step fails.
-    The heartbeat `beat`, when given, is read every quarter of `timeout_s` (at least once a minute),
-    and a job silent for longer is terminated."""
+    The heartbeat `beat`, when given, is read every quarter of `timeout_s` (at least once a minute)
+    once the job runs (a job queued for its hardware is not silent), and a job silent for longer
+    is terminated."""
     from fray.types import JobStatus
 
     interval, unanswered_since = 0.1, None
-    started, beat_read = time.time(), time.monotonic()
+    started, beat_read = None, time.monotonic()  # started: when the job was first seen running (wall clock)
     while True:
         if interrupt.requested():
             problem = _terminate(handle)
             raise interrupt.StepInterrupted(problem or f"the run was interrupted: cluster job {handle.job_id} was terminated")
-        if beat and timeout_s and time.monotonic() - beat_read >= min(timeout_s / 4, 60.0):
+        if beat and timeout_s and started is not None and time.monotonic() - beat_read >= min(timeout_s / 4, 60.0):
             beat_read = time.monotonic()
             silent = heartbeat.seconds_since(beat, started, time.time())
             if silent > timeout_s:
@@ -196,8 +197,11 @@ def _wait_until_finished(handle, beat: str | None = None, timeout_s: float | Non
                                         f"{beat} stopped, so cluster job {handle.job_id} was terminated"
                                         + (f"; {problem}" if problem else ""))
         try:
-            if JobStatus.finished(handle.status()):
+            state = handle.status()
+            if JobStatus.finished(state):
                 return
+            if beat and state == JobStatus.RUNNING and started is None:
+                started, beat_read = time.time(), time.monotonic()
             unanswered_since = None
         except Exception as exc:  # noqa: BLE001 - an RPC error: ask again, within bounds
             unanswered_since = unanswered_since or time.monotonic()
