@@ -165,16 +165,13 @@ class Mixture:
         """Levanter's `MixtureDataset` keeps the sequences each component served before a phase in
         int32 and starts the phase's reads there: past 2**31 the count wraps silently, and the phase
         rereads sequences trained on and never reads the ones due. Refused here, naming the phase."""
-        served = dict.fromkeys(self.components, 0)
-        schedule = self.sequence_schedule(batch_size)
-        for i, (counts, (start, _), (end, _)) in enumerate(zip(self.block_counts(), schedule, schedule[1:])):
-            for name, per_block in counts.items():
-                served[name] += per_block * ((end - start) // self.block_size)
+        for i, phase in enumerate(self.phases[1:]):
+            served = self.sequences_drawn(batch_size, phase.start_step)  # phases start on block boundaries: exact
             name = max(served, key=served.get)
             if served[name] >= INT32_READS:
                 raise MixtureError(
                     f"component {name!r} has served {served[name]:,} sequences when phase {i + 1} starts (step "
-                    f"{self.phases[i + 1].start_step:,}), past the {INT32_READS:,} Levanter's MixtureDataset counts "
+                    f"{phase.start_step:,}), past the {INT32_READS:,} Levanter's MixtureDataset counts "
                     "in int32 (it would wrap and reread trained data): split the component into several caches, "
                     "each counted on its own"
                 )
