@@ -51,7 +51,8 @@ def compute_axis_mapping() -> dict[str, tuple[str, ...] | str]:
 
 
 def partition_spec(array: NamedArray, mesh: Mesh, path: str = "") -> P:
-    """Where a parameter (or optimizer-state) array with these named axes lives (`placement.RULES`)."""
+    """Where a parameter with these named axes and this path lives (`placement.RULES`; the train
+    state, optimizer state included, is placed from the resolved run, `keel.train.layout`)."""
     _, placement = place(path, tuple((ax.name, ax.size) for ax in array.axes), dict(mesh.shape))
     return P(*placement)
 

@@ -10,8 +10,8 @@ Memory model (bytes per GPU): the resolved run's state table (`ResolvedRun.state
 table the running step checks its live state against): every leaf split as its placement says
 (`keel.spec.placement`: routed experts over `expert`, the token embedding replicated,
 `embed`-wide arrays FSDP over the rack, the rest replicated), in the master dtype, each optimizer
-moment placed and typed like its leaf (MuonH: one, Adam/AdamH/AdamW: two, the router bias none:
-it is set, not trained). Gradients are laid out like the trained leaves, in the master dtype (the
+moment typed like its leaf and placed like it but for the token embedding's, which are FSDP
+(MuonH: one, Adam/AdamH/AdamW: two, the router bias none: it is set, not trained). Gradients are laid out like the trained leaves, in the master dtype (the
 step takes them of the master weights, casting to the compute dtype inside). With per-layer
 rematerialisation one residual tensor per layer is kept for the backward pass.
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 from keel.spec.transports import TRANSPORTS, kernel_capacity_factor
 from keel.spec.checks import PlanError, mixture_phases
-from keel.spec.resolved import ResolvedRun, resolve
+from keel.spec.resolved import ResolvedRun, resolve, spec_json
 from keel.spec.dtypes import bytes_of
 from keel.plan.launch import launch
 from keel.plan.peak import backward_transients, layer_activations_per_token, update_transients
@@ -231,12 +231,14 @@ def state_layout(run: ResolvedRun) -> list[dict] | None:
 
 
 def parameter_table(run: ResolvedRun) -> list[dict]:
-    """Every leaf as the run holds it: path, named axes, dtype, placement, optimizer group."""
+    """Every leaf as the run holds it: path, named axes, dtype, placement (its own and its optimizer
+    state's), optimizer group."""
     return [{
         "path": p.path,
         "axes": dict(p.axes),
         "dtype": p.dtype,
-        "placement": None if p.placement is None else [list(e) if isinstance(e, tuple) else e for e in p.placement],
+        "placement": None if p.placement is None else spec_json(p.placement),
+        "state_placement": None if p.state_placement is None else spec_json(p.state_placement),
         "rule": p.rule,
         "group": p.group,
         "trained": p.trained,

@@ -15,7 +15,9 @@ in and the residuals the forward saved) and one layer's worth of:
   probabilities softmax makes of it (`attention_scores_gb`); the blockwise kernels hold neither.
 
 The optimizer's update comes after the backward has freed the saved residuals; MuonH's Newton-Schulz
-loop then holds `newton_schulz_loop` (`update_transients`). Each is a named part, so a verdict says
+loop then holds `newton_schulz_loop`, and a replicated weight whose optimizer state is split (the
+token embedding's, `keel.spec.placement`) its update gathered whole, `gathered_updates`
+(`update_transients`). Each is a named part, so a verdict says
 what the peak is made of.
 """
 
@@ -80,13 +82,20 @@ def update_transients(run: ResolvedRun) -> dict[str, float]:
     `newton_schulz_elements_per_device` elements, gathered whole. An iteration holds x, its Gram
     matrix, the Gram matrix squared (each no larger than x: x is transposed to be wide) and the next
     x in the Newton-Schulz dtype, beside the gathered weights and update in the master dtype, which
-    the loop's result is applied to. Empty without MuonH."""
-    elements = run.newton_schulz_elements_per_device()
-    if not elements:
-        return {}
+    the loop's result is applied to. Beside it (counted as held at once), the update of every
+    trained weight whose optimizer state is split finer than the weight, gathered to the weight's
+    placement in the master dtype."""
     train = run.config.train
-    per_element = 4 * DTYPE_BYTES[train.optimizer.newton_schulz_dtype] + 2 * DTYPE_BYTES[train.master_dtype]
-    return {"newton_schulz_loop": elements * per_element / GB}
+    parts = {}
+    elements = run.newton_schulz_elements_per_device()
+    if elements:
+        per_element = 4 * DTYPE_BYTES[train.optimizer.newton_schulz_dtype] + 2 * DTYPE_BYTES[train.master_dtype]
+        parts["newton_schulz_loop"] = elements * per_element / GB
+    gathered = sum(run.per_device(p) * DTYPE_BYTES[train.master_dtype] for p in run.parameters
+                   if p.trained and p.state_placement != p.placement)
+    if gathered:
+        parts["gathered_updates"] = gathered / GB
+    return parts
 
 
 def layer_activations_per_token(model, capacity_factor: float) -> dict[str, float]:

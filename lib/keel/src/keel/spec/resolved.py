@@ -47,6 +47,9 @@ class Parameter:
     """Mesh axes per array axis (None: no topology declared, so no mesh)."""
     group: str
     """Optimizer group: muonh, adamh, adam, adamw or frozen (never updated by the optimizer)."""
+    state_placement: Placement | None
+    """Where its optimizer-state arrays live: the parameter's placement unless its rule places the
+    weight only (`keel.spec.placement`: the token embedding's moments are FSDP)."""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -62,7 +65,7 @@ class Parameter:
 
     @property
     def moments(self) -> int:
-        """fp32 optimizer-state arrays kept for it (they are placed like the parameter)."""
+        """Optimizer-state arrays kept for it, in the master dtype, placed by `state_placement`."""
         return MOMENTS[self.group]
 
 
@@ -155,8 +158,8 @@ class ResolvedRun:
                                     bytes_per_device(p.shape, spec, master, self.mesh_axes)))
         for p in self.parameters:
             for i in range(p.moments):
-                leaves.append(StateLeaf(f"opt_state/{p.path}/{i}", p.shape, master, p.placement,
-                                        kinds["optimizer_state"], bytes_per_device(p.shape, p.placement, master,
+                leaves.append(StateLeaf(f"opt_state/{p.path}/{i}", p.shape, master, p.state_placement,
+                                        kinds["optimizer_state"], bytes_per_device(p.shape, p.state_placement, master,
                                                                                    self.mesh_axes)))
         return tuple(sorted(leaves, key=lambda leaf: leaf.path))
 
@@ -212,7 +215,9 @@ def resolve(config: TrainStepConfig, name: str = "") -> ResolvedRun:
     parameters = []
     for path, axes in model.parameter_axes().items():
         rule, placement = place(path, axes, mesh_axes) if mesh_axes else ("no mesh", None)
-        parameters.append(Parameter(path, axes, train.master_dtype, rule, placement, optimizer_group(train.optimizer, path)))
+        state_placement = place(path, axes, mesh_axes, state=True)[1] if mesh_axes else None
+        parameters.append(Parameter(path, axes, train.master_dtype, rule, placement,
+                                    optimizer_group(train.optimizer, path), state_placement))
     phases = train.transports or (default_transport(topo),)
     transports = tuple(
         TransportRun(p.start_step, (phases[i + 1].start_step if i + 1 < len(phases) else train.num_steps) - 1,
