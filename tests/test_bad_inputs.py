@@ -119,6 +119,12 @@ CATALOGUE = [
              "unexpected keyword argument 'colour'; C's fields are n, inputs, output_path"),
     BadInput("a --set value of the wrong type", GOOD + MAIN, ("plan", "EXP", "--set", "x/a:n=abc"), "error",
              "cannot read 'abc' as an int"),
+    BadInput("a --set giving a whole config one plain value",
+             '@dataclass(frozen=True)\nclass Outer:\n    inner: C\n    output_path: str = this_output()\n\n'
+             'o = Step("x/o", lambda config: write(config.inner), Outer(C(1)))\n' + MAIN.replace("[b]", "[o]"),
+             ("plan", "EXP", "--set", "x/o:inner=adam"), "error",
+             "inner is a config (C), not one value: set one of its fields (x/o:inner.n=...) or give the whole config "
+             "as a mapping of its fields (x/o:inner={n: ...})"),
     BadInput("syntax error", 'a = Step("x/a", write, C(1)\n' + MAIN, ("plan", "EXP"), "error", "SyntaxError"),
     BadInput("missing import", 'a = Step("x/a", write, Config(1))\n' + MAIN, ("plan", "EXP"), "error", "name 'Config' is not defined"),
     BadInput("wrong type in a config", 'a = Step("x/a", write, C(n="100"))\nb = Step("x/b", write, C(2, (output_of(a),)))\n' + MAIN,

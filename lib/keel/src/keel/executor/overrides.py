@@ -99,6 +99,14 @@ def _parse_value(obj: Any, name: str, text: str, key: str) -> Any:
         raise OverrideError(f"--set {key}: YAML reads {text!r} as the boolean {str(raw).lower()}, but {name} is declared "
                             f"{_shown(declared)}, which would take it as {int(raw)}: write the {_shown(declared)} you mean, "
                             f"e.g. {key.partition('=')[0]}={int(raw)}")
+    kinds = [t for t in (typing.get_args(declared) or (declared,)) if t is not type(None)]
+    configs = [t for t in kinds if dataclasses.is_dataclass(t)]
+    if configs and len(configs) == len(kinds) and not isinstance(raw, dict):
+        field = key.partition("=")[0]
+        example = next((f.name for f in dataclasses.fields(current)), "FIELD") if dataclasses.is_dataclass(current) else "FIELD"
+        raise OverrideError(f"--set {key}: {name} is a config ({' or '.join(c.__name__ for c in configs)}), not one value: "
+                            f"set one of its fields ({field}.{example}=...) or give the whole config as a mapping of "
+                            f"its fields ({field}={{{example}: ...}})")
     try:
         return decode(declared, raw)
     except Exception as exc:  # noqa: BLE001 - draccus raises its own DecodingError, or the config's ValueError
