@@ -186,7 +186,18 @@ def test_keel_plan_names_a_missing_input_before_anything_runs(tmp_path, capsys):
     assert console_main(["plan", str(experiment), "--prefix", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "step 'documents/mine'" in err and "missing.jsonl' matches no file" in err
-    assert "input_version" in err
+    assert "input_version" in err and "relative path" not in err
+
+
+def test_a_relative_input_that_matches_nothing_names_the_directory_it_was_read_from(tmp_path, capsys, monkeypatch):
+    experiment = tmp_path / "exp.py"
+    experiment.write_text("from defaults import ingest\nfrom keel import main\n"
+                          "docs = ingest('mine', ('data/*.jsonl',))\nif __name__ == '__main__':\n    main([docs])\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert console_main(["plan", str(experiment), "--prefix", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"'data/*.jsonl' matches no file (a relative path, read from the working directory {tmp_path / 'elsewhere'})" in err
 
 
 def test_the_data_files_of_a_hugging_face_builder_count_and_a_hub_dataset_is_pinned_by_its_revision(tmp_path):

@@ -212,7 +212,9 @@ def _matches(pattern: str, field: str) -> list[InputFile]:
         suffixes = ", ".join(f"{pattern.rstrip('/')}/*{suffix}" for suffix in (".jsonl", ".txt"))
         raise FileNotFoundError(f"{field}: {pattern!r} is a directory, not a file: give a glob of its files, e.g. {suffixes}")
     if not matches:
-        raise FileNotFoundError(f"{field}: {pattern!r} matches no file")
+        relative = "://" not in pattern and not os.path.isabs(pattern)
+        where = f" (a relative path, read from the working directory {os.getcwd()})" if relative else ""
+        raise FileNotFoundError(f"{field}: {pattern!r} matches no file{where}")
     base = _glob_base(path).rstrip("/")
     declared_base = _glob_base(pattern).rstrip("/")
     protocol = pattern.partition("://")[0] + "://" if "://" in pattern else ""
