@@ -174,6 +174,22 @@ def test_hero_time_mfu_per_measured_phase_goodput_and_completion_date(hero):
     assert p["goodput"] == pytest.approx(4400 / (86_400 / 16.8))
 
 
+def test_a_projection_made_before_a_faster_phase_is_judged_against_the_rest_of_the_run():
+    """Before its switch the hero had measured only its pooled 19.8 s steps (4,364 a day) and
+    projected 4,400 a day, counting on the ragged phase ahead: a projection is held to the rate the
+    rest of the run can go at full goodput, not to the last phase measured (which refused it)."""
+    config = hero_config()
+    before_switch = dataclasses.replace(config.facts, observed=config.facts.observed[:1])
+    sheet = fact_sheet(dataclasses.replace(config, facts=before_switch))
+    p, stretches = sheet["time"]["projection"], sheet["step_time"]["stretches"]
+    ahead = sum((r["to_step"] + 1 - r["from_step"]) * r["step_seconds"] for r in stretches)
+    assert p["steps_per_day"] == 4400 and p["goodput"] == pytest.approx(4400 / (390_251 * 86_400 / ahead))
+    assert 4400 / (86_400 / 19.8) > 1 > p["goodput"] and p["goodput_of"].startswith("the modelled step times")
+    with pytest.raises(PlanError, match=r"projected_steps_per_day=6000 is faster than the rest of the run at full "
+                                        r"goodput \(\d+ steps a day, the modelled step times of steps 0 onwards\)"):
+        fact_sheet(dataclasses.replace(config, facts=dataclasses.replace(before_switch, projected_steps_per_day=6000)))
+
+
 def test_hero_claims_are_declared_and_recomputed(hero):
     claims = {c["figure"]: c for c in hero["claims"]}
     assert [c["claim"] for c in hero["claims"]] == [
@@ -382,7 +398,8 @@ def test_activation_claims_count_the_compute_dtype_and_quote_the_bf16_tensor_per
     (lambda f: {"observed": (dataclasses.replace(f.observed[0], date="2026-09-30"), f.observed[1])},
      r"facts.observed\[1\] reaches step 81,716 on 2026-09-09, before facts.observed\[0\] reached step 0 \(2026-09-30\)"),
     (lambda f: {"projected_steps_per_day": 20_000},
-     r"facts.projected_steps_per_day=20000 is faster than the last measured rate \(5143 steps a day at step 81,716\)"),
+     r"facts.projected_steps_per_day=20000 is faster than the rest of the run at full goodput \(5143 steps a day, the "
+     r"last measured rate, at step 81,716\)"),
 ], ids=["before the start", "out of order", "goodput above 1"])
 def test_facts_that_would_move_the_projected_end_silently_are_refused(change, said):
     """Each was accepted and moved the end date (an observation before the start put the hero's end

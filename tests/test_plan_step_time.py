@@ -197,6 +197,28 @@ def test_a_run_still_in_its_first_phase_dates_the_next_one_by_the_modelled_step_
     assert f"from {switch['date']} (predicted)" in render_fact_sheet(sheet)
 
 
+def test_a_switch_not_yet_reached_is_dated_from_the_latest_observation_before_it_and_never_before_it():
+    """A run observed at step 40,000 on 2026-09-25 (slower than full goodput) reaches its 81,716
+    switch after that date, at the modelled steps from there: counted from the start it came out
+    2026-09-06, before a step it had already passed."""
+    import datetime
+
+    from keel.spec import SpeedObservation
+
+    observed = (HERO.facts.observed[0], SpeedObservation(step=40_000, date="2026-09-25", step_seconds=19.8))
+    sheet = fact_sheet(dataclasses.replace(HERO, facts=dataclasses.replace(HERO.facts, observed=observed,
+                                                                            projected_steps_per_day=3000)))
+    switch = sheet["transports"][1]
+    pooled = sheet["step_time"]["stretches"][0]["step_seconds"]
+    expected = datetime.date(2026, 9, 25) + datetime.timedelta(seconds=(81_716 - 40_000) * pooled)
+    assert (switch["date"], switch["date_basis"]) == (expected.isoformat(), "predicted") and switch["date"] > "2026-09-25"
+    # observed a few steps after it, the switch is dated between the two observations, by the modelled step times
+    late = (HERO.facts.observed[0], SpeedObservation(step=81_800, date="2026-09-10", step_seconds=16.8))
+    sheet = fact_sheet(dataclasses.replace(HERO, facts=dataclasses.replace(HERO.facts, observed=late)))
+    switch = sheet["transports"][1]
+    assert switch["date_basis"] == "predicted" and "2026-09-08" <= switch["date"] <= "2026-09-10"
+
+
 def test_a_variants_days_at_full_goodput_do_not_check_a_claim_in_calendar_days(hero):
     """The hero's "trains in 60 days" is calendar days on its schedule (4,400 steps a day, 85.6% of
     its measured rate); a variant's predicted days are at full goodput: 58 "held" for a variant that

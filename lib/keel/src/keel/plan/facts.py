@@ -282,9 +282,27 @@ def _check_observations(facts, start: dt.date) -> None:
                             f"facts.observed[{i}] reached step {step:,} ({date.isoformat()}): fix one of the two dates")
 
 
-def time(config: TrainStepConfig, train_facts: dict) -> dict | None:
+def _rest_of_run(config: TrainStepConfig, predicted: dict | None, last: dict) -> tuple[float, str]:
+    """(steps a day, what it is) the run after its last observation can go at full goodput: the
+    last measured rate, or the modelled step times of the stretches ahead where they are faster
+    (a later, faster phase the run has not reached yet: a projection made before the hero's switch
+    allowed for its ragged steps)."""
+    measured = (last["steps_per_day"], f"the last measured rate, at step {last['step']:,}")
+    stretches = (predicted or {}).get("stretches")
+    steps = config.train.num_steps - last["step"]
+    if not stretches or steps <= 0:
+        return measured
+    seconds = seconds_to(stretches, config.train.num_steps) - seconds_to(stretches, last["step"])
+    modelled = steps * 86_400 / seconds if seconds > 0 else 0.0
+    if modelled > measured[0]:
+        return modelled, f"the modelled step times of steps {last['step']:,} onwards"
+    return measured
+
+
+def time(config: TrainStepConfig, train_facts: dict, predicted: dict | None) -> dict | None:
     """Each measured speed with its MFU, the projection rate and the goodput it implies (projected
-    over measured rate), and the completion date projected from the last observation."""
+    over the rest of the run's rate at full goodput, `_rest_of_run`), and the completion date
+    projected from the last observation."""
     facts, train, hw, topo = config.facts, config.train, config.hardware, config.topology
     if not observed_here(config)[0]:  # none declared, or measured on another layout: see step_time
         return None
@@ -306,10 +324,11 @@ def time(config: TrainStepConfig, train_facts: dict) -> dict | None:
     } for i, seen in sorted(enumerate(facts.observed), key=lambda pair: pair[1].step)]  # i: the index as declared
     _check_observations(facts, start)
     last = speeds[-1]
-    if facts.projected_steps_per_day and facts.projected_steps_per_day > last["steps_per_day"] * (1 + 1e-9):
-        raise PlanError(f"facts.projected_steps_per_day={facts.projected_steps_per_day:g} is faster than the last measured "
-                        f"rate ({last['steps_per_day']:.0f} steps a day at step {last['step']:,}): a projection allows for "
-                        "restarts, evaluation and checkpoints (a goodput of at most 1); give at most that rate")
+    full, basis = _rest_of_run(config, predicted, last)
+    if facts.projected_steps_per_day and facts.projected_steps_per_day > full * (1 + 1e-9):
+        raise PlanError(f"facts.projected_steps_per_day={facts.projected_steps_per_day:g} is faster than the rest of the "
+                        f"run at full goodput ({full:.0f} steps a day, {basis}): a projection allows for restarts, "
+                        "evaluation and checkpoints (a goodput of at most 1); give at most that rate")
     rate = facts.projected_steps_per_day or last["steps_per_day"]
     days = (dt.date.fromisoformat(last["date"]) - start).days + (train.num_steps - last["step"]) / rate
     end = start + dt.timedelta(days=days)
@@ -321,7 +340,8 @@ def time(config: TrainStepConfig, train_facts: dict) -> dict | None:
             "from_step": last["step"],
             "steps_per_day": rate,
             "step_seconds": 86_400 / rate,
-            "goodput": rate / last["steps_per_day"],
+            "goodput": rate / full,
+            "goodput_of": basis,  # the full-goodput rate it is a share of
             "mfu": mfu(86_400 / rate, flops_per_step),
         },
         "projected_end_date": end.isoformat(),
@@ -352,21 +372,29 @@ def mixture(config: TrainStepConfig) -> list[dict]:
     return out
 
 
-def _predicted_date(start_date: str | None, predicted: dict | None, step: int) -> str | None:
-    """The date the run reaches `step` at the step-time model's speeds from its start (full goodput),
-    or None without a start date or a prediction."""
-    if not start_date or not predicted or "stretches" not in predicted:
+def _predicted_date(facts, own: bool, predicted: dict | None, step: int) -> str | None:
+    """The date the run reaches `step` at the step-time model's speeds (full goodput), counted from
+    the latest of this layout's own observations before `step` (else from the start date); where a
+    later own observation exists too, the days between the two are shared out by the model's
+    seconds, so the date lies between theirs. None without a start date or a prediction."""
+    if not facts or not facts.start_date or not predicted or "stretches" not in predicted:
         return None
-    seconds = seconds_to(predicted["stretches"], step)
-    start = _date(start_date, "facts.start_date")
-    return (dt.datetime.combine(start, dt.time()) + dt.timedelta(seconds=seconds)).date().isoformat()
+    stretches = predicted["stretches"]
+    seen = sorted((o.step, _date(o.date, "facts.observed.date")) for o in (facts.observed if own else ()))
+    before_step, before = max(((s, d) for s, d in seen if s < step), default=(0, _date(facts.start_date, "facts.start_date")))
+    seconds = seconds_to(stretches, step) - seconds_to(stretches, before_step)
+    after = next(((s, d) for s, d in seen if s > step), None)
+    if after is not None:  # between two observations: the model says how their days divide
+        span = seconds_to(stretches, after[0]) - seconds_to(stretches, before_step)
+        seconds = (after[1] - before).total_seconds() * (seconds / span if span else 1.0)
+    return (dt.datetime.combine(before, dt.time()) + dt.timedelta(seconds=seconds)).date().isoformat()
 
 
 def transports(run: ResolvedRun, sheet: dict) -> list[dict]:
     """Each transport phase's steps and knobs, and the date it starts: observed where this
     declaration's own observations (`observed_here`) saw its first step, else (observations of
-    another layout, none, or a phase the run has not reached yet) predicted from the start date at
-    the modelled step times."""
+    another layout, none, or a phase the run has not reached yet) predicted at the modelled step
+    times from the nearest own observations around it, or from the start date (`_predicted_date`)."""
     config = run.config
     train, facts = config.train, config.facts
     own = observed_here(config)[0]
@@ -386,7 +414,7 @@ def transports(run: ResolvedRun, sheet: dict) -> list[dict]:
         if seen:
             entry["date"], entry["date_basis"] = seen[0].date, "observed"
         else:  # another layout's observations, none, or a phase this run has not reached yet
-            predicted = _predicted_date(facts.start_date if facts else None, sheet.get("step_time"), phase.start_step)
+            predicted = _predicted_date(facts, own, sheet.get("step_time"), phase.start_step)
             if predicted:
                 entry["date"], entry["date_basis"] = predicted, "predicted"
         out.append(entry)
@@ -546,8 +574,8 @@ def fact_sheet(config: TrainStepConfig, name: str = "") -> dict:
     sheet["all_to_all"] = all_to_all(run)
     sheet["memory"] = memory(run, sheet["all_to_all"])
     sheet["cross_rack"] = cross_rack(config, sheet["memory"])
-    sheet["time"] = time(config, sheet["training"])
     sheet["step_time"] = step_time(run, sheet)
+    sheet["time"] = time(config, sheet["training"], sheet["step_time"])
     sheet["mixture"] = mixture(config)
     sheet["transports"] = transports(run, sheet)
     sheet["launch"] = launch(run, sheet)

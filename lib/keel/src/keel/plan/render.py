@@ -165,7 +165,7 @@ def _time(t: dict | None) -> list[str]:
     p = t["projection"]
     mfu = f", MFU {p['mfu']:.1%}" if p["mfu"] is not None else ""
     lines.append(f"  projected from step {_n(p['from_step'])}: {_n(p['steps_per_day'])} steps/day = "
-                 f"{p['step_seconds']:.2f} s/step{mfu}, a goodput of {p['goodput']:.1%} of the measured rate")
+                 f"{p['step_seconds']:.2f} s/step{mfu}, a goodput of {p['goodput']:.1%} of {p['goodput_of']}")
     lines.append(f"  projected end {t['projected_end_date']} ({t['projected_days']:.0f} days after the start)")
     return lines
 

@@ -14,18 +14,12 @@ COLUMNS = ("variant", "hardware", "steps", "tokens", "s/step", "MFU", "days at f
 
 
 def variant_row(label: str, sheet: dict) -> dict:
-    """The headline figures of one sheet: step time and MFU per stretch (observed for the run's own
-    layout, else predicted), run length and GPU-hours at those speeds, the largest peak against the
-    HBM, the verdict."""
-    t, predicted = sheet.get("time"), sheet.get("step_time") or {}
+    """The headline figures of one sheet: the step time and MFU of each stretch the run length is
+    computed from (`step_time`'s stretches; a stretch this layout's own observations measured shows
+    the observed time, the model reproducing it, else the modelled one), run length and GPU-hours at
+    those speeds, the largest peak against the HBM, the verdict."""
+    predicted = sheet.get("step_time") or {}
     stretches = predicted.get("stretches", [])
-    basis = "observed" if t else "predicted"
-    if t:
-        seconds = [s["step_seconds"] for s in t["speeds"]]
-        mfus = [s["mfu"] for s in t["speeds"]]
-    else:
-        seconds = [s["step_seconds"] for s in stretches]
-        mfus = [s["mfu"] for s in stretches]
     days, end = predicted.get("run_days"), predicted.get("end_date")
     memory = sheet.get("memory") or {}
     peaks = [p["peak_gb"] for p in memory.get("phases", ()) if p["peak_gb"] is not None]
@@ -36,9 +30,9 @@ def variant_row(label: str, sheet: dict) -> dict:
         "hardware": f"{sheet.get('hardware') or '?'} x {mesh.get('gpus', '?')}",
         "steps": sheet["training"]["num_steps"],
         "tokens": sheet["training"]["total_tokens"],
-        "step_seconds": seconds,
-        "mfu": mfus,
-        "basis": basis if seconds else None,
+        "step_seconds": [s["step_seconds"] for s in stretches],
+        "mfu": [s["mfu"] for s in stretches],
+        "basis": ["observed" if s.get("observed_seconds") is not None else "predicted" for s in stretches],
         "days": days,
         "end_date": end,
         "peak_gb": max(peaks) if peaks else None,
@@ -48,12 +42,20 @@ def variant_row(label: str, sheet: dict) -> dict:
     }
 
 
+def _step_times(seconds: list[float], basis: list[str]) -> str:
+    """`19.8 / 16.8 (observed)`, or each with its own basis where they differ."""
+    if not seconds:
+        return "n/a"
+    if len(set(basis)) == 1:
+        return " / ".join(f"{s:.1f}" for s in seconds) + f" ({basis[0]})"
+    return " / ".join(f"{s:.1f} ({b})" for s, b in zip(seconds, basis))
+
+
 def render_variants(rows: list[dict]) -> str:
     """A markdown table of `variant_row`s."""
     def cells(r: dict) -> list[str]:
-        seconds = " / ".join(f"{s:.1f}" for s in r["step_seconds"]) + (f" ({r['basis']})" if r["basis"] else "")
         return [
-            r["variant"], r["hardware"], f"{r['steps']:,}", tokens_text(r["tokens"]), seconds or "n/a",
+            r["variant"], r["hardware"], f"{r['steps']:,}", tokens_text(r["tokens"]), _step_times(r["step_seconds"], r["basis"]),
             " / ".join(f"{m:.1%}" for m in r["mfu"] if m is not None) or "n/a",
             f"{r['days']:.0f}" + (f" ({r['end_date']})" if r["end_date"] else "") if r["days"] is not None else "n/a",
             f"{gb_text(r['peak_gb'])} of {gb_text(r['hbm_gb'])}" if r["peak_gb"] is not None else "n/a",

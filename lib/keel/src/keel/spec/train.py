@@ -553,8 +553,9 @@ class RunFacts:
     """Facts about a real run declared next to it: when it started, how fast it went, what is said of it.
 
     `projected_steps_per_day` is the rate the end date is projected at from the last observation
-    on (None: that observation's measured rate); over the measured rate it is the goodput the
-    projection assumes (restarts, evaluation, checkpoints).
+    on (None: that observation's measured rate); over the rate the rest of the run can go at full
+    goodput (the measured rate, or a faster phase ahead as the step-time model predicts it) it is
+    the goodput the projection assumes (restarts, evaluation, checkpoints), at most 1.
     """
 
     start_date: str
