@@ -287,3 +287,45 @@ def test_port_80_answers_the_bare_host_a_browser_sends():
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+def test_a_state_that_cannot_be_read_mid_run_is_said_over_the_last_one_drawn(tmp_path, monkeypatch):
+    """A poll whose state the server cannot build (a record torn mid-write) left the page showing
+    "live, updated ..." over old curves, the error on the terminal only."""
+    import keel.dashboard.server as server
+
+    experiment, graph = _hand_written(tmp_path)
+    built, broken = server.build_state, {"now": False}
+
+    def build_state(*args):
+        if broken["now"]:
+            raise RuntimeError("train/hand's step.json is torn")
+        return built(*args)
+
+    monkeypatch.setattr(server, "build_state", build_state)
+    with serving(experiment, graph) as url, browser_page() as page:
+        page.goto(url)
+        page.wait_for_function("() => document.getElementById('live').textContent.startsWith('live, updated')")
+        broken["now"] = True
+        page.wait_for_function("() => document.getElementById('live').textContent.startsWith('not updated')")
+        said = page.inner_text("#live")
+        assert "the state could not be read (RuntimeError: train/hand's step.json is torn)" in said, said
+        assert points(page, "train/hand", "loss", "train/loss") == 4, "the last state read stays drawn"
+        assert not page.errors, page.errors
+        broken["now"] = False  # readable again: the page is live again
+        page.wait_for_function("() => document.getElementById('live').textContent.startsWith('live, updated')")
+
+
+def test_a_port_that_cannot_be_bound_is_an_error_naming_it(monkeypatch, capsys):
+    """Permission denied on a port below 1024 (as a user; root may bind it) was a traceback."""
+    import errno
+
+    import keel.dashboard.server as server
+
+    def refused(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(server, "make_server", refused)
+    assert server.serve("exp.py", None, 80) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("keel: error: --port 80: cannot listen on 127.0.0.1:80 (Permission denied): pass --port ")

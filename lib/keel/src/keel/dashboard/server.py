@@ -72,11 +72,15 @@ def make_server(experiment: str, graph, port: int = 0) -> ThreadingHTTPServer:
                 # a page elsewhere whose name resolves here (DNS rebinding) must not read the run's state
                 self.send_error(403, explain="keel dashboard answers requests for 127.0.0.1 or localhost only")
                 return
+            path = self.path.split("?", 1)[0]
             try:
-                self._route(self.path.split("?", 1)[0])
+                self._route(path)
             except Exception as exc:  # noqa: BLE001 - a prefix mid-write or a record of another version: say so, keep serving
                 print(f"keel dashboard: {self.path}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-                self.send_error(500, explain=f"{type(exc).__name__}: {exc}")
+                if path == "/state.json":  # the page says it, over the last state it drew
+                    self._send(json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode(), ".json", status=500)
+                else:
+                    self.send_error(500, explain=f"{type(exc).__name__}: {exc}")
 
         def _route(self, path: str) -> None:
             if path in ("/", "/index.html"):
@@ -90,8 +94,8 @@ def make_server(experiment: str, graph, port: int = 0) -> ThreadingHTTPServer:
             else:
                 self.send_error(404)
 
-        def _send(self, body: bytes, kind: str) -> None:
-            self.send_response(200)
+        def _send(self, body: bytes, kind: str, status: int = 200) -> None:
+            self.send_response(status)
             self.send_header("Content-Type", f"{_TYPES[kind]}; charset=utf-8")
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Cache-Control", "no-store")
@@ -111,10 +115,12 @@ def serve(experiment: str, graph, port: int) -> int:
     try:
         server = make_server(experiment, graph, port)
     except OSError as exc:
-        if exc.errno != errno.EADDRINUSE:
-            raise
-        print(f"keel: error: port {port} is in use (another keel dashboard?): pass --port {_free_port()} or --port 0",
-              file=sys.stderr)
+        if exc.errno == errno.EADDRINUSE:
+            print(f"keel: error: port {port} is in use (another keel dashboard?): pass --port {_free_port()} or --port 0",
+                  file=sys.stderr)
+        else:  # a port below 1024 without the right to bind it, ...
+            print(f"keel: error: --port {port}: cannot listen on {HOST}:{port} ({exc.strerror or exc}): pass --port "
+                  f"{_free_port()} or --port 0", file=sys.stderr)
         return 2
     try:
         print(f"keel dashboard of {experiment}: http://{HOST}:{server.server_port}/  (Ctrl-C stops it)", flush=True)

@@ -244,13 +244,21 @@ function show(state) {
   }
 }
 
+// The state drawn last stays on the page when a poll fails, and the page says so: a server that
+// is down, or one that could not read the prefix (its reply names the error).
 async function poll() {
   let state = null;
+  const live = document.getElementById("live");
   try {
     const response = await fetch("state.json", { cache: "no-store" });
     if (response.ok) state = await response.json();
+    else {
+      const reply = await response.json().catch(() => ({}));
+      live.textContent = `not updated: the state could not be read (${reply.error || `HTTP ${response.status}`}); ` +
+        `showing the last state read; retrying`;
+    }
   } catch (error) {
-    document.getElementById("live").textContent = `server unreachable (${error.message}); retrying`;
+    live.textContent = `server unreachable (${error.message}); showing the last state read; retrying`;
   }
   if (state) {
     window.KEEL_LIVE = true;
