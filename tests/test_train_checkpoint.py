@@ -54,6 +54,24 @@ def test_a_truncated_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, ca
     assert f"skipping checkpoint {newest}: it cannot be read" in out and "step-1 instead" in out, out
 
 
+def test_a_damaged_rolling_checkpoint_is_set_aside_so_the_new_rolling_ones_are_kept(tmp_path, capsys):
+    """Left in place, a damaged rolling checkpoint at step 12 stayed the newest rolling one: a rerun
+    resuming from step 10 had each new rolling save (step 11 here; on SIGTERM, the one the
+    interruption said it saved) deleted as soon as it was written."""
+    first = TrainCheckpoints(str(tmp_path), permanent_every=10, rolling_every=1, keep_rolling=1)
+    assert _save_steps(first, range(1, 13)) == ["step-10", "step-12"]
+    for chunk in (tmp_path / "checkpoints" / "step-12" / "d").iterdir():
+        chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+    rerun = TrainCheckpoints(str(tmp_path), permanent_every=10, rolling_every=1, keep_rolling=1)
+    restored = rerun.restore({"w": jnp.zeros((4,))}, rerun.latest())
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((4,), 10.0))
+    aside = tmp_path / "checkpoints-damaged" / "step-12"
+    assert f"moved the damaged checkpoint {tmp_path / 'checkpoints' / 'step-12'} to {aside}" in capsys.readouterr().out
+    assert (aside / "metadata.json").exists(), "kept to be looked at"
+    assert _save_steps(rerun, (11,)) == ["step-10", "step-11"]
+    assert rerun.latest().endswith("step-11")
+
+
 def _abstract_w() -> dict:
     """The saved tree as the loop restores it on a resume: shapes and shardings, no arrays."""
     return {"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}

@@ -8,7 +8,10 @@ complete checkpoint and resumes from it; Levanter only writes a checkpoint's `me
 every array is committed, so a checkpoint torn by `kill -9` is never picked. A checkpoint damaged
 after it was written (a truncated array file: tensorstore's OUT_OF_RANGE) is skipped with a line
 saying which and why, and the newest intact one before it restored; with none intact the run
-starts from its initial state.
+starts from its initial state. A skipped checkpoint is moved aside, whole, to `checkpoints-damaged/`
+beside `checkpoints/` (kept to be looked at, never deleted): left in place it would still count as
+the newest rolling checkpoint, and Levanter, keeping the newest N, would delete each new one as
+soon as it was written; and the run, back at its step, would write into it.
 
 States are restored into the shardings of an exemplar (the state's shapes with the resolved run's
 shardings: the loop's resume and `keel.trained.load` compute no array to overwrite), so a
@@ -40,6 +43,7 @@ from levanter.tensorstore_serialization import ReplicaRestoreMode, TensorStoreRe
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
+DAMAGED_DIR = "checkpoints-damaged"
 TENSORSTORE_SCHEMES = ("", "file", "gs", "s3")
 """The stores Levanter's checkpoints reach (`levanter.tensorstore_serialization.build_kvstore_spec`)."""
 
@@ -93,9 +97,27 @@ class TrainCheckpoints:
                 continue
             if skipped:
                 print(f"[train] restored {candidate} instead (the newest checkpoint that reads)", flush=True)
+                self._set_aside(skipped)
             return state
         print(f"[train] no checkpoint under {self.root} can be read: starting from the initial state", flush=True)
+        self._set_aside(skipped)
         return None
+
+    def _set_aside(self, damaged: list[str]) -> None:
+        """Move each damaged checkpoint to `checkpoints-damaged/` and out of the checkpointer's
+        rolling ones (it found them when it was made)."""
+        if jax.process_index() == 0:
+            aside = os.path.join(os.path.dirname(self.root.rstrip("/")), DAMAGED_DIR)
+            fs, _ = fsspec.core.url_to_fs(aside)
+            for path in damaged:
+                target = os.path.join(aside, os.path.basename(path.rstrip("/")))
+                suffix = 1
+                while fs.exists(target):  # damaged at the same step before: keep both
+                    target, suffix = f"{os.path.join(aside, os.path.basename(path.rstrip('/')))}.{suffix}", suffix + 1
+                fs.makedirs(aside, exist_ok=True)
+                fs.mv(path, target, recursive=True)
+                print(f"[train] moved the damaged checkpoint {path} to {target} (delete it once looked at)", flush=True)
+        self._checkpointer.forget(damaged)
 
     @staticmethod
     def step_of(path: str) -> int:
@@ -133,13 +155,20 @@ def _damaged(exc: Exception) -> bool:
 def _checkpointer_class():
     """Levanter's `Checkpointer`, noting the step of each save it starts (`saving_step`): its
     `on_step` decides by its policies, returns nothing and keeps the step it saved private, so the
-    public `save_checkpoint` that `on_step` calls for every save is where keel sees it."""
+    public `save_checkpoint` that `on_step` calls for every save is where keel sees it; and
+    forgetting the damaged checkpoints keel sets aside (`forget`)."""
     class SaveNotingCheckpointer(Checkpointer):
         saving_step: int | None = None
 
         def save_checkpoint(self, tree, step, destination, commit_callback=None, **kwargs):
             super().save_checkpoint(tree, step, destination, commit_callback, **kwargs)
             self.saving_step = step
+
+        def forget(self, paths: list[str]) -> None:
+            """Drop these checkpoints from the rolling ones found at start (Levanter keeps the newest
+            N of that list, so a damaged one counted there would outlive every new save)."""
+            gone = {path.rstrip("/") for path in paths}
+            self._temporary_checkpoints = [r for r in self._temporary_checkpoints if r.path.rstrip("/") not in gone]
 
     return SaveNotingCheckpointer
 
