@@ -176,8 +176,9 @@ def test_metrics_lines_and_loss_plot_are_written(switch_run):
     records = read_metrics(os.path.join(out, METRICS_FILE))
     train_keys = set().union(*(r for r in records if "train/loss" in r))
     for key in ("train/loss", "lr/adamw", "throughput/tokens_per_s", "moe/dropped_fraction", "moe/router_balance",
-                "train/grad_norm"):
+                "train/grad_norm", "train/update_norm"):
         assert key in train_keys, key
+    assert all(math.isfinite(r["train/update_norm"]) and r["train/update_norm"] > 0 for r in records if "train/loss" in r)
     evals = latest_by_step(records, "eval/loss")
     assert sorted(evals) == [0, 4, 8]
     png = os.path.join(out, "loss.png")

@@ -171,6 +171,26 @@ def test_the_history_starts_again_where_the_data_changes_phase_after_skipped_bat
     assert guard._judge(8, {"train/loss": 3.0, "train/grad_norm": 1.0}) is not None
 
 
+def test_an_update_that_is_not_finite_from_a_finite_gradient_is_this_steps_spike(tmp_path):
+    """The weights a step leaves are judged with it: a non-finite update (a zero-norm projection, an
+    optimizer overflow) on a finite loss and gradient passed, and the next step's spike was blamed
+    on its innocent batch, again after every rollback to the snapshot holding those weights."""
+    import jax.numpy as jnp
+
+    from keel.train.spike_guard import NonFiniteTraining, SpikeGuard, check_finite
+
+    update_inf = {"train/loss": 2.0, "train/grad_norm": 1.0, "train/update_norm": float("inf")}
+    with pytest.raises(NonFiniteTraining, match=r"diverged at step 99: train/update_norm = inf; nothing from this"):
+        check_finite(99, update_inf)
+    guard = SpikeGuard(SpikeGuardConfig(window=16, min_history=4), str(tmp_path), start=0, state={"w": jnp.zeros(2)},
+                       layout=None, event=print, write_row=lambda *_: None, writer=False, restarts=())
+    assert guard._judge(3, update_inf) == ("train/update_norm = inf is not finite", None)
+    # a gradient that is not finite is named alone: the update follows from it
+    nan_gradient = {"train/loss": 2.0, "train/grad_norm": float("nan"), "train/update_norm": float("nan")}
+    assert guard._judge(3, nan_gradient) == ("train/grad_norm = nan is not finite", None)
+    assert guard._judge(3, {**update_inf, "train/update_norm": 0.5}) is None
+
+
 def test_the_guard_declares_what_counts_toward_identity():
     from keel.executor.step import is_execution_only
 

@@ -578,7 +578,7 @@ class _Run:
             model = eqx.apply_updates(model, updates)
             model = lm.apply_router_update(model, aux)
             new_state = {"step": state["step"] + 1, "model": model, "opt_state": opt_state}
-            metrics = {"train/loss": loss, "train/grad_norm": _global_norm(grads)}
+            metrics = {"train/loss": loss, "train/grad_norm": _global_norm(grads), "train/update_norm": _global_norm(updates)}
             if routed:  # a dense model has no router: it logs no MoE metrics
                 metrics["moe/dropped_fraction"] = aux.get("dropped_fraction", jnp.zeros(()))
                 metrics["moe/router_balance"] = aux.get("router_balance", jnp.ones(()))

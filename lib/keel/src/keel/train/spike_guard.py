@@ -2,8 +2,8 @@
 
 The loop hands each training step to `SpikeGuard.step`, which runs it and judges its loss:
 
-- a loss or gradient norm that is not finite is a spike; without a guard it fails the step
-  (`NonFiniteTraining`, naming the step);
+- a loss, gradient norm or update norm that is not finite is a spike; without a guard it fails
+  the step (`NonFiniteTraining`, naming the step);
 - with a guard, so is a loss more than `threshold` robust deviations above the median of the last
   `window` good steps, and `min_rise` (a fraction of that median) above it. The robust deviation
   is one step's noise: 1.4826 x the median absolute deviation of the window's step-to-step changes,
@@ -61,13 +61,24 @@ SPIKE_FILE = "spike_guard.json"
 MAD_TO_SIGMA = 1.4826
 """The median absolute deviation times this is a standard deviation for normal noise."""
 POISON_ENV = "KEEL_POISON_BATCHES"
-FINITE_METRICS = ("train/loss", "train/grad_norm")
+FINITE_METRICS = ("train/loss", "train/grad_norm", "train/update_norm")
 """Metrics that must stay finite every step; the first NaN or infinity is a spike (fails the step
-when there is no guard)."""
+when there is no guard). The update's norm covers the weights the step leaves: an update that is
+not finite from a finite gradient (a projection dividing by a zero norm, an overflow in the
+optimizer) would otherwise pass, and the next step's spike be blamed on an innocent batch."""
+
+
+def _not_finite(values: dict[str, float]) -> dict[str, float]:
+    """The metrics of `values` that are not finite, but the update's norm where the gradient's is
+    not finite either (it follows from it)."""
+    bad = {k: float(v) for k, v in values.items() if not np.isfinite(v)}
+    if "train/grad_norm" in bad:
+        bad.pop("train/update_norm", None)
+    return bad
 
 
 class NonFiniteTraining(FloatingPointError):
-    """The loss or gradient norm stopped being a finite number."""
+    """The loss, gradient norm or update norm stopped being a finite number."""
 
 
 class SpikeGuardGaveUp(RuntimeError):
@@ -76,8 +87,7 @@ class SpikeGuardGaveUp(RuntimeError):
 
 def check_finite(step: int, values: dict[str, Any]) -> None:
     """Raise `NonFiniteTraining` naming the step and metric (reads the scalars: a sync per step)."""
-    fetched = jax.device_get(values)
-    bad = {k: float(v) for k, v in fetched.items() if not np.isfinite(v)}
+    bad = _not_finite(jax.device_get(values))
     if bad:
         shown = ", ".join(f"{k} = {v}" for k, v in bad.items())
         raise NonFiniteTraining(
@@ -182,7 +192,7 @@ class SpikeGuard:
     # ------------------------------------------------------------------ pieces
     def _judge(self, step: int, values: dict[str, float]) -> tuple[str, float | None] | None:
         """(why, threshold) when step `step` spiked, else None."""
-        bad = {k: v for k, v in values.items() if not math.isfinite(v)}
+        bad = _not_finite(values)
         if bad:
             return ", ".join(f"{k} = {v}" for k, v in bad.items()) + " is not finite", None
         c = self.config
