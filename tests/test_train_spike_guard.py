@@ -191,6 +191,24 @@ def test_an_update_that_is_not_finite_from_a_finite_gradient_is_this_steps_spike
     assert guard._judge(3, {**update_inf, "train/update_norm": 0.5}) is None
 
 
+def test_a_resume_without_the_earlier_losses_says_it_judges_without_them(tmp_path):
+    import jax.numpy as jnp
+
+    from keel.train.spike_guard import SpikeGuard
+
+    said = []
+    guard = SpikeGuard(SpikeGuardConfig(window=16, min_history=4), str(tmp_path), start=10, state={"w": jnp.zeros(2)},
+                       layout=None, event=said.append, write_row=lambda *_: None, writer=False, restarts=())
+    assert guard.losses == []
+    assert any(line.startswith("spike guard: resuming at step 10 without the losses before it") and
+               "may skip other batches" in line for line in said), said
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "train/loss": 2.0}) + "\n" for s in range(10)))
+    said.clear()
+    guard = SpikeGuard(SpikeGuardConfig(window=16, min_history=4), str(tmp_path), start=10, state={"w": jnp.zeros(2)},
+                       layout=None, event=said.append, write_row=lambda *_: None, writer=False, restarts=())
+    assert len(guard.losses) == 10 and not said
+
+
 def test_the_guard_declares_what_counts_toward_identity():
     from keel.executor.step import is_execution_only
 

@@ -133,6 +133,10 @@ class SpikeGuard:
         self.skipped = {r["skipped_batch"] for r in self.rollbacks}
         self.replay_until = start  # steps before it have been trained and reported in this attempt
         self.losses = _earlier_losses(output_path, start, config) if config else []  # (step, loss) of good steps
+        if config and start and not self.losses:
+            event(f"spike guard: resuming at step {start} without the losses before it ({METRICS_FILE} holds none): "
+                  f"only losses that are not finite count as spikes until {config.min_history} steps are known again, "
+                  "so this run may skip other batches than an uninterrupted one")
         self.snapshot = _Snapshot(start, layout, state) if config else None
         later = sorted(b for b in self.skipped if b >= self.batch_index(start))
         if later:
@@ -258,8 +262,11 @@ def _earlier_losses(output_path: str, start: int, config) -> list[tuple[int, flo
         return []
     try:
         losses = latest_by_step(read_metrics(storage.join(output_path, METRICS_FILE)), "train/loss")
-    except (FileNotFoundError, OSError):
-        return []
+    except FileNotFoundError:
+        return []  # said by the caller
+    except OSError as exc:  # a store that failed to answer: judging without the history would differ silently
+        raise OSError(f"the spike guard cannot read the losses before step {start} from "
+                      f"{storage.join(output_path, METRICS_FILE)} ({exc}): rerun the step once the store answers") from exc
     return [(s, x) for s, x in losses.items() if s < start][-(config.window + config.snapshot_every):]
 
 
