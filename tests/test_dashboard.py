@@ -174,7 +174,9 @@ def test_a_running_steps_curve_grows_without_reloading(tmp_path):
                 f"""() => Number(document.querySelector('.run[data-run="train/dash/live"] svg[data-chart="loss"] '
                     + 'polyline[data-series="train/loss"]').dataset.points) >= {first + 3}""", timeout=60_000)
             assert not any(u.endswith("/") or u.endswith("index.html") for u in page.requested[requests:])  # no reload
-            assert "to go: projected end" in page.locator('.sheet[data-step="train/dash/live"] .measured').inner_text()
+            measured = page.locator('.sheet[data-step="train/dash/live"] .measured').inner_text()
+            assert "to go at that speed (evaluations, checkpoints and restarts not counted" in measured, measured
+            assert ": projected end " in measured, measured
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
