@@ -137,6 +137,34 @@ def test_transport_switch_checkpoints_at_the_switch_and_keeps_the_loss_continuou
     assert switched[7] < switched[0]
 
 
+def test_a_phase_returning_to_an_earlier_transport_runs_the_program_compiled_for_it(tmp_path, monkeypatch):
+    """fixed, ring, fixed again: two step programs and two evaluations, each compiled once (a phase
+    that differed only in its start step compiled the same program a second time)."""
+    from train_standin import loop_inputs
+
+    from keel.train import compile_ahead
+    from keel.train.loop import train
+
+    compiled = []
+    for name in ("ahead", "now"):
+        original = getattr(compile_ahead.Compiler, name)
+
+        def counted(self, what, *args, _original=original):
+            compiled.append(what)
+            return _original(self, what, *args)
+
+        monkeypatch.setattr(compile_ahead.Compiler, name, counted)
+    transports = (TransportPhase(0, "fixed_all_to_all"), TransportPhase(2, "ring"), TransportPhase(4, "fixed_all_to_all"))
+    config = TrainConfig(num_steps=6, optimizer=AdamWConfig(lr=1e-2), transports=transports, compute_dtype="float32",
+                         **{**BASE, "eval_every": 2})
+    out = str(tmp_path / "tiny_back-0123abcd89")
+    train(config, loop_inputs(config, use_wandb=False), out)
+    assert sorted(compiled) == sorted(["the fixed_all_to_all training step", "the fixed_all_to_all evaluation",
+                                       "the ring training step", "the ring evaluation"]), compiled
+    records = [r for r in read_metrics(os.path.join(out, METRICS_FILE)) if "train/loss" in r]
+    assert [r["transport"] for r in records] == ["fixed_all_to_all"] * 2 + ["ring"] * 2 + ["fixed_all_to_all"] * 2
+
+
 def test_router_bias_of_step_t_plus_1_comes_from_step_t_and_survives_checkpoints(switch_run):
     import jax
     import jax.numpy as jnp

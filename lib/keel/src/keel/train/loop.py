@@ -168,8 +168,9 @@ class _Run:
                                                   _is_shape)
         self.state_shapes = compile_ahead.abstract(shapes, self._planned_shardings(shapes))
         self.compiler = compile_ahead.Compiler(inputs.mesh)
-        self._step_fns: dict[tuple[TransportPhase, offload.Layout], compile_ahead.Pending] = {}
-        self._eval_fns: dict[tuple[TransportPhase, offload.Layout], compile_ahead.Pending] = {}
+        # compiled programs by what they are built from: a phase returning to an earlier transport reuses its program
+        self._step_fns: dict[tuple[TransportSpec, offload.Layout], compile_ahead.Pending] = {}
+        self._eval_fns: dict[tuple[TransportSpec, offload.Layout], compile_ahead.Pending] = {}
         self.compile_seconds = 0.0  # the compiles of every step/eval function used
         self.compile_waited = 0.0  # of which the loop stood waiting
         self.steps_waited = 0.0  # of which training steps stood waiting (not evaluations): keel compare's split
@@ -489,9 +490,13 @@ class _Run:
         layout.check(live, self.plan)
         self._kernel_pending = step
 
+    def _program_key(self, phase: TransportPhase, layout: offload.Layout) -> tuple[TransportSpec, offload.Layout]:
+        """What a step or evaluation program of `phase` under `layout` is built from."""
+        return self._transport_spec(phase), layout
+
     def _step_fn(self, phase: TransportPhase, step: int) -> compile_ahead.Pending:
         """The compiled step for `phase` and the current layout: compiled ahead, or here and now."""
-        key = (phase, self.layout)
+        key = self._program_key(phase, self.layout)
         if key not in self._step_fns:
             self.progress.event(f"step {step}: compiling the {phase.transport} training step ...")
             self._step_fns[key] = self.compiler.now(*self._step_job(phase, self.layout))
@@ -515,12 +520,13 @@ class _Run:
         if step is None or step >= self.config.num_steps:
             return
         phase, layout = self.transport_at(step), offload.layout_at(self.config.host_offload, step)
-        if (phase, layout) not in self._step_fns:
-            self._step_fns[(phase, layout)] = self.compiler.ahead(*self._step_job(phase, layout))
+        key = self._program_key(phase, layout)
+        if key not in self._step_fns:
+            self._step_fns[key] = self.compiler.ahead(*self._step_job(phase, layout))
             if announce:
                 self.progress.event(f"compiling the {phase.transport} training step for step {step} ahead, in the background")
-        if evaluation and self._evaluates() and (phase, layout) not in self._eval_fns:
-            self._eval_fns[(phase, layout)] = self.compiler.ahead(*self._eval_job(phase, layout))
+        if evaluation and self._evaluates() and key not in self._eval_fns:
+            self._eval_fns[key] = self.compiler.ahead(*self._eval_job(phase, layout))
 
     def _next_change(self, step: int) -> int | None:
         """The first step after `step` whose transport or state layout differs from `step`'s."""
@@ -597,7 +603,7 @@ class _Run:
         sample every time; all of a set that is smaller)."""
         if not self._evaluates():
             return
-        key = (phase, self.layout)
+        key = self._program_key(phase, self.layout)
         if key not in self._eval_fns:
             self._eval_fns[key] = self.compiler.now(*self._eval_job(phase, self.layout))
         evaluate, first_use = self._eval_fns[key], self._eval_fns[key].waited is None
