@@ -248,6 +248,28 @@ def test_plan_refuses_a_topology_the_declared_hardware_cannot_provide(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_a_step_declaring_gpus_never_trains_on_the_cpu_devices_its_launchers_shell_asks_for(tmp_path):
+    """A shell left with a CPU run's JAX_PLATFORMS=cpu and 8 simulated devices trained a step that
+    declares GPU hardware on fake CPU devices, and called it SUCCESS: its process takes its platform
+    from the hardware, and the step checks the platform it got against the declared one."""
+    experiment = tmp_path / "gpu_exp.py"
+    experiment.write_text(
+        "import dataclasses\nfrom defaults import default_train\nfrom defaults.hardware import cpu_sim\n"
+        "from defaults.models import tiny_moe\nfrom keel import External, main\n"
+        "from keel.spec import AdamWConfig, RackTopology, TrainConfig\n"
+        "gpus = dataclasses.replace(cpu_sim, name='a GPU box', platform='gpu')\n"
+        "train = TrainConfig(batch_size=8, seq_len=32, num_steps=2, optimizer=AdamWConfig(lr=1e-3))\n"
+        "step = default_train('on_gpus', data=External('cache', '/nowhere', version='v1'), model=tiny_moe, train=train,\n"
+        "                     topology=RackTopology(2, 4, expert_parallel=4), hardware=gpus)\n"
+        "if __name__ == '__main__':\n    main([step])\n")
+    done = keel("run", str(experiment), "--prefix", str(tmp_path / "out"), timeout=300,
+                JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert ("the step declares hardware 'a GPU box' (platform gpu), but its process's jax runs on cpu" in
+            done.stdout + done.stderr), done.stdout + done.stderr
+    assert "1 failed" in done.stdout + done.stderr
+
+
 def test_a_rerun_of_a_training_step_reuses_its_compiled_programs(interrupted_sweep, tmp_path):
     sweep, _, first_console, _, finished = interrupted_sweep
     assert finished.returncode == 0, (finished.stdout + finished.stderr)[-3000:]

@@ -99,11 +99,14 @@ class Hardware:
         """Environment variables a step's process needs to see `num_devices` devices of this kind.
 
         Simulated CPU racks need XLA to split the host into that many devices (before jax is
-        imported, hence a fresh process); real accelerators are found by jax as they are.
+        imported, hence a fresh process). Real accelerators are found by jax as they are, so their
+        step drops what a launcher's shell may hold from a CPU run (`JAX_PLATFORMS=cpu`, the
+        simulated device count), which would otherwise train it on fake CPU devices; an empty
+        `JAX_PLATFORMS` is jax's own default, every platform present.
         """
-        if self.platform != "cpu":
-            return {}
         kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+        if self.platform != "cpu":
+            return {"XLA_FLAGS": " ".join(kept), "JAX_PLATFORMS": ""}
         return {"XLA_FLAGS": " ".join([*kept, f"{_DEVICE_COUNT_FLAG}={num_devices}"]), "JAX_PLATFORMS": "cpu"}
 
     def supports_transport(self, transport: str) -> bool:

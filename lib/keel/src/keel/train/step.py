@@ -58,10 +58,16 @@ def train_step(config: TrainStepConfig) -> None:
 
 
 def check_step_config(plan: ResolvedRun, *, num_devices: int, platform: str) -> None:
-    """What only the running process can check (the declaration itself is `resolve`'s): its device
-    count against the topology, each transport against its platform, and the token caches it
-    reads against the model and the run (`data_checks.check_token_caches`)."""
+    """What only the running process can check (the declaration itself is `resolve`'s): its platform
+    against the declared hardware's, its device count against the topology, each transport against
+    its platform, and the token caches it reads against the model and the run
+    (`data_checks.check_token_caches`)."""
     config = plan.config
+    hardware = config.hardware
+    if hardware is not None and hardware.platform != platform:
+        raise RuntimeError(f"the step declares hardware {hardware.name!r} (platform {hardware.platform}), but its process's "
+                           f"jax runs on {platform}: run it where that hardware is (JAX_PLATFORMS and XLA_FLAGS come "
+                           "from the hardware, Hardware.process_env), or declare the hardware it runs on")
     config.topology.validate(config.model, config.train.batch_size, num_devices=num_devices)
     for phase in plan.transports:
         check_transport_supported(phase.transport, platform)
