@@ -258,10 +258,15 @@ def test_a_controller_that_does_not_answer_is_asked_again_until_it_does(monkeypa
     # one that never answers again fails the step after UNANSWERED_S, naming the job (not a wait of years)
     clock = FakeClock()
     gone = RunningJob(clock, ends_at=30.0, answers_from=float("inf"))
+    gone.terminated_at = None
+    gone.terminate = lambda: setattr(gone, "terminated_at", clock.now)
     monkeypatch.setattr(cluster_module, "time", clock)
-    with pytest.raises(cluster_module.ClusterJobFailed, match=r"cluster job fake-job .*has not said how it is for 3600s"):
+    with pytest.raises(cluster_module.ClusterJobFailed, match=r"cluster job fake-job .*has not said how it is for 3600s"
+                                                              r".*\ncluster job fake-job was terminated"):
         cluster_module.run_on_cluster(gone, request=None, resources="cpu=1")
     assert cluster_module.UNANSWERED_S <= clock.now <= cluster_module.UNANSWERED_S + 2 * cluster_module.STATE_POLL_MAX_S
+    # the step fails, and a retry may start the job again: the one it gave up waiting on is terminated, not left running
+    assert gone.terminated_at == clock.now
 
 
 def test_ctrl_c_reaches_a_job_whose_controller_stopped_answering(monkeypatch):

@@ -184,3 +184,11 @@ def test_a_heartbeat_on_an_object_store_is_written_at_most_every_few_seconds_and
     monkeypatch.setattr(heartbeat, "_last_remote_beat", time.monotonic() - heartbeat.REMOTE_BEAT_S)
     heartbeat.beat(50)
     assert storage.read_text(target).split()[0] == "50"
+    # a store that fails to answer says nothing either way: the watcher neither kills nor gives up on the job
+    fs, _ = storage.split(target)
+
+    def unanswered(path):
+        raise OSError("HTTP 503: service unavailable")
+
+    monkeypatch.setattr(fs, "modified", unanswered)
+    assert heartbeat.seconds_since(target, started - 60, time.time() + 600) is None

@@ -178,7 +178,7 @@ def _wait(process: subprocess.Popen, heartbeat: str, timeout_s: float) -> str | 
         except subprocess.TimeoutExpired:
             pass
         silent = heartbeat_mod.seconds_since(heartbeat, started, time.time())
-        if silent > timeout_s:
+        if silent is not None and silent > timeout_s:
             try:
                 os.killpg(process.pid, signal.SIGKILL)  # its own session: the group is the step's processes
             except ProcessLookupError:

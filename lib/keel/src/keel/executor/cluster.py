@@ -134,14 +134,18 @@ def run_on_cluster(client, request, resources: str, beat: str | None = None, tim
         raise ClusterJobFailed(_refusal(exc, resources)) from exc
     with _LIVE_LOCK:
         _LIVE_JOBS.add(handle)
+    finished = False
     try:
         _wait_until_finished(handle, beat, timeout_s)
+        finished = True
         handle.wait(raise_on_failure=True)  # finished: returns at once, or raises as fray does on a failure
     except (interrupt.StepInterrupted, ClusterJobStalled):
         raise
     except Exception as exc:  # noqa: BLE001 - JobFailedError, JobFailed, timeouts: one error for all
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ClusterJobFailed(f"cluster job {handle.job_id} failed: {reason}\n{_log_tail(handle)}") from exc
+        # waiting failed (the controller unanswered): the job may run on, and a retry would start a second one
+        stopped = "" if finished else "\n" + (_terminate(handle) or f"cluster job {handle.job_id} was terminated")
+        raise ClusterJobFailed(f"cluster job {handle.job_id} failed: {reason}{stopped}\n{_log_tail(handle)}") from exc
     finally:
         with _LIVE_LOCK:
             _LIVE_JOBS.discard(handle)
@@ -191,7 +195,7 @@ def _wait_until_finished(handle, beat: str | None = None, timeout_s: float | Non
         if beat and timeout_s and started is not None and time.monotonic() - beat_read >= min(timeout_s / 4, 60.0):
             beat_read = time.monotonic()
             silent = heartbeat.seconds_since(beat, started, time.time())
-            if silent > timeout_s:
+            if silent is not None and silent > timeout_s:
                 problem = _terminate(handle)
                 raise ClusterJobStalled(f"no progress for {silent:.0f}s (progress_timeout_s={timeout_s:g}): its heartbeat "
                                         f"{beat} stopped, so cluster job {handle.job_id} was terminated"

@@ -50,12 +50,15 @@ def beat(step: int) -> None:
         _last_remote_beat = time.monotonic()
 
 
-def seconds_since(heartbeat: str, started: float, now: float) -> float:
+def seconds_since(heartbeat: str, started: float, now: float) -> float | None:
     """Seconds since the last beat (a local path or a store's URL), or since `started` (wall clock)
-    when there was none yet."""
+    when there was none yet; None when the store did not answer (no news either way: the watcher
+    asks again at its next look rather than kill a job, or give up on one, over a passing error)."""
     try:
         fs, where = storage.split(heartbeat)
         last = fs.modified(where).timestamp() if not storage.is_local(heartbeat) else os.stat(where).st_mtime
     except FileNotFoundError:
         last = started
+    except Exception:  # noqa: BLE001 - gcsfs/s3fs raise HTTP and timeout errors of their own
+        return None
     return now - max(last, started)

@@ -682,7 +682,8 @@ def _heartbeat_file(output_path: str) -> str:
         beat = storage.split(keel_path(output_path, heartbeat.FILE))[1]
         os.makedirs(os.path.dirname(beat), exist_ok=True)
         return beat
-    return os.path.join(tempfile.gettempdir(), f"keel-heartbeat-{output_path.rsplit('/', 1)[-1]}")
+    where = hashlib.sha256(output_path.encode()).hexdigest()[:12]  # the folder's hash does not depend on the prefix
+    return os.path.join(tempfile.gettempdir(), f"keel-heartbeat-{output_path.rsplit('/', 1)[-1]}-{where}")
 
 
 def cluster_job_name(name: str, output_path: str, attempt: int) -> str:

@@ -175,8 +175,10 @@ class Step:
     - `retries=Retries(on_failure=N, on_preemption=M)`: attempts after the first, within one
       `keel run`; a step that resumes (training, from its newest checkpoint) continues each time.
     - `progress_timeout_s`: an isolated step whose heartbeat (`keel.executor.heartbeat.beat()`,
-      touched by every training step) is older than this is killed with its process group (on a
-      cluster, its job is terminated) and counted as preempted.
+      touched by every training step and every event a training run prints: a compile finished,
+      an evaluation, a checkpoint) is older than this is killed with its process group (on a
+      cluster, its job is terminated) and counted as preempted. Set it above the longest single
+      piece of work: the first compile, one evaluation or checkpoint save, a cluster job's setup.
     """
 
     __slots__ = ("name", "fn", "config", "resources", "description", "isolated", "no_outputs", "retries",

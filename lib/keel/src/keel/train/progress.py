@@ -78,7 +78,10 @@ class Progress:
         self._completed = start
 
     def event(self, text: str) -> None:
-        """A line worth keeping: printed (and so in log.txt), above the bar."""
+        """A line worth keeping: printed (and so in log.txt), above the bar. Also a heartbeat (a
+        compile finished, an evaluation, a checkpoint), so the launcher's `progress_timeout_s`
+        measures the longest single piece of work, not the time between two steps around it."""
+        heartbeat.beat(self._completed)
         if not self.enabled:
             return
         if self._bar is not None:
