@@ -120,3 +120,14 @@ def test_a_tokenizer_path_that_is_missing_says_so_and_not_that_the_hub_has_no_su
 
     with pytest.raises(FileNotFoundError, match=rf"no tokenizer.json at '{re.escape(ref)}'.*TokenizeConfig.tokenizer"):
         load_tokenizer(ref)
+
+
+def test_a_file_that_is_not_a_tokenizer_names_itself_and_the_field(tmp_path):
+    """A vocab.json given as the tokenizer raised the Rust parser's bare "expected ',' or '}'"."""
+    from keel.data.tokenizer import load_tokenizer
+
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text('{"a": 1}')
+    with pytest.raises(ValueError, match=rf"{re.escape(str(vocab))} is not a Hugging Face tokenizers file \(.*\): give "
+                                         r"the tokenizer's folder or its tokenizer.json \(TokenizeConfig.tokenizer\)"):
+        load_tokenizer(str(vocab))

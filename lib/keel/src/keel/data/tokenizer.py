@@ -120,7 +120,12 @@ def load_tokenizer(
     tokenizer_file, config_file = tokenizer_files(ref)
     text = storage.read_text(tokenizer_file)
     if text is not None:
-        tokenizer = Tokenizer.from_str(text)
+        try:
+            tokenizer = Tokenizer.from_str(text)
+        except Exception as exc:  # noqa: BLE001 - the Rust library raises a bare Exception with its parser's words
+            raise ValueError(f"{tokenizer_file} is not a Hugging Face tokenizers file ({exc}): give the tokenizer's "
+                             f"folder or its {TOKENIZER_FILE} (TokenizeConfig.tokenizer), not its vocab.json or "
+                             "tokenizer_config.json") from None
         names = storage.read_json(config_file) or {}
     elif not os.path.exists(ref) and "://" not in ref and not _looks_like_a_path(ref):
         tokenizer = Tokenizer.from_pretrained(ref)  # a hub name; fails offline with the hub's own error
