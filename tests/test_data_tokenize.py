@@ -116,6 +116,18 @@ def test_levanter_dataset_classes_read_the_cache(cache, inputs):
     assert len(validation.as_sync_dataset()) == len(load_token_cache(cache, "validation", seq_len=SEQ_LEN))
 
 
+def test_a_levanter_cache_of_input_ids_only_is_refused_naming_what_it_lacks(tmp_path):
+    """Levanter's own LM caches hold `input_ids` alone: read as keel's, they failed 20 frames deep on
+    a missing segment_ids/offsets file."""
+    from levanter.store.cache import SerialCacheWriter
+
+    with SerialCacheWriter(str(tmp_path / "ext" / "train"), {"input_ids": np.zeros((0,), np.int32)}) as writer:
+        writer.write_batch({"input_ids": np.arange(32, dtype=np.int32).reshape(4, 8)})
+    with pytest.raises(ValueError, match=r"token cache .*ext/train has no segment_ids: keel trains on packed sequences "
+                                         r"with input_ids and segment_ids .*defaults.default_tokenize"):
+        load_token_cache(str(tmp_path / "ext"), "train", seq_len=8)
+
+
 def test_two_runs_write_identical_caches(cache, inputs, tmp_path):
     again = _tokenize(tmp_path / "again", inputs, batch_documents=7)  # batch size is execution-only
     assert _files(Path(again)) == _files(Path(cache))
