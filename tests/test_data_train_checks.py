@@ -63,7 +63,8 @@ def test_keel_plan_refuses_what_the_data_steps_configs_already_say(tmp_path, cap
 def caches(tmp_path_factory):
     """Token caches from a 512-token tokenizer, packed at 64: one with a validation split; and, all
     trained on, one of other texts under the same ids (`corpus.jsonl:N` of another folder), one of
-    the first one's documents, and one of its texts under other ids (a copy of its file)."""
+    the first one's documents, and one of its texts under other ids (a copy of its file); and the
+    other texts again, by a 400-token tokenizer."""
     root = tmp_path_factory.mktemp("caches")
     corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i} talks about topic {i % 11} at length " * 4}) + "\n"
@@ -80,6 +81,11 @@ def caches(tmp_path_factory):
                          ("copied_documents", root / "corpus0.jsonl")):
         ingest_documents(IngestConfig(inputs=(str(source),), validation_fraction=0.0, output_path=str(root / f"{name}-docs")))
         out[name] = _tokenize(root, root / f"{name}-docs", name)
+    train_tokenizer(TrainTokenizerConfig(documents=str(root / "docs"), vocab_size=400, min_frequency=1,
+                                         output_path=str(root / "tok400")))
+    tokenize_documents(TokenizeConfig(documents=str(root / "no_validation-docs"), tokenizer=str(root / "tok400"), seq_len=64,
+                                      output_path=str(root / "other_tokenizer")))
+    out["other_tokenizer"] = str(root / "other_tokenizer")
     return out
 
 
@@ -137,6 +143,25 @@ def test_a_declared_evaluation_with_no_validation_sequences_is_refused(caches, t
         check_step_config(_planned(_config(str(external)), racks), num_devices=8, platform="cpu")
     mixed = Mixture.constant({"a": bare, "b": caches["with_validation"]}, {"a": 0.5, "b": 0.5}, block_size=16)
     check_step_config(_planned(_config(mixed), racks), num_devices=8, platform="cpu")  # one component is enough
+
+
+def test_caches_of_different_tokenizers_are_refused_even_when_the_model_holds_both_vocabularies(caches):
+    """A cache an External names (or a tokenizer given by path) is not in the plan's view: its ids,
+    from a 400-token tokenizer, fit the 512-token model and trained beside the 512-token cache's ids,
+    one id two texts, with a plausible loss."""
+    from keel.spec import Mixture, RackTopology
+    from keel.train.step import check_step_config
+
+    racks = RackTopology(racks=1, gpus_per_rack=8)
+    mixed = Mixture.constant({"a": caches["with_validation"], "b": caches["other_tokenizer"]}, {"a": 0.5, "b": 0.5},
+                             block_size=16)
+    with pytest.raises(ValueError, match=r"the run's token caches were tokenized differently \('a' \(.*\): tokenizer "
+                                         r"digest [0-9a-f]{16}, add_bos=False, add_eos=True; 'b' \(.*other_tokenizer\): "
+                                         r"tokenizer digest .*tokenize every component with one tokenizer"):
+        check_step_config(_planned(_config(mixed), racks), num_devices=8, platform="cpu")
+    same = Mixture.constant({"a": caches["with_validation"], "b": caches["no_validation"]}, {"a": 0.5, "b": 0.5},
+                            block_size=16)
+    check_step_config(_planned(_config(same), racks), num_devices=8, platform="cpu")  # one tokenizer: fine
 
 
 @pytest.mark.parametrize("trained", ["same_documents", "copied_documents"])

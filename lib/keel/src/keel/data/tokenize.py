@@ -8,7 +8,8 @@ Layout under the step's output path:
                   int64[sequences]: UTF-8 bytes of the tokens the loss predicts in each sequence
                   (`SequenceBytes`; special tokens count none), what bits per byte divide by so
                   tokenizers compare
-    tokenize.json counts per split and the tokenizer's special ids (written last)
+    tokenize.json counts per split, the tokenizer's special ids and its identity (`tokenizer_identity`,
+                  which a training step holds its caches to) (written last)
     .keel/summary.json  the same counts; a train split that fills no sequence fails the step
 
 The caches are written with Levanter's own `SerialCacheWriter`, so `TreeCache.load` and Levanter's
@@ -44,6 +45,7 @@ identical one.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import queue
@@ -364,6 +366,7 @@ def tokenize_documents(config: TokenizeConfig) -> None:
         "bos_id": loaded.bos_id,
         "eos_id": loaded.eos_id,
         "pad_id": loaded.pad_id,
+        "tokenizer": tokenizer_identity(config, loaded),  # what the ids mean: a run's caches must agree on it
         "documents": config.documents,  # the document set, whose splits a training step compares (data_checks)
         "splits": splits,
     }
@@ -376,6 +379,14 @@ def tokenize_documents(config: TokenizeConfig) -> None:
     write_summary(config.output_path, {**{k: stats[k] for k in ("seq_len", "vocab_size", "splits")}, "warnings": warnings},
                   line + "".join(f"\n  {w}" for w in warnings))
     storage.write_json(storage.join(config.output_path, STATS_FILE), stats)
+
+
+def tokenizer_identity(config: TokenizeConfig, loaded) -> dict:
+    """What makes an id mean one piece of text: the tokenizer as it encoded (a digest of its whole
+    serialization: vocabulary, merges, normalizer, added tokens; not where it lay, so a copy of it
+    makes the same cache) and the bos/eos added around each document."""
+    digest = hashlib.sha256(loaded.tokenizer.to_str().encode()).hexdigest()[:16]
+    return {"digest": digest, "add_bos": config.add_bos, "add_eos": config.add_eos}
 
 
 def _check_not_empty(config: TokenizeConfig, splits: dict) -> None:

@@ -7,6 +7,8 @@ checked against the training step here, in the step's process, before any comput
 - ids from a tokenizer larger than `MoELMConfig.vocab_size` would be clamped by the embedding
   gather, training a silently wrong model;
 - sequences packed at another length than `TrainConfig.seq_len` cannot be batched;
+- caches whose ids come from different tokenizers (or add bos/eos differently) mean different
+  text by one id: a mixture of them trains on noise with a plausible loss;
 - a declared evaluation (`TrainConfig.eval_batches > 0`) with no validation sequences in any
   cache would silently never run;
 - an evaluation on documents that another component trains on would report memorisation as
@@ -66,6 +68,7 @@ def check_token_caches(config: TrainStepConfig) -> None:
                 f"set TrainConfig.seq_len={found['seq_len']}, or tokenize again with TokenizeConfig.seq_len={train.seq_len}"
             )
         check_cache_vocab(where, found, model.vocab_size)
+    check_one_tokenizer(stats)
     _warn_of_repeats(config, stats)
     roots = cache_components(config.data)
     if train.eval_batches > 0 and roots and not any(
@@ -81,6 +84,18 @@ def check_token_caches(config: TrainStepConfig) -> None:
         )
     if train.eval_batches > 0:
         check_held_out_documents(stats, trained=drawn_components(config.data))
+
+
+def check_one_tokenizer(stats: dict[str, tuple[str, dict]]) -> None:
+    """Raise a ValueError where the caches (`stats`: {component: (root, its tokenize.json)}) were
+    tokenized differently: another tokenizer, or bos/eos added otherwise. A cache that does not say
+    (made before keel recorded it, or by another tool) is not compared."""
+    identities = {name: found["tokenizer"] for name, (_, found) in stats.items() if found.get("tokenizer")}
+    if len({(i["digest"], i["add_bos"], i["add_eos"]) for i in identities.values()}) > 1:
+        described = "; ".join(f"{name!r} ({stats[name][0]}): tokenizer digest {i['digest']}, "
+                              f"add_bos={i['add_bos']}, add_eos={i['add_eos']}" for name, i in identities.items())
+        raise ValueError(f"the run's token caches were tokenized differently ({described}), so one id means different "
+                         "text in each: tokenize every component with one tokenizer and the same add_bos/add_eos")
 
 
 def _warn_of_repeats(config: TrainStepConfig, stats: dict[str, tuple[str, dict]]) -> None:
