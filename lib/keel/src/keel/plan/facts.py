@@ -91,7 +91,7 @@ def optimizer(config: TrainStepConfig, declared: Any) -> dict:
 def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
     """Bytes per GPU on device and on host, for each stretch of the run (split where the master
     weights come back from the host and at transport switches): the state summed over the
-    parameter table (each leaf as placed on the mesh; optimizer state placed like its leaf), the
+    parameter table (each leaf as placed on the mesh; optimizer state by its `state_placement`), the
     offloaded state the step copies in, and the step's transient buffers at its two peaks
     (`keel.plan.peak`: a layer's backward, the optimizer's update). "fits" is judged at the larger;
     the host's share is checked against the host RAM."""
