@@ -192,3 +192,49 @@ def test_a_heartbeat_on_an_object_store_is_written_at_most_every_few_seconds_and
 
     monkeypatch.setattr(fs, "modified", unanswered)
     assert heartbeat.seconds_since(target, started - 60, time.time() + 600) is None
+
+
+HANGS_ON_EXIT = '''
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from keel import Step, main, this_output
+
+
+@dataclass(frozen=True)
+class Out:
+    output_path: str = this_output()
+
+
+def finish_then_linger(config):
+    with open(os.path.join(config.output_path, "done.txt"), "w") as f:
+        f.write("done")
+    threading.Thread(target=time.sleep, args=(600,), daemon=False).start()  # joined at exit: for ten minutes
+
+
+run = Step("x/lingers", finish_then_linger, Out(), isolated=True, progress_timeout_s=15.0)
+
+if __name__ == "__main__":
+    main([run])
+'''
+
+
+def test_a_step_whose_process_hangs_after_reporting_success_is_success_and_not_waited_on(tmp_path, monkeypatch, capsys):
+    """A non-daemon thread (or an exit hook) that never ends kept the launcher waiting forever; with a
+    progress_timeout_s, the silent heartbeat then turned the finished step into a stalled one."""
+    import time
+
+    from keel.cli import console_main
+    from keel.executor import child
+
+    experiment = tmp_path / "lingers.py"
+    experiment.write_text(HANGS_ON_EXIT)
+    monkeypatch.setattr(child, "EXIT_GRACE_S", 3.0)
+    started = time.monotonic()
+    assert console_main(["run", str(experiment), "--prefix", str(tmp_path / "out")]) == 0
+    assert time.monotonic() - started < 60
+    err = capsys.readouterr().err
+    assert "reported its result but had not exited 3s later" in err and "the result stands" in err, err
+    assert (next((tmp_path / "out" / "x").glob("lingers-*")) / "done.txt").read_text() == "done"

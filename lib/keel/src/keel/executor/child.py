@@ -54,6 +54,11 @@ from keel.executor import heartbeat as heartbeat_mod
 from keel.executor import interrupt, storage
 
 _PARENT_POLL_S = 1.0
+EXIT_GRACE_S = 120.0
+"""How long a child that reported its result may take to exit (interpreter shutdown: exit hooks,
+threads joined) before its process group is killed and the result stands: a hook or non-daemon
+thread that hangs would otherwise keep the launcher waiting forever, or past a `progress_timeout_s`
+turn a finished step into a stalled one."""
 CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT})
 """Signals a process raises on itself when its native code faults (a compiler's segfault, an XLA CHECK's
 abort): the step failed, and a rerun meets the same fault. Any other signal came from outside."""
@@ -109,11 +114,12 @@ def collect(process: subprocess.Popen, workdir: str, heartbeat: str | None = Non
             log: str | None = None) -> ChildOutcome:
     """Wait for the child and read what it reported (a child killed outright reports nothing).
     With `heartbeat` and `timeout_s`, a child whose heartbeat is older than `timeout_s` (counted
-    from its start until its first beat) is killed with its process group: `stalled`. `log` is the
+    from its start until its first beat) is killed with its process group: `stalled`; one that
+    reported but does not exit is killed `EXIT_GRACE_S` later, its result standing. `log` is the
     step's log, where a log the child staged but did not upload goes (`_upload_staged_log`)."""
-    stalled = _wait(process, heartbeat, timeout_s) if heartbeat and timeout_s else None
-    code = process.wait()
     result_path = os.path.join(workdir, "result.json")
+    stalled = _wait(process, result_path, heartbeat, timeout_s)
+    code = process.wait()
     try:
         if stalled:
             return ChildOutcome("stalled", stalled)
@@ -167,25 +173,42 @@ def abandon(process: subprocess.Popen, workdir: str) -> None:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _wait(process: subprocess.Popen, heartbeat: str, timeout_s: float) -> str | None:
-    """Wait for the child, killing its process group when its heartbeat is older than `timeout_s`;
-    None when it ended on its own, else why it was killed."""
-    started, poll = time.time(), min(1.0, timeout_s / 4)
+def _wait(process: subprocess.Popen, result_path: str, heartbeat: str | None, timeout_s: float | None) -> str | None:
+    """Wait for the child. Before it reports its result (`result_path`), with a `heartbeat` and
+    `timeout_s`, its process group is killed when the heartbeat is older than `timeout_s`: why is
+    returned. After it reported, it has `EXIT_GRACE_S` to exit, then its group is killed and the
+    result stands (said on the console). None unless it stalled."""
+    started, poll = time.time(), min(1.0, timeout_s / 4) if timeout_s else 1.0
+    reported_at = None
     while True:
         try:
             process.wait(timeout=poll)
             return None
         except subprocess.TimeoutExpired:
             pass
-        silent = heartbeat_mod.seconds_since(heartbeat, started, time.time())
+        if reported_at is None and os.path.exists(result_path):
+            reported_at = time.monotonic()
+        if reported_at is not None:
+            if time.monotonic() - reported_at > EXIT_GRACE_S:
+                _kill_group(process)
+                print(f"[keel] the step's process reported its result but had not exited {EXIT_GRACE_S:g}s later "
+                      "(an exit hook or a non-daemon thread hung): its process group was killed; the result stands",
+                      file=sys.stderr, flush=True)
+                return None
+            continue
+        silent = heartbeat_mod.seconds_since(heartbeat, started, time.time()) if heartbeat and timeout_s else None
         if silent is not None and silent > timeout_s:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # its own session: the group is the step's processes
-            except ProcessLookupError:
-                pass
-            process.wait()
+            _kill_group(process)
             return (f"no progress for {silent:.0f}s (progress_timeout_s={timeout_s:g}): its heartbeat {heartbeat} "
                     "stopped, so its process group was killed")
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # its own session: the group is the step's processes
+    except ProcessLookupError:
+        pass
+    process.wait()
 
 
 def _install_signal_handlers(launcher: int, workdir: str) -> None:
