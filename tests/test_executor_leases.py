@@ -149,6 +149,32 @@ def test_a_killed_launchers_step_process_dies_with_it_before_the_next_launcher_r
     assert holder.child == orphan, "the lease names the step's process, live while it is"
 
 
+@pytest.mark.timeout(120)
+def test_a_stopped_launchers_step_process_is_killed_by_the_launcher_that_takes_its_lease(tmp_path):
+    """Ctrl-Z stops a launcher, not its isolated step (a session of its own), which went on ticking
+    beside the step of the launcher that took the expired lease over: two processes, one output."""
+    a, a_log = launch(tmp_path, "A", TICKS="400", TIMEOUT="1")  # 40 s of ticks, unless stopped
+    b = None
+    try:
+        wait_until(lambda: (tmp_path / "ticks").exists())
+        output = (tmp_path / "started-A").read_text()
+        stray = int((tmp_path / "ticks").read_text().split()[0])
+        os.kill(a.pid, signal.SIGSTOP)  # the launcher only, as Ctrl-Z stops the terminal's foreground group
+        wait_until(lambda: not leases.current_lease(output).is_live())
+        b, b_log = launch(tmp_path, "B", TICKS="5", TIMEOUT="1")
+        assert b.wait(timeout=60) == 0, b_log.read_text()
+    finally:
+        for proc in (a, b):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    ticks = (tmp_path / "ticks").read_text().split()
+    first_of_b = next(i for i, pid in enumerate(ticks) if int(pid) != stray)
+    assert str(stray) not in ticks[first_of_b:], f"A's step ticked beside B's: {ticks}"
+    assert f"its step's process (pid {stray}) still ran, its launcher silent: killed it" in b_log.read_text()
+    assert read_status(output).state == "SUCCESS"
+
+
 def test_a_lease_released_while_another_launcher_takes_it_over_leaves_one_holder(tmp_path, monkeypatch):
     """B finds A's lease expired (A alive but starved) and numbers its own after it; before B creates
     that, A finishes and releases, and D arrives. Had the release emptied the folder, D would have

@@ -16,7 +16,9 @@ after that lease's release emptied the folder. The next lease deletes the releas
 so one file at most stays behind. A holder that was suspended (SIGSTOP, a paused VM)
 past the timeout may have been superseded: its heartbeat stops renewing once a newer epoch exists,
 and `Lease.taken_over` tells the launcher, before it records anything, that the step is no longer
-its own.
+its own. Its isolated step's process, in a session of its own, is not stopped with it: the launcher
+taking the lease over on the same host kills it first (`LeaseInfo.stray_step_process`), so two
+processes never write one output.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import socket
 import threading
 import time
@@ -97,6 +100,20 @@ class LeaseInfo:
             return False
         return not _exists(self.pid) and (self.child is None or not _exists(self.child))
 
+    def stray_step_process(self) -> int | None:
+        """The pid of this (expired) lease's isolated step process when it still runs on this host:
+        its launcher is stopped (Ctrl-Z, SIGSTOP) or stuck past the timeout while the step, in a
+        session of its own, goes on writing the output. None otherwise, or where the pid now names
+        another program."""
+        if self.child is None or self.host != socket.gethostname() or not _running(self.child):
+            return None
+        try:
+            with open(f"/proc/{self.child}/cmdline", "rb") as f:
+                command = f.read()
+        except OSError:
+            return None
+        return self.child if b"keel.executor.child" in command else None
+
     def is_live(self, now: float | None = None) -> bool:
         return self.age(now) < self.timeout and not self.owner_gone()
 
@@ -119,6 +136,28 @@ def _exists(pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (dead, not yet reaped by its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return _exists(pid)
+
+
+def stop_stray_step_process(pid: int, wait_s: float = 10.0) -> bool:
+    """Kill the process group of a superseded lease's step process (it leads its own session) and
+    wait, at most `wait_s`, for it to be gone; whether it is."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return True
+    deadline = time.monotonic() + wait_s
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _running(pid)
 
 
 def _created(url: str) -> float:

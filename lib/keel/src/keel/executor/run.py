@@ -359,6 +359,12 @@ class Runner:
                     return None, status
                 if holder is not None:
                     self.echo(f"[keel] take  {plan.name}: its lease was held by {holder.describe()}")
+                    stray = holder.stray_step_process()
+                    if stray is not None:
+                        gone = leases.stop_stray_step_process(stray)
+                        self.echo(f"[keel] take  {plan.name}: its step's process (pid {stray}) still ran, its launcher "
+                                  + ("silent: killed it, so that one process writes the output" if gone else
+                                     "silent, and did not die when killed: stop it before this run writes the output"))
                 return lease, status
             if finished and not forced:
                 return None, status
