@@ -11,9 +11,10 @@ table the running step checks its live state against): every leaf split as its p
 (`keel.spec.placement`: routed experts over `expert`, the token embedding replicated,
 `embed`-wide arrays FSDP over the rack, the rest replicated), in the master dtype, each optimizer
 moment typed like its leaf and placed like it but for the token embedding's, which are FSDP
-(MuonH: one, Adam/AdamH/AdamW: two, the router bias none: it is set, not trained). Gradients are laid out like the trained leaves, in the master dtype (the
-step takes them of the master weights, casting to the compute dtype inside). With per-layer
-rematerialisation one residual tensor per layer is kept for the backward pass.
+(MuonH: one, Adam/AdamH/AdamW: two, the router bias none: it is set, not trained). Gradients are
+laid out like the trained leaves, in the master dtype (the step takes them of the master weights,
+casting to the compute dtype inside). With per-layer rematerialisation one residual tensor per
+layer is kept for the backward pass.
 """
 
 from __future__ import annotations
