@@ -99,7 +99,7 @@ def test_the_training_step_keeps_activations_split_over_the_batch():
     inputs = loop_inputs(config, use_wandb=False)
     with jax.set_mesh(inputs.mesh):
         run = _Run(config, inputs, "memory://layout/tiny_layout-0123abcd89")
-        step = run._step_fns[(TransportPhase(0, "fixed_all_to_all"), run.layout)].get()
+        step = run._step_fns[run._program_key(TransportPhase(0, "fixed_all_to_all"), run.layout)].get()
     gathers = [line for line in step.as_text().splitlines() if re.search(r"= \S+ all-gather(-start)?\(", line)]
     activation_dims = {str(64), str(16 * 64)}  # the sequence, the flattened tokens (no weight has either)
     assert gathers, "the FSDP-split weights are gathered for compute"

@@ -43,7 +43,7 @@ def test_the_state_compiled_against_is_the_live_state_in_every_layout(tmp_path, 
     offload_until_3 = HostOffload(master_weights_until_step=3, optimizer_state=True)
     run = _run(tmp_path, host_offload=offload_until_3,
                transports=(TransportPhase(0, "fixed_all_to_all"), TransportPhase(3, "ring")))
-    first = (TransportPhase(0, "fixed_all_to_all"), offload.layout_at(offload_until_3, 0))
+    first = run._program_key(TransportPhase(0, "fixed_all_to_all"), offload.layout_at(offload_until_3, 0))
     assert list(run._step_fns) == [first] and run._step_fns[first].ahead  # submitted before the state existed
     assert run.layout == first[1] and run.layout.on_host == ("master_weights", "optimizer_state")
     with jax.set_mesh(run.inputs.mesh):

@@ -318,7 +318,8 @@ def test_a_non_finite_loss_fails_the_run_naming_the_step(tmp_path):
     from keel.train.loop import NonFiniteTraining, train
 
     config = TrainConfig(num_steps=6, optimizer=AdamWConfig(lr=1e30), compute_dtype="float32", **BASE)
-    with pytest.raises(NonFiniteTraining, match=r"training diverged at step [1-5]: train/(loss|grad_norm) = (nan|inf)"):
+    # a learning rate of 1e30: the first update already leaves weights of ~1e30, its norm no finite number
+    with pytest.raises(NonFiniteTraining, match=r"training diverged at step 0: train/update_norm = inf"):
         train(config, loop_inputs(config, use_wandb=False), str(tmp_path / "tiny_nan-0123abcd89"))
 
 

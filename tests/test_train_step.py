@@ -143,7 +143,7 @@ def test_non_finite_numbers_are_refused_at_declaration():
         default_train("t", data=CACHE, model=tiny_moe, train=_train(z_loss=float("nan")))
 
 
-def test_training_steps_run_isolated_with_the_devices_their_hardware_declares():
+def test_training_steps_run_isolated_with_the_devices_their_hardware_declares(monkeypatch):
     from defaults.hardware import cpu_sim, gb200_nvl72
 
     racks = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
@@ -155,7 +155,10 @@ def test_training_steps_run_isolated_with_the_devices_their_hardware_declares():
     three = RackTopology(racks=3, gpus_per_rack=4, expert_parallel=4)
     three_racks = default_train("t", data=CACHE, model=tiny_moe, train=_train(batch_size=48), topology=three, hardware=cpu_sim)
     assert three_racks.config.process_env()["XLA_FLAGS"].endswith("=12")
-    assert gb200_nvl72.process_env(64) == {}  # real accelerators are found as they are
+    # real accelerators are found as they are: what a CPU run left in the launcher's shell is dropped
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/dump")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert gb200_nvl72.process_env(64) == {"XLA_FLAGS": "--xla_dump_to=/tmp/dump", "JAX_PLATFORMS": ""}
 
 
 def test_set_decodes_nested_configs_by_their_declared_types():
