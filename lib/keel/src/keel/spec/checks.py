@@ -98,7 +98,7 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
     except ValueError as e:
         fail(f"data.block_size / train.batch_size: {e}")
     try:
-        config.data.check_read_counts(train.batch_size, train.num_steps)
+        config.data.check_read_counts(train.batch_size)
     except ValueError as e:
         fail(f"data.phases: {e}")
     parameters = model.parameter_axes()

@@ -22,8 +22,7 @@ SINGLE = "data"
 
 
 INT32_READS = 2**31
-"""Sequences a component may serve before a phase starts, and within one (Levanter's int32
-counts; `check_read_counts`)."""
+"""Sequences a component may serve before a phase starts (Levanter's int32 count; `check_read_counts`)."""
 
 
 class MixtureError(ValueError):
@@ -162,31 +161,21 @@ class Mixture:
                 served[name] += per_block * blocks + min(per_block, rest)
         return served
 
-    def check_read_counts(self, batch_size: int, num_steps: int) -> None:
-        """Levanter's `MixtureDataset` counts in int32 the sequences each component served before a
-        phase (where the phase's reads start) and, within a phase, a block's offset: the blocks
-        before it times the component's per-block draw. Past 2**31 either wraps silently, and the
-        run rereads sequences trained on and never reads the ones due. Refused here, naming the
-        phase and the component."""
-        starts = [phase.start_step for phase in self.phases] + [num_steps]
-        for i, (start, end, per_block) in enumerate(zip(starts, starts[1:], self.block_counts())):
-            before = self.sequences_drawn(batch_size, start)  # phases start on block boundaries: exact
-            name = max(before, key=before.get)
-            if before[name] >= INT32_READS:
+    def check_read_counts(self, batch_size: int) -> None:
+        """Levanter's `MixtureDataset` keeps the sequences each component served before a phase in
+        int32 and starts the phase's reads there: past 2**31 the count wraps silently, and the phase
+        rereads sequences trained on and never reads the ones due. Refused here, naming the phase.
+        Within a phase the batches' reads count in int64 (`get_batch` takes its block ids as an
+        int64 array), so a phase may read any number of sequences."""
+        for i, phase in enumerate(self.phases[1:]):
+            served = self.sequences_drawn(batch_size, phase.start_step)  # phases start on block boundaries: exact
+            name = max(served, key=served.get)
+            if served[name] >= INT32_READS:
                 raise MixtureError(
-                    f"component {name!r} has served {before[name]:,} sequences when phase {i} starts (step "
-                    f"{start:,}), past the {INT32_READS:,} Levanter's MixtureDataset counts "
+                    f"component {name!r} has served {served[name]:,} sequences when phase {i + 1} starts (step "
+                    f"{phase.start_step:,}), past the {INT32_READS:,} Levanter's MixtureDataset counts "
                     "in int32 (it would wrap and reread trained data): split the component into several caches, "
                     "each counted on its own"
-                )
-            blocks = -(-max(end - start, 0) * batch_size // self.block_size)  # the phase's blocks read, the last partly
-            name = max(per_block, key=per_block.get)
-            offset = (blocks - 1) * per_block[name]  # of the last block read, from the phase's start
-            if offset >= INT32_READS:
-                raise MixtureError(
-                    f"component {name!r} is read {offset:,} sequences into phase {i} (steps {start:,}-{end - 1:,}), "
-                    f"past the {INT32_READS:,} Levanter's MixtureDataset counts in int32 (it would wrap and reread "
-                    "trained data): split the component into several caches, each counted on its own"
                 )
 
     def check_batch_size(self, batch_size: int) -> None:
