@@ -155,10 +155,14 @@ def test_training_steps_run_isolated_with_the_devices_their_hardware_declares(mo
     three = RackTopology(racks=3, gpus_per_rack=4, expert_parallel=4)
     three_racks = default_train("t", data=CACHE, model=tiny_moe, train=_train(batch_size=48), topology=three, hardware=cpu_sim)
     assert three_racks.config.process_env()["XLA_FLAGS"].endswith("=12")
-    # real accelerators are found as they are: what a CPU run left in the launcher's shell is dropped
+    # real accelerators are found as they are: what a CPU run left in the launcher's shell is dropped,
+    # and nothing else is set (a cluster worker's own flags stand)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/dump")
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert gb200_nvl72.process_env(64) == {"XLA_FLAGS": "--xla_dump_to=/tmp/dump", "JAX_PLATFORMS": ""}
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    assert gb200_nvl72.process_env(64) == {}
 
 
 def test_set_decodes_nested_configs_by_their_declared_types():

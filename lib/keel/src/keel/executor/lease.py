@@ -104,15 +104,18 @@ class LeaseInfo:
         """The pid of this (expired) lease's isolated step process when it still runs on this host:
         its launcher is stopped (Ctrl-Z, SIGSTOP) or stuck past the timeout while the step, in a
         session of its own, goes on writing the output. None otherwise, or where the pid now names
-        another program."""
-        if self.child is None or self.host != socket.gethostname() or not _running(self.child):
+        another process: the step's process is `python -m keel.executor.child WORKDIR LAUNCHER_PID`,
+        and its launcher is this lease's owner."""
+        if self.child is None or self.pid is None or self.host != socket.gethostname() or not _running(self.child):
             return None
         try:
             with open(f"/proc/{self.child}/cmdline", "rb") as f:
-                command = f.read()
+                argv = f.read().split(b"\0")
         except OSError:
             return None
-        return self.child if b"keel.executor.child" in command else None
+        argv = [a for a in argv if a]
+        ours = b"keel.executor.child" in argv and argv[-1] == str(self.pid).encode()
+        return self.child if ours else None
 
     def is_live(self, now: float | None = None) -> bool:
         return self.age(now) < self.timeout and not self.owner_gone()

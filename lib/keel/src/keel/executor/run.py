@@ -361,10 +361,13 @@ class Runner:
                     self.echo(f"[keel] take  {plan.name}: its lease was held by {holder.describe()}")
                     stray = holder.stray_step_process()
                     if stray is not None:
-                        gone = leases.stop_stray_step_process(stray)
+                        if not leases.stop_stray_step_process(stray):
+                            lease.release()
+                            raise StepFailed(plan.name, plan.output_path,
+                                             f"the step's process of the launcher whose lease expired (pid {stray}) "
+                                             "still runs and did not die when killed: stop it, then run again", None)
                         self.echo(f"[keel] take  {plan.name}: its step's process (pid {stray}) still ran, its launcher "
-                                  + ("silent: killed it, so that one process writes the output" if gone else
-                                     "silent, and did not die when killed: stop it before this run writes the output"))
+                                  "silent: killed it, so that one process writes the output")
                 return lease, status
             if finished and not forced:
                 return None, status

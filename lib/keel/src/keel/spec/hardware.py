@@ -100,14 +100,19 @@ class Hardware:
 
         Simulated CPU racks need XLA to split the host into that many devices (before jax is
         imported, hence a fresh process). Real accelerators are found by jax as they are, so their
-        step drops what a launcher's shell may hold from a CPU run (`JAX_PLATFORMS=cpu`, the
+        step only drops what a launcher's shell may hold from a CPU run (`JAX_PLATFORMS=cpu`, the
         simulated device count), which would otherwise train it on fake CPU devices; an empty
-        `JAX_PLATFORMS` is jax's own default, every platform present.
+        `JAX_PLATFORMS` is jax's own default, every platform present. Nothing else is set, so a
+        cluster worker's own flags stand.
         """
-        kept = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
-        if self.platform != "cpu":
-            return {"XLA_FLAGS": " ".join(kept), "JAX_PLATFORMS": ""}
-        return {"XLA_FLAGS": " ".join([*kept, f"{_DEVICE_COUNT_FLAG}={num_devices}"]), "JAX_PLATFORMS": "cpu"}
+        flags = os.environ.get("XLA_FLAGS", "").split()
+        kept = [f for f in flags if not f.startswith(_DEVICE_COUNT_FLAG)]
+        if self.platform == "cpu":
+            return {"XLA_FLAGS": " ".join([*kept, f"{_DEVICE_COUNT_FLAG}={num_devices}"]), "JAX_PLATFORMS": "cpu"}
+        env = {"XLA_FLAGS": " ".join(kept)} if len(kept) < len(flags) else {}
+        if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
+            env["JAX_PLATFORMS"] = ""
+        return env
 
     def supports_transport(self, transport: str) -> bool:
         """Whether the backend can run an expert transport (XLA:CPU lacks ragged-all-to-all)."""
