@@ -133,6 +133,21 @@ def test_keel_plan_of_two_files_prints_one_table_of_variants(tmp_path):
                                                                    "compares several experiments"), narrowed.stderr
 
 
+def test_a_variants_row_shows_each_stretchs_own_basis_and_a_measured_layout_without_a_model_its_speeds():
+    from keel.plan import variant_row
+    from keel.spec import SpeedObservation
+
+    config = hero_config()
+    only_pooled = dataclasses.replace(config.facts, observed=(config.facts.observed[0],
+                                                              SpeedObservation(step=40_000, date="2026-09-25", step_seconds=19.8)))
+    row = variant_row("hero", fact_sheet(dataclasses.replace(config, facts=only_pooled)))
+    assert row["basis"] == ["observed", "predicted"] and row["step_seconds"][0] == 19.8
+    # hardware with no peak FLOP rate has no step-time model: the row shows what the run measured
+    bare = dataclasses.replace(config.hardware, peak_flops_per_device=None)
+    row = variant_row("hero", fact_sheet(dataclasses.replace(config, hardware=bare)))
+    assert row["step_seconds"] == [19.8, 16.8] and row["basis"] == ["observed", "observed"] and row["days"] is None
+
+
 def _drawn_tokens(config, component: str) -> float:
     """Tokens a component is read for over the run, as the mixture blocks draw it: in every block of
     `block_size` sequences floor(share x block) of them (the component is not any phase's largest,

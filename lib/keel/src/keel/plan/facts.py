@@ -285,18 +285,21 @@ def _check_observations(facts, start: dt.date) -> None:
 
 def _rest_of_run(config: TrainStepConfig, predicted: dict | None, last: dict) -> tuple[float, str]:
     """(steps a day, what it is) the run after its last observation can go at full goodput: the
-    last measured rate, or the modelled step times of the stretches ahead where they are faster
-    (a later, faster phase the run has not reached yet: a projection made before the hero's switch
-    allowed for its ragged steps)."""
+    last measured rate to the end of the stretch it was measured in, then the modelled step times
+    of the stretches after it, where that is faster than the measured rate alone (a later, faster
+    phase the run has not reached yet: a projection made before the hero's switch allowed for its
+    ragged steps)."""
     measured = (last["steps_per_day"], f"the last measured rate, at step {last['step']:,}")
+    num_steps = config.train.num_steps
     stretches = (predicted or {}).get("stretches")
-    steps = config.train.num_steps - last["step"]
-    if not stretches or steps <= 0:
+    if not stretches or num_steps <= last["step"]:
         return measured
-    seconds = seconds_to(stretches, config.train.num_steps) - seconds_to(stretches, last["step"])
-    modelled = steps * 86_400 / seconds if seconds > 0 else 0.0
-    if modelled > measured[0]:
-        return modelled, f"the modelled step times of steps {last['step']:,} onwards"
+    current = next((s for s in stretches if s["from_step"] <= last["step"] <= s["to_step"]), None)
+    until = current["to_step"] + 1 if current else num_steps
+    seconds = (until - last["step"]) * last["step_seconds"] + seconds_to(stretches, num_steps) - seconds_to(stretches, until)
+    rest = (num_steps - last["step"]) * 86_400 / seconds
+    if rest > measured[0] * (1 + 1e-9):
+        return rest, f"the measured rate to step {until - 1:,}, the modelled step times after it"
     return measured
 
 

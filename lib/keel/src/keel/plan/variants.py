@@ -1,9 +1,10 @@
 """Variants side by side: one row of headline figures per training step's fact sheet
 (`keel plan A.py B.py`), so a launch decision compares runs on one screen.
 
-Every row's length and GPU-hours are at full goodput, from the step times the row shows: a run's
-own projection (its declared steps per day, which hold its downtime) is on its fact sheet, and no
-variant has one, so a table that mixed the two made a slower variant look 3 days shorter."""
+Every row's length and GPU-hours are at full goodput, from the step-time model's stretches (which
+reproduce a run's own observations where it is fitted on them): a run's own projection (its
+declared steps per day, which hold its downtime) is on its fact sheet, and no variant has one, so
+a table that mixed the two made a slower variant look 3 days shorter."""
 
 from __future__ import annotations
 
@@ -14,12 +15,19 @@ COLUMNS = ("variant", "hardware", "steps", "tokens", "s/step", "MFU", "days at f
 
 
 def variant_row(label: str, sheet: dict) -> dict:
-    """The headline figures of one sheet: the step time and MFU of each stretch the run length is
-    computed from (`step_time`'s stretches; a stretch this layout's own observations measured shows
-    the observed time, the model reproducing it, else the modelled one), run length and GPU-hours at
-    those speeds, the largest peak against the HBM, the verdict."""
+    """The headline figures of one sheet: each stretch's step time and MFU (the one this layout's
+    own observations measured, else the step-time model's; a layout measured but not modelled shows
+    its measurements), the run length and GPU-hours at the modelled step times (full goodput), the
+    largest peak against the HBM, the verdict."""
     predicted = sheet.get("step_time") or {}
     stretches = predicted.get("stretches", [])
+    if stretches:
+        seconds = [s["observed_seconds"] or s["step_seconds"] for s in stretches]
+        mfus = [s["mfu"] and s["mfu"] * s["step_seconds"] / shown for s, shown in zip(stretches, seconds)]  # same FLOPs
+        basis = ["observed" if s["observed_seconds"] else "predicted" for s in stretches]
+    else:  # no model for this hardware: what the run measured, if anything
+        speeds = (sheet.get("time") or {}).get("speeds", [])
+        seconds, mfus, basis = [s["step_seconds"] for s in speeds], [s["mfu"] for s in speeds], ["observed"] * len(speeds)
     days, end = predicted.get("run_days"), predicted.get("end_date")
     memory = sheet.get("memory") or {}
     peaks = [p["peak_gb"] for p in memory.get("phases", ()) if p["peak_gb"] is not None]
@@ -30,9 +38,9 @@ def variant_row(label: str, sheet: dict) -> dict:
         "hardware": f"{sheet.get('hardware') or '?'} x {mesh.get('gpus', '?')}",
         "steps": sheet["training"]["num_steps"],
         "tokens": sheet["training"]["total_tokens"],
-        "step_seconds": [s["step_seconds"] for s in stretches],
-        "mfu": [s["mfu"] for s in stretches],
-        "basis": ["observed" if s.get("observed_seconds") is not None else "predicted" for s in stretches],
+        "step_seconds": seconds,
+        "mfu": mfus,
+        "basis": basis,
         "days": days,
         "end_date": end,
         "peak_gb": max(peaks) if peaks else None,
