@@ -64,7 +64,7 @@ def caches(tmp_path_factory):
     """Token caches from a 512-token tokenizer, packed at 64: one with a validation split; and, all
     trained on, one of other texts under the same ids (`corpus.jsonl:N` of another folder), one of
     the first one's documents, and one of its texts under other ids (a copy of its file); and the
-    other texts again, by a 400-token tokenizer."""
+    other texts again, by a 400-token tokenizer, and by the first tokenizer without eos tokens."""
     root = tmp_path_factory.mktemp("caches")
     corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"document {i} talks about topic {i % 11} at length " * 4}) + "\n"
@@ -86,6 +86,9 @@ def caches(tmp_path_factory):
     tokenize_documents(TokenizeConfig(documents=str(root / "no_validation-docs"), tokenizer=str(root / "tok400"), seq_len=64,
                                       output_path=str(root / "other_tokenizer")))
     out["other_tokenizer"] = str(root / "other_tokenizer")
+    tokenize_documents(TokenizeConfig(documents=str(root / "no_validation-docs"), tokenizer=str(root / "tok"), seq_len=64,
+                                      add_eos=False, output_path=str(root / "no_eos")))
+    out["no_eos"] = str(root / "no_eos")
     return out
 
 
@@ -155,10 +158,13 @@ def test_caches_of_different_tokenizers_are_refused_even_when_the_model_holds_bo
     racks = RackTopology(racks=1, gpus_per_rack=8)
     mixed = Mixture.constant({"a": caches["with_validation"], "b": caches["other_tokenizer"]}, {"a": 0.5, "b": 0.5},
                              block_size=16)
-    with pytest.raises(ValueError, match=r"the run's token caches were tokenized differently \('a' \(.*\): tokenizer "
-                                         r"digest [0-9a-f]{16}, add_bos=False, add_eos=True; 'b' \(.*other_tokenizer\): "
-                                         r"tokenizer digest .*tokenize every component with one tokenizer"):
+    with pytest.raises(ValueError, match=r"the run's token caches were tokenized differently \('a' \(.*\): vocabulary "
+                                         r"[0-9a-f]{16}, bos id None, eos id \d+; 'b' \(.*other_tokenizer\): "
+                                         r"vocabulary .*tokenize every component with one tokenizer"):
         check_step_config(_planned(_config(mixed), racks), num_devices=8, platform="cpu")
+    no_eos = Mixture.constant({"a": caches["with_validation"], "b": caches["no_eos"]}, {"a": 0.5, "b": 0.5}, block_size=16)
+    with pytest.raises(ValueError, match=r"'b' \(.*no_eos\): vocabulary [0-9a-f]{16}, bos id None, eos id None\)"):
+        check_step_config(_planned(_config(no_eos), racks), num_devices=8, platform="cpu")  # one vocabulary, no eos
     same = Mixture.constant({"a": caches["with_validation"], "b": caches["no_validation"]}, {"a": 0.5, "b": 0.5},
                             block_size=16)
     check_step_config(_planned(_config(same), racks), num_devices=8, platform="cpu")  # one tokenizer: fine

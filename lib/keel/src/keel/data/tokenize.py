@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import queue
@@ -382,11 +383,13 @@ def tokenize_documents(config: TokenizeConfig) -> None:
 
 
 def tokenizer_identity(config: TokenizeConfig, loaded) -> dict:
-    """What makes an id mean one piece of text: the tokenizer as it encoded (a digest of its whole
-    serialization: vocabulary, merges, normalizer, added tokens; not where it lay, so a copy of it
-    makes the same cache) and the bos/eos added around each document."""
-    digest = hashlib.sha256(loaded.tokenizer.to_str().encode()).hexdigest()[:16]
-    return {"digest": digest, "add_bos": config.add_bos, "add_eos": config.add_eos}
+    """What an id means: the tokenizer's vocabulary, every token with its id, added tokens included
+    (a digest: not where the tokenizer lay, nor how the library serialises it), and the bos/eos
+    ids added around each document."""
+    vocabulary = sorted(loaded.tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
+    digest = hashlib.sha256(json.dumps(vocabulary).encode()).hexdigest()[:16]
+    return {"vocabulary": digest, "bos_id": loaded.bos_id if config.add_bos else None,
+            "eos_id": loaded.eos_id if config.add_eos else None}
 
 
 def _check_not_empty(config: TokenizeConfig, splits: dict) -> None:

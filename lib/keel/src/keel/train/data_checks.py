@@ -87,15 +87,16 @@ def check_token_caches(config: TrainStepConfig) -> None:
 
 
 def check_one_tokenizer(stats: dict[str, tuple[str, dict]]) -> None:
-    """Raise a ValueError where the caches (`stats`: {component: (root, its tokenize.json)}) were
-    tokenized differently: another tokenizer, or bos/eos added otherwise. A cache that does not say
-    (made before keel recorded it, or by another tool) is not compared."""
+    """Raise a ValueError where the caches (`stats`: {component: (root, its tokenize.json)}) give
+    ids different meanings: another vocabulary, or other bos/eos ids added. A cache that does not
+    say (made before keel recorded it, or by another tool) is not compared."""
     identities = {name: found["tokenizer"] for name, (_, found) in stats.items() if found.get("tokenizer")}
-    if len({(i["digest"], i["add_bos"], i["add_eos"]) for i in identities.values()}) > 1:
-        described = "; ".join(f"{name!r} ({stats[name][0]}): tokenizer digest {i['digest']}, "
-                              f"add_bos={i['add_bos']}, add_eos={i['add_eos']}" for name, i in identities.items())
+    if len({tuple(sorted(i.items())) for i in identities.values()}) > 1:
+        described = "; ".join(f"{name!r} ({stats[name][0]}): vocabulary {i['vocabulary']}, bos id {i['bos_id']}, "
+                              f"eos id {i['eos_id']}" for name, i in identities.items())
         raise ValueError(f"the run's token caches were tokenized differently ({described}), so one id means different "
-                         "text in each: tokenize every component with one tokenizer and the same add_bos/add_eos")
+                         "text in each: tokenize every component with one tokenizer and the same add_bos/add_eos "
+                         "and special tokens")
 
 
 def _warn_of_repeats(config: TrainStepConfig, stats: dict[str, tuple[str, dict]]) -> None:
