@@ -192,6 +192,12 @@ def test_a_heartbeat_on_an_object_store_is_written_at_most_every_few_seconds_and
 
     monkeypatch.setattr(fs, "modified", unanswered)
     assert heartbeat.seconds_since(target, started - 60, time.time() + 600) is None
+    # ...but no news for longer than the timeout is silence: a heartbeat that cannot be read never
+    # switches progress_timeout_s off
+    watch = heartbeat.Watch(target, started)
+    silent, why = watch.silent_for(started + 10)
+    assert silent == 0 and why.endswith("could not be read")
+    assert watch.silent_for(started + 310) == (300, f"its heartbeat {target} could not be read")
 
 
 HANGS_ON_EXIT = '''

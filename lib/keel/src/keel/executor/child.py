@@ -178,7 +178,8 @@ def _wait(process: subprocess.Popen, result_path: str, heartbeat: str | None, ti
     `timeout_s`, its process group is killed when the heartbeat is older than `timeout_s`: why is
     returned. After it reported, it has `EXIT_GRACE_S` to exit, then its group is killed and the
     result stands (said on the console). None unless it stalled."""
-    started, poll = time.time(), min(1.0, timeout_s / 4) if timeout_s else 1.0
+    poll = min(1.0, timeout_s / 4) if timeout_s else 1.0
+    watch = heartbeat_mod.Watch(heartbeat, time.time()) if heartbeat and timeout_s else None
     reported_at = None
     while True:
         try:
@@ -196,11 +197,12 @@ def _wait(process: subprocess.Popen, result_path: str, heartbeat: str | None, ti
                       file=sys.stderr, flush=True)
                 return None
             continue
-        silent = heartbeat_mod.seconds_since(heartbeat, started, time.time()) if heartbeat and timeout_s else None
-        if silent is not None and silent > timeout_s:
+        if watch is None:
+            continue
+        silent, why = watch.silent_for(time.time())
+        if silent > timeout_s:
             _kill_group(process)
-            return (f"no progress for {silent:.0f}s (progress_timeout_s={timeout_s:g}): its heartbeat {heartbeat} "
-                    "stopped, so its process group was killed")
+            return f"no progress for {silent:.0f}s (progress_timeout_s={timeout_s:g}): {why}, so its process group was killed"
 
 
 def _kill_group(process: subprocess.Popen) -> None:

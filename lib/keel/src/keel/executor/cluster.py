@@ -187,25 +187,24 @@ def _wait_until_finished(handle, beat: str | None = None, timeout_s: float | Non
     from fray.types import JobStatus
 
     interval, unanswered_since = 0.1, None
-    started, beat_read = None, time.monotonic()  # started: when the job was first seen running (wall clock)
+    watch, beat_read = None, time.monotonic()  # watched from when the job is first seen running
     while True:
         if interrupt.requested():
             problem = _terminate(handle)
             raise interrupt.StepInterrupted(problem or f"the run was interrupted: cluster job {handle.job_id} was terminated")
-        if beat and timeout_s and started is not None and time.monotonic() - beat_read >= min(timeout_s / 4, 60.0):
+        if watch is not None and time.monotonic() - beat_read >= min(timeout_s / 4, 60.0):
             beat_read = time.monotonic()
-            silent = heartbeat.seconds_since(beat, started, time.time())
-            if silent is not None and silent > timeout_s:
+            silent, why = watch.silent_for(time.time())
+            if silent > timeout_s:
                 problem = _terminate(handle)
-                raise ClusterJobStalled(f"no progress for {silent:.0f}s (progress_timeout_s={timeout_s:g}): its heartbeat "
-                                        f"{beat} stopped, so cluster job {handle.job_id} was terminated"
-                                        + (f"; {problem}" if problem else ""))
+                raise ClusterJobStalled(f"no progress for {silent:.0f}s (progress_timeout_s={timeout_s:g}): {why}, so "
+                                        f"cluster job {handle.job_id} was terminated" + (f"; {problem}" if problem else ""))
         try:
             state = handle.status()
             if JobStatus.finished(state):
                 return
-            if beat and state == JobStatus.RUNNING and started is None:
-                started, beat_read = time.time(), time.monotonic()
+            if beat and timeout_s and state == JobStatus.RUNNING and watch is None:
+                watch, beat_read = heartbeat.Watch(beat, time.time()), time.monotonic()
             unanswered_since = None
         except Exception as exc:  # noqa: BLE001 - an RPC error: ask again, within bounds
             unanswered_since = unanswered_since or time.monotonic()

@@ -46,14 +46,36 @@ def beat(step: int) -> None:
     if storage.is_local(target):
         storage.replace_local(storage.split(target)[1], data)
     elif time.monotonic() - _last_remote_beat >= REMOTE_BEAT_S:
-        storage.write_atomic(target, data)
+        try:
+            storage.write_atomic(target, data)
+        except Exception:  # noqa: BLE001 - a beat is best-effort: a lost one reads as silence, never as the step's error
+            return
         _last_remote_beat = time.monotonic()
+
+
+class Watch:
+    """A launcher's look at one step's heartbeat: how long the step has been silent. A store that
+    does not answer is no news for a look or two (a passing error neither kills a job nor gives up
+    on one), but no news for longer than the timeout is silence too: a heartbeat that cannot be read
+    (a permission, a path that went away) must not switch `progress_timeout_s` off for good."""
+
+    def __init__(self, heartbeat: str, started: float):
+        self.heartbeat, self.started = heartbeat, started
+        self._unread_since: float | None = None
+
+    def silent_for(self, now: float) -> tuple[float, str]:
+        """(seconds of silence, why): since the last beat, or since the reads started failing."""
+        age = seconds_since(self.heartbeat, self.started, now)
+        if age is not None:
+            self._unread_since = None
+            return age, f"its heartbeat {self.heartbeat} stopped"
+        self._unread_since = self._unread_since or now
+        return now - self._unread_since, f"its heartbeat {self.heartbeat} could not be read"
 
 
 def seconds_since(heartbeat: str, started: float, now: float) -> float | None:
     """Seconds since the last beat (a local path or a store's URL), or since `started` (wall clock)
-    when there was none yet; None when the store did not answer (no news either way: the watcher
-    asks again at its next look rather than kill a job, or give up on one, over a passing error)."""
+    when there was none yet; None when the store did not answer (`Watch` says how long)."""
     try:
         fs, where = storage.split(heartbeat)
         last = fs.modified(where).timestamp() if not storage.is_local(heartbeat) else os.stat(where).st_mtime
