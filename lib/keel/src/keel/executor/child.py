@@ -1,4 +1,4 @@
-"""Run one step in a child process of its own: `python -m keel.executor.child PAYLOAD`.
+"""Run one step in a child process of its own: `python -m keel.executor.child WORKDIR LAUNCHER_PID`.
 
 Steps with heavy process-wide state (jax and its devices, wandb, XLA flags) cannot share a
 process: two training steps in threads of one launcher share one wandb service and one device set.
@@ -27,8 +27,10 @@ A child that crashes in native code (SIGSEGV, SIGABRT, ...: `CRASH_SIGNALS`) rep
 and comes back `failed`, its Python stacks at the end of its log (`job._crash_stacks_into`). A log
 that a child died before uploading (its output is not on a local disk) the launcher uploads.
 A child killed from outside (SIGKILL, a preempted VM) reports nothing and comes back `killed`; a
-child watched by its heartbeat (`heartbeat.py`) that stops beating for the declared timeout has its
-process group killed and comes back `stalled`. The launcher retries either as a preemption.
+child watched by its heartbeat (`heartbeat.py`) that stops beating for the declared timeout (or whose
+heartbeat cannot be read that long) has its process group killed and comes back `stalled`. The
+launcher retries either as a preemption. A child that reported its result but does not exit is
+killed `EXIT_GRACE_S` later, its result standing.
 """
 
 from __future__ import annotations

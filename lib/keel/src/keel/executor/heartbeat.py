@@ -1,5 +1,6 @@
 """The heartbeat of a step in a process of its own: a file its work touches at each unit of
-progress (every training step), which the launcher watches when the step declares
+progress (every training step, and every event a training run prints: a compile finished, a
+validation, a checkpoint), which the launcher watches when the step declares
 `progress_timeout_s`.
 
 A process that is stopped (SIGSTOP), deadlocked or spinning without finishing a step keeps its

@@ -668,7 +668,7 @@ class TrainStepConfig:
             moved = ", ".join(f"{what} at step {step:,} ({step / old:.1%} -> {step / new:.1%})" for what, step in kept)
             notes.append(f"train.num_steps {old:,} -> {new:,} keeps the steps its positions are declared at, so they fall "
                          f"at other shares of the run: {moved}. To keep their shares, change the length where the "
-                         "experiment declares it: positions declared as shares of the run (`keel.plan.steps_at`) follow it")
+                         "experiment declares it: positions declared as shares of the run (`keel.plan.positions.steps_at`) follow it")
         if old == new and before.train.seq_len is not None and self.train.seq_len is not None:
             was_tokens, tokens = before.train.tokens_per_step, self.train.tokens_per_step
             if was_tokens != tokens:

@@ -17,7 +17,7 @@ after-step hooks, each a method that sees a `StepDone`: `_report`, `_evaluate_af
 - writes metrics as JSON lines and to wandb (opened on a thread of its own after the first step,
   `tracking.OpenedLater`), and a PNG of the loss curves at the end; after a resume the rows of
   steps past the checkpoint are dropped first, so each step has one row;
-- stops as a failure at the first non-finite loss or gradient norm, naming the step; or, with
+- stops as a failure at the first non-finite loss, gradient norm or update norm, naming the step; or, with
   `TrainConfig.spike_guard`, rolls back past a loss spike (non-finite or far above the recent
   median) to its newest in-memory snapshot, replays the good batches and skips the spiking one
   (`keel.train.spike_guard`; every step goes through `SpikeGuard.step`);

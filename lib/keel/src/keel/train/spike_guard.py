@@ -11,7 +11,8 @@ The loop hands each training step to `SpikeGuard.step`, which runs it and judges
   restarts where a mixture phase starts (the data changes on purpose); until `min_history` steps
   are known again only non-finite values are spikes. A resumed run takes the history of the steps
   before its checkpoint from `metrics.jsonl`, so it judges each step as the uninterrupted run did
-  (a guarded run therefore logs every step: `TrainConfig` refuses `log_every` > 1 with a guard).
+  (a guarded run therefore logs every step: `TrainConfig` refuses `log_every` > 1 with a guard);
+  one that finds no such history says it judges without it.
 
 A spike at step s is blamed on the batch step s read: its loss came from weights that passed every
 check so far, on that batch. The guard throws the step's update away and hands back its newest
