@@ -74,6 +74,11 @@ def test_the_readme_main_job_trains_then_everything_is_cached(tmp_path):
         live = [leaf for leaf in record["leaves"] if not leaf["path"].startswith("opt_state/counter/")]
         assert live == sheet["state_layout"][0]["leaves"]
 
+    # the run records what its ids mean, which its evaluations hold their caches to
+    cache = graph.path(next(s for s in graph.steps() if s.name.startswith("tokenized/")))
+    recorded = json.loads(Path(graph.path(train), "data.json").read_text())["tokenizer"]
+    assert recorded == json.loads(Path(cache, "tokenize.json").read_text())["tokenizer"] and recorded["vocabulary"]
+
     # the logged validation loss is the whole split's (a representative sample of it)
     whole = _whole_split_loss(graph, train)
     assert abs(evals[max(evals)] - whole) < 0.05, (evals[max(evals)], whole)

@@ -102,6 +102,48 @@ def test_an_eval_of_the_runs_own_data_leaves_out_a_cache_without_validation_as_t
         evaluated_caches(resolved(named))
 
 
+def test_an_eval_on_a_cache_of_another_tokenizer_than_the_runs_is_refused_before_loading_the_model(tmp_path):
+    """Ids of another vocabulary (or other bos/eos) than the run's training data mean other text:
+    the eval's loss and bits per byte would measure nothing the model learned. The training step
+    records its caches' tokenizer (`data.json`), and the eval holds each of its caches to it."""
+    from keel.executor.resolve import resolve_config
+    from keel.trained.evaluate import evaluated_caches
+
+    def cache(name: str, vocabulary: str) -> str:
+        root = tmp_path / name
+        root.mkdir()
+        identity = {"vocabulary": vocabulary, "bos_id": None, "eos_id": 0}
+        (root / "tokenize.json").write_text(json.dumps({"seq_len": 128, "vocab_size": 512, "tokenizer": identity}))
+        return str(root)
+
+    run = _run("a")
+    step = default_eval("e", run=run, data={"theirs": External("theirs", cache("theirs", "ffff0000ffff0000"), version="1")})
+    graph = Graph([step], str(tmp_path / "out"))
+    config = resolve_config(step.config, graph.path(step), graph.path)
+    run_output = Path(config.model.run)
+    run_output.mkdir(parents=True)
+    (run_output / "data.json").write_text(json.dumps({"tokenizer": {"vocabulary": "0123456789abcdef", "bos_id": None,
+                                                                      "eos_id": 0}}))
+    with pytest.raises(ValueError, match=r"EvalConfig.data\['theirs'\] \(.*theirs\) was tokenized differently from the "
+                                         r"training data of run .* \(vocabulary ffff0000ffff0000, .* against vocabulary "
+                                         r"0123456789abcdef.*evaluate on caches made with the run's tokenizer"):
+        evaluated_caches(config)
+
+
+def test_the_training_step_records_its_caches_tokenizer_for_its_evaluations(tmp_path):
+    from keel.spec import AdamWConfig, MixturePhase, TrainStepConfig
+    from keel.train.data_checks import RUN_DATA_FILE, record_run_tokenizer
+
+    identity = {"vocabulary": "0123456789abcdef", "bos_id": None, "eos_id": 0}
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "tokenize.json").write_text(json.dumps({"seq_len": 128, "tokenizer": identity}))
+    data = Mixture({"a": str(tmp_path / "cache")}, (MixturePhase(0, {"a": 1.0}),), block_size=8)
+    train = TrainConfig(batch_size=8, seq_len=128, num_steps=4, optimizer=AdamWConfig(lr=1e-3))
+    config = TrainStepConfig(model=tiny_moe, data=data, train=train, output_path=str(tmp_path / "run"))
+    record_run_tokenizer(config)
+    assert json.loads((tmp_path / "run" / RUN_DATA_FILE).read_text()) == {"tokenizer": identity}
+
+
 def test_eval_and_sample_follow_their_run_under_set():
     """A `--set` on the run reaches the steps that read it: "final" is its new last step, and the
     checkpoint is loaded with the run's new shapes and batches (not copies made at declaration)."""

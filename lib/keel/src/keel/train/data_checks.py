@@ -55,11 +55,7 @@ def check_cache_vocab(where: str, stats: dict, vocab_size: int) -> None:
 def check_token_caches(config: TrainStepConfig) -> None:
     """Raise a ValueError naming both fields and the fix for a cache that does not fit the run."""
     model, train = config.model, config.train
-    stats = {}
-    for name, root in cache_components(config.data).items():
-        found = storage.read_json(storage.join(root, STATS_FILE))
-        if found is not None:
-            stats[name] = (root, found)
+    stats = cache_stats(config.data)
     for name, (root, found) in stats.items():
         where = f"token cache {name!r} ({root})"
         if found["seq_len"] != train.seq_len:
@@ -84,6 +80,40 @@ def check_token_caches(config: TrainStepConfig) -> None:
         )
     if train.eval_batches > 0:
         check_held_out_documents(stats, trained=drawn_components(config.data))
+
+
+RUN_DATA_FILE = "data.json"
+"""A training step's record of its caches' tokenizer, under its output (`record_run_tokenizer`), which
+its evaluations hold their caches to."""
+
+
+def cache_stats(data: Mixture) -> dict[str, tuple[str, dict]]:
+    """{component: (cache root, its tokenize.json)} of the caches keel made (the others say nothing)."""
+    stats = {}
+    for name, root in cache_components(data).items():
+        found = storage.read_json(storage.join(root, STATS_FILE))
+        if found is not None:
+            stats[name] = (root, found)
+    return stats
+
+
+def record_run_tokenizer(config: TrainStepConfig) -> None:
+    """Write what the run's ids mean (its caches' shared tokenizer identity, None where no cache
+    says) to its output's `data.json`, for the evaluations of its checkpoints to check against."""
+    identities = [found["tokenizer"] for _, found in cache_stats(config.data).values() if found.get("tokenizer")]
+    storage.write_json(storage.join(config.output_path, RUN_DATA_FILE), {"tokenizer": identities[0] if identities else None})
+
+
+def check_same_tokenizer_as_run(where: str, stats: dict, run_output: str) -> None:
+    """Raise a ValueError where a cache (its tokenize.json `stats`) gives ids other meanings than the
+    run trained on (its `data.json`); nothing to compare where either does not say."""
+    recorded = storage.read_json(storage.join(run_output, RUN_DATA_FILE)) or {}
+    mine, theirs = stats.get("tokenizer"), recorded.get("tokenizer")
+    if mine and theirs and mine != theirs:
+        raise ValueError(f"{where} was tokenized differently from the training data of run {run_output} (vocabulary "
+                         f"{mine['vocabulary']}, bos id {mine['bos_id']}, eos id {mine['eos_id']} against vocabulary "
+                         f"{theirs['vocabulary']}, bos id {theirs['bos_id']}, eos id {theirs['eos_id']}): its ids mean "
+                         "other text than the model learned; evaluate on caches made with the run's tokenizer")
 
 
 def check_one_tokenizer(stats: dict[str, tuple[str, dict]]) -> None:

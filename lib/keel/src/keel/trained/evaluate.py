@@ -29,7 +29,7 @@ from keel.model.loss import next_token_weight
 from keel.spec.topology import BATCH_AXES
 from keel.spec.trained import EvalConfig
 from keel.train import compile_cache
-from keel.train.data_checks import check_cache_vocab
+from keel.train.data_checks import check_cache_vocab, check_same_tokenizer_as_run
 from keel.train.loop import eval_loss_fn, validation_losses
 from keel.trained.load import checkpoint_path, load_model
 
@@ -74,8 +74,10 @@ def evaluated_caches(config: EvalConfig) -> dict:
     datasets, empty = {}, []
     for label, root in sorted(config.data.items()):
         stats = storage.read_json(storage.join(root, STATS_FILE))
-        if stats is not None:  # a cache keel tokenized: its ids must all have an embedding (else the loss lies)
+        if stats is not None:  # a cache keel tokenized: its ids must all have an embedding and mean what the run learned
             check_cache_vocab(f"EvalConfig.data[{label!r}] ({root})", stats, config.model.model.vocab_size)
+            if isinstance(config.model.run, str):  # the run's output, as the step receives it
+                check_same_tokenizer_as_run(f"EvalConfig.data[{label!r}] ({root})", stats, config.model.run)
         dataset = load_token_cache(root, config.split, seq_len=config.model.train.seq_len)
         if len(dataset):
             datasets[label] = dataset
