@@ -326,6 +326,51 @@ def test_the_abort_terminates_every_live_job_even_when_one_refuses(capsys):
     assert "could not terminate cluster job b (ConnectionError: controller unavailable)" in capsys.readouterr().err
 
 
+def test_the_abort_waits_for_a_job_being_submitted_and_terminates_it_too():
+    """A second Ctrl-C while a submit was under way (bundling the workspace takes seconds) exited
+    before the job was known: it then ran with nobody to stop it, beside the rerun's."""
+    import threading
+    import time
+
+    from keel.executor import cluster as cluster_module
+
+    release = threading.Event()
+
+    class SlowClient:
+        def __init__(self):
+            self.job = None
+
+        def submit(self, request):
+            release.wait(timeout=30)
+            self.job = Job()
+            return self.job
+
+    class Job:
+        job_id, terminated = "slow", False
+
+        def status(self):
+            from fray.types import JobStatus
+
+            return JobStatus.SUCCEEDED if self.terminated else JobStatus.RUNNING
+
+        def terminate(self):
+            self.terminated = True
+
+        def wait(self, timeout=None, *, raise_on_failure=True):
+            return None
+
+    client = SlowClient()
+    runner = threading.Thread(target=cluster_module.run_on_cluster, args=(client, None, "cpu=1"), daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 10
+    while not cluster_module._SUBMITTING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    threading.Timer(0.5, release.set).start()  # the submit returns half a second into the abort
+    cluster_module.terminate_live_jobs()
+    assert client.job is not None and client.job.terminated
+    runner.join(timeout=30)
+
+
 def test_an_interrupted_run_terminates_the_job_it_waits_on(monkeypatch):
     from keel.executor import cluster as cluster_module
     from keel.executor import interrupt

@@ -128,12 +128,20 @@ def run_on_cluster(client, request, resources: str, beat: str | None = None, tim
     `StepInterrupted`: a job elsewhere cannot be asked to checkpoint first, so the next run resumes
     the step from its last checkpoint.
     """
+    global _SUBMITTING
+    with _LIVE_LOCK:
+        _SUBMITTING += 1  # a second Ctrl-C now waits for this job, to terminate it too
+    handle = None
     try:
         handle = client.submit(request)
     except Exception as exc:  # noqa: BLE001 - Iris raises raw RPC errors at submit
         raise ClusterJobFailed(_refusal(exc, resources)) from exc
-    with _LIVE_LOCK:
-        _LIVE_JOBS.add(handle)
+    finally:
+        with _LIVE_LOCK:
+            _SUBMITTING -= 1
+            if handle is not None:
+                _LIVE_JOBS.add(handle)
+            _LIVE_LOCK.notify_all()
     finished = False
     try:
         _wait_until_finished(handle, beat, timeout_s)
@@ -153,9 +161,13 @@ def run_on_cluster(client, request, resources: str, beat: str | None = None, tim
 
 def terminate_live_jobs() -> None:
     """Terminate every job this process is still waiting on: the driver is about to exit (a second
-    Ctrl-C), and a job left running would keep writing an output a rerun starts again. A job the
-    controller does not terminate is named on the console, and the others are still terminated."""
+    Ctrl-C), and a job left running would keep writing an output a rerun starts again. A job being
+    submitted is waited for (at most SUBMIT_WAIT_S), to be terminated too. A job the controller does
+    not terminate is named on the console, and the others are still terminated."""
     with _LIVE_LOCK:
+        if _SUBMITTING and not _LIVE_LOCK.wait_for(lambda: not _SUBMITTING, timeout=SUBMIT_WAIT_S):
+            print(f"keel: {_SUBMITTING} cluster job(s) still being submitted after {SUBMIT_WAIT_S:g}s may run on: stop "
+                  "them with the cluster's own tools (iris) before running the step again", file=sys.stderr, flush=True)
         handles = list(_LIVE_JOBS)
     for handle in handles:
         problem = _terminate(handle)
@@ -174,7 +186,10 @@ def _terminate(handle) -> str | None:
 
 
 _LIVE_JOBS: set = set()
-_LIVE_LOCK = threading.Lock()
+_LIVE_LOCK = threading.Condition()
+_SUBMITTING = 0  # submissions under way, whose jobs are not in _LIVE_JOBS yet
+SUBMIT_WAIT_S = 15.0
+"""How long a second Ctrl-C waits for a submission under way (bundling the workspace takes seconds)."""
 
 
 def _wait_until_finished(handle, beat: str | None = None, timeout_s: float | None = None) -> None:
