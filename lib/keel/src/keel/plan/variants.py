@@ -21,13 +21,18 @@ def variant_row(label: str, sheet: dict) -> dict:
     largest peak against the HBM, the verdict."""
     predicted = sheet.get("step_time") or {}
     stretches = predicted.get("stretches", [])
+    speeds = (sheet.get("time") or {}).get("speeds", [])  # the run's own observations, each with its MFU
+
+    def measured(stretch: dict) -> dict | None:
+        return next((o for o in speeds if stretch["from_step"] <= o["step"] <= stretch["to_step"]
+                     and o["step_seconds"] == stretch["observed_seconds"]), None)
+
     if stretches:
-        seconds = [s["observed_seconds"] or s["step_seconds"] for s in stretches]
-        mfus = [s["mfu"] and s["mfu"] * s["step_seconds"] / shown for s, shown in zip(stretches, seconds)]  # same FLOPs
-        basis = ["observed" if s["observed_seconds"] else "predicted" for s in stretches]
+        shown = [measured(s) or s for s in stretches]
+        basis = ["observed" if measured(s) else "predicted" for s in stretches]
     else:  # no model for this hardware: what the run measured, if anything
-        speeds = (sheet.get("time") or {}).get("speeds", [])
-        seconds, mfus, basis = [s["step_seconds"] for s in speeds], [s["mfu"] for s in speeds], ["observed"] * len(speeds)
+        shown, basis = speeds, ["observed"] * len(speeds)
+    seconds, mfus = [s["step_seconds"] for s in shown], [s["mfu"] for s in shown]
     days, end = predicted.get("run_days"), predicted.get("end_date")
     memory = sheet.get("memory") or {}
     peaks = [p["peak_gb"] for p in memory.get("phases", ()) if p["peak_gb"] is not None]

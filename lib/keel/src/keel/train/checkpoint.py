@@ -106,15 +106,15 @@ class TrainCheckpoints:
     def _set_aside(self, damaged: list[str]) -> None:
         """Move each damaged checkpoint to `checkpoints-damaged/` and out of the checkpointer's
         rolling ones (it found them when it was made)."""
-        if jax.process_index() == 0:
+        if jax.process_index() == 0 and damaged:
             aside = os.path.join(os.path.dirname(self.root.rstrip("/")), DAMAGED_DIR)
             fs, _ = fsspec.core.url_to_fs(aside)
+            fs.makedirs(aside, exist_ok=True)
             for path in damaged:
-                target = os.path.join(aside, os.path.basename(path.rstrip("/")))
-                suffix = 1
+                name = os.path.basename(path.rstrip("/"))
+                target, copy = os.path.join(aside, name), 1
                 while fs.exists(target):  # damaged at the same step before: keep both
-                    target, suffix = f"{os.path.join(aside, os.path.basename(path.rstrip('/')))}.{suffix}", suffix + 1
-                fs.makedirs(aside, exist_ok=True)
+                    target, copy = os.path.join(aside, f"{name}.{copy}"), copy + 1
                 fs.mv(path, target, recursive=True)
                 print(f"[train] moved the damaged checkpoint {path} to {target} (delete it once looked at)", flush=True)
         self._checkpointer.forget(damaged)

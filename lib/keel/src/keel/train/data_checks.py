@@ -104,16 +104,19 @@ def record_run_tokenizer(config: TrainStepConfig) -> None:
     storage.write_json(storage.join(config.output_path, RUN_DATA_FILE), {"tokenizer": identities[0] if identities else None})
 
 
+def _described(identity: dict) -> str:
+    return f"vocabulary {identity['vocabulary']}, bos id {identity['bos_id']}, eos id {identity['eos_id']}"
+
+
 def check_same_tokenizer_as_run(where: str, stats: dict, run_output: str) -> None:
     """Raise a ValueError where a cache (its tokenize.json `stats`) gives ids other meanings than the
     run trained on (its `data.json`); nothing to compare where either does not say."""
     recorded = storage.read_json(storage.join(run_output, RUN_DATA_FILE)) or {}
     mine, theirs = stats.get("tokenizer"), recorded.get("tokenizer")
     if mine and theirs and mine != theirs:
-        raise ValueError(f"{where} was tokenized differently from the training data of run {run_output} (vocabulary "
-                         f"{mine['vocabulary']}, bos id {mine['bos_id']}, eos id {mine['eos_id']} against vocabulary "
-                         f"{theirs['vocabulary']}, bos id {theirs['bos_id']}, eos id {theirs['eos_id']}): its ids mean "
-                         "other text than the model learned; evaluate on caches made with the run's tokenizer")
+        raise ValueError(f"{where} was tokenized differently from the training data of run {run_output} "
+                         f"({_described(mine)} against {_described(theirs)}): its ids mean other text than the model "
+                         "learned; evaluate on caches made with the run's tokenizer")
 
 
 def check_one_tokenizer(stats: dict[str, tuple[str, dict]]) -> None:
@@ -122,8 +125,7 @@ def check_one_tokenizer(stats: dict[str, tuple[str, dict]]) -> None:
     say (made before keel recorded it, or by another tool) is not compared."""
     identities = {name: found["tokenizer"] for name, (_, found) in stats.items() if found.get("tokenizer")}
     if len({tuple(sorted(i.items())) for i in identities.values()}) > 1:
-        described = "; ".join(f"{name!r} ({stats[name][0]}): vocabulary {i['vocabulary']}, bos id {i['bos_id']}, "
-                              f"eos id {i['eos_id']}" for name, i in identities.items())
+        described = "; ".join(f"{name!r} ({stats[name][0]}): {_described(i)}" for name, i in identities.items())
         raise ValueError(f"the run's token caches were tokenized differently ({described}), so one id means different "
                          "text in each: tokenize every component with one tokenizer and the same add_bos/add_eos "
                          "and special tokens")

@@ -215,7 +215,8 @@ function renderSheets(state) {
     const m = sheet.measured;
     const measured = m && `measured ${m.step_seconds.toFixed(3)} s/step (mean of the latest transport's training steps); ${m.steps_done}/${m.num_steps} steps`;
     const line = !m ? "no measured step time yet" : m.finished ? `${measured}; finished ${m.projected_end}`
-      : m.projected_end ? `${measured}, ${seconds(m.remaining_s)} to go at that speed (evaluations, checkpoints and restarts not counted; the sheet below projects the declared facts): projected end ${m.projected_end}`
+      : m.projected_end ? `${measured}, ${seconds(m.remaining_s)} to go at that speed (evaluations, checkpoints and ` +
+        `restarts not counted; the sheet below projects the declared facts): projected end ${m.projected_end}`
       : `${measured}; not running (${m.state}): no end projected until it runs again`;
     return html("div", { class: "sheet", "data-step": sheet.step }, html("h3", {}, sheet.step), html("p", { class: "measured" }, line), html("pre", {}, sheet.text));
   });
