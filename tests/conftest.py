@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-import waiting_worker
-
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -51,30 +49,24 @@ def pytest_sessionfinish(session):
 FIRST = "test_tutorial_scaling_ladder.py"  # the suite's most parallel file: its rungs train at once (1.4 cores)
 
 
-def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto`: a worker per core and one for the files that mostly wait (tests/waiting_worker.py)."""
-    return waiting_worker.auto_workers()
-
-
-def pytest_xdist_make_scheduler(config, log):
-    """`loadfile`, with the waiting files on a worker of their own (tests/waiting_worker.py)."""
-    return waiting_worker.WaitingWorkerScheduling(config, log)
-
-
 def pytest_collection_modifyitems(items):
-    """The scaling ladder first, then the files that mostly wait, then the other slow files; the
-    short ones fill the end. pytest-xdist hands each worker whole files (`--dist=loadfile`), by
-    default those with the most tests first, so the end-to-end trainings, a few tests per file,
+    """The scaling ladder first, the files that mostly wait beside it, then the other slow files;
+    the short ones fill the end. pytest-xdist hands each worker whole files (`--dist=loadfile`),
+    by default those with the most tests first, so the end-to-end trainings, a few tests per file,
     came last: a 15.7-minute run ended on the scaling ladder's 2 minutes alone on one worker. Slow
     files first (`--no-loadscope-reorder` keeps this order) leave the short ones to fill the end.
-    The waiting files go to a worker of their own (`waiting_worker`), in this order; without one
-    (`-n` as many as the cores) they run beside the ladder, whose rungs keep both cores busy."""
+    Files marked `waits` (2-17 CPU seconds in 6-52 s) then ran at the start beside an Iris cluster
+    starting, and at the end beside each other: a core sat idle for 36 s of a 12.5-minute run
+    (/proc/stat, 13 s of it in each place). Started beside the ladder, one worker waits while the
+    other trains on both cores (the ladder at 1.5 cores instead of 1.4): idle 23-24 s, almost none
+    of it in the first minute; the suite 12m17s against 12m39s the hour before."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    waiting_files = {item.path for item in items if item.get_closest_marker("waits")}
 
     def rank(item) -> int:
         if item.path.name == FIRST:
             return 0
-        return 1 if waiting_worker.is_waiting(item.path.name) else 2 if item.path in slow_files else 3
+        return 1 if item.path in waiting_files else 2 if item.path in slow_files else 3
 
     items.sort(key=rank)  # stable: each file's tests stay together, in order
 

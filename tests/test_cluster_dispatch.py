@@ -22,7 +22,7 @@ from keel.executor.plan import Graph, plan_graph
 from keel.executor.run import run_steps
 from keel.executor.status import keel_path, read_status
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.waits]  # on the cluster starting and its jobs' polls
 
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER_GRAPH = str(REPO / "tests/fixtures/cluster_graph.py")

@@ -20,6 +20,8 @@ from test_bad_inputs import HEADER  # an experiment file's imports, its config C
 REPO = Path(__file__).resolve().parent.parent
 COUNTING = str(REPO / "tests/fixtures/counting_graph.py")
 
+pytestmark = pytest.mark.waits  # on launchers sleeping in their steps, and leases
+
 
 def launch(tmp_path, branch, sleep, **extra):
     env = {**os.environ, "KEEL_TEST_COUNTER": str(tmp_path / "count"), "KEEL_TEST_BRANCH": branch,

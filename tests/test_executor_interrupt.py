@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from keel.cli import load_experiment
 from keel.executor import lease as leases
 from keel.executor.plan import Graph, plan_graph
@@ -18,6 +20,8 @@ from keel.executor.status import read_status
 
 REPO = Path(__file__).resolve().parent.parent
 GRAPH = str(REPO / "tests/fixtures/interruptible_graph.py")
+
+pytestmark = pytest.mark.waits  # on steps ticking to their end, and signals
 
 
 def _launch(prefix, command="run", **env):

@@ -15,6 +15,8 @@ from keel.executor import lease as leases
 from keel.executor.status import read_status
 from test_executor_concurrency import wait_until
 
+pytestmark = pytest.mark.waits  # on launchers sleeping in their steps, and leases
+
 LAUNCHER = '''
 import os, sys, time
 from dataclasses import dataclass

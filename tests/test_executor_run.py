@@ -196,6 +196,7 @@ def _interrupt_then_free(config: WriteConfig) -> None:
 HELD: list = []
 
 
+@pytest.mark.waits  # on a launcher's lease polls
 def test_a_step_whose_lease_frees_after_ctrl_c_does_not_start(tmp_path):
     from keel.executor import lease as leases
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.waits  # on stalled steps timing out, and retries
+
 EXPERIMENT = '''
 import json
 import os
