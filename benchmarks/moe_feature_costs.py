@@ -89,7 +89,7 @@ def measure(model: MoELMConfig, steps: int) -> Cost:
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory() as out, jax.set_mesh(mesh):
         run = _Run(config, inputs, out)
-        pending = run._step_fns[(phase, run.layout)]
+        pending = run._step_fns[run._program_key(phase, run.layout)]
         step = pending.get()
         sharding = batch_sharding(mesh, BATCH_AXES)
         batch = {"input_ids": jax.device_put(rng.integers(0, model.vocab_size, (BATCH, SEQ), dtype=np.int32), sharding),
