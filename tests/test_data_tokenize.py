@@ -424,3 +424,45 @@ def test_the_decoded_counts_are_the_table_counts_without_replacement_characters(
         ids = np.array(table.tokenizer.encode(text, add_special_tokens=False).ids[: 50 * 32]).reshape(50, 32)
         runs = (np.diff(segments, axis=1) != 0).sum(axis=1) + 1  # characters cut by rows and documents:
         assert (np.abs(decoding(ids, segments) - table(ids, segments)) <= 3 * (runs + 1)).all()  # a few bytes
+
+
+def _byte_fallback_tokenizer():
+    """A Llama-style tokenizer, built by hand: SentencePiece's `▁` for spaces, a few letters and
+    merges, and byte fallback, so every other character is one `<0xNN>` token per UTF-8 byte."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in [*"▁abcdefghijklmnopqrstuvwxyz,.é", "▁a", "ab"]:
+        vocab[piece] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[("▁", "a"), ("a", "b")], byte_fallback=True, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return tokenizer
+
+
+def test_decoded_counts_of_a_byte_fallback_tokenizer_are_the_predicted_tokens_bytes():
+    """Rows that cut characters made of byte tokens, at either end, count the bytes their predicted
+    tokens hold: each byte token one, each piece its UTF-8 (`▁` a space), special tokens none."""
+    from keel.data.tokenizer import SequenceBytes
+
+    tokenizer = _byte_fallback_tokenizer()
+    rng = np.random.default_rng(0)
+    alphabet = [*"abcdefghij klmnop qrstuv wxyz ,.\n", "é", "ü", "€", "中", "文", "😀", "ß", "ñ"]
+    texts = ["".join(rng.choice(alphabet, size=rng.integers(50, 400))) for _ in range(100)]
+    eos = tokenizer.token_to_id("</s>")
+    ids = np.concatenate([[*e.ids, eos] for e in tokenizer.encode_batch(texts, add_special_tokens=False)])
+    ids = ids[: len(ids) // 64 * 64].reshape(-1, 64)
+    segments = np.sort(rng.integers(0, 3, size=ids.shape), axis=1)  # up to three documents a row
+
+    def held(token_id: int) -> int:
+        piece = tokenizer.id_to_token(token_id)
+        if piece in ("<unk>", "<s>", "</s>"):
+            return 0
+        return 1 if piece.startswith("<0x") else len(piece.replace("▁", " ").encode())
+
+    truth = np.where(_predicted(segments), np.vectorize(held)(ids), 0).sum(axis=1)
+    counts = SequenceBytes(tokenizer)(ids, segments)
+    assert SequenceBytes(tokenizer).decodes
+    assert np.mean(counts == truth) > 0.95 and np.abs(counts - truth).max() <= 1, np.flatnonzero(counts != truth)

@@ -18,8 +18,8 @@ a thread reads and decompresses shards, parsing documents as batches take them; 
 core encodes batches of `batch_documents` with `tokenizers`' `encode_batch_fast` (the same ids as
 `encode_batch`, without character offsets; its Rust core releases the GIL), up to two batches per
 thread ahead of the one being packed; the calling thread packs, counts each sequence's predicted
-bytes from a per-token table (`SequenceBytes`, without decoding) and hands
-sequences to one thread that opens both caches at the start and writes them in split order, so the
+bytes (`SequenceBytes`: from a per-token table for byte-level tokenizers, by batch decoding for
+others) and hands sequences to one thread that opens both caches at the start and writes them in split order, so the
 train split's last write and ledger overlap the validation split's encoding.
 
 Each batch encodes on one thread, with `tokenizers`' own thread pool off (`serial_tokenizer`):

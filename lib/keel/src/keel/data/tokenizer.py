@@ -183,12 +183,15 @@ class SequenceBytes:
     Where the tokenizer has a byte table (a ByteLevel decoder, every added token special), each
     predicted token counts its own bytes, so a character cut between tokens or by a row's end counts
     each of its bytes once, in the token that holds it. Any other tokenizer is decoded: each run of
-    predicted tokens is stepped through `tokenizers`' `DecodeStream` after the token before it (the
-    context a decoder may need, such as a word's leading space), which emits text only once its
-    characters are whole. A byte left of a character that the row's start cuts is emitted as
-    U+FFFD, counted as the one byte it stands for (a U+FFFD of the text itself is undercounted so);
-    a character that the row's end cuts is not counted, one that the context token starts is,
-    whole: a few bytes a row."""
+    predicted tokens counts the text it adds to the token before it (the context a decoder may need,
+    such as a word's leading space), the decoding of both less that of the context token alone. A
+    decoder emits U+FFFD for bytes that make no whole character (a character that the row's start
+    or end cuts); each counts as one byte, the one it stands for, which is exact where each byte
+    decodes to its own U+FFFD (SentencePiece's byte fallback: on a Llama-style tokenizer 99% of rows
+    are exact, the rest one byte off) and a byte short per cut character where one U+FFFD stands
+    for several. A U+FFFD of the text itself is undercounted so. A whole array of rows is two
+    `decode_batch` calls, in `tokenizers`' Rust: 5.7M tokens/s, where stepping a `DecodeStream`
+    through each token from Python ran at 1.2M (exact on 36% of those rows, up to 4 bytes off)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -208,24 +211,26 @@ class SequenceBytes:
         return np.where(predicted, self._lengths[np.asarray(input_ids)], 0).sum(axis=1)
 
     def decoded(self, input_ids, predicted) -> np.ndarray:
-        """The counts by decoding, one row at a time on this thread (`decode_batch` would wait
-        behind the encoding batches in `tokenizers`' shared thread pool)."""
-        return np.array([self._decoded_row(ids, mask) for ids, mask in zip(np.asarray(input_ids).tolist(), predicted)],
-                        dtype=np.int64)
+        """The counts by decoding each run of predicted tokens with its context token."""
+        rows = np.asarray(input_ids).tolist()
+        owners, runs = [], []  # each run's row; its ids, the context token first
+        for row, (ids, mask) in enumerate(zip(rows, np.asarray(predicted))):
+            edges = np.flatnonzero(np.diff(mask, prepend=False, append=False)).tolist()
+            for start, end in zip(edges[::2], edges[1::2]):  # predicted[start:end]; start >= 1
+                owners.append(row)
+                runs.append(ids[start - 1 : end])
+        counts = np.zeros(len(rows), dtype=np.int64)
+        if runs:
+            with_context = self.tokenizer.decode_batch(runs, skip_special_tokens=True)
+            context = self.tokenizer.decode_batch([run[:1] for run in runs], skip_special_tokens=True)
+            added = [_decoded_bytes(text) - _decoded_bytes(before) for text, before in zip(with_context, context)]
+            np.add.at(counts, owners, added)
+        return counts
 
-    def _decoded_row(self, ids: list[int], predicted) -> int:
-        """One row's count: a fresh stream per run of predicted tokens, since each run (the row's
-        first document, each next one) follows a token that is read, not predicted."""
-        count, stream = 0, None
-        for j, token_id in enumerate(ids):
-            if not predicted[j]:
-                stream = None
-                continue
-            if stream is None:  # a run starts: its context is the token before (j >= 1 where predicted)
-                stream = decoders.DecodeStream([ids[j - 1]], skip_special_tokens=True)
-            text = stream.step(self.tokenizer, token_id)
-            count += len(text.encode("utf-8")) - 2 * text.count(REPLACEMENT) if text else 0
-        return count
+
+def _decoded_bytes(text: str) -> int:
+    """UTF-8 bytes of decoded `text`, a U+FFFD counted as the one byte it stands for."""
+    return len(text.encode("utf-8")) - 2 * text.count(REPLACEMENT)
 
 
 def _token_bytes(tokenizer) -> list[bytes] | None:
