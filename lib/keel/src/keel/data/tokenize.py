@@ -19,8 +19,8 @@ core encodes batches of `batch_documents` with `tokenizers`' `encode_batch_fast`
 `encode_batch`, without character offsets; its Rust core releases the GIL), up to two batches per
 thread ahead of the one being packed; the calling thread packs, counts each sequence's predicted
 bytes (`SequenceBytes`: from a per-token table for byte-level tokenizers, by batch decoding for
-others) and hands sequences to one thread that opens both caches at the start and writes them in split order, so the
-train split's last write and ledger overlap the validation split's encoding.
+others) and hands sequences to one thread that opens both caches at the start and writes them in
+split order, so the train split's last write and ledger overlap the validation split's encoding.
 
 Each batch encodes on one thread, with `tokenizers`' own thread pool off (`serial_tokenizer`):
 called from one thread, `encode_batch_fast` spreads a batch over every core with rayon, while the

@@ -184,14 +184,16 @@ class SequenceBytes:
     predicted token counts its own bytes, so a character cut between tokens or by a row's end counts
     each of its bytes once, in the token that holds it. Any other tokenizer is decoded: each run of
     predicted tokens counts the text it adds to the token before it (the context a decoder may need,
-    such as a word's leading space), the decoding of both less that of the context token alone. A
-    decoder emits U+FFFD for bytes that make no whole character (a character that the row's start
-    or end cuts); each counts as one byte, the one it stands for, which is exact where each byte
-    decodes to its own U+FFFD (SentencePiece's byte fallback: on a Llama-style tokenizer 99% of rows
-    are exact, the rest one byte off) and a byte short per cut character where one U+FFFD stands
-    for several. A U+FFFD of the text itself is undercounted so. A whole array of rows is two
-    `decode_batch` calls, in `tokenizers`' Rust: 5.7M tokens/s, where stepping a `DecodeStream`
-    through each token from Python ran at 1.2M (exact on 36% of those rows, up to 4 bytes off)."""
+    such as a word's leading space), the decoding of both less that of the context token alone (so
+    a run after a document's bos leaves out the space SentencePiece puts before its first word,
+    which the text lacks). A decoder emits U+FFFD for bytes that make no whole character, a
+    character cut by the row's start or end; each counts as one byte, the one it stands for. That
+    is exact where every byte is a token (SentencePiece's byte fallback: rows packed as the step
+    packs them count exactly their predicted tokens' bytes) and up to two bytes off per cut
+    character where a token holds several of its bytes. A U+FFFD of the text itself is
+    undercounted so. A whole array of rows is two `decode_batch` calls, in `tokenizers`' Rust: 5.7M
+    tokens/s, where stepping a `DecodeStream` through each token from Python ran at 1.2M (and
+    counted up to 4 bytes off on byte-fallback rows that cut characters)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
