@@ -138,8 +138,10 @@ def test_transport_switch_checkpoints_at_the_switch_and_keeps_the_loss_continuou
 
 
 def test_a_phase_returning_to_an_earlier_transport_runs_the_program_compiled_for_it(tmp_path, monkeypatch):
-    """fixed, ring, fixed again: two step programs and two evaluations, each compiled once (a phase
-    that differed only in its start step compiled the same program a second time)."""
+    """fixed, ring, fixed again, then fixed at another capacity: three step programs and three
+    evaluations, each compiled once (a phase that differed only in its start step compiled the same
+    program a second time), and the last compiled ahead while the one returned to runs (it was
+    compiled at its step, as only a program's first use looked ahead)."""
     from train_standin import loop_inputs
 
     from keel.train import compile_ahead
@@ -149,20 +151,24 @@ def test_a_phase_returning_to_an_earlier_transport_runs_the_program_compiled_for
     for name in ("ahead", "now"):
         original = getattr(compile_ahead.Compiler, name)
 
-        def counted(self, what, *args, _original=original):
-            compiled.append(what)
+        def counted(self, what, *args, _original=original, _name=name):
+            compiled.append((what, _name))
             return _original(self, what, *args)
 
         monkeypatch.setattr(compile_ahead.Compiler, name, counted)
-    transports = (TransportPhase(0, "fixed_all_to_all"), TransportPhase(2, "ring"), TransportPhase(4, "fixed_all_to_all"))
-    config = TrainConfig(num_steps=6, optimizer=AdamWConfig(lr=1e-2), transports=transports, compute_dtype="float32",
+    transports = (TransportPhase(0, "fixed_all_to_all"), TransportPhase(2, "ring"),
+                  TransportPhase(4, "fixed_all_to_all"), TransportPhase(6, "fixed_all_to_all", capacity_factor=2.0))
+    config = TrainConfig(num_steps=8, optimizer=AdamWConfig(lr=1e-2), transports=transports, compute_dtype="float32",
                          **{**BASE, "eval_every": 2})
     out = str(tmp_path / "tiny_back-0123abcd89")
     train(config, loop_inputs(config, use_wandb=False), out)
-    assert sorted(compiled) == sorted(["the fixed_all_to_all training step", "the fixed_all_to_all evaluation",
-                                       "the ring training step", "the ring evaluation"]), compiled
+    programs = ["the fixed_all_to_all training step", "the fixed_all_to_all evaluation", "the ring training step",
+                "the ring evaluation"]
+    assert sorted(what for what, _ in compiled) == sorted(programs + programs[:2]), compiled  # fixed at capacity 4 and 2
+    assert compiled[-2:] == [("the fixed_all_to_all training step", "ahead"),
+                             ("the fixed_all_to_all evaluation", "ahead")]
     records = [r for r in read_metrics(os.path.join(out, METRICS_FILE)) if "train/loss" in r]
-    assert [r["transport"] for r in records] == ["fixed_all_to_all"] * 2 + ["ring"] * 2 + ["fixed_all_to_all"] * 2
+    assert [r["transport"] for r in records] == ["fixed_all_to_all"] * 2 + ["ring"] * 2 + ["fixed_all_to_all"] * 4
 
 
 def test_router_bias_of_step_t_plus_1_comes_from_step_t_and_survives_checkpoints(switch_run):

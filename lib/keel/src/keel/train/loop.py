@@ -350,7 +350,7 @@ class _Run:
                                 layout=self.layout, event=self.progress.event, write_row=self._log,
                                 writer=jax.process_index() == 0, restarts=tuple(self.inputs.phase_starts))
         batches = self.guard.batches(loader, start)  # (batch index, batch): a batch the guard skipped is passed over
-        step = start
+        step, previous_fn = start, None
         while step < config.num_steps:
             phase = self._enter(step, previous)
             previous = phase
@@ -366,10 +366,11 @@ class _Run:
                 self.state_arrays, metrics, rollback = self.guard.step(
                     step, index, self.state_arrays, lambda arrays: step_fn.get()(arrays, batch, rates), self.layout)
             waited = self._compiled(step_fn, f"step {step}", by_step=True) if first_use else None
-            if first_use:
+            if step_fn is not previous_fn:  # a program compiled, or one returned to: the next one's turn
                 self._compile_ahead(self._next_change(step))
-                if self.wandb is not None:
-                    self.wandb.open()
+                previous_fn = step_fn
+            if first_use and self.wandb is not None:
+                self.wandb.open()
             if rollback is not None:  # back to the snapshot: read the batches again from there
                 batches.close()
                 batches = self.guard.batches(loader, rollback.to_step)
@@ -529,12 +530,14 @@ class _Run:
             self._eval_fns[key] = self.compiler.ahead(*self._eval_job(phase, layout))
 
     def _next_change(self, step: int) -> int | None:
-        """The first step after `step` whose transport or state layout differs from `step`'s."""
+        """The first step after `step` that runs another program (transport or state layout) than `step`'s."""
         offload_switch = self.config.host_offload.master_weights_until_step
         candidates = [p.start_step for p in self.config.transports] + ([offload_switch] if offload_switch else [])
-        later = sorted(c for c in candidates if c > step)
-        return next((c for c in later if (self.transport_at(c), offload.layout_at(self.config.host_offload, c))
-                     != (self.transport_at(step), offload.layout_at(self.config.host_offload, step))), None)
+
+        def program(s: int):
+            return self._program_key(self.transport_at(s), offload.layout_at(self.config.host_offload, s))
+
+        return next((c for c in sorted(c for c in candidates if c > step) if program(c) != program(step)), None)
 
     def _batch_shapes(self):
         return batch_shapes(batch_size=self.config.batch_size, seq_len=self.config.seq_len, mesh=self.inputs.mesh,
