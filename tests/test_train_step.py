@@ -7,7 +7,7 @@ import pytest
 
 from defaults import default_train
 from defaults.models import tiny_moe
-from keel import External
+from keel import External, this_output
 from keel.spec import AdamWConfig, Mixture, MixturePhase, RackTopology, TopologyError, TrainConfig, TransportPhase
 from keel.executor.identity import Identities
 from keel.spec.resolved import resolve
@@ -174,3 +174,31 @@ def test_set_decodes_nested_configs_by_their_declared_types():
         "train/t.model.routing=sigmoid_topk_threshold", "train/t.train.permanent_checkpoint_every=None"])
     assert changed.config.train.transports == (TransportPhase(0, "fixed_all_to_all"), TransportPhase(5, "ring"))
     assert changed.config.train.permanent_checkpoint_every is None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Point:
+    n: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Points:
+    points: list[_Point]
+    single: _Point
+    output_path: str = this_output()
+
+
+def _points(config: _Points) -> None:
+    pass
+
+
+def test_set_decodes_a_list_of_configs_and_refuses_a_plain_value_for_a_config():
+    """A list of configs is a mapping each, not a config given one plain value (which is refused)."""
+    from keel import Step
+    from keel.executor.overrides import OverrideError, apply_overrides
+
+    step = Step("p/points", _points, _Points(points=[_Point(1)], single=_Point(1)))
+    (changed,) = apply_overrides([step], [step], ["p/points.points=[{n: 2}, {n: 3}]"])
+    assert changed.config.points == [_Point(2), _Point(3)]
+    with pytest.raises(OverrideError, match=r"single is a config \(_Point\), not one value"):
+        apply_overrides([step], [step], ["p/points.single=4"])

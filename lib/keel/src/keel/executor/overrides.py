@@ -51,10 +51,16 @@ def _tuple_as_list(text: str) -> str:
     return f"[{stripped[1:-1]}]" if stripped.startswith("(") and stripped.endswith(")") else text
 
 
+def _members(declared: Any) -> list:
+    """The types a field may hold: a union's members but None (`int | None`: [int]), else itself."""
+    if typing.get_origin(declared) in (typing.Union, types.UnionType):
+        return [a for a in typing.get_args(declared) if a is not type(None)]
+    return [declared]
+
+
 def _is_texts(declared: Any) -> bool:
     """A tuple or list of strings (`tuple[str, ...]`, `list[str] | None`)."""
-    inner = [a for a in typing.get_args(declared) if a is not type(None)] if typing.get_origin(declared) in (
-        typing.Union, types.UnionType) else [declared]
+    inner = _members(declared)
     return len(inner) == 1 and typing.get_origin(inner[0]) in (tuple, list) and set(typing.get_args(inner[0])) <= {str, ...}
 
 
@@ -99,7 +105,7 @@ def _parse_value(obj: Any, name: str, text: str, key: str) -> Any:
         raise OverrideError(f"--set {key}: YAML reads {text!r} as the boolean {str(raw).lower()}, but {name} is declared "
                             f"{_shown(declared)}, which would take it as {int(raw)}: write the {_shown(declared)} you mean, "
                             f"e.g. {key.partition('=')[0]}={int(raw)}")
-    kinds = [t for t in (typing.get_args(declared) or (declared,)) if t is not type(None)]
+    kinds = _members(declared)
     configs = [t for t in kinds if dataclasses.is_dataclass(t)]
     if configs and len(configs) == len(kinds) and not isinstance(raw, dict):
         field = key.partition("=")[0]
