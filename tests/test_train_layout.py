@@ -75,7 +75,7 @@ def test_the_live_layout_of_a_tutorial_and_the_twin_is_keel_plan_json_leaf_by_le
     assert by_path["opt_state/layers.stacked.attn.q/0"]["spec"] == by_path["model/layers.stacked.attn.q"]["spec"]
     assert by_path["model/embedding"]["spec"] == [None, None], "the token embedding replicated (a lookup gathers it)"
     for moment in ("opt_state/embedding/0", "opt_state/embedding/1"):
-        assert by_path[moment]["spec"] == [None, ["data", "expert"]], "its Adam moments FSDP, as all optimizer state"
+        assert by_path[moment]["spec"] == [None, ["data", "expert"]], "its Adam moments FSDP over data and expert"
     total = sum(leaf["bytes_per_device"] * _shards(leaf["spec"]) for leaf in live)
     assert sum(leaf["bytes_per_device"] for leaf in live) < total / 2, "no device holds the whole state"
 

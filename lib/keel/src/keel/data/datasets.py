@@ -80,10 +80,10 @@ def load_token_cache(cache_root: str, split: str, *, seq_len: int) -> AsyncDatas
         raise FileNotFoundError(f"token cache {path} is not finished (its {LEDGER_FILE} is missing or says so): "
                                 "rerun the step that writes it")
     if ledger.get("layout", CONSOLIDATED) == CONSOLIDATED:
-        missing = [field for field in _exemplar() if not storage.exists(storage.join(path, field))]
+        missing = [field for field in FIELDS if not storage.exists(storage.join(path, field))]
         if missing:  # e.g. a Levanter LM cache, input_ids only: unpacked, no document boundaries
             raise ValueError(f"token cache {path} has no {', '.join(missing)}: keel trains on packed sequences with "
-                             f"{' and '.join(_exemplar())} (documents never attend across each other); tokenize the "
+                             f"{' and '.join(FIELDS)} (documents never attend across each other); tokenize the "
                              "documents with keel (defaults.default_tokenize) to make such a cache")
         cache = StoredSequences(path)
     else:

@@ -164,14 +164,7 @@ def abandon(process: subprocess.Popen, workdir: str) -> None:
     otherwise go on writing its output beside the next launcher's attempt) and remove its folder,
     which no `collect` will read now (a launcher aborting on a second Ctrl-C); the step's temporary
     files go with it."""
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # its own session: the group is the step's processes
-    except OSError:  # the group is gone already
-        pass
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
+    _kill_group(process)
     shutil.rmtree(workdir, ignore_errors=True)
 
 
@@ -208,11 +201,15 @@ def _wait(process: subprocess.Popen, result_path: str, heartbeat: str | None, ti
 
 
 def _kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL the child's process group and reap the child (waiting at most 10 s)."""
     try:
         os.killpg(process.pid, signal.SIGKILL)  # its own session: the group is the step's processes
-    except ProcessLookupError:
+    except OSError:  # the group is gone already
         pass
-    process.wait()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _install_signal_handlers(launcher: int, workdir: str) -> None:

@@ -225,8 +225,7 @@ def _wait_until_finished(handle, beat: str | None = None, timeout_s: float | Non
             unanswered_since = unanswered_since or time.monotonic()
             if time.monotonic() - unanswered_since > UNANSWERED_S:
                 raise ClusterJobFailed(f"cluster job {handle.job_id}: the controller has not said how it is for "
-                                       f"{UNANSWERED_S:.0f}s ({type(exc).__name__}: {exc}); check the cluster, and "
-                                       "stop the job there before running the step again") from exc
+                                       f"{UNANSWERED_S:.0f}s ({type(exc).__name__}: {exc}); check the cluster") from exc
         time.sleep(interval)
         interval = min(interval * 1.5, STATE_POLL_MAX_S)
 

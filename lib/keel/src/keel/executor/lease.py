@@ -106,7 +106,7 @@ class LeaseInfo:
         session of its own, goes on writing the output. None otherwise, or where the pid now names
         another process: the step's process is `python -m keel.executor.child WORKDIR LAUNCHER_PID`,
         and its launcher is this lease's owner."""
-        if self.child is None or self.pid is None or self.host != socket.gethostname() or not _running(self.child):
+        if self.child is None or self.pid is None or self.host != socket.gethostname():
             return None
         try:
             with open(f"/proc/{self.child}/cmdline", "rb") as f:
@@ -115,7 +115,7 @@ class LeaseInfo:
             return None
         argv = [a for a in argv if a]
         ours = b"keel.executor.child" in argv and argv[-1] == str(self.pid).encode()
-        return self.child if ours else None
+        return self.child if ours else None  # a zombie's cmdline is empty: not ours
 
     def is_live(self, now: float | None = None) -> bool:
         return self.age(now) < self.timeout and not self.owner_gone()
@@ -157,6 +157,8 @@ def stop_stray_step_process(pid: int, wait_s: float = 10.0) -> bool:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         return True
+    except PermissionError:  # another user's process: not this launcher's to stop
+        return False
     deadline = time.monotonic() + wait_s
     while _running(pid) and time.monotonic() < deadline:
         time.sleep(0.05)

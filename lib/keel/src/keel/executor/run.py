@@ -344,7 +344,9 @@ class Runner:
 
     def _claim(self, plan: StepPlan) -> tuple[leases.Lease | None, Status | None]:
         """The lease on the step's output and its last status; no lease when another launcher
-        finished the step meanwhile, and neither when the run was interrupted while waiting for it."""
+        finished the step meanwhile, and neither when the run was interrupted while waiting for it.
+        Taking over an expired lease kills the step process it still runs on this host (its launcher
+        stopped or stuck), so that one process writes the output; one that will not die fails the step."""
         forced = bool(self.force and self.force.search(plan.name))
         out_of_date = plan.status.finished if plan.remade_inputs else None  # only a newer output is finished
         delay, told = 0.02, None
@@ -365,7 +367,8 @@ class Runner:
                             lease.release()
                             raise StepFailed(plan.name, plan.output_path,
                                              f"the step's process of the launcher whose lease expired (pid {stray}) "
-                                             "still runs and did not die when killed: stop it, then run again", None)
+                                             "still runs and did not die when killed: stop it, then run again",
+                                             _log_or_none(plan.output_path))
                         self.echo(f"[keel] take  {plan.name}: its step's process (pid {stray}) still ran, its launcher "
                                   "silent: killed it, so that one process writes the output")
                 return lease, status
@@ -691,8 +694,8 @@ def _heartbeat_file(output_path: str) -> str:
         beat = storage.split(keel_path(output_path, heartbeat.FILE))[1]
         os.makedirs(os.path.dirname(beat), exist_ok=True)
         return beat
-    where = hashlib.sha256(output_path.encode()).hexdigest()[:12]  # the folder's hash does not depend on the prefix
-    return os.path.join(tempfile.gettempdir(), f"keel-heartbeat-{output_path.rsplit('/', 1)[-1]}-{where}")
+    name = f"keel-heartbeat-{output_path.rsplit('/', 1)[-1]}-{_whole_path_digest(output_path)}"
+    return os.path.join(tempfile.gettempdir(), name)
 
 
 def cluster_job_name(name: str, output_path: str, attempt: int) -> str:
@@ -700,8 +703,13 @@ def cluster_job_name(name: str, output_path: str, attempt: int) -> str:
     by the output it writes, prefix included: fray adopts a running job of the same name, so the same
     step run under two prefixes at once must never share one (the hash in an output's folder name
     does not depend on the prefix)."""
-    where = hashlib.sha256(output_path.encode()).hexdigest()[:12]
-    return re.sub(r"[^a-zA-Z0-9_.-]", "-", f"{name}-{where}-attempt{attempt}")
+    return re.sub(r"[^a-zA-Z0-9_.-]", "-", f"{name}-{_whole_path_digest(output_path)}-attempt{attempt}")
+
+
+def _whole_path_digest(output_path: str) -> str:
+    """A short digest of the whole output path, prefix included (the hash in the folder's name is
+    the config's, the same under every prefix)."""
+    return hashlib.sha256(output_path.encode()).hexdigest()[:12]
 
 
 def _process_env(resolved, processes: int) -> dict[str, str]:

@@ -290,6 +290,7 @@ def step_time(run: ResolvedRun, sheet: dict) -> dict | None:
     for row in rows:
         seen = [o for o in (config.facts.observed if own else ()) if row["from_step"] <= o.step <= row["to_step"]]
         row["observed_seconds"] = seen[0].step_seconds if seen else None
+        row["observed_step"] = seen[0].step if seen else None  # the observation, for its other figures (MFU)
     seconds = seconds_to(rows, train.num_steps)
     start = config.facts.start_date if config.facts else None
     return {

@@ -23,13 +23,10 @@ def variant_row(label: str, sheet: dict) -> dict:
     stretches = predicted.get("stretches", [])
     speeds = (sheet.get("time") or {}).get("speeds", [])  # the run's own observations, each with its MFU
 
-    def measured(stretch: dict) -> dict | None:
-        return next((o for o in speeds if stretch["from_step"] <= o["step"] <= stretch["to_step"]
-                     and o["step_seconds"] == stretch["observed_seconds"]), None)
-
-    if stretches:
-        shown = [measured(s) or s for s in stretches]
-        basis = ["observed" if measured(s) else "predicted" for s in stretches]
+    if stretches:  # each stretch's own observation (the one the model's row was checked against), else the model
+        measured = [next((o for o in speeds if o["step"] == s.get("observed_step")), None) for s in stretches]
+        shown = [m or s for m, s in zip(measured, stretches)]
+        basis = ["observed" if m else "predicted" for m in measured]
     else:  # no model for this hardware: what the run measured, if anything
         shown, basis = speeds, ["observed"] * len(speeds)
     seconds, mfus = [s["step_seconds"] for s in shown], [s["mfu"] for s in shown]

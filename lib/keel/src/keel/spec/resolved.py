@@ -145,9 +145,10 @@ class ResolvedRun:
 
     def state_at(self, step: int) -> tuple[StateLeaf, ...]:
         """Every array of the train state while step `step` runs, as the trainer lays it out: the
-        parameters in the master dtype, each optimizer-state array placed and typed like its
-        parameter, in the memory kinds `HostOffload.memory_kinds_at(step)` gives; sorted by path (as the live
-        record is, so the two files diff line by line)."""
+        parameters in the master dtype, each optimizer-state array typed like its parameter and
+        placed by its `state_placement` (the embedding's split though its weight is whole), in the
+        memory kinds `HostOffload.memory_kinds_at(step)` gives; sorted by path (as the live record is,
+        so the two files diff line by line)."""
         if self.mesh_axes is None:
             raise ValueError("the run declares no topology, so it has no mesh to lay its state out on")
         kinds, master = self.config.train.host_offload.memory_kinds_at(step), self.config.train.master_dtype

@@ -52,8 +52,9 @@ def check_cache_vocab(where: str, stats: dict, vocab_size: int) -> None:
         )
 
 
-def check_token_caches(config: TrainStepConfig) -> None:
-    """Raise a ValueError naming both fields and the fix for a cache that does not fit the run."""
+def check_token_caches(config: TrainStepConfig) -> dict | None:
+    """Raise a ValueError naming both fields and the fix for a cache that does not fit the run; the
+    caches' shared tokenizer identity (`check_one_tokenizer`)."""
     model, train = config.model, config.train
     stats = cache_stats(config.data)
     for name, (root, found) in stats.items():
@@ -64,7 +65,7 @@ def check_token_caches(config: TrainStepConfig) -> None:
                 f"set TrainConfig.seq_len={found['seq_len']}, or tokenize again with TokenizeConfig.seq_len={train.seq_len}"
             )
         check_cache_vocab(where, found, model.vocab_size)
-    check_one_tokenizer(stats)
+    identity = check_one_tokenizer(stats)
     _warn_of_repeats(config, stats)
     roots = cache_components(config.data)
     if train.eval_batches > 0 and roots and not any(
@@ -80,6 +81,7 @@ def check_token_caches(config: TrainStepConfig) -> None:
         )
     if train.eval_batches > 0:
         check_held_out_documents(stats, trained=drawn_components(config.data))
+    return identity
 
 
 RUN_DATA_FILE = "data.json"
@@ -97,11 +99,11 @@ def cache_stats(data: Mixture) -> dict[str, tuple[str, dict]]:
     return stats
 
 
-def record_run_tokenizer(config: TrainStepConfig) -> None:
-    """Write what the run's ids mean (its caches' shared tokenizer identity, None where no cache
-    says) to its output's `data.json`, for the evaluations of its checkpoints to check against."""
-    identities = [found["tokenizer"] for _, found in cache_stats(config.data).values() if found.get("tokenizer")]
-    storage.write_json(storage.join(config.output_path, RUN_DATA_FILE), {"tokenizer": identities[0] if identities else None})
+def record_run_tokenizer(output_path: str, identity: dict | None) -> None:
+    """Write what the run's ids mean (its caches' shared tokenizer identity, `check_token_caches`;
+    None where no cache says) to its output's `data.json`, for its checkpoints' evaluations to check
+    against."""
+    storage.write_json(storage.join(output_path, RUN_DATA_FILE), {"tokenizer": identity})
 
 
 def _described(identity: dict) -> str:
@@ -119,16 +121,18 @@ def check_same_tokenizer_as_run(where: str, stats: dict, run_output: str) -> Non
                          "learned; evaluate on caches made with the run's tokenizer")
 
 
-def check_one_tokenizer(stats: dict[str, tuple[str, dict]]) -> None:
+def check_one_tokenizer(stats: dict[str, tuple[str, dict]]) -> dict | None:
     """Raise a ValueError where the caches (`stats`: {component: (root, its tokenize.json)}) give
-    ids different meanings: another vocabulary, or other bos/eos ids added. A cache that does not
-    say (made before keel recorded it, or by another tool) is not compared."""
+    ids different meanings: another vocabulary, or other bos/eos ids added; else their one identity
+    (None where none says). A cache that does not say (made before keel recorded it, or by another
+    tool) is not compared."""
     identities = {name: found["tokenizer"] for name, (_, found) in stats.items() if found.get("tokenizer")}
     if len({tuple(sorted(i.items())) for i in identities.values()}) > 1:
         described = "; ".join(f"{name!r} ({stats[name][0]}): {_described(i)}" for name, i in identities.items())
         raise ValueError(f"the run's token caches were tokenized differently ({described}), so one id means different "
                          "text in each: tokenize every component with one tokenizer and the same add_bos/add_eos "
                          "and special tokens")
+    return next(iter(identities.values()), None)
 
 
 def _warn_of_repeats(config: TrainStepConfig, stats: dict[str, tuple[str, dict]]) -> None:

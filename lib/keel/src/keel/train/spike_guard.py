@@ -64,8 +64,8 @@ MAD_TO_SIGMA = 1.4826
 POISON_ENV = "KEEL_POISON_BATCHES"
 FINITE_METRICS = ("train/loss", "train/grad_norm", "train/update_norm")
 """Metrics that must stay finite every step; the first NaN or infinity is a spike (fails the step
-when there is no guard). The update's norm covers the weights the step leaves: an update that is
-not finite from a finite gradient (a projection dividing by a zero norm, an overflow in the
+when there is no guard). The update's norm covers the weights the step leaves: an update whose
+norm is not finite from a finite gradient (a projection dividing by a zero norm, an overflow in the
 optimizer) would otherwise pass, and the next step's spike be blamed on an innocent batch."""
 
 
@@ -136,7 +136,8 @@ class SpikeGuard:
         self.losses = _earlier_losses(output_path, start, config) if config else []  # (step, loss) of good steps
         if config and start and not self.losses:
             event(f"spike guard: resuming at step {start} without the losses before it ({METRICS_FILE} holds none): "
-                  f"only losses that are not finite count as spikes until {config.min_history} steps are known again, "
+                  f"only a loss, gradient norm or update norm that is not finite counts as a spike until "
+                  f"{config.min_history} steps are known again, "
                   "so this run may skip other batches than an uninterrupted one")
         self.snapshot = _Snapshot(start, layout, state) if config else None
         later = sorted(b for b in self.skipped if b >= self.batch_index(start))

@@ -40,9 +40,9 @@ def train_step(config: TrainStepConfig) -> None:
     if config.train.compilation_cache:
         compile_cache.use(config.output_path)
     topology = config.topology
-    check_step_config(plan, num_devices=len(jax.devices()), platform=jax.default_backend())
+    tokenizer = check_step_config(plan, num_devices=len(jax.devices()), platform=jax.default_backend())
     if jax.process_index() == 0:
-        record_run_tokenizer(config)  # what its evaluations' caches must share
+        record_run_tokenizer(config.output_path, tokenizer)  # what its evaluations' caches must share
     mesh = build_mesh(topology)
     train_data, val_data = training_datasets(
         config.data, seq_len=config.train.seq_len, batch_size=config.train.batch_size, seed=config.train.seed
@@ -59,11 +59,11 @@ def train_step(config: TrainStepConfig) -> None:
     train(plan.config.train, inputs, config.output_path)
 
 
-def check_step_config(plan: ResolvedRun, *, num_devices: int, platform: str) -> None:
+def check_step_config(plan: ResolvedRun, *, num_devices: int, platform: str) -> dict | None:
     """What only the running process can check (the declaration itself is `resolve`'s): its platform
     against the declared hardware's, its device count against the topology, each transport against
     its platform, and the token caches it reads against the model and the run
-    (`data_checks.check_token_caches`)."""
+    (`data_checks.check_token_caches`); the caches' tokenizer identity."""
     config = plan.config
     hardware = config.hardware
     if hardware is not None and hardware.platform != platform:
@@ -73,4 +73,4 @@ def check_step_config(plan: ResolvedRun, *, num_devices: int, platform: str) -> 
     config.topology.validate(config.model, config.train.batch_size, num_devices=num_devices)
     for phase in plan.transports:
         check_transport_supported(phase.transport, platform)
-    check_token_caches(config)
+    return check_token_caches(config)

@@ -76,8 +76,7 @@ def evaluated_caches(config: EvalConfig) -> dict:
         stats = storage.read_json(storage.join(root, STATS_FILE))
         if stats is not None:  # a cache keel tokenized: its ids must all have an embedding and mean what the run learned
             check_cache_vocab(f"EvalConfig.data[{label!r}] ({root})", stats, config.model.model.vocab_size)
-            if isinstance(config.model.run, str):  # the run's output, as the step receives it
-                check_same_tokenizer_as_run(f"EvalConfig.data[{label!r}] ({root})", stats, config.model.run)
+            check_same_tokenizer_as_run(f"EvalConfig.data[{label!r}] ({root})", stats, config.model.run)
         dataset = load_token_cache(root, config.split, seq_len=config.model.train.seq_len)
         if len(dataset):
             datasets[label] = dataset
