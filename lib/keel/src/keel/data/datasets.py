@@ -30,7 +30,8 @@ FORMAT = "keel.token_cache/v2"
 OPEN_THREADS = 8  # caches opened at once (`_each_component`)
 
 
-def _exemplar():
+def exemplar() -> dict:
+    """One empty record of a keel token cache: the tree Levanter's writers and readers are given."""
     return {field: np.zeros((0,), dtype=np.int32) for field in FIELDS}
 
 
@@ -50,7 +51,7 @@ class StoredSequences(AsyncDataset[dict]):
     def __init__(self, path: str):
         super().__init__()
         self.path = path
-        self.store = TreeStore.open(_exemplar(), path, mode="r", cache_metadata=True)
+        self.store = TreeStore.open(exemplar(), path, mode="r", cache_metadata=True)
 
     def __len__(self) -> int:
         return len(self.store)
@@ -89,7 +90,7 @@ def load_token_cache(cache_root: str, split: str, *, seq_len: int) -> AsyncDatas
     else:
         from levanter.store.cache import TreeCache  # the builder's module: only for a cache it sharded
 
-        cache = TreeCache.load(path, _exemplar())
+        cache = TreeCache.load(path, exemplar())
     if len(cache) and len(cache[0]["input_ids"]) != seq_len:
         raise ValueError(f"token cache {cache_root}/{split} holds sequences of {len(cache[0]['input_ids'])} tokens, not {seq_len}")
     return cache

@@ -63,7 +63,7 @@ from tqdm import tqdm
 
 from keel.data.arrays import write_array
 from keel.data.cache_files import BYTES_FILE, STATS_FILE
-from keel.data.datasets import FORMAT
+from keel.data.datasets import FORMAT, exemplar
 from keel.data.documents import SPLITS, EmptyDataError, read_index, read_shard, shard_urls
 from keel.data.packing import SequencePacker
 from keel.data.summary import write_summary
@@ -78,10 +78,6 @@ _QUEUE_DEPTH = 4
 ENCODE_AHEAD = 2  # batches per encoding thread handed over ahead of the one being packed
 PARALLELISM = "TOKENIZERS_PARALLELISM"  # read by `tokenizers` at every call
 _FINISH, _END = object(), object()  # a cache writer's thread: this cache is complete; stop
-
-
-def _exemplar():
-    return {"input_ids": np.zeros((0,), dtype=np.int32), "segment_ids": np.zeros((0,), dtype=np.int32)}
 
 
 def _threaded(produce, depth: int = _QUEUE_DEPTH) -> Iterator:
@@ -140,7 +136,7 @@ class _CacheWriterThread:
 
     def _run(self, cache_dirs: list[str]) -> None:
         try:
-            for writer in [SerialCacheWriter(cache_dir, _exemplar()) for cache_dir in cache_dirs]:
+            for writer in [SerialCacheWriter(cache_dir, exemplar()) for cache_dir in cache_dirs]:
                 while (item := self._queue.get()) is not _FINISH:
                     if item is _END:
                         return  # stopped by an error: this cache gets no ledger
