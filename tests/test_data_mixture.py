@@ -1,6 +1,8 @@
 """Mixtures: declaration errors, external components, Levanter mixture datasets over phases, and the
 token-cache reader under them."""
 
+import asyncio
+import collections
 import json
 import os
 import shutil
@@ -9,6 +11,8 @@ import sys
 
 import numpy as np
 import pytest
+from levanter.data.dataset import AsyncDataset
+from levanter.data.mixture import MixtureDataset
 
 from keel import External, Step
 from keel.data import build_train_dataset, build_validation_datasets, load_token_cache
@@ -16,6 +20,30 @@ from keel.data.cache_files import CONSOLIDATED, LEDGER_FILE
 from keel.data.datasets import StoredSequences
 from keel.spec import Mixture, MixtureError, MixturePhase
 from keel.executor.plan import EXTERNAL, Graph, plan_graph
+
+
+class Draws(AsyncDataset):
+    """An endless stand-in for a mixture component whose sequence i is (its name, i): what
+    Levanter's MixtureDataset reads of each component, seen through its public `get_batch`."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    async def async_len(self) -> int:
+        raise TypeError("an endless dataset has no length")
+
+    def is_finite(self) -> bool:
+        return False
+
+    async def get_batch(self, indices):
+        return [(self.name, int(i)) for i in indices]
+
+
+def levanter_draws(mixture: Mixture, batch_size: int, first: int, count: int) -> list[tuple[str, int]]:
+    """(component, index read) of sequences first..first+count of Levanter's mixture of `mixture`."""
+    components = {name: Draws(name) for name in mixture.components}
+    levanter = MixtureDataset(components, mixture.sequence_schedule(batch_size), block_size=mixture.block_size, key=0)
+    return asyncio.run(levanter.get_batch(list(range(first, first + count))))
 
 SEQ_LEN = 8
 
@@ -211,33 +239,24 @@ def test_the_training_and_evaluation_steps_import_no_cache_builder():
 
 
 def test_the_block_counts_are_what_levanters_mixture_draws():
-    from types import SimpleNamespace
-
-    from levanter.data.mixture import MixtureDataset
-
     from keel.cli import load_experiment
 
     (twin,) = load_experiment("experiments/hero_535b.py", scale="tiny")
     rng = np.random.default_rng(0)
     names = [f"c{i}" for i in range(9)]
-    mixtures = [twin.config.data] + [
-        Mixture(dict.fromkeys(names, "/c"), (MixturePhase(0, {n: float(w) for n, w in zip(names, rng.dirichlet(np.ones(9) * 3))}),),
-                normalize=True, block_size=int(rng.integers(64, 4096)))
+    mixtures = [(twin.config.data, twin.config.train.batch_size)] + [
+        (Mixture(dict.fromkeys(names, "/c"), (MixturePhase(0, {n: float(w) for n, w in zip(names, rng.dirichlet(np.ones(9) * 3))}),),
+                 normalize=True, block_size=int(rng.integers(64, 4096))), 1)
         for _ in range(20)]
-    for mixture in mixtures:
-        for (_, weights), counts in zip(mixture.phase_weights(), mixture.block_counts(), strict=True):
-            levanter = SimpleNamespace(dataset_index=sorted(weights), datasets=dict.fromkeys(sorted(weights)))
-            drawn = MixtureDataset._compute_expected_counts_per_block(
-                levanter, MixtureDataset._normalize_weights(weights), mixture.block_size)
-            assert counts == dict(zip(sorted(weights), drawn.tolist()))
+    for mixture, batch in mixtures:
+        for (start, _), counts in zip(mixture.sequence_schedule(batch), mixture.block_counts(), strict=True):
+            drawn = collections.Counter(name for name, _ in levanter_draws(mixture, batch, start, mixture.block_size))
+            assert counts == {name: drawn[name] for name in counts}, (mixture, start)
 
 
 def test_a_phase_after_a_component_served_2_to_the_31_sequences_is_refused_where_levanter_would_wrap():
     """Levanter's MixtureDataset counts each component's sequences before a phase in int32 and starts
     the phase's reads there: at 2**31 it wraps, and the phase silently rereads trained data."""
-    from levanter.data.dataset import ListAsyncDataset
-    from levanter.data.mixture import MixtureDataset
-
     def mixture(phase_step: int) -> Mixture:
         return Mixture({"a": "gs://a", "b": "gs://b"}, (MixturePhase(0, {"a": 1.0}),
                                                         MixturePhase(phase_step, {"b": 1.0}),
@@ -249,26 +268,19 @@ def test_a_phase_after_a_component_served_2_to_the_31_sequences_is_refused_where
     with pytest.raises(MixtureError, match=r"component 'a' has served 2,147,483,648 sequences when phase 1 starts "
                                            r"\(step 1,048,576\), past the 2,147,483,648"):
         mixture(served["at"]).check_read_counts(batch)
-    levanter_counts = {}
-    for case, step in served.items():  # what Levanter's own count holds there
-        data = {name: ListAsyncDataset([np.zeros(1)]) for name in ("a", "b")}
-        levanter = MixtureDataset(data, mixture(step).sequence_schedule(batch), block_size=2048, key=0)
-        levanter_counts[case] = int(levanter._counts_after_stage[0][0])
-    assert levanter_counts == {"below": 2**31 - 2048, "at": -(2**31)}, levanter_counts
+    first_read = {}  # of "a" in phase 2, as Levanter's mixture reads it
+    for case, step in served.items():
+        drawn = levanter_draws(mixture(step), batch, (step + 4) * batch, batch)
+        first_read[case] = min(index for name, index in drawn if name == "a")
+    assert first_read == {"below": 2**31 - 2048, "at": -(2**31)}, first_read
 
 
 def test_within_a_phase_the_batch_reads_go_past_2_to_the_31_without_wrapping():
     """Why only phase starts are bounded: the offset of a block inside a phase is its block id (an
     int64 in `get_batch`, which the loader reads through) times the per-block count, int64 too."""
-    from levanter.data.dataset import ListAsyncDataset
-    from levanter.data.mixture import MixtureDataset
-
     half = Mixture.constant({"a": "gs://a", "b": "gs://b"}, {"a": 0.5, "b": 0.5}, block_size=2048)
-    data = {name: ListAsyncDataset([np.zeros(1)]) for name in ("a", "b")}
-    levanter = MixtureDataset(data, half.sequence_schedule(1024), block_size=2048, key=0)
-    block_ids = np.array([2**21 * 2048 // 2048])  # as get_batch makes them
-    _, index = levanter._index_into_dataset_for_id(0, block_ids[0])  # "a"'s first draw of block 2**21
-    assert index == 2**21 * 1024, "2**31 sequences into the phase, counted on"
+    drawn = levanter_draws(half, 1024, 2**21 * 2048, 2048)  # block 2**21 of the one phase
+    assert min(index for name, index in drawn if name == "a") == 2**21 * 1024, "2**31 sequences into the phase, counted on"
 
 
 def test_the_sequences_a_run_draws_from_each_component_follow_its_phases():
