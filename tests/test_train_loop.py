@@ -318,14 +318,19 @@ def test_a_signal_to_one_process_of_a_run_stops_every_process_after_the_same_ste
     assert votes == [["2", "False", "True"]] * 2, outs
 
 
-def test_a_non_finite_loss_fails_the_run_naming_the_step(tmp_path):
+@pytest.mark.parametrize("lr, diverged", [
+    # the first update leaves weights of ~1e15: finite, with a finite norm; the next forward overflows
+    (1e15, r"training diverged at step 1: train/grad_norm = nan, train/loss = nan"),
+    # weights of ~1e30: the first update's norm is no finite number, judged before any loss sees it
+    (1e30, r"training diverged at step 0: train/update_norm = inf"),
+])
+def test_a_non_finite_loss_or_update_fails_the_run_naming_the_step(tmp_path, lr, diverged):
     from train_standin import loop_inputs
 
     from keel.train.loop import NonFiniteTraining, train
 
-    config = TrainConfig(num_steps=6, optimizer=AdamWConfig(lr=1e30), compute_dtype="float32", **BASE)
-    # a learning rate of 1e30: the first update already leaves weights of ~1e30, its norm no finite number
-    with pytest.raises(NonFiniteTraining, match=r"training diverged at step 0: train/update_norm = inf"):
+    config = TrainConfig(num_steps=6, optimizer=AdamWConfig(lr=lr), compute_dtype="float32", **BASE)
+    with pytest.raises(NonFiniteTraining, match=diverged):
         train(config, loop_inputs(config, use_wandb=False), str(tmp_path / "tiny_nan-0123abcd89"))
 
 
