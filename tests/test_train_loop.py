@@ -157,14 +157,14 @@ def test_a_phase_returning_to_an_earlier_transport_runs_the_program_compiled_for
 
         monkeypatch.setattr(compile_ahead.Compiler, name, counted)
     transports = (TransportPhase(0, "fixed_all_to_all"), TransportPhase(2, "ring"),
-                  TransportPhase(4, "fixed_all_to_all"), TransportPhase(6, "fixed_all_to_all", capacity_factor=2.0))
+                  TransportPhase(4, "fixed_all_to_all"), TransportPhase(6, "fixed_all_to_all", capacity_factor=8.0))
     config = TrainConfig(num_steps=8, optimizer=AdamWConfig(lr=1e-2), transports=transports, compute_dtype="float32",
                          **{**BASE, "eval_every": 2})
     out = str(tmp_path / "tiny_back-0123abcd89")
     train(config, loop_inputs(config, use_wandb=False), out)
     programs = ["the fixed_all_to_all training step", "the fixed_all_to_all evaluation", "the ring training step",
                 "the ring evaluation"]
-    assert sorted(what for what, _ in compiled) == sorted(programs + programs[:2]), compiled  # fixed at capacity 4 and 2
+    assert sorted(what for what, _ in compiled) == sorted(programs + programs[:2]), compiled  # fixed at capacity 4 and 8
     assert compiled[-2:] == [("the fixed_all_to_all training step", "ahead"),
                              ("the fixed_all_to_all evaluation", "ahead")]
     records = [r for r in read_metrics(os.path.join(out, METRICS_FILE)) if "train/loss" in r]
@@ -402,7 +402,8 @@ def test_a_kernel_that_runs_another_capacity_than_planned_stops_the_run_after_it
             return super().loss(model, batch, transport=doubled, **kwargs)
 
     config = TrainConfig(num_steps=3, optimizer=AdamWConfig(lr=1e-2), transports=(TransportPhase(0, "fixed_all_to_all"),),
-                         **{**BASE, "eval_batches": 0})
+                         compute_dtype="float32", **{**BASE, "eval_batches": 0})
+    # doubled, its step is the phase-returning test's last program (fp32, capacity 8): loaded, not compiled
     inputs = loop_inputs(config, use_wandb=False)
     inputs.lm = DoublesCapacity(inputs.lm.config, inputs.mesh)
     out = tmp_path / "doubled-0123abcd89"
