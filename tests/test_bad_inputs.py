@@ -350,8 +350,9 @@ b = Step("x/b", in_a_thread, C(2, (output_of(a),)), isolated=True)
 def test_a_run_that_never_learns_is_success_with_a_warning_in_the_summary(tmp_path):
     """A learning rate 1e8 x the law's: the loss stays at ln(vocab); the run says so at its end, not only in its log.
 
-    The run is the own-data tutorial's model, vocabulary and batch, so its training step and initial
-    state are the programs that tutorial compiles once for the session (the rates are inputs)."""
+    The run is the own-data tutorial's model, vocabulary, batch and compute dtype, so its training
+    step and initial state are the programs that tutorial compiles once for the session (the rates
+    are inputs)."""
     write_experiment(tmp_path, f'''
 from defaults import default_tokenize, default_tokenizer, default_train, ingest
 from defaults.models import tiny_moe
@@ -363,7 +364,7 @@ documents = ingest("own-notes", ("{REPO}/experiments/tutorials/data/own_corpus.j
 tokenizer = default_tokenizer("own-notes-bpe-384", documents, vocab_size=384)
 tokens = default_tokenize("own-notes-bpe-384-64", documents, tokenizer, seq_len=64)
 train = TrainConfig(batch_size=16, num_steps=12, optimizer=hero_lr_law.optimizer(scale=1e8), eval_every=12,
-                    eval_batches=0, rolling_checkpoint_minutes=None)
+                    eval_batches=0, rolling_checkpoint_minutes=None, compute_dtype="float32")
 b = default_train("sweep/lr-huge", data=tokens, model=tiny_moe.replace(vocab_size=384), train=train)
 ''' + MAIN)
     result = keel(tmp_path, "run", "EXP", env={"WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"})
