@@ -45,6 +45,7 @@ def levanter_draws(mixture: Mixture, batch_size: int, first: int, count: int) ->
     levanter = MixtureDataset(components, mixture.sequence_schedule(batch_size), block_size=mixture.block_size, key=0)
     return asyncio.run(levanter.get_batch(list(range(first, first + count))))
 
+
 SEQ_LEN = 8
 
 
