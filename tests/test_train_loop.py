@@ -320,7 +320,7 @@ def test_a_signal_to_one_process_of_a_run_stops_every_process_after_the_same_ste
 
 @pytest.mark.parametrize("lr, diverged", [
     # the first update leaves weights of ~1e15: finite, with a finite norm; the next forward overflows
-    (1e15, r"training diverged at step 1: train/grad_norm = nan, train/loss = nan"),
+    (1e15, r"training diverged at step 1: (\S+ = nan, )*train/loss = nan"),
     # weights of ~1e30: the first update's norm is no finite number, judged before any loss sees it
     (1e30, r"training diverged at step 0: train/update_norm = inf"),
 ])
