@@ -132,15 +132,16 @@ def test_an_eval_on_a_cache_of_another_tokenizer_than_the_runs_is_refused_before
 
 def test_the_training_step_records_its_caches_tokenizer_for_its_evaluations(tmp_path):
     from keel.spec import AdamWConfig, MixturePhase, TrainStepConfig
-    from keel.train.data_checks import RUN_DATA_FILE, cache_stats, check_one_tokenizer, record_run_tokenizer
+    from keel.train.data_checks import RUN_DATA_FILE, check_token_caches, record_run_tokenizer
 
     identity = {"vocabulary": "0123456789abcdef", "bos_id": None, "eos_id": 0}
     (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / "tokenize.json").write_text(json.dumps({"seq_len": 128, "tokenizer": identity}))
+    stats = {"seq_len": 128, "vocab_size": 1024, "tokenizer": identity, "splits": {"train": {"sequences": 64}}}
+    (tmp_path / "cache" / "tokenize.json").write_text(json.dumps(stats))
     data = Mixture({"a": str(tmp_path / "cache")}, (MixturePhase(0, {"a": 1.0}),), block_size=8)
-    train = TrainConfig(batch_size=8, seq_len=128, num_steps=4, optimizer=AdamWConfig(lr=1e-3))
+    train = TrainConfig(batch_size=8, seq_len=128, num_steps=4, optimizer=AdamWConfig(lr=1e-3), eval_batches=0)
     config = TrainStepConfig(model=tiny_moe, data=data, train=train, output_path=str(tmp_path / "run"))
-    record_run_tokenizer(config.output_path, check_one_tokenizer(cache_stats(config.data)))  # as the step does
+    record_run_tokenizer(config.output_path, check_token_caches(config))  # as the step does, its caches checked
     assert json.loads((tmp_path / "run" / RUN_DATA_FILE).read_text()) == {"tokenizer": identity}
 
 
