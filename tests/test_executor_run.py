@@ -463,6 +463,43 @@ def test_an_isolated_steps_own_threads_write_to_its_log_a_launcher_steps_do_not(
     assert not Path(keel_path(graph.path(shared), "log.txt")).exists()
 
 
+@dataclass(frozen=True)
+class SpanConfig:
+    name: str
+    output_path: str = this_output()
+
+
+def span(config: SpanConfig) -> None:
+    """Record when the step ran, holding its process for a second in between."""
+    start = time.time()
+    time.sleep(1.0)
+    with open(f"{config.output_path}/span.txt", "w") as f:
+        f.write(f"{start} {time.time()}")
+
+
+def test_steps_in_processes_of_their_own_run_one_per_core_and_others_pass_them(tmp_path, monkeypatch):
+    """A step in its own process keeps the machine's cores busy, so no more of them run at once than
+    it has cores; the ones held back say so, and a step that runs in the launcher starts meanwhile."""
+    from keel.executor import run
+
+    monkeypatch.setattr(run, "machine_cores", lambda: 2)
+    heavy = [Step(f"p/heavy{i}", span, SpanConfig(f"h{i}"), isolated=True) for i in range(3)]
+    light = Step("p/light", span, SpanConfig("light"))
+    lines: list[str] = []
+    assert run_steps([*heavy, light], str(tmp_path), echo=lines.append).ok
+    graph = Graph([*heavy, light], str(tmp_path))
+    spans = {s.name: tuple(map(float, Path(graph.path(s), "span.txt").read_text().split())) for s in (*heavy, light)}
+    starts = sorted(spans[s.name][0] for s in heavy)
+    ends = sorted(spans[s.name][1] for s in heavy)
+    assert starts[2] >= ends[0]  # the third started only once one of the first two had ended ...
+    assert starts[1] < ends[0]  # ... which did run together, on the 2 cores
+    assert spans["p/light"][0] < starts[2]  # the launcher's step did not wait behind the held-back one
+    third = next(s.name for s in heavy if spans[s.name][0] == starts[2])
+    assert [line for line in lines if line.startswith("[keel] wait")] == [
+        f"[keel] wait  {third}: every core of this machine (2) already runs a step in a process of its own; "
+        "it starts when one ends"]
+
+
 def test_a_process_a_launcher_step_forks_exits_and_takes_signals_as_any_process(monkeypatch):
     """A step in the launcher may fork (a multiprocessing pool): the child inherits the launcher's
     `os._exit` guard and signal handlers. Its `os._exit` must end it (not raise StepExited, sending

@@ -60,7 +60,7 @@ def _parser(prog: str, with_experiment: bool) -> argparse.ArgumentParser:
     p.add_argument("--force", metavar="REGEX", help="rerun matching steps even if cached")
     p.add_argument("--only", metavar="REGEX", help="run matching steps and whatever of their ancestry is missing")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="STEP:field=value", help="override a config field (the colon ends the step name)")
-    p.add_argument("--max-concurrent", type=int, default=8, metavar="N", help="steps running at once")
+    p.add_argument("--max-concurrent", type=int, default=8, metavar="N", help="steps running at once (of them, those in processes of their own: at most one per core)")
     p.add_argument("--cluster", default=None, metavar="URL", help="send steps with resources to this Iris cluster (default: $KEEL_CLUSTER)")
     p.add_argument("--scale", default=None, metavar="NAME", help="use the experiment's graph scaled as NAME (e.g. tiny)")
     p.add_argument("--json", action="store_true", help="machine-readable plan/status")

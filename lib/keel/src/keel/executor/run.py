@@ -3,8 +3,9 @@
 A run that would start a step reading an External path that holds no file is refused before any step
 starts, from the same plan the run then follows. Each step is claimed with a lease on its output
 path (so concurrent launchers run it once), recorded in `step.json` (which marks the attempt
-RUNNING), dispatched (an `isolated` step in a child process of its own, see `child.py`; steps that
-declare `resources=` to the cluster client when one is given, see `cluster.py`; other steps as jobs
+RUNNING), dispatched (an `isolated` step in a child process of its own, see `child.py`, at most one
+per core of this machine at a time, see `machine_cores`; steps that declare `resources=` to the
+cluster client when one is given, see `cluster.py`; other steps as jobs
 of fray's in-process client, or of `client=` when one is given) and, once the job has finished,
 marked SUCCESS in one write that carries the manifest of its outputs (see `status.py`). Bookkeeping
 per step: the lease (create, delete), `step.json` and `status` (each written whole), and after a
@@ -119,6 +120,16 @@ class RunReport:
         return not self.failures and not self.blocked and not self.interrupted and not self.not_started
 
 
+def machine_cores() -> int:
+    """The cores this process may run on: how many steps run in processes of their own at once.
+
+    Such a step (training, evaluation) keeps every core busy by itself in its compiles and its
+    steps, so more of them at once only take turns on the same cores. The scaling-ladder
+    tutorial's four rungs on 2 cores, started together, took 126-137 s of wall time and 234-253
+    CPU s; two at a time, 115-119 s and 207-217 CPU s; one at a time, 137 s and 217 CPU s."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def default_client(max_concurrent: int):
     from fray.local_backend import LocalClient
 
@@ -201,6 +212,7 @@ class Runner:
         self._launch = scrub(provenance(), self._secrets)
         self.cluster = cluster
         self.max_concurrent = max(1, max_concurrent)
+        self.process_slots = min(self.max_concurrent, machine_cores())
         self.client = client
         self.force = force
         self.lease_timeout = lease_timeout
@@ -266,9 +278,11 @@ class Runner:
                   f"{reuse.index(self.graph.prefix)} can be written")
 
     def _schedule(self, plans: list[StepPlan], chosen: set[int], report: RunReport) -> RunReport:
-        """Start each chosen step, in plan order and at most `max_concurrent` at a time, once its
-        chosen dependencies are done (the others are cached or external). A finished step updates
-        only its own dependents: no scan of every waiting step per finished one."""
+        """Start each chosen step, in plan order and at most `max_concurrent` at a time (of them at
+        most `process_slots` in processes of their own), once its chosen dependencies are done (the
+        others are cached or external). A step held back for a core lets the next ready step that
+        needs none start first. A finished step updates only its own dependents: no scan of every
+        waiting step per finished one."""
         by_id = {id(p.step): p for p in plans}
         order = {key: i for i, key in enumerate(by_id)}
         waiting: dict[int, int] = {}  # step not started yet -> how many of its dependencies are not done
@@ -295,6 +309,8 @@ class Runner:
                 self.echo(f"[keel] skip  {by_id[key].name}: a dependency failed")
 
         running: dict[Future, StepPlan] = {}
+        in_processes: set[Future] = set()  # running steps with a process of their own on this machine
+        told: set[int] = set()  # steps already said to wait for a core
         broken: list[int] = []  # failed or stopped since the last round
         with ThreadPoolExecutor(max_workers=self.max_concurrent, thread_name_prefix="keel-step") as pool:
             while waiting or running:
@@ -303,10 +319,25 @@ class Runner:
                     waiting.clear()
                     ready.clear()
                 block(broken)
+                held_back = []  # ready, but every core already runs a step process
                 while ready and len(running) < self.max_concurrent:
-                    key = heapq.heappop(ready)[1]
-                    del waiting[key]
-                    running[pool.submit(self._execute, by_id[key])] = by_id[key]
+                    entry = heapq.heappop(ready)
+                    plan = by_id[entry[1]]
+                    own_process = self._in_own_process(plan.step)
+                    if own_process and len(in_processes) >= self.process_slots:
+                        held_back.append(entry)
+                        if entry[1] not in told:
+                            told.add(entry[1])
+                            self.echo(f"[keel] wait  {plan.name}: every core of this machine ({len(in_processes)}) "
+                                      "already runs a step in a process of its own; it starts when one ends")
+                        continue
+                    del waiting[entry[1]]
+                    future = pool.submit(self._execute, plan)
+                    running[future] = plan
+                    if own_process:
+                        in_processes.add(future)
+                for entry in held_back:
+                    heapq.heappush(ready, entry)
                 if not running:
                     if waiting:
                         raise RuntimeError(f"keel: cannot schedule {[by_id[k].name for k in waiting]}: dependencies unresolved")
@@ -316,6 +347,7 @@ class Runner:
                 finished, _ = wait(list(running), timeout=_SIGNAL_POLL_S, return_when=FIRST_COMPLETED)
                 for future in finished:
                     plan = running.pop(future)
+                    in_processes.discard(future)
                     try:
                         outcome = future.result()
                     except StepFailed as failure:
@@ -341,6 +373,10 @@ class Runner:
                             if waiting[key] == 0:
                                 heapq.heappush(ready, (order[key], key))
         return report
+
+    def _in_own_process(self, step: Step) -> bool:
+        """Whether the step runs in a child process on this machine (`isolated`, not sent to a cluster)."""
+        return step.isolated and not (step.resources is not None and self.cluster is not None)
 
     def _claim(self, plan: StepPlan) -> tuple[leases.Lease | None, Status | None]:
         """The lease on the step's output and its last status; no lease when another launcher
