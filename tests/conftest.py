@@ -46,7 +46,7 @@ def pytest_sessionfinish(session):
         shutil.rmtree(os.environ["KEEL_TEST_CACHE_HOME"], ignore_errors=True)
 
 
-FIRST = "test_tutorial_scaling_ladder.py"  # the suite's most parallel file: its rungs train at once (1.4 cores)
+FIRST = "test_tutorial_scaling_ladder.py"  # the suite's most parallel file: its rungs train two at a time
 
 
 def pytest_collection_modifyitems(items):

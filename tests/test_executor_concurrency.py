@@ -244,3 +244,66 @@ def test_a_stray_beside_its_folder_fails_the_step_that_wrote_it_not_its_neighbou
     assert sorted(failed) == ["x/a", "y/iso"] and sorted(report.ran) == ["x/b", "x/n"], (failed, report.ran)
     assert "the step wrote stray.txt beside its output folder" in failed["x/a"]
     assert "the step wrote own.txt beside its output folder" in failed["y/iso"]
+
+
+HELD_ELSEWHERE = HEADER + '''
+import time
+from pathlib import Path
+
+
+def held(config):
+    """Runs until the test says go (at most a minute), then records when it ended."""
+    Path(config.output_path, "started").touch()
+    deadline = time.monotonic() + 60
+    while not Path(os.environ["GO"]).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    Path(config.output_path, "n.txt").write_text(str(time.time()))
+
+
+def free(config):
+    Path(config.output_path, "n.txt").write_text(str(time.time()))
+
+
+a = Step("x/held", held, C(1), isolated=True)
+b = Step("x/free", free, C(2), isolated=True)
+''' + '\nif __name__ == "__main__":\n    main([a, b])\n'
+
+
+@pytest.mark.timeout(120)
+def test_a_step_waiting_for_another_launcher_holds_none_of_this_machines_cores(tmp_path, monkeypatch):
+    """Launcher A runs `x/held`; launcher B, on a machine of one core, runs both steps: its `x/held`
+    waits for A, and its `x/free` starts meanwhile instead of waiting behind a step it does not run."""
+    import threading
+
+    from keel.executor import run
+
+    experiment, prefix, go = tmp_path / "held.py", str(tmp_path / "out"), tmp_path / "go"
+    experiment.write_text(HELD_ELSEWHERE)
+    monkeypatch.setenv("GO", str(go))
+    first = subprocess.Popen([sys.executable, "-m", "keel.cli_entry", "run", str(experiment), "--prefix", prefix,
+                              "--only", "x/held"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: list(Path(prefix, "x").glob("held-*/started")))
+        monkeypatch.setattr(run, "machine_cores", lambda: 1)
+
+        def release_when_free_is_done():  # or after 30 s, so that a run that holds `x/free` back still ends
+            try:
+                wait_until(lambda: list(Path(prefix, "x").glob("free-*/n.txt")), timeout=30)
+            except TimeoutError:
+                pass
+            go.touch()
+
+        releaser = threading.Thread(target=release_when_free_is_done, daemon=True)
+        releaser.start()
+        lines: list[str] = []
+        assert run_steps(load_experiment(str(experiment)), prefix, echo=lines.append).ok, lines
+        releaser.join(timeout=60)
+        out, _ = first.communicate(timeout=60)
+    finally:
+        first.kill()
+    assert first.returncode == 0, out
+    ended = {name: float(next(Path(prefix, "x").glob(f"{name}-*/n.txt")).read_text()) for name in ("held", "free")}
+    assert ended["free"] < ended["held"], ended
+    assert [line for line in lines if line.startswith("[keel] wait")] == [
+        next(line for line in lines if line.startswith("[keel] wait  x/held: another launcher is running it"))], lines
+    assert any(line == "[keel] reuse x/held (finished by another launcher)" for line in lines), lines

@@ -466,13 +466,22 @@ def test_an_isolated_steps_own_threads_write_to_its_log_a_launcher_steps_do_not(
 @dataclass(frozen=True)
 class SpanConfig:
     name: str
+    meet: str | None = None  # a folder where the step waits until two steps are in it
     output_path: str = this_output()
 
 
 def span(config: SpanConfig) -> None:
-    """Record when the step ran, holding its process for a second in between."""
+    """Record when the step ran: with `meet`, from its arrival there until two steps have arrived
+    (and a second more, so that a step held back meanwhile is told so); without, for a second."""
     start = time.time()
-    time.sleep(1.0)
+    if config.meet is None:
+        time.sleep(1.0)
+    else:
+        Path(config.meet, config.name).touch()
+        deadline = time.monotonic() + 60
+        while len(os.listdir(config.meet)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(1.2)
     with open(f"{config.output_path}/span.txt", "w") as f:
         f.write(f"{start} {time.time()}")
 
@@ -483,21 +492,36 @@ def test_steps_in_processes_of_their_own_run_one_per_core_and_others_pass_them(t
     from keel.executor import run
 
     monkeypatch.setattr(run, "machine_cores", lambda: 2)
-    heavy = [Step(f"p/heavy{i}", span, SpanConfig(f"h{i}"), isolated=True) for i in range(3)]
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    monkeypatch.setenv("KEEL_WRITABLE", str(meet))  # the folder the steps share to meet in
+    heavy = [Step(f"p/heavy{i}", span, SpanConfig(f"h{i}", str(meet)), isolated=True) for i in range(3)]
     light = Step("p/light", span, SpanConfig("light"))
     lines: list[str] = []
-    assert run_steps([*heavy, light], str(tmp_path), echo=lines.append).ok
-    graph = Graph([*heavy, light], str(tmp_path))
+    assert run_steps([*heavy, light], str(tmp_path / "out"), echo=lines.append).ok
+    graph = Graph([*heavy, light], str(tmp_path / "out"))
     spans = {s.name: tuple(map(float, Path(graph.path(s), "span.txt").read_text().split())) for s in (*heavy, light)}
     starts = sorted(spans[s.name][0] for s in heavy)
     ends = sorted(spans[s.name][1] for s in heavy)
-    assert starts[2] >= ends[0]  # the third started only once one of the first two had ended ...
-    assert starts[1] < ends[0]  # ... which did run together, on the 2 cores
+    assert starts[1] < ends[0]  # two ran together, on the 2 cores (each waited for the other) ...
+    assert starts[2] >= ends[0]  # ... and the third started only once one of them had ended
     assert spans["p/light"][0] < starts[2]  # the launcher's step did not wait behind the held-back one
     third = next(s.name for s in heavy if spans[s.name][0] == starts[2])
     assert [line for line in lines if line.startswith("[keel] wait")] == [
         f"[keel] wait  {third}: every core of this machine (2) already runs a step in a process of its own; "
         "it starts when one ends"]
+
+
+@pytest.mark.parametrize("quota, cores", [("150000 100000", 2), ("50000 100000", 1), ("max 100000", None), ("", None)])
+def test_the_cores_are_the_affinitys_or_a_containers_cpu_quota_when_less(tmp_path, monkeypatch, quota, cores):
+    from keel.executor import run
+
+    seen = len(os.sched_getaffinity(0))
+    (tmp_path / "cpu.max").write_text(quota + "\n")
+    monkeypatch.setattr(run, "CPU_QUOTA", str(tmp_path / "cpu.max"))
+    assert run.machine_cores() == (seen if cores is None else min(seen, cores))
+    monkeypatch.setattr(run, "CPU_QUOTA", str(tmp_path / "absent"))
+    assert run.machine_cores() == seen
 
 
 def test_a_process_a_launcher_step_forks_exits_and_takes_signals_as_any_process(monkeypatch):

@@ -64,6 +64,9 @@ from keel.executor.step import DeclaresDevices, Step, StepDeclarationError
 _MAX_WAIT_POLL_S = 1.0
 _NOT_STARTED = "not started"  # a step's outcome: the run was interrupted while another launcher ran it
 _SIGNAL_POLL_S = 0.2
+_TELL_HELD_S = 1.0
+"""How long a step waits for a core before the console says so: a step just started that turns out
+to wait for another launcher gives its core back within milliseconds (`_cores_busy`)."""
 _SAME_CTRL_C_S = 1.0
 
 
@@ -120,14 +123,27 @@ class RunReport:
         return not self.failures and not self.blocked and not self.interrupted and not self.not_started
 
 
+CPU_QUOTA = "/sys/fs/cgroup/cpu.max"
+"""A cgroup v2 container's CPU quota: `<quota> <period>` in microseconds, or `max <period>`."""
+
+
 def machine_cores() -> int:
     """The cores this process may run on: how many steps run in processes of their own at once.
 
     Such a step (training, evaluation) keeps every core busy by itself in its compiles and its
     steps, so more of them at once only take turns on the same cores. The scaling-ladder
     tutorial's four rungs on 2 cores, started together, took 126-137 s of wall time and 234-253
-    CPU s; two at a time, 115-119 s and 207-217 CPU s; one at a time, 137 s and 217 CPU s."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    CPU s; two at a time, 115-119 s and 207-217 CPU s; one at a time, 137 s and 217 CPU s. In a
+    container whose CPU quota (cgroup v2 `cpu.max`) is less than the cores it sees, the quota."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        with open(CPU_QUOTA) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2 quota here
+        pass
+    return cores
 
 
 def default_client(max_concurrent: int):
@@ -223,6 +239,7 @@ class Runner:
         self._warned: dict[str, list[str]] = {}  # output path -> the warnings of its successful attempt
         self._stopping, self._stopping_since = False, 0.0
         self._isolated_in_run = 0
+        self._elsewhere: set[str] = set()  # output paths of steps waiting while another launcher runs them
         guard_process_exit()
 
     def run(self, only: re.Pattern | None = None) -> RunReport:
@@ -310,7 +327,8 @@ class Runner:
 
         running: dict[Future, StepPlan] = {}
         in_processes: set[Future] = set()  # running steps with a process of their own on this machine
-        told: set[int] = set()  # steps already said to wait for a core
+        held_since: dict[int, float] = {}  # steps waiting for a core: since when
+        told: set[int] = set()  # those the console was told of
         broken: list[int] = []  # failed or stopped since the last round
         with ThreadPoolExecutor(max_workers=self.max_concurrent, thread_name_prefix="keel-step") as pool:
             while waiting or running:
@@ -324,11 +342,13 @@ class Runner:
                     entry = heapq.heappop(ready)
                     plan = by_id[entry[1]]
                     own_process = self._in_own_process(plan.step)
-                    if own_process and len(in_processes) >= self.process_slots:
+                    busy = self._cores_busy(in_processes, running)
+                    if own_process and busy >= self.process_slots:
                         held_back.append(entry)
-                        if entry[1] not in told:
+                        since = held_since.setdefault(entry[1], time.monotonic())
+                        if entry[1] not in told and time.monotonic() - since >= _TELL_HELD_S:
                             told.add(entry[1])
-                            self.echo(f"[keel] wait  {plan.name}: every core of this machine ({len(in_processes)}) "
+                            self.echo(f"[keel] wait  {plan.name}: every core of this machine ({busy}) "
                                       "already runs a step in a process of its own; it starts when one ends")
                         continue
                     del waiting[entry[1]]
@@ -378,6 +398,11 @@ class Runner:
         """Whether the step runs in a child process on this machine (`isolated`, not sent to a cluster)."""
         return step.isolated and not (step.resources is not None and self.cluster is not None)
 
+    def _cores_busy(self, in_processes: set[Future], running: dict[Future, StepPlan]) -> int:
+        """The started steps of `in_processes` that hold a core: not those waiting for another launcher."""
+        with self._lock:
+            return sum(1 for future in in_processes if running[future].output_path not in self._elsewhere)
+
     def _claim(self, plan: StepPlan) -> tuple[leases.Lease | None, Status | None]:
         """The lease on the step's output and its last status; no lease when another launcher
         finished the step meanwhile, and neither when the run was interrupted while waiting for it.
@@ -386,38 +411,45 @@ class Runner:
         forced = bool(self.force and self.force.search(plan.name))
         out_of_date = plan.status.finished if plan.remade_inputs else None  # only a newer output is finished
         delay, told = 0.02, None
-        while True:
-            lease, holder = leases.try_acquire(plan.output_path, self.lease_timeout)
-            status = read_status(plan.output_path)
-            finished = (status is not None and status.state == SUCCESS and status.finished != out_of_date
-                        and verify_manifest(plan.output_path, status, no_outputs=plan.step.no_outputs) is None)
-            if lease is not None:
+        try:
+            while True:
+                lease, holder = leases.try_acquire(plan.output_path, self.lease_timeout)
+                status = read_status(plan.output_path)
+                finished = (status is not None and status.state == SUCCESS and status.finished != out_of_date
+                            and verify_manifest(plan.output_path, status, no_outputs=plan.step.no_outputs) is None)
+                if lease is not None:
+                    if finished and not forced:
+                        lease.release()
+                        return None, status
+                    if holder is not None:
+                        self.echo(f"[keel] take  {plan.name}: its lease was held by {holder.describe()}")
+                        stray = holder.stray_step_process()
+                        if stray is not None:
+                            if not leases.stop_stray_step_process(stray):
+                                lease.release()
+                                raise StepFailed(plan.name, plan.output_path,
+                                                 f"the step's process of the launcher whose lease expired (pid {stray}) "
+                                                 "still runs and did not die when killed: stop it, then run again",
+                                                 _log_or_none(plan.output_path))
+                            self.echo(f"[keel] take  {plan.name}: its step's process (pid {stray}) still ran, its launcher "
+                                      "silent: killed it, so that one process writes the output")
+                    return lease, status
                 if finished and not forced:
-                    lease.release()
                     return None, status
-                if holder is not None:
-                    self.echo(f"[keel] take  {plan.name}: its lease was held by {holder.describe()}")
-                    stray = holder.stray_step_process()
-                    if stray is not None:
-                        if not leases.stop_stray_step_process(stray):
-                            lease.release()
-                            raise StepFailed(plan.name, plan.output_path,
-                                             f"the step's process of the launcher whose lease expired (pid {stray}) "
-                                             "still runs and did not die when killed: stop it, then run again",
-                                             _log_or_none(plan.output_path))
-                        self.echo(f"[keel] take  {plan.name}: its step's process (pid {stray}) still ran, its launcher "
-                                  "silent: killed it, so that one process writes the output")
-                return lease, status
-            if finished and not forced:
-                return None, status
-            if self._stopping:
-                return None, None
-            # Another launcher holds a live lease: wait for its outcome (or for its lease to expire).
-            if holder is not None and holder.epoch != told:
-                told = holder.epoch
-                self.echo(f"[keel] wait  {plan.name}: another launcher is running it ({holder.describe()})")
-            time.sleep(delay)
-            delay = min(delay * 2, _MAX_WAIT_POLL_S)
+                if self._stopping:
+                    return None, None
+                # Another launcher holds a live lease: wait for its outcome (or for its lease to expire),
+                # holding none of this machine's cores meanwhile (`_cores_busy`).
+                if holder is not None and holder.epoch != told:
+                    told = holder.epoch
+                    self.echo(f"[keel] wait  {plan.name}: another launcher is running it ({holder.describe()})")
+                with self._lock:
+                    self._elsewhere.add(plan.output_path)
+                time.sleep(delay)
+                delay = min(delay * 2, _MAX_WAIT_POLL_S)
+        finally:
+            with self._lock:
+                self._elsewhere.discard(plan.output_path)
 
     def _execute(self, plan: StepPlan) -> str:
         if plan.remade_inputs and self._inputs_unchanged(plan):
@@ -618,7 +650,7 @@ class Runner:
         from keel.executor.child import collect, start_child
 
         env = _process_env(resolved, processes=1)
-        if self._isolated_in_run > 1:  # several steps share this console: plain progress lines, no bars
+        if min(self._isolated_in_run, self.process_slots) > 1:  # several share this console: plain lines, no bars
             env = {**env, "KEEL_PROGRESS": "lines"}
         beat = _heartbeat_file(output_path) if step.progress_timeout_s else None
         if beat:
