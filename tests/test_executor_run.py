@@ -514,14 +514,14 @@ def test_steps_in_processes_of_their_own_run_one_per_core_and_others_pass_them(t
 
 @pytest.mark.parametrize("quota, cores", [("150000 100000", 2), ("50000 100000", 1), ("max 100000", None), ("", None)])
 def test_the_cores_are_the_affinitys_or_a_containers_cpu_quota_when_less(tmp_path, monkeypatch, quota, cores):
-    from keel.executor import run
+    from keel.executor import resources
 
     seen = len(os.sched_getaffinity(0))
     (tmp_path / "cpu.max").write_text(quota + "\n")
-    monkeypatch.setattr(run, "CPU_QUOTA", str(tmp_path / "cpu.max"))
-    assert run.machine_cores() == (seen if cores is None else min(seen, cores))
-    monkeypatch.setattr(run, "CPU_QUOTA", str(tmp_path / "absent"))
-    assert run.machine_cores() == seen
+    monkeypatch.setattr(resources, "CPU_QUOTA", str(tmp_path / "cpu.max"))
+    assert resources.machine_cores() == (seen if cores is None else min(seen, cores))
+    monkeypatch.setattr(resources, "CPU_QUOTA", str(tmp_path / "absent"))
+    assert resources.machine_cores() == seen
 
 
 def test_a_process_a_launcher_step_forks_exits_and_takes_signals_as_any_process(monkeypatch):

@@ -69,6 +69,7 @@ from keel.data.packing import SequencePacker
 from keel.data.summary import write_summary
 from keel.data.tokenizer import SequenceBytes, load_tokenizer
 from keel.executor import storage
+from keel.executor.resources import machine_cores
 from keel.spec.data import TokenizeConfig
 
 logger = logging.getLogger(__name__)
@@ -228,7 +229,7 @@ def _encoder(config: TokenizeConfig, loaded):
 
 def encode_threads() -> int:
     """One encoding thread per core this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return machine_cores()
 
 
 @contextlib.contextmanager

@@ -1,8 +1,34 @@
-"""What a step asks of the machine that runs it; never part of the step's identity."""
+"""What a step asks of the machine that runs it, never part of the step's identity; and what this
+machine offers (`machine_cores`)."""
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
+
+CPU_QUOTA = "/sys/fs/cgroup/cpu.max"
+"""A cgroup v2 container's CPU quota: `<quota> <period>` in microseconds, or `max <period>`."""
+
+
+def machine_cores() -> int:
+    """The cores this process may run on: how many steps the executor runs in processes of their own
+    at once (`keel.executor.run`), and how many threads the tokenize step encodes on.
+
+    A training or evaluation step keeps every core busy by itself in its compiles and its steps,
+    so more of them at once only take turns on the same cores. The scaling-ladder tutorial's four
+    rungs on 2 cores, started together, took 126-137 s of wall time and 234-253 CPU s; two at a
+    time, 115-119 s and 207-217 CPU s; one at a time, 137 s and 217 CPU s. In a container whose CPU
+    quota (cgroup v2 `cpu.max`) is less than the cores it sees, the quota."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        with open(CPU_QUOTA) as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2 quota here
+        pass
+    return cores
 
 
 @dataclass(frozen=True)

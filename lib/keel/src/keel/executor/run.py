@@ -4,9 +4,9 @@ A run that would start a step reading an External path that holds no file is ref
 starts, from the same plan the run then follows. Each step is claimed with a lease on its output
 path (so concurrent launchers run it once), recorded in `step.json` (which marks the attempt
 RUNNING), dispatched (an `isolated` step in a child process of its own, see `child.py`, at most one
-per core of this machine at a time, see `machine_cores`; steps that declare `resources=` to the
-cluster client when one is given, see `cluster.py`; other steps as jobs
-of fray's in-process client, or of `client=` when one is given) and, once the job has finished,
+per core of this machine at a time, see `resources.machine_cores`; steps that declare `resources=`
+to the cluster client when one is given, see `cluster.py`; other steps as jobs of fray's in-process
+client, or of `client=` when one is given) and, once the job has finished,
 marked SUCCESS in one write that carries the manifest of its outputs (see `status.py`). Bookkeeping
 per step: the lease (create, delete), `step.json` and `status` (each written whole), and after a
 SUCCESS the content-index entry `{prefix}/.keel/content/<hash>.json` (`reuse.py`); the log file only
@@ -56,6 +56,7 @@ from keel.executor.job import guard_process_exit, log_url, run_step_job
 from keel.executor.plan import CACHED, EMPTY_EXTERNAL, EXTERNAL, Graph, StepPlan, plan_graph, select
 from keel.executor.provenance import _secret_values, provenance, scrub
 from keel.executor.resolve import resolve_config
+from keel.executor.resources import machine_cores
 from keel.executor.identity import HASH_CHARS
 from keel.executor.status import (KEEL_DIR, RECORD, SUCCESS, Status, keel_path, mark_finished, mark_running, output_digest, read_status,
                                   verify_manifest, write_running_record)
@@ -121,29 +122,6 @@ class RunReport:
     @property
     def ok(self) -> bool:
         return not self.failures and not self.blocked and not self.interrupted and not self.not_started
-
-
-CPU_QUOTA = "/sys/fs/cgroup/cpu.max"
-"""A cgroup v2 container's CPU quota: `<quota> <period>` in microseconds, or `max <period>`."""
-
-
-def machine_cores() -> int:
-    """The cores this process may run on: how many steps run in processes of their own at once.
-
-    Such a step (training, evaluation) keeps every core busy by itself in its compiles and its
-    steps, so more of them at once only take turns on the same cores. The scaling-ladder
-    tutorial's four rungs on 2 cores, started together, took 126-137 s of wall time and 234-253
-    CPU s; two at a time, 115-119 s and 207-217 CPU s; one at a time, 137 s and 217 CPU s. In a
-    container whose CPU quota (cgroup v2 `cpu.max`) is less than the cores it sees, the quota."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
-        with open(CPU_QUOTA) as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):  # no cgroup v2 quota here
-        pass
-    return cores
 
 
 def default_client(max_concurrent: int):
