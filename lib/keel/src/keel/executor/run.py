@@ -372,9 +372,13 @@ class Runner:
                                 heapq.heappush(ready, (order[key], key))
         return report
 
+    def _on_cluster(self, step: Step) -> bool:
+        """Whether the step goes to the cluster: it declares resources and this run has a cluster."""
+        return step.resources is not None and self.cluster is not None
+
     def _in_own_process(self, step: Step) -> bool:
         """Whether the step runs in a child process on this machine (`isolated`, not sent to a cluster)."""
-        return step.isolated and not (step.resources is not None and self.cluster is not None)
+        return step.isolated and not self._on_cluster(step)
 
     def _cores_busy(self, in_processes: set[Future], running: dict[Future, StepPlan]) -> int:
         """The started steps of `in_processes` that hold a core: not those waiting for another launcher."""
@@ -590,13 +594,13 @@ class Runner:
 
     def _watched(self, step: Step) -> bool:
         """Whether `writes.py` watches where the step writes: not on a cluster, nor when it declares no outputs."""
-        return not step.no_outputs and not (step.resources is not None and self.cluster is not None)
+        return not step.no_outputs and not self._on_cluster(step)
 
     def _dispatch(self, step: Step, resolved, output_path: str, attempt: int, lease: leases.Lease, retry: bool = False) -> None:
         from fray.types import Entrypoint, JobRequest, create_environment
 
         job_name = cluster_job_name(step.name, output_path, attempt)
-        if step.resources is not None and self.cluster is not None:
+        if self._on_cluster(step):
             from keel.executor.cluster import ClusterJobStalled, run_on_cluster
 
             env = _process_env(resolved, processes=step.resources.replicas)
