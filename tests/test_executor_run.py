@@ -512,16 +512,40 @@ def test_steps_in_processes_of_their_own_run_one_per_core_and_others_pass_them(t
         "it starts when one ends"]
 
 
-@pytest.mark.parametrize("quota, cores", [("150000 100000", 2), ("50000 100000", 1), ("max 100000", None), ("", None)])
-def test_the_cores_are_the_affinitys_or_a_containers_cpu_quota_when_less(tmp_path, monkeypatch, quota, cores):
+V2 = "0::/kubepods/pod1/ctr\n"
+V2_MOUNT = "41 31 0:38 / {root}/unified rw,relatime - cgroup2 cgroup2 rw\n"
+V1 = "4:cpu,cpuacct:/docker/abc\n2:memory:/docker/abc\n0::/\n"  # a hybrid host: v1 controllers beside an empty v2
+V1_MOUNTS = ("32 31 0:29 /docker/abc {root}/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct\n"
+             "35 31 0:32 /docker/abc {root}/memory rw,relatime - cgroup cgroup rw,memory\n" + V2_MOUNT)
+
+
+@pytest.mark.parametrize("cgroup, mounts, limits, cores", [
+    # cgroup v2: a pod's limit binds the container inside it; the least of the two; rounded up
+    (V2, V2_MOUNT, {"unified/kubepods/pod1/cpu.max": "250000 100000", "unified/kubepods/pod1/ctr/cpu.max": "max 100000"}, 3),
+    (V2, V2_MOUNT, {"unified/kubepods/cpu.max": "400000 100000", "unified/kubepods/pod1/ctr/cpu.max": "100000 100000"}, 1),
+    (V2, V2_MOUNT, {"unified/kubepods/pod1/ctr/cpu.max": "max 100000"}, 8),
+    # cgroup v1, the container's cgroup mounted as its hierarchy's root (docker without a cgroup namespace)
+    (V1, V1_MOUNTS, {"cpu,cpuacct/cpu.cfs_quota_us": "150000", "cpu,cpuacct/cpu.cfs_period_us": "100000"}, 2),
+    (V1, V1_MOUNTS, {"cpu,cpuacct/cpu.cfs_quota_us": "-1", "cpu,cpuacct/cpu.cfs_period_us": "100000"}, 8),
+    (None, None, {}, 8),  # no cgroups to read (not Linux)
+], ids=["v2-pod-limit", "v2-least-of-two", "v2-no-limit", "v1-container", "v1-no-limit", "no-cgroups"])
+def test_the_cores_are_the_affinitys_or_the_least_cgroup_cpu_quota_when_less(tmp_path, monkeypatch, cgroup, mounts,
+                                                                            limits, cores):
+    """Read as the kernel lays them out: /proc/self/cgroup names the process's cgroup in each
+    hierarchy, mountinfo where each is mounted and which of its cgroups is the mount's root."""
     from keel.executor import resources
 
-    seen = len(os.sched_getaffinity(0))
-    (tmp_path / "cpu.max").write_text(quota + "\n")
-    monkeypatch.setattr(resources, "CPU_QUOTA", str(tmp_path / "cpu.max"))
-    assert resources.machine_cores() == (seen if cores is None else min(seen, cores))
-    monkeypatch.setattr(resources, "CPU_QUOTA", str(tmp_path / "absent"))
-    assert resources.machine_cores() == seen
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    proc.mkdir()
+    if cgroup is not None:
+        (proc / "cgroup").write_text(cgroup)
+        (proc / "mountinfo").write_text(mounts.format(root=root))
+    for name, text in limits.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text + "\n")
+    monkeypatch.setattr(resources, "PROC_SELF", str(proc))
+    monkeypatch.setattr(resources.os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert resources.machine_cores() == cores
 
 
 def test_a_process_a_launcher_step_forks_exits_and_takes_signals_as_any_process(monkeypatch):

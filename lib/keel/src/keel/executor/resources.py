@@ -7,8 +7,8 @@ import math
 import os
 from dataclasses import dataclass
 
-CPU_QUOTA = "/sys/fs/cgroup/cpu.max"
-"""A cgroup v2 container's CPU quota: `<quota> <period>` in microseconds, or `max <period>`."""
+PROC_SELF = "/proc/self"
+"""Where this process's cgroup (`cgroup`) and the mounted cgroup hierarchies (`mountinfo`) are read."""
 
 
 def machine_cores() -> int:
@@ -19,16 +19,72 @@ def machine_cores() -> int:
     so more of them at once only take turns on the same cores. The scaling-ladder tutorial's four
     rungs on 2 cores, started together, took 126-137 s of wall time and 234-253 CPU s; two at a
     time, 115-119 s and 207-217 CPU s; one at a time, 137 s and 217 CPU s. In a container whose CPU
-    quota (cgroup v2 `cpu.max`) is less than the cores it sees, the quota."""
+    quota is less than the cores it sees (a Kubernetes CPU limit, `docker --cpus`), the quota,
+    rounded up (`cpu_quota`)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cpu_quota()
+    return cores if quota is None else min(cores, max(1, math.ceil(quota)))
+
+
+def cpu_quota() -> float | None:
+    """The least CPU quota, in cores, of this process's cgroup and its ancestors (a limit set on a
+    parent binds its children), in cgroup v2 (`cpu.max`: `<quota> <period>` or `max <period>`) or
+    v1 (`cpu.cfs_quota_us`, -1 for none, over `cpu.cfs_period_us`); None where none is set or the
+    cgroups cannot be read (not Linux)."""
+    quotas = []
+    for directory, mountpoint, version in _cpu_cgroups():
+        while True:
+            try:
+                if version == 2:
+                    with open(os.path.join(directory, "cpu.max")) as f:
+                        quota, period = f.read().split()[:2]
+                else:
+                    with open(os.path.join(directory, "cpu.cfs_quota_us")) as f:
+                        quota = f.read().strip()
+                    with open(os.path.join(directory, "cpu.cfs_period_us")) as f:
+                        period = f.read().strip()
+                if quota not in ("max", "-1") and int(period) > 0:
+                    quotas.append(int(quota) / int(period))
+            except (OSError, ValueError):  # no limit file here (a hierarchy's root has none)
+                pass
+            if directory == mountpoint or not directory.startswith(mountpoint):
+                break
+            directory = os.path.dirname(directory)
+    return min(quotas) if quotas else None
+
+
+def _cpu_cgroups() -> list[tuple[str, str, int]]:
+    """(this process's cgroup directory, its hierarchy's mount point, cgroup version) for each
+    mounted hierarchy that holds the cpu controller: the unified (v2) one and a v1 `cpu` one; a
+    hybrid host has both. A container sees its own cgroup as its hierarchy's root (mountinfo's
+    root field), so the path below that root is what names its directory."""
     try:
-        with open(CPU_QUOTA) as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):  # no cgroup v2 quota here
-        pass
-    return cores
+        with open(os.path.join(PROC_SELF, "cgroup")) as f:
+            paths = {}  # controller ("" for v2) -> the process's cgroup path
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                for controller in controllers.split(",") if controllers else [""]:
+                    paths[controller] = path
+        with open(os.path.join(PROC_SELF, "mountinfo")) as f:
+            mounts = f.read().splitlines()
+    except (OSError, ValueError):
+        return []
+    found = []
+    for line in mounts:
+        fields, _, after = line.partition(" - ")
+        fields, after = fields.split(), after.split()
+        if len(fields) < 5 or len(after) < 3:
+            continue
+        root, mountpoint, fstype, options = fields[3], fields[4], after[0], after[2].split(",")
+        if fstype == "cgroup2" and "" in paths:
+            path, version = paths[""], 2
+        elif fstype == "cgroup" and "cpu" in options and "cpu" in paths:
+            path, version = paths["cpu"], 1
+        else:
+            continue
+        below = os.path.relpath(path, root) if path == root or path.startswith(root.rstrip("/") + "/") else "."
+        found.append((os.path.normpath(os.path.join(mountpoint, below)), mountpoint, version))
+    return found
 
 
 @dataclass(frozen=True)
