@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -578,6 +579,31 @@ def test_a_process_a_launcher_step_forks_exits_and_takes_signals_as_any_process(
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def test_ctrl_c_that_lands_while_the_scheduler_holds_its_lock_stops_the_run():
+    """Python runs a signal handler on the main thread between two bytecodes, so Ctrl-C can land
+    while the scheduler there holds the runner's lock (`_cores_busy`, each round): the handler
+    takes it again. With a plain lock it waited for itself, every later Ctrl-C too, and the leases'
+    heartbeats kept other launchers waiting on the steps; only `kill -9` ended it."""
+    from keel.executor import interrupt, run
+
+    said: list[str] = []
+    runner = run.Runner(Graph([], "memory://keel-signal-in-lock"), echo=said.append)
+
+    def scheduler_round_interrupted():  # on a thread of its own, so that a hang fails the test, not the worker
+        with runner._lock:
+            runner._on_signal(signal.SIGINT, None)
+
+    thread = threading.Thread(target=scheduler_round_interrupted, daemon=True)
+    try:
+        thread.start()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "the handler waited for the lock its own thread held"
+        assert runner._stopping and interrupt.requested()
+        assert said and said[0].startswith("[keel] SIGINT: stopping 0 running step(s)"), said
+    finally:
+        interrupt.clear()
 
 
 def flaky(config: WriteConfig) -> None:

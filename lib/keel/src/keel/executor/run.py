@@ -211,7 +211,9 @@ class Runner:
         self.force = force
         self.lease_timeout = lease_timeout
         self.echo = echo
-        self._lock = threading.Lock()
+        # re-entrant: Ctrl-C's handler (`_on_signal`) runs on the main thread between two bytecodes,
+        # also while the scheduler there holds it (`_cores_busy`): a plain lock waited for itself forever
+        self._lock = threading.RLock()
         self._children: dict = {}  # live child processes of isolated steps: their folders (`keel.executor.child`)
         self._active: dict[str, tuple[Status, leases.Lease]] = {}  # output path -> (RUNNING status, lease)
         self._warned: dict[str, list[str]] = {}  # output path -> the warnings of its successful attempt
