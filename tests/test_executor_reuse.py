@@ -193,3 +193,27 @@ def test_an_index_that_cannot_be_written_leaves_the_step_finished_and_says_so(tm
     assert warned and "FileExistsError" in warned[0] and f"until {tmp_path}/.keel/content can be written" in warned[0]
     assert run_steps([made], str(tmp_path), echo=said.append).ok  # cached: indexing it again fails again
     assert [p.state for p in plan_graph(Graph([made], str(tmp_path)))] == [CACHED]
+
+
+def test_a_cached_output_whose_record_a_crash_tore_stays_cached_and_is_not_indexed(tmp_path):
+    """A step.json torn by a machine crash (it is not fsynced) cannot say what work its output is:
+    indexing the finished outputs skips it, as reuse does, instead of raising a bare JSON error
+    before anything runs."""
+    import shutil
+
+    from keel.executor.status import RECORD, keel_path
+
+    prefix = str(tmp_path)
+    made = Step("one/text", write, Text("hello"))
+    assert run_steps([made], prefix, echo=lambda _: None).ok
+    record = keel_path(Graph([made], prefix).path(made), RECORD)
+    with open(record) as f:
+        text = f.read()
+    with open(record, "w") as f:
+        f.write(text[: len(text) // 2])
+    shutil.rmtree(tmp_path / ".keel" / "content")  # the entry lost too: indexing reads the record
+    CALLS.clear()
+    report = run_steps([made], prefix, echo=lambda _: None)
+    assert report.ok and CALLS == [], report.failures
+    assert [p.state for p in plan_graph(Graph([made], prefix))] == [CACHED]
+    assert not (tmp_path / ".keel" / "content").exists() or not list((tmp_path / ".keel" / "content").iterdir())

@@ -257,8 +257,7 @@ class Runner:
             if p.state != CACHED or p.reused_from is not None or not isinstance(p.step, Step) or not reuse.reusable(p.step):
                 continue
             content = self.graph.identities.content_hash(p.step)
-            if f"{content}.json" not in known and (storage.read_json(keel_path(p.output_path, RECORD)) or {}).get(
-                    "content_hash") == content:
+            if f"{content}.json" not in known and _recorded_content(p.output_path) == content:
                 self._index(content, p.step, p.output_path, known)
 
     def _index(self, content: str, step: Step, output_path: str, known: set[str] | None = None) -> None:
@@ -707,6 +706,16 @@ class Runner:
         names = ", ".join(p.rsplit("/", 1)[-1] for p in active) or "nothing"
         print(f"keel: aborted; interrupted: {names}. Run the same `keel run` again to resume.", file=sys.stderr, flush=True)
         os._exit(interrupt.EXIT_INTERRUPTED)
+
+
+def _recorded_content(output_path: str) -> str | None:
+    """The content hash an output's step.json records; None where it records none or was torn by a
+    crash (it cannot say what work it is, so the output is not indexed, as `reuse.find` skips it)."""
+    try:
+        record = storage.read_json(keel_path(output_path, RECORD))
+    except ValueError:
+        return None
+    return record.get("content_hash") if isinstance(record, dict) else None
 
 
 def _forget_launcher_signals() -> None:
