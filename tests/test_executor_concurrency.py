@@ -307,3 +307,84 @@ def test_a_step_waiting_for_another_launcher_holds_none_of_this_machines_cores(t
     assert [line for line in lines if line.startswith("[keel] wait")] == [
         next(line for line in lines if line.startswith("[keel] wait  x/held: another launcher is running it"))], lines
     assert any(line == "[keel] reuse x/held (finished by another launcher)" for line in lines), lines
+
+
+LEFT_TO_US = HEADER + '''
+import time
+from pathlib import Path
+
+
+def _until(name):
+    deadline = time.monotonic() + 60
+    while not Path(os.environ[name]).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def held(config):
+    """Launcher A's attempt fails when the test says so; launcher B's records when it started."""
+    if os.environ.get("ROLE") == "A":
+        Path(config.output_path, "started").touch()
+        _until("FAIL_A")
+        raise RuntimeError("launcher A's attempt fails")
+    Path(config.output_path, "n.txt").write_text(str(time.time()))
+
+
+def free(config):
+    Path(config.output_path, "started").touch()
+    _until("END_FREE")
+    Path(config.output_path, "n.txt").write_text(str(time.time()))
+
+
+a = Step("x/held", held, C(1), isolated=True)
+b = Step("x/free", free, C(2), isolated=True)
+''' + '\nif __name__ == "__main__":\n    main([a, b])\n'
+
+
+@pytest.mark.timeout(120)
+def test_a_step_another_launcher_leaves_to_this_one_waits_for_a_core_before_its_process_starts(tmp_path, monkeypatch):
+    """Launcher B, on a machine of one core, waits on `x/held` (A runs it) and gives its core to
+    `x/free`. A's attempt then fails, so B takes `x/held` over: its process starts only once `x/free`
+    has ended, not beside it (three processes on two cores before)."""
+    import threading
+
+    from keel.executor import run
+
+    experiment, prefix = tmp_path / "left.py", str(tmp_path / "out")
+    experiment.write_text(LEFT_TO_US)
+    fail_a, end_free = tmp_path / "fail_a", tmp_path / "end_free"
+    monkeypatch.setenv("FAIL_A", str(fail_a))
+    monkeypatch.setenv("END_FREE", str(end_free))
+    first = subprocess.Popen([sys.executable, "-m", "keel.cli_entry", "run", str(experiment), "--prefix", prefix,
+                              "--only", "x/held"], env={**os.environ, "ROLE": "A"},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        wait_until(lambda: list(Path(prefix, "x").glob("held-*/started")))
+        monkeypatch.setattr(run, "machine_cores", lambda: 1)
+
+        def fail_a_then_end_free():  # each bounded, so that the run ends whatever B does
+            try:
+                wait_until(lambda: list(Path(prefix, "x").glob("free-*/started")), timeout=30)
+                fail_a.touch()
+                first.wait(timeout=30)
+                wait_until(lambda: any(line.startswith("[keel] wait  x/held: every core") for line in lines), timeout=10)
+            except (TimeoutError, subprocess.TimeoutExpired):
+                pass
+            end_free.touch()
+
+        helper = threading.Thread(target=fail_a_then_end_free, daemon=True)
+        helper.start()
+        report = run_steps(load_experiment(str(experiment)), prefix, echo=lines.append)
+        helper.join(timeout=60)
+        out, _ = first.communicate(timeout=60)
+    finally:
+        first.kill()
+    assert first.returncode != 0 and "launcher A's attempt fails" in out, out
+    assert report.ok and sorted(report.ran) == ["x/free", "x/held"], (report, lines)
+    ended_free = float(next(Path(prefix, "x").glob("free-*/n.txt")).read_text())
+    started_held = float(next(Path(prefix, "x").glob("held-*/n.txt")).read_text())
+    assert started_held >= ended_free, (started_held, ended_free)
+    assert [line for line in lines if line.startswith("[keel] wait  x/held")] == [
+        next(line for line in lines if line.startswith("[keel] wait  x/held: another launcher is running it")),
+        "[keel] wait  x/held: every core of this machine (1) already runs a step in a process of its own; "
+        "it starts when one ends"], lines

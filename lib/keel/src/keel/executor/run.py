@@ -67,7 +67,7 @@ _NOT_STARTED = "not started"  # a step's outcome: the run was interrupted while 
 _SIGNAL_POLL_S = 0.2
 _TELL_HELD_S = 1.0
 """How long a step waits for a core before the console says so: a step just started that turns out
-to wait for another launcher gives its core back within milliseconds (`_cores_busy`)."""
+to wait for another launcher gives its core back within milliseconds (`Runner._holding`)."""
 _SAME_CTRL_C_S = 1.0
 
 
@@ -212,14 +212,17 @@ class Runner:
         self.lease_timeout = lease_timeout
         self.echo = echo
         # re-entrant: Ctrl-C's handler (`_on_signal`) runs on the main thread between two bytecodes,
-        # also while the scheduler there holds it (`_cores_busy`): a plain lock waited for itself forever
+        # also while the scheduler there holds it (counting the cores held): a plain lock waited for itself forever
         self._lock = threading.RLock()
+        self._core_freed = threading.Condition(self._lock)
         self._children: dict = {}  # live child processes of isolated steps: their folders (`keel.executor.child`)
         self._active: dict[str, tuple[Status, leases.Lease]] = {}  # output path -> (RUNNING status, lease)
         self._warned: dict[str, list[str]] = {}  # output path -> the warnings of its successful attempt
         self._stopping, self._stopping_since = False, 0.0
         self._isolated_in_run = 0
-        self._elsewhere: set[str] = set()  # output paths of steps waiting while another launcher runs them
+        # output paths of the started steps that hold one of `process_slots`, for a process of their own:
+        # not while they wait for another launcher running them (`_claim`)
+        self._holding: set[str] = set()
         guard_process_exit()
 
     def run(self, only: re.Pattern | None = None) -> RunReport:
@@ -305,7 +308,6 @@ class Runner:
                 self.echo(f"[keel] skip  {by_id[key].name}: a dependency failed")
 
         running: dict[Future, StepPlan] = {}
-        in_processes: set[Future] = set()  # running steps with a process of their own on this machine
         held_since: dict[int, float] = {}  # steps waiting for a core: since when
         told: set[int] = set()  # those the console was told of
         broken: list[int] = []  # failed or stopped since the last round
@@ -320,21 +322,15 @@ class Runner:
                 while ready and len(running) < self.max_concurrent:
                     entry = heapq.heappop(ready)
                     plan = by_id[entry[1]]
-                    own_process = self._in_own_process(plan.step)
-                    busy = self._cores_busy(in_processes, running)
-                    if own_process and busy >= self.process_slots:
+                    if self._in_own_process(plan.step) and not self._take_core(plan.output_path):
                         held_back.append(entry)
                         since = held_since.setdefault(entry[1], time.monotonic())
                         if entry[1] not in told and time.monotonic() - since >= _TELL_HELD_S:
                             told.add(entry[1])
-                            self.echo(f"[keel] wait  {plan.name}: every core of this machine ({busy}) "
-                                      "already runs a step in a process of its own; it starts when one ends")
+                            self._tell_held(plan.name)
                         continue
                     del waiting[entry[1]]
-                    future = pool.submit(self._execute, plan)
-                    running[future] = plan
-                    if own_process:
-                        in_processes.add(future)
+                    running[pool.submit(self._execute, plan)] = plan
                 for entry in held_back:
                     heapq.heappush(ready, entry)
                 if not running:
@@ -346,7 +342,7 @@ class Runner:
                 finished, _ = wait(list(running), timeout=_SIGNAL_POLL_S, return_when=FIRST_COMPLETED)
                 for future in finished:
                     plan = running.pop(future)
-                    in_processes.discard(future)
+                    self._give_core(plan.output_path)
                     try:
                         outcome = future.result()
                     except StepFailed as failure:
@@ -381,10 +377,36 @@ class Runner:
         """Whether the step runs in a child process on this machine (`isolated`, not sent to a cluster)."""
         return step.isolated and not self._on_cluster(step)
 
-    def _cores_busy(self, in_processes: set[Future], running: dict[Future, StepPlan]) -> int:
-        """The started steps of `in_processes` that hold a core: not those waiting for another launcher."""
+    def _take_core(self, output_path: str) -> bool:
+        """Whether the step holds a core for its process: it did, or one was free and it took it."""
         with self._lock:
-            return sum(1 for future in in_processes if running[future].output_path not in self._elsewhere)
+            if output_path not in self._holding:
+                if len(self._holding) >= self.process_slots:
+                    return False
+                self._holding.add(output_path)
+            return True
+
+    def _give_core(self, output_path: str) -> None:
+        with self._lock:
+            if output_path in self._holding:
+                self._holding.discard(output_path)
+                self._core_freed.notify_all()
+
+    def _tell_held(self, name: str) -> None:
+        self.echo(f"[keel] wait  {name}: every core of this machine ({self.process_slots}) already runs a step in a "
+                  "process of its own; it starts when one ends")
+
+    def _wait_for_core(self, plan: StepPlan) -> None:
+        """Until the step holds a core for its process, or the run stops. A step that waited for
+        another launcher gave its core back, which others may have taken since; the launcher then
+        left the step to this one (its attempt failed, or its lease expired)."""
+        tell_at: float | None = time.monotonic() + _TELL_HELD_S
+        with self._lock:
+            while not self._take_core(plan.output_path) and not self._stopping:
+                if tell_at is not None and time.monotonic() >= tell_at:
+                    tell_at = None
+                    self._tell_held(plan.name)
+                self._core_freed.wait(timeout=_SIGNAL_POLL_S)
 
     def _claim(self, plan: StepPlan) -> tuple[leases.Lease | None, Status | None]:
         """The lease on the step's output and its last status; no lease when another launcher
@@ -394,45 +416,40 @@ class Runner:
         forced = bool(self.force and self.force.search(plan.name))
         out_of_date = plan.status.finished if plan.remade_inputs else None  # only a newer output is finished
         delay, told = 0.02, None
-        try:
-            while True:
-                lease, holder = leases.try_acquire(plan.output_path, self.lease_timeout)
-                status = read_status(plan.output_path)
-                finished = (status is not None and status.state == SUCCESS and status.finished != out_of_date
-                            and verify_manifest(plan.output_path, status, no_outputs=plan.step.no_outputs) is None)
-                if lease is not None:
-                    if finished and not forced:
-                        lease.release()
-                        return None, status
-                    if holder is not None:
-                        self.echo(f"[keel] take  {plan.name}: its lease was held by {holder.describe()}")
-                        stray = holder.stray_step_process()
-                        if stray is not None:
-                            if not leases.stop_stray_step_process(stray):
-                                lease.release()
-                                raise StepFailed(plan.name, plan.output_path,
-                                                 f"the step's process of the launcher whose lease expired (pid {stray}) "
-                                                 "still runs and did not die when killed: stop it, then run again",
-                                                 _log_or_none(plan.output_path))
-                            self.echo(f"[keel] take  {plan.name}: its step's process (pid {stray}) still ran, its launcher "
-                                      "silent: killed it, so that one process writes the output")
-                    return lease, status
+        while True:
+            lease, holder = leases.try_acquire(plan.output_path, self.lease_timeout)
+            status = read_status(plan.output_path)
+            finished = (status is not None and status.state == SUCCESS and status.finished != out_of_date
+                        and verify_manifest(plan.output_path, status, no_outputs=plan.step.no_outputs) is None)
+            if lease is not None:
                 if finished and not forced:
+                    lease.release()
                     return None, status
-                if self._stopping:
-                    return None, None
-                # Another launcher holds a live lease: wait for its outcome (or for its lease to expire),
-                # holding none of this machine's cores meanwhile (`_cores_busy`).
-                if holder is not None and holder.epoch != told:
-                    told = holder.epoch
-                    self.echo(f"[keel] wait  {plan.name}: another launcher is running it ({holder.describe()})")
-                with self._lock:
-                    self._elsewhere.add(plan.output_path)
-                time.sleep(delay)
-                delay = min(delay * 2, _MAX_WAIT_POLL_S)
-        finally:
-            with self._lock:
-                self._elsewhere.discard(plan.output_path)
+                if holder is not None:
+                    self.echo(f"[keel] take  {plan.name}: its lease was held by {holder.describe()}")
+                    stray = holder.stray_step_process()
+                    if stray is not None:
+                        if not leases.stop_stray_step_process(stray):
+                            lease.release()
+                            raise StepFailed(plan.name, plan.output_path,
+                                             f"the step's process of the launcher whose lease expired (pid {stray}) "
+                                             "still runs and did not die when killed: stop it, then run again",
+                                             _log_or_none(plan.output_path))
+                        self.echo(f"[keel] take  {plan.name}: its step's process (pid {stray}) still ran, its launcher "
+                                  "silent: killed it, so that one process writes the output")
+                return lease, status
+            if finished and not forced:
+                return None, status
+            if self._stopping:
+                return None, None
+            # Another launcher holds a live lease: wait for its outcome (or for its lease to expire),
+            # holding none of this machine's cores meanwhile.
+            if holder is not None and holder.epoch != told:
+                told = holder.epoch
+                self.echo(f"[keel] wait  {plan.name}: another launcher is running it ({holder.describe()})")
+            self._give_core(plan.output_path)
+            time.sleep(delay)
+            delay = min(delay * 2, _MAX_WAIT_POLL_S)
 
     def _execute(self, plan: StepPlan) -> str:
         if plan.remade_inputs and self._inputs_unchanged(plan):
@@ -455,7 +472,9 @@ class Runner:
             if lease is None:
                 self.echo(f"[keel] reuse {plan.name} (finished by another launcher)")
                 return "reused"
-            if self._stopping:  # interrupted while the step waited for a free thread or its lease: it never starts
+            if self._in_own_process(plan.step):
+                self._wait_for_core(plan)
+            if self._stopping:  # interrupted while the step waited for a free thread, its lease or a core: it never starts
                 lease.release()
                 self.echo(f"[keel] stop  {plan.name}: not started, the run is interrupted")
                 return _NOT_STARTED
