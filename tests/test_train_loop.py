@@ -34,12 +34,14 @@ def _losses(output_path):
 
 def _driver(output_path, **fields):
     cmd = [sys.executable, os.path.join(HERE, "train_driver.py"), str(output_path), json.dumps({**BASE, **fields})]
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _finish(proc, timeout=300):
-    _, err = proc.communicate(timeout=timeout)
+def _finish(proc, timeout=300) -> str:
+    """The run's printed lines, once it ended well."""
+    out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, err[-3000:]
+    return out
 
 
 def test_resume_after_kill_9_gives_the_uninterrupted_losses(tmp_path):
@@ -56,7 +58,9 @@ def test_resume_after_kill_9_gives_the_uninterrupted_losses(tmp_path):
     seen_before_kill = max(_safe_losses(crashed))
     assert 9 <= seen_before_kill < 13, "the run must die mid-way, after its step-8 checkpoint"
 
-    _finish(_driver(crashed, **fields))
+    printed = _finish(_driver(crashed, **fields))
+    # the resume evaluates first at step 12: its evaluation compiled in the background, not while training waited there
+    assert re.search(r"(compiled|loaded) the \S+ evaluation( from the compilation cache)? in [\d.]+s, ahead \(", printed), printed
     expected, got = _losses(reference), _losses(crashed)
     assert sorted(got) == list(range(14))
     records = read_metrics(os.path.join(crashed, METRICS_FILE))

@@ -178,8 +178,9 @@ class _Run:
         self.guard: SpikeGuard | None = None  # made when training starts (keel.train.spike_guard)
         self._met = False  # the processes met before their first shared program (`_meet_before_first_program`)
         self._kernel_pending: int | None = None  # the step of the layout record that waits for its kernels' report
-        if self.start < config.num_steps:  # the loop evaluates first: that compiles on this thread, alongside
-            self._compile_ahead(self.start, evaluation=False, announce=False)
+        if self.start < config.num_steps:  # a fresh run evaluates first, which compiles on this thread alongside;
+            # a resume evaluates only later, so its evaluation compiles here too, after the step (not mid-run, training waiting)
+            self._compile_ahead(self.start, evaluation=self.start > 0, announce=False)
 
         # Where each part of the state lives (keel.train.offload): pinned as the step's in/out shardings.
         self.layout = offload.Layout()
