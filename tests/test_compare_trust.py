@@ -254,3 +254,18 @@ def test_a_diverged_runs_figures_are_null_in_every_json_document(tmp_path, capsy
     compare_step(CompareConfig(runs={"diverged": str(output)}, output_path=str(tmp_path / "compared")))
     (row,) = strict((tmp_path / "compared" / JSON_FILE).read_text())["runs"]
     assert row["final_loss"] is None
+
+
+def test_the_best_loss_is_the_least_finite_one(tmp_path, capsys):
+    """A NaN evaluation is never the run's best: `min` keeps whichever NaN comes first (it compares
+    neither less nor greater), so a run whose first evaluation was NaN reported it as its best."""
+    experiment = tmp_path / "nan_first.py"
+    nan_first = _EXPERIMENT.replace('rows = [{"step": 0, "eval/loss": 7.0}]', 'rows = [{"step": 0, "eval/loss": float("nan")}]')
+    assert nan_first != _EXPERIMENT
+    experiment.write_text(nan_first.replace("RUNS)", '[run("nan_first", 1.0)])'))
+    prefix = str(tmp_path / "out")
+    assert console_main(["run", str(experiment), "--prefix", prefix]) == 0
+    capsys.readouterr()
+    assert console_main(["compare", str(experiment), "--prefix", prefix, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["runs"]
+    assert (row["best_step"], row["best_loss"]) == (4, 6.0), row

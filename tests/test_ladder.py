@@ -44,6 +44,8 @@ def test_a_ladder_needs_four_distinct_rungs_and_judges_a_loss_against_the_band()
         LadderConfig(runs=dict.fromkeys("abcd", "x"), compute=dict.fromkeys("abcd", 1.0), target="t", target_compute=9.0)
     band = {"low": 3.0, "high": 3.2}
     assert [judge(v, band) for v in (2.9, 3.1, 3.3, None)] == ["below", "within", "above", None]
+    # a loss that is no number lies in no band (NaN compares neither above nor below: it read as within)
+    assert [judge(v, band) for v in (float("nan"), float("inf"))] == ["not finite", "not finite"]
 
 
 _EXPERIMENT = textwrap.dedent(

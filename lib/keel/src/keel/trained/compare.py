@@ -16,6 +16,7 @@ the compare step (`compare_step`) writes it as comparison.md, comparison.json an
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sys
@@ -102,7 +103,8 @@ def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None,
         metrics = read_metrics(storage.join(path, METRICS_FILE))
         evals = latest_by_step(metrics, "eval/loss")
         train_steps = latest_by_step(metrics, "train/loss")
-        best_step = min(evals, key=evals.get) if evals else None
+        finite = {step: loss for step, loss in evals.items() if math.isfinite(loss)}
+        best_step = min(finite, key=finite.get) if finite else None
         status = read_status(path)
         wall = status.duration if status is not None else None
         tokens_per_step = identities[label].get("train.batch_size", 0) * identities[label].get("train.seq_len", 0)
@@ -115,7 +117,7 @@ def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None,
             steps=max(train_steps) + 1 if train_steps else 0,
             final_loss=final,
             final_step=max(evals) if evals else None,
-            best_loss=evals[best_step] if evals else None,
+            best_loss=evals[best_step] if finite else None,
             best_step=best_step,
             tokens_per_s=steady_tokens_per_s(metrics),
             wall_s=wall,
@@ -285,7 +287,7 @@ def _predicted(r: RunSummary) -> str:
     if p is None:
         return "-"
     shown = f"{p['loss']:.4f} [{p['low']:.4f}, {p['high']:.4f}]"
-    return shown + (f" OUTSIDE ({r.verdict})" if r.verdict in ("above", "below") else "")
+    return shown + (f" OUTSIDE ({r.verdict})" if r.verdict not in (None, "within") else "")
 
 
 def _names(names: list[str]) -> str:

@@ -225,9 +225,12 @@ def read_prediction(location: str | None) -> dict | None:
 
 
 def judge(actual: float | None, prediction: dict | None) -> str | None:
-    """'within' / 'above' / 'below' the band; None when either is missing."""
+    """'within' / 'above' / 'below' the band, or 'not finite' (a NaN or infinite loss, outside any
+    band; NaN compares neither above nor below); None when either is missing."""
     if actual is None or prediction is None:
         return None
+    if not math.isfinite(actual):
+        return "not finite"
     return "above" if actual > prediction["high"] else "below" if actual < prediction["low"] else "within"
 
 
