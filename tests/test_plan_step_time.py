@@ -233,11 +233,20 @@ def test_a_variants_days_at_full_goodput_do_not_check_a_claim_in_calendar_days(h
     assert {c["claim"]: c for c in hero["claims"]}["trains in 60 days"]["holds"] is False  # the hero's own: its schedule
 
 
-def test_a_bad_observation_date_names_the_entry_as_declared():
-    from keel.spec import PlanError
+def test_a_date_that_is_no_iso_date_is_refused_where_it_is_declared():
+    """Before any plan: the step-time model parsed the start date itself, so `keel plan`, variants
+    and the dashboard died on a bare ValueError traceback (`--set ...:facts.start_date=2026-13-01`)."""
+    _, second = HERO.facts.observed
+    with pytest.raises(ValueError, match=r"SpeedObservation\.date='2026-09-31' is not an ISO date: write it as 'yyyy-mm-dd'"):
+        dataclasses.replace(second, date="2026-09-31")
+    for bad in ("2026-13-01", "2026/08/19", None):
+        with pytest.raises(ValueError, match=rf"RunFacts\.start_date={bad!r} is not an ISO date"):
+            dataclasses.replace(HERO.facts, start_date=bad)
 
-    first, second = HERO.facts.observed  # declared in step order: declare them the other way round
-    bad = dataclasses.replace(second, date="2026-09-31")
-    facts = dataclasses.replace(HERO.facts, observed=(bad, first))
-    with pytest.raises(PlanError, match=r"facts\.observed\[0\]\.date='2026-09-31' is not an ISO date"):
-        fact_sheet(dataclasses.replace(HERO, facts=facts))
+
+def test_plan_names_a_start_date_set_wrong_and_how_to_write_it(capsys):
+    from keel.cli import console_main
+
+    assert console_main(["plan", "experiments/hero_535b.py", "--set", "train/hero_535b:facts.start_date=2026-13-01"]) == 2
+    assert capsys.readouterr().err.strip() == ("keel: error: --set train/hero_535b:facts.start_date=2026-13-01: "
+                                               "RunFacts.start_date='2026-13-01' is not an ISO date: write it as 'yyyy-mm-dd'")

@@ -13,6 +13,7 @@ call it.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import math
 import re
 from dataclasses import dataclass, field
@@ -526,6 +527,9 @@ class SpeedObservation:
     date: str
     step_seconds: float
 
+    def __post_init__(self):
+        _iso_date("SpeedObservation.date", self.date)
+
 
 @dataclass(frozen=True)
 class Claim:
@@ -567,6 +571,17 @@ class RunFacts:
     """The speed key (`keel.plan.step_time.speed_key`) of the layout the speeds were measured on: a
     declaration with another key (batch, hardware, topology, transports, ...) is a variant, whose
     step time is predicted, not observed. None: the observations are this declaration's own."""
+
+    def __post_init__(self):
+        _iso_date("RunFacts.start_date", self.start_date)
+
+
+def _iso_date(field: str, text) -> None:
+    """Dates are ISO `yyyy-mm-dd`: the plan counts days from them (checked here, before a plan or a run)."""
+    try:
+        dt.date.fromisoformat(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{field}={text!r} is not an ISO date: write it as 'yyyy-mm-dd'") from None
 
 
 @dataclass(frozen=True)
