@@ -306,21 +306,26 @@ class _Zstd(io.RawIOBase):
         import zstandard
 
         self._raw, self._url, self._context = raw, url, zstandard.ZstdDecompressor()
-        self._frame, self._in_frame, self._ready = self._context.decompressobj(), False, b""
+        self._frame, self._in_frame = self._context.decompressobj(), False
+        self._ready, self._at = b"", 0  # decompressed bytes, and how many of them were read
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
-        while not self._ready:
-            data = self._raw.read(1 << 20)
+        # Compressed reads of 64 KiB bound what one decompresses to; the offset, not a re-slice of
+        # what is left, keeps each read's cost its own size (re-slicing copied the rest of the chunk
+        # on every 8 KiB read: a 16 MB file's lines took 1.34 s against zstandard's reader's 0.03 s).
+        while self._at >= len(self._ready):
+            data = self._raw.read(1 << 16)
             if not data:
                 if self._in_frame:
                     raise EOFError("it ends inside a zstd frame: cut short (an interrupted download or copy?)")
                 return 0
-            self._ready = self._decompress(data)
-        n = min(len(buffer), len(self._ready))
-        buffer[:n], self._ready = self._ready[:n], self._ready[n:]
+            self._ready, self._at = self._decompress(data), 0
+        n = min(len(buffer), len(self._ready) - self._at)
+        buffer[:n] = self._ready[self._at : self._at + n]
+        self._at += n
         return n
 
     def _decompress(self, data: bytes) -> bytes:
