@@ -128,6 +128,30 @@ def test_a_levanter_cache_of_input_ids_only_is_refused_naming_what_it_lacks(tmp_
         load_token_cache(str(tmp_path / "ext"), "train", seq_len=8)
 
 
+def test_a_split_whose_last_partial_sequence_holds_much_of_it_is_warned_of(cache, inputs, tmp_path, capsys):
+    """The tokens of a split's last, partial sequence are left out of its cache: the console line
+    says how many, and a share over `LEFT_OUT_WARNS` is a warning of the step (here a validation
+    split of 1.5 sequences loses a third of its tokens; it counted them as if tokenized)."""
+    from keel.data.summary import read_summary
+    from keel.data.tokenize import LEFT_OUT_WARNS
+
+    validation = storage.read_json(f"{cache}/tokenize.json")["splits"]["validation"]["tokens"]
+    seq_len = validation * 2 // 3
+    capsys.readouterr()
+    out = _tokenize(tmp_path / "long", inputs, seq_len=seq_len)
+    splits = storage.read_json(f"{out}/tokenize.json")["splits"]
+    left = splits["validation"]["dropped_tokens"]
+    assert splits["validation"]["sequences"] == 1 and left / splits["validation"]["tokens"] > LEFT_OUT_WARNS
+    printed = capsys.readouterr().out
+    assert f"validation 1 sequences ({validation:,} tokens from" in printed
+    assert f"; the last {left:,} left out, short of a sequence)" in printed
+    warnings = [f"the {split} split's last {s['dropped_tokens']:,} tokens ({s['dropped_tokens'] / s['tokens']:.0%} of "
+                f"them) do not fill a {seq_len}-token sequence and are left out of its cache: give it more documents "
+                "or a shorter seq_len" for split, s in splits.items() if s["dropped_tokens"] > LEFT_OUT_WARNS * s["tokens"]]
+    assert any(w.startswith(f"the validation split's last {left:,} tokens") for w in warnings)
+    assert read_summary(out)["warnings"] == warnings and all(f"\n  {w}" in printed for w in warnings)
+
+
 def test_two_runs_write_identical_caches(cache, inputs, tmp_path):
     again = _tokenize(tmp_path / "again", inputs, batch_documents=7)  # batch size is execution-only
     assert _files(Path(again)) == _files(Path(cache))

@@ -68,7 +68,7 @@ from keel.data.documents import SPLITS, EmptyDataError, read_index, read_shard, 
 from keel.data.packing import SequencePacker
 from keel.data.summary import write_summary
 from keel.data.tokenizer import SequenceBytes, load_tokenizer
-from keel.executor import storage
+from keel.executor import storage, warn
 from keel.executor.resources import machine_cores
 from keel.spec.data import TokenizeConfig
 
@@ -77,6 +77,9 @@ logger = logging.getLogger(__name__)
 WRITE_TOKENS = 1 << 22  # per group handed to Levanter's writer: 4096 sequences of 1024 tokens
 _QUEUE_DEPTH = 4
 ENCODE_AHEAD = 2  # batches per encoding thread handed over ahead of the one being packed
+LEFT_OUT_WARNS = 0.1
+"""A split whose last, partial sequence (left out of its cache) holds more than this share of its
+tokens is warned of: the documents it cuts are missing from training or evaluation."""
 PARALLELISM = "TOKENIZERS_PARALLELISM"  # read by `tokenizers` at every call
 _FINISH, _END = object(), object()  # a cache writer's thread: this cache is complete; stop
 
@@ -372,8 +375,17 @@ def tokenize_documents(config: TokenizeConfig) -> None:
     if index["splits"]["validation"]["documents"] and not splits["validation"]["sequences"]:
         warnings.append(f"the validation split's {splits['validation']['tokens']:,} tokens do not fill one "
                         f"{config.seq_len}-token sequence: there is nothing to evaluate on")
-    line = ("tokenized: " + ", ".join(f"{split} {s['sequences']:,} sequences ({s['tokens']:,} tokens from "
-                                       f"{s['documents']:,} documents)" for split, s in splits.items()))
+    for split, s in splits.items():
+        if s["sequences"] and s["dropped_tokens"] > LEFT_OUT_WARNS * s["tokens"]:
+            warnings.append(f"the {split} split's last {s['dropped_tokens']:,} tokens ({s['dropped_tokens'] / s['tokens']:.0%} "
+                            f"of them) do not fill a {config.seq_len}-token sequence and are left out of its cache: "
+                            "give it more documents or a shorter seq_len")
+    for warning in warnings:
+        warn(warning)  # the step is done with warnings: `keel run` and `keel status` say so
+    line = "tokenized: " + ", ".join(
+        f"{split} {s['sequences']:,} sequences ({s['tokens']:,} tokens from {s['documents']:,} documents"
+        + (f"; the last {s['dropped_tokens']:,} left out, short of a sequence)" if s["dropped_tokens"] else ")")
+        for split, s in splits.items())
     write_summary(config.output_path, {**{k: stats[k] for k in ("seq_len", "vocab_size", "splits")}, "warnings": warnings},
                   line + "".join(f"\n  {w}" for w in warnings))
     storage.write_json(storage.join(config.output_path, STATS_FILE), stats)
