@@ -84,3 +84,20 @@ def test_the_corpus_holds_no_file_the_python_build_wrote_for_this_machine():
     assert built, "this Python has no build files to leave out: the test checks nothing here"
     files = stdlib_files(include_tests=True)
     assert not [f for f in files if f.split("/")[0] in built] and "sysconfig.py" in files
+
+
+def test_families_are_never_empty_and_asking_for_more_than_there_are_packages_is_refused():
+    """An empty family given as `packages` reads the whole library, the general corpus's packages
+    too: asking for more families than packages left gave one (and fewer families than asked)."""
+    from keel.data import stdlib_families
+    from keel.data.stdlib_corpus import top_level
+
+    packages = sorted({top_level(f) for f in stdlib_files(False)})
+    general = StdlibCorpusConfig(packages=tuple(packages[:-4]))
+    families = stdlib_families(4, disjoint_from=general)
+    assert [name for family in families for name in family] == packages[-4:] and all(families)
+    with pytest.raises(ValueError, match=r"stdlib_families\(count=6\): give 1 to 4, the top-level packages left after "
+                                         r"disjoint_from's"):
+        stdlib_families(6, disjoint_from=general)
+    with pytest.raises(ValueError, match=rf"stdlib_families\(count=0\): give 1 to {len(packages)}, the top-level packages left$"):
+        stdlib_families(0)

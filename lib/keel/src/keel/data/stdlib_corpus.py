@@ -92,6 +92,9 @@ def stdlib_families(count: int, include_tests: bool = False, disjoint_from: Stdl
         if top_level(relative) not in taken:
             sizes[top_level(relative)] = sizes.get(top_level(relative), 0) + os.path.getsize(os.path.join(root, relative))
     names, left = sorted(sizes), sum(sizes.values())
+    if not 1 <= count <= len(names):  # an empty family, as `packages`, would read the whole library
+        raise ValueError(f"stdlib_families(count={count}): give 1 to {len(names)}, the top-level packages left"
+                         + (" after disjoint_from's" if disjoint_from is not None else ""))
     families: list[list[str]] = [[]]
     filled = 0
     for i, name in enumerate(names):
