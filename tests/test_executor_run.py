@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -649,3 +650,14 @@ def test_a_stale_step_is_told_apart_from_its_newest_finished_output_not_a_failed
     assert console_main(["plan", HELLO, "--prefix", prefix, "--set", "tutorial/numbers:n=7", "--json"]) == 0
     states = {s["name"]: s for s in json.loads(capsys.readouterr().out)["steps"]}
     assert states["tutorial/numbers"]["reason"] == "config.n: 100 -> 7"  # the file's own output, not the --set one's 3
+
+
+def test_a_step_process_that_cannot_start_leaves_no_folder(tmp_path, monkeypatch):
+    """A config that does not pickle (here a lock) fails the start: the folder made for the child's
+    payload goes with it (one was left behind per attempt)."""
+    from keel.executor.child import start_child
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(TypeError, match="lock"):
+        start_child(write, WriteConfig(threading.Lock()), str(tmp_path / "out"), env={})
+    assert list(tmp_path.glob("keel-step-*")) == []

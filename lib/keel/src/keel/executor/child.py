@@ -81,15 +81,19 @@ def start_child(fn, resolved_config, output_path: str, env: dict[str, str], drop
     holding its payload/result. With `watch`, the step fails if it writes outside its output (or
     into another output under `prefix`, the graph's)."""
     workdir = tempfile.mkdtemp(prefix="keel-step-")
-    os.mkdir(os.path.join(workdir, "tmp"))
-    with open(os.path.join(workdir, "payload"), "wb") as f:
-        pickle.dump(list(sys.path), f)
-        _pickler(f).dump((fn, resolved_config, output_path, watch, prefix))
-    child_env = {k: v for k, v in {**os.environ, **env, "TMPDIR": os.path.join(workdir, "tmp")}.items() if k not in drop}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "keel.executor.child", workdir, str(os.getpid())],
-        env=child_env, stdin=subprocess.DEVNULL, start_new_session=True,
-    )
+    try:  # a config that does not pickle (a lock, an open file) or a process that does not start leaves no folder
+        os.mkdir(os.path.join(workdir, "tmp"))
+        with open(os.path.join(workdir, "payload"), "wb") as f:
+            pickle.dump(list(sys.path), f)
+            _pickler(f).dump((fn, resolved_config, output_path, watch, prefix))
+        child_env = {k: v for k, v in {**os.environ, **env, "TMPDIR": os.path.join(workdir, "tmp")}.items() if k not in drop}
+        process = subprocess.Popen(
+            [sys.executable, "-m", "keel.executor.child", workdir, str(os.getpid())],
+            env=child_env, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+    except BaseException:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
     return process, workdir
 
 
