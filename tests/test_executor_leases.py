@@ -205,3 +205,32 @@ def test_a_lease_released_while_another_launcher_takes_it_over_leaves_one_holder
                 lease.release()
     assert leases.current_lease(output) is None  # released: no holder, the epoch kept
     assert sorted(os.listdir(Path(output, ".keel"))) == ["lease-00000006"]
+
+
+def test_a_launcher_whose_listing_is_stale_does_not_take_a_lease_another_holds(tmp_path, monkeypatch):
+    """A lists and reads the released epoch 0; before its create, B takes epoch 1 (deleting 0) and
+    lets it go, and C takes epoch 2 (deleting 1). A's exclusive create of epoch 1 then succeeds, as
+    the file is gone: A must see C's newer epoch and back off, or two launchers run the step into
+    one output."""
+    out = str(tmp_path / "step")
+    first, _ = leases.try_acquire(out)
+    first.release()
+    create, others = leases.storage.create_exclusive, []
+
+    def others_first(url, record):  # A's listing and read are done: B and C go before its create
+        monkeypatch.setattr(leases.storage, "create_exclusive", create)
+        b, _ = leases.try_acquire(out)
+        b.release()
+        others.extend([b, leases.try_acquire(out)[0]])
+        return create(url, record)
+
+    monkeypatch.setattr(leases.storage, "create_exclusive", others_first)
+    a, holder = leases.try_acquire(out)
+    b, c = others
+    try:
+        assert (b.epoch, c.epoch) == (1, 2)
+        assert a is None and holder is not None and holder.owner == c.owner, (a, holder)
+        assert leases.current_lease(out).owner == c.owner and leases._latest_epoch(out) == 2
+        assert not os.path.exists(leases._lease_url(out, 1))  # A's epoch is gone again
+    finally:
+        c.release()

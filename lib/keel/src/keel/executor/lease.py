@@ -275,6 +275,12 @@ def try_acquire(output_path: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[L
     record = json.dumps({"owner": owner, "heartbeat": time.time(), "timeout": timeout})
     if not storage.create_exclusive(_lease_url(output_path, epoch), record):
         return None, current_lease(output_path)
+    # Epoch files are deleted only once a newer one exists (below; `release`). So an epoch created
+    # after its file was deleted, by a launcher whose listing was that old, has a newer one beside it:
+    # the holder of that one has the step, and this epoch goes.
+    if (_latest_epoch(output_path) or 0) > epoch:
+        storage.delete_file(_lease_url(output_path, epoch))
+        return None, current_lease(output_path)
     if latest is not None and current is None:  # the released lease this one follows: no longer needed to number on
         storage.delete_file(_lease_url(output_path, latest))
     _HEARTBEATS.add(lease, timeout)
