@@ -348,7 +348,7 @@ class _Run:
         config = self.config
         previous = self.transport_at(start)
         self.guard = SpikeGuard(config.spike_guard, self.output_path, start=start, state=self.state_arrays,
-                                layout=self.layout, event=self.progress.event, write_row=self._log,
+                                layout=self.layout, event=self.progress.event, write_row=self._log_now,
                                 writer=jax.process_index() == 0, restarts=tuple(self.inputs.phase_starts))
         batches = self.guard.batches(loader, start)  # (batch index, batch): a batch the guard skipped is passed over
         step, previous_fn = start, None
@@ -671,6 +671,12 @@ class _Run:
     def _log(self, step: int, values: dict[str, Any]) -> None:
         for tracker in self.trackers:
             tracker.log(values, step=step)
+
+    def _log_now(self, step: int, values: dict[str, Any]) -> None:
+        """A row that may not wait for an object store's next rewrite of metrics.jsonl (a rollback:
+        spike_guard.json says at once that it happened, and a resume keeps its row only if written)."""
+        self._log(step, values)
+        self.metrics.flush()
 
 
 def eval_loss_fn(lm: TrainableLM, static, shardings, transport: TransportSpec, compute_dtype):
