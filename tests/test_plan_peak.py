@@ -38,7 +38,7 @@ def test_the_hero_peak_is_its_state_plus_named_transients_and_fits_with_headroom
     for phase in m["phases"]:
         assert phase["backward_peak_gb"] == pytest.approx(phase["step_peak_gb"] + sum(phase["transient_gb"].values()))
         assert phase["update_peak_gb"] == pytest.approx(
-            phase["step_peak_gb"] - m["parts_gb"]["saved_residuals"] + sum(phase["update_gb"].values()))
+            phase["step_peak_gb"] - phase["saved_residuals_gb"] + sum(phase["update_gb"].values()))
         assert phase["peak_in"] == "backward" and phase["peak_gb"] == phase["backward_peak_gb"] > phase["update_peak_gb"]
         assert phase["fits"] and phase["headroom_gb"] == pytest.approx(192 - phase["peak_gb"])
         assert phase["host_fits"] and phase["host_per_host_gb"] == pytest.approx(4 * phase["host_gb"])
@@ -109,3 +109,23 @@ def test_without_remat_the_saved_residuals_hold_the_layer_activations_once():
     config = hero_config()
     sheet = fact_sheet(dataclasses.replace(config, train=dataclasses.replace(config.train, remat=False)))
     assert all(phase["transient_gb"]["layer_activations"] == 0 for phase in sheet["memory"]["phases"])
+
+
+@pytest.mark.parametrize("transport", ["ring", "fixed_all_to_all"])
+def test_without_remat_each_layer_keeps_what_the_remat_backward_computes_again(transport):
+    """One figure for a layer's activations, whichever way the backward gets them: kept from the
+    forward (no remat) or computed again (remat: all of it live but the received rows, which are the
+    all-to-all buffer). The ring's kernel holds expert_parallel times the assignments; counted at
+    its declared 1.0, the kept activations came out 31 times too small, and a run that does not fit
+    was judged to."""
+    from keel.spec import TransportPhase
+
+    config = hero_config()
+    ring = dataclasses.replace(config.train, transports=(TransportPhase(0, transport),))
+    remat = fact_sheet(dataclasses.replace(config, train=ring))
+    kept = fact_sheet(dataclasses.replace(config, train=dataclasses.replace(ring, remat=False)))
+    (a2a,) = remat["all_to_all"]
+    for again, saved in zip(remat["memory"]["phases"], kept["memory"]["phases"], strict=True):  # split where offload ends
+        per_layer = saved["saved_residuals_gb"] / config.model.num_layers
+        assert per_layer == pytest.approx(again["transient_gb"]["layer_activations"] + a2a["buffer_gb_per_layer"])
+        assert kept["memory"]["parts_gb"]["saved_residuals"] == saved["saved_residuals_gb"]  # the least: one transport

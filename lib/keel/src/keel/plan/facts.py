@@ -109,15 +109,26 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
     # and checks, leaf by leaf); gradients are laid out and typed like the trained parameters.
     state = run.state_at(0)
     trained = {f"model/{p.path}" for p in run.parameters if p.trained}
+
+    def saved_residuals(transport) -> float:
+        """What the forward keeps for the backward (GB per GPU) under a transport phase: one residual
+        per layer with remat, else every activation of every layer, its expert rows as many as the
+        phase's kernel holds (`kernel_capacity_factor`: the ring's expert_parallel times the tokens'
+        assignments, not its declared 1.0)."""
+        if train.remat:
+            return model.num_layers * residual / GB
+        rows = kernel_capacity_factor(transport.transport, transport.capacity_factor, topo.expert_parallel)
+        per_token = sum(layer_activations_per_token(model, rows or 1.0).values())
+        return model.num_layers * run.tokens_per_device * compute * per_token / GB
+
+    saved = {start: saved_residuals(run.transport_at(start)) for start, _ in stretches(run)}
     parts = {
         "master_weights": sum(leaf.bytes_per_device for leaf in state if leaf.path.startswith("model/")) / GB,
         "gradients": sum(leaf.bytes_per_device for leaf in state if leaf.path in trained) / GB,
         "optimizer_state": sum(leaf.bytes_per_device for leaf in state if leaf.path.startswith("opt_state/")) / GB,
         "residual_per_layer": residual / GB,
-        # what the forward keeps for the backward: one residual per layer with remat, else (at least)
-        # every activation of every layer
-        "saved_residuals": model.num_layers * (residual if train.remat else run.tokens_per_device * compute * sum(
-            layer_activations_per_token(model, _fewest_rows(t.capacity_factor for t in run.transports)).values())) / GB,
+        # the least of the phases' (each phase's own is its "saved_residuals_gb")
+        "saved_residuals": min(saved.values()),
     }
     offload = train.host_offload
     phases = []
@@ -128,7 +139,7 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
         device_parts = ["gradients", "saved_residuals"] + [
             p for p in ("master_weights", "optimizer_state") if p not in on_host
         ]
-        known = [parts[p] for p in device_parts]
+        known = [saved[start] if p == "saved_residuals" else parts[p] for p in device_parts]
         device = None if None in known else sum(known)
         transport = run.transport_at(start)
         a2a = next((r for r in a2a_rows if r["from_step"] == transport.start_step), None)
@@ -139,7 +150,7 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
         # peak the device holds it too (it lives on the host between steps).
         state_peak = None if device is None else device + host
         backward = None if state_peak is None else state_peak + sum(transient.values())
-        updating = None if state_peak is None or not update else state_peak - parts["saved_residuals"] + sum(update.values())
+        updating = None if state_peak is None or not update else state_peak - saved[start] + sum(update.values())
         peak = None if backward is None else max(backward, updating or 0.0)
         host_per_host = host * hw.gpus_per_host if hw and hw.gpus_per_host else None
         phases.append({
@@ -147,6 +158,7 @@ def memory(run: ResolvedRun, a2a_rows: list[dict]) -> dict | None:
             "transport": transport.transport,
             "on_device": device_parts,
             "on_host": on_host,
+            "saved_residuals_gb": saved[start],
             "device_gb": device,
             "rack_gb": None if device is None else device * topo.gpus_per_rack,
             "host_gb": host,

@@ -114,7 +114,7 @@ def _memory(m: dict | None) -> list[str]:
                     else f", {gb_text(-phase['headroom_gb'])} over")  # None: no hardware declared to fit in
             backward = (f"in the backward {gb_text(phase['backward_peak_gb'])} = {gb_text(state)} state + "
                         f"{_parts(phase['transient_gb'])} ({phase['transport']})")
-            update = (f"in the update {gb_text(phase['update_peak_gb'])} = {gb_text(state - p['saved_residuals'])} state "
+            update = (f"in the update {gb_text(phase['update_peak_gb'])} = {gb_text(state - phase['saved_residuals_gb'])} state "
                       f"(the saved residuals freed) + {_parts(phase['update_gb'])}") if phase["update_gb"] else None
             first, second = (update, backward) if phase["peak_in"] == "update" else (backward, update)
             lines.append(f"    peak {first}: {_verdict(phase['fits'], hbm)}{room}")

@@ -150,10 +150,11 @@ def loads(run: ResolvedRun, sheet: dict) -> list[Load]:
         # the share of the line's bytes that crosses to other GPUs (all of the ring's, which counts only theirs)
         a2a_gb = a2a["gb_per_step_per_gpu"] * a2a["off_gpu_fraction"] if a2a else 0.0
         a2a_s, a2a_off = _spread(a2a_gb, topo.expert_parallel, hw)
-        host_gb = next(m for m in reversed(mem["phases"]) if m["from_step"] <= start)["host_gb"] * 2  # in and back
+        memory = next(m for m in reversed(mem["phases"]) if m["from_step"] <= start)
+        host_gb = memory["host_gb"] * 2  # in and back
         # weights read each pass and their gradients written once, the update, the saved residuals
         # written and read back, every all-to-all buffer written and read
-        hbm_gb = (weights_read * (passes + 1) + update) / GB + 2 * mem["parts_gb"]["saved_residuals"]
+        hbm_gb = (weights_read * (passes + 1) + update) / GB + 2 * memory["saved_residuals_gb"]
         hbm_gb += 2 * (a2a["gb_per_step_per_gpu"] if a2a else 0)
         waves = phase.num_waves  # 1 but for a transport that sends in waves (TransportPhase refuses others)
         out.append(Load(
