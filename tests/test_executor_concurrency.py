@@ -388,3 +388,46 @@ def test_a_step_another_launcher_leaves_to_this_one_waits_for_a_core_before_its_
         next(line for line in lines if line.startswith("[keel] wait  x/held: another launcher is running it")),
         "[keel] wait  x/held: every core of this machine (1) already runs a step in a process of its own; "
         "it starts when one ends"], lines
+
+
+REMADE_MEANWHILE = HEADER + '''
+import subprocess, sys, time
+from pathlib import Path
+
+
+def stamp(config):
+    os.makedirs(config.output_path, exist_ok=True)
+    Path(config.output_path, "n.txt").write_text(str(time.time_ns()))  # other content each time it runs
+
+
+def read_then_wait(config):
+    """Reads its input, then another launcher makes that input again (`--force`) before it ends."""
+    text = Path(config.inputs[0], "n.txt").read_text()
+    subprocess.run([sys.executable, "-m", "keel.cli_entry", "run", os.environ["EXPERIMENT"], "--prefix", os.environ["PREFIX"],
+                    "--only", "^x/d$", "--force", "^x/d$"], check=True, capture_output=True, timeout=120)
+    os.makedirs(config.output_path, exist_ok=True)
+    Path(config.output_path, "n.txt").write_text(text)
+
+
+d = Step("x/d", stamp, C(1))
+a = Step("x/a", read_then_wait, C(2, (output_of(d),)))
+''' + '\nif __name__ == "__main__":\n    main([a])\n'
+
+
+@pytest.mark.timeout(180)
+def test_a_step_whose_input_is_made_again_while_it_runs_records_what_it_read_and_says_so(tmp_path, monkeypatch):
+    """`x/a` reads `x/d`, which another launcher then forces again: `x/a` ends SUCCESS with a
+    warning, and its status records `x/d` as it read it (it recorded the new one, so the next plan
+    took the output made from the old data as current)."""
+    experiment, prefix = tmp_path / "remade.py", str(tmp_path / "out")
+    experiment.write_text(REMADE_MEANWHILE)
+    monkeypatch.setenv("EXPERIMENT", str(experiment))
+    monkeypatch.setenv("PREFIX", prefix)
+    lines: list[str] = []
+    report = run_steps(load_experiment(str(experiment)), prefix, echo=lines.append)
+    assert report.ok and sorted(report.ran) == ["x/a", "x/d"], (report, lines)
+    (warned,) = report.warned
+    assert warned.step == "x/a" and warned.warnings == [
+        "x/d was made again while it ran; it read the earlier output, so the next `keel run` runs it again"], warned
+    plans = {p.name: p for p in plan_graph(Graph(load_experiment(str(experiment)), prefix))}
+    assert plans["x/d"].state == "cached" and plans["x/a"].state == "run" and plans["x/a"].remade_inputs, plans["x/a"]

@@ -50,7 +50,7 @@ import traceback
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Callable
 
-from keel.executor import code, heartbeat, interrupt, reuse, storage, writes
+from keel.executor import code, heartbeat, interrupt, reuse, step_warnings, storage, writes
 from keel.executor import lease as leases
 from keel.executor.job import guard_process_exit, log_url, run_step_job
 from keel.executor.plan import CACHED, EMPTY_EXTERNAL, EXTERNAL, Graph, StepPlan, plan_graph, select
@@ -518,6 +518,7 @@ class Runner:
                 self._active[plan.output_path] = (running, lease)
             how = f"attempt {running.attempt}, retrying" if earlier else plan.reason
             self.echo(f"[keel] start {plan.name} -> {plan.output_path}" + (f" ({how})" if how else ""))
+            inputs = self._read_inputs(step)  # what the attempt reads: not what another launcher makes meanwhile
             beside = _Beside.before(plan.output_path, watched=self._watched(step))
             try:
                 self._dispatch(step, resolved, plan.output_path, running.attempt, lease, retry=bool(earlier))
@@ -558,8 +559,9 @@ class Runner:
                          "a step writes only under config.output_path (those files were left where they are)")
                 self._finish(plan.output_path, lease, running, error=error, attempts=earlier)
                 raise StepFailed(step.name, plan.output_path, error, _log_or_none(plan.output_path))
+            self._warn_of_inputs_made_again(step, plan.output_path, inputs)
             status = self._finish(plan.output_path, lease, running, no_outputs=step.no_outputs, attempts=earlier, code=code.fingerprint(step.fn),
-                                  inputs=self._read_inputs(step))
+                                  inputs=inputs)
             if status.state != SUCCESS:
                 raise StepFailed(step.name, plan.output_path, status.error or "", _log_or_none(plan.output_path))
             return status
@@ -586,6 +588,14 @@ class Runner:
             if status is not None and status.state == SUCCESS:
                 read[dep.name] = output_digest(status)
         return read
+
+    def _warn_of_inputs_made_again(self, step: Step, output_path: str, read: dict[str, str]) -> None:
+        """An input another launcher made again while the step ran (`--force`): the step read the
+        earlier one. Its status records the inputs as it started, so the next plan runs it again."""
+        remade = sorted(name for name, digest in self._read_inputs(step).items() if read.get(name) != digest)
+        if remade:
+            step_warnings.warn(f"{', '.join(remade)} {'was' if len(remade) == 1 else 'were'} made again while it ran; "
+                               "it read the earlier output, so the next `keel run` runs it again", output_path=output_path)
 
     def _inputs_unchanged(self, plan: StepPlan) -> bool:
         """Whether an output planned again because an input is made again read inputs with the
