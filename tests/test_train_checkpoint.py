@@ -128,3 +128,27 @@ def test_a_training_step_under_a_store_tensorstore_cannot_write_is_refused_befor
     config = SimpleNamespace(output_path="memory://exp/train-1", coordinator=None)
     with pytest.raises(ValueError, match=r"cannot run under memory:// \(memory://exp/train-1\): .*local path, gs:// or s3://"):
         step.train_step(config)
+
+
+@pytest.mark.parametrize("elsewhere, raises", [(1, None), (2, "could not be read on another of the run's processes")])
+def test_a_checkpoint_another_process_cannot_read_is_skipped_or_fails_here_too(tmp_path, monkeypatch, capsys,
+                                                                               elsewhere, raises):
+    """Each process of a multi-host run reads its own shards: one that finds the newest checkpoint
+    damaged (1) or unreadable (2) decides for all, so none trains on from another step than the
+    rest. Here this process reads it whole; the other's outcome comes through the agreement."""
+    import keel.train.checkpoint as checkpoint
+
+    checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=1)
+    _save_steps(checkpoints, (1, 2))
+    newest = checkpoints.latest()
+    outcomes = iter([elsewhere])  # the other process's outcome for the newest; the older one reads everywhere
+    monkeypatch.setattr(checkpoint, "_worst_of_every_process", lambda mine: max(mine, next(outcomes, mine)))
+    if raises:
+        with pytest.raises(RuntimeError, match=rf"step-2 {raises} \(that process says why\), and not because it is damaged"):
+            checkpoints.restore(_abstract_w(), newest)
+        return
+    restored = checkpoints.restore(_abstract_w(), newest)
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((4,), 1.0))
+    out = capsys.readouterr().out
+    assert f"skipping checkpoint {newest}: it cannot be read on another of the run's processes (that process says why)" in out
+    assert not (tmp_path / "checkpoints" / "step-2").exists()  # set aside, once every process has read it

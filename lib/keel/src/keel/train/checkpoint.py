@@ -7,8 +7,9 @@ rolling ones, which are then removed. A rerun of a step that died finds the newe
 complete checkpoint and resumes from it; Levanter only writes a checkpoint's `metadata.json` once
 every array is committed, so a checkpoint torn by `kill -9` is never picked. A checkpoint damaged
 after it was written (a truncated array file: tensorstore's OUT_OF_RANGE) is skipped with a line
-saying which and why, and the newest intact one before it restored; with none intact the run
-starts from its initial state. A skipped checkpoint is moved aside, whole, to `checkpoints-damaged/`
+saying which and why, and the newest intact one before it restored (in a run of several
+processes, which each read their own shards, by all of them when any finds it damaged); with
+none intact the run starts from its initial state. A skipped checkpoint is moved aside, whole, to `checkpoints-damaged/`
 beside `checkpoints/` (kept to be looked at, never deleted): left in place it would still count as
 the newest rolling checkpoint, and Levanter, keeping the newest N, would delete each new one as
 soon as it was written; and the run, back at its step, would write into it.
@@ -31,6 +32,7 @@ import urllib.parse
 import fsspec
 import haliax as hax
 import jax
+import numpy as np
 from levanter.checkpoint import (
     Checkpointer,
     CheckpointInterval,
@@ -62,6 +64,20 @@ def check_store(output_path: str) -> None:
                          "such a prefix (`keel run --prefix`)")
 
 
+_READ, _DAMAGED, _FAILED = 0, 1, 2  # one process's read of a checkpoint, worst last
+
+
+def _worst_of_every_process(outcome: int) -> int:
+    """The worst read outcome among the run's processes. Each reads only its own shards, so one may
+    find a checkpoint damaged that another read whole: they fall back together, or fail together,
+    instead of training on from different steps (or hanging in the first collective)."""
+    if jax.process_count() == 1:
+        return outcome
+    from jax.experimental import multihost_utils
+
+    return int(np.max(multihost_utils.process_allgather(np.asarray(outcome, dtype=np.int32))))
+
+
 class TrainCheckpoints:
     """Saves the train state by Levanter's time/step policies and restores the newest one."""
 
@@ -83,15 +99,21 @@ class TrainCheckpoints:
         skipped: list[str] = []
         candidate: str | None = path
         while candidate is not None:
+            state, error, outcome = None, None, _READ
             try:
                 state = restore_like(exemplar, candidate)
             except Exception as exc:
-                why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-                if not _damaged(exc):  # a storage outage, a permission, memory: skipping would throw away the run
-                    raise RuntimeError(f"checkpoint {candidate} could not be read ({type(exc).__name__}: {why}), and not "
-                                       "because it is damaged: the run stops rather than train again from an older "
-                                       "checkpoint or from step 0; fix the cause and rerun the step") from exc
-                print(f"[train] skipping checkpoint {candidate}: it cannot be read ({type(exc).__name__}: {why})", flush=True)
+                error, outcome = exc, _DAMAGED if _damaged(exc) else _FAILED
+            worst = _worst_of_every_process(outcome)  # each process reads its own shards: they must agree
+            if worst != _READ:
+                where = "" if outcome == worst else " on another of the run's processes"
+                why = (f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}" if error is not None
+                       and outcome == worst else "that process says why")
+                if worst == _FAILED:  # a storage outage, a permission, memory: skipping would throw away the run
+                    raise RuntimeError(f"checkpoint {candidate} could not be read{where} ({why}), and not because it is "
+                                       "damaged: the run stops rather than train again from an older checkpoint or "
+                                       "from step 0; fix the cause and rerun the step") from error
+                print(f"[train] skipping checkpoint {candidate}: it cannot be read{where} ({why})", flush=True)
                 skipped.append(candidate)
                 candidate = discover_latest_checkpoint(self.root, exclude_paths=skipped)
                 continue
