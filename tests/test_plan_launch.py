@@ -197,3 +197,21 @@ def test_variants_of_files_sharing_a_name_are_told_apart_and_small_runs_keep_the
     tokens = {r[0]: r[3] for r in rows}
     assert tokens["| v1/lr_sweep.py: train/lr_sweep/lr1.0"] == f"{30 * 16 * 128:,}"  # 61,440, not 0.00T
     assert all(" MB of 2.0 GB" in r[7] for r in rows), rows  # a small run's peak in MB, not "0.0 of 2 GB"
+
+
+def test_a_set_in_a_plan_of_several_files_goes_to_the_files_that_have_its_step(capsys):
+    """Each file took every `--set`, so one naming a step of the hero file failed in the tutorial's,
+    with that file's steps and a wrong "closest"; now it reaches the hero only, and one that names
+    no step of either is refused listing both files' steps."""
+    from keel.cli import console_main
+
+    files = (HERO, "experiments/tutorials/tiny_moe.py")
+    assert console_main(["plan", *files, "--set", "train/hero_535b:train.batch_size=5632"]) == 0  # half the hero's
+    out, err = capsys.readouterr()
+    hero_row, tiny_row = [line for line in out.splitlines() if "train/" in line]
+    assert "hero_535b.py: train/hero_535b" in hero_row and "| 9.00T |" in hero_row, hero_row
+    assert "tiny_moe.py: train/tiny_moe" in tiny_row and "| 300 |" in tiny_row and "no step named" not in err, err
+    assert console_main(["plan", *files, "--set", "train/tiny:train.num_steps=10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("keel: error: --set 'train/tiny:train.num_steps=10': no step of the 2 experiment files is named "
+                          "so; their steps: ") and "train/hero_535b" in err and "train/tiny_moe" in err, err

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from keel.executor import storage
 from keel.executor.encoding import one_line_encoder
 from keel.executor.lease import TIMEOUT_ENV, current_lease, timeout_problem
-from keel.executor.overrides import apply_overrides
+from keel.executor.overrides import apply_overrides, names_a_step
 from keel.executor.plan import FAILED_STATE, INTERRUPTED_STATE, RUN, RUNNING_ELSEWHERE, Graph, StepPlan, plan_graph
 from keel.executor.status import KEEL_DIR, RECORD, RUNNING
 from keel.executor.step import External, ReportsProgress, Step, StepDeclarationError
@@ -259,18 +259,35 @@ def _targets(steps) -> list:
     return steps
 
 
-def _graph(args, steps) -> Graph:
-    """The graph under the prefix with every `--set` applied; the steps whose output the overrides
+def _graphs(args, step_lists: list[list]) -> list[Graph]:
+    """Each experiment file's graph under the prefix, with the `--set`s naming its steps applied;
+    with several files, a `--set` goes to the files that have its step, and one that names a step
+    of none is an error listing every file's steps."""
+    if len(step_lists) == 1:
+        return [_graph(args, step_lists[0], args.overrides)]
+    declared = [Graph(steps, _prefix(args)) for steps in step_lists]
+    names = [{s.name for s in graph.order if isinstance(s, Step)} for graph in declared]
+    for assignment in args.overrides:
+        if not any(names_a_step(assignment, mine) for mine in names):
+            steps = ", ".join(sorted(set().union(*names)))
+            raise UsageError(f"--set {assignment!r}: no step of the {len(step_lists)} experiment files is named so; their "
+                             f"steps: {steps}")
+    return [_graph(args, steps, [a for a in args.overrides if names_a_step(a, mine)])
+            for steps, mine in zip(step_lists, names)]
+
+
+def _graph(args, steps, overrides: list[str]) -> Graph:
+    """The graph under the prefix with the `overrides` (`--set`) applied; the steps whose output they
     moved record them (`Graph.overrides`), so gc can tell their outputs from abandoned ones. What an
     override does beyond its fields (a training step's positions staying put) is a warning."""
     graph = Graph(steps, _prefix(args))
-    if args.overrides:
+    if overrides:
         declared = {s.name: graph.path(s) for s in graph.steps()}
         notes: list[str] = []
-        graph = Graph(apply_overrides(graph.targets, graph.order, args.overrides, notes), _prefix(args))
+        graph = Graph(apply_overrides(graph.targets, graph.order, overrides, notes), _prefix(args))
         for note in notes:
             print(f"keel: warning: {note}", file=sys.stderr)
-        graph.overrides = {s.name: list(args.overrides) for s in graph.steps() if declared.get(s.name) != graph.path(s)}
+        graph.overrides = {s.name: list(overrides) for s in graph.steps() if declared.get(s.name) != graph.path(s)}
     return graph
 
 
@@ -286,7 +303,7 @@ def _act(args, step_lists: list[list]) -> int:
     _check_options(args)
     force = _regex("--force", args.force)
     only = _regex("--only", args.only)
-    graphs = [_graph(args, steps) for steps in step_lists]
+    graphs = _graphs(args, step_lists)
     for option, pattern in (("--only", only), ("--force", force)):
         if pattern is not None and not any(pattern.search(s.name) for graph in graphs for s in graph.order):
             names = ", ".join(s.name for s in graphs[0].order)

@@ -263,6 +263,14 @@ def apply_overrides(targets: list[Step | External], order: list[Step | External]
     return _rebuild(targets, order, replaced, assignments)
 
 
+def names_a_step(assignment: str, names: set[str]) -> bool:
+    """Whether `STEP:field=value` (or an unambiguous `STEP.field=value`) names one of `names`."""
+    key = assignment.partition("=")[0]
+    if ":" in key:
+        return key.partition(":")[0] in names
+    return any(key.startswith(name + ".") for name in names)
+
+
 def _split_key(key: str, assignment: str, by_name: dict[str, list[Step]]) -> tuple[str, list[str]]:
     """(step name, field path) of `STEP:field.sub`, or of an unambiguous `STEP.field.sub`."""
     if ":" in key:
