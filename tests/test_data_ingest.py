@@ -107,6 +107,22 @@ def test_hf_datasets_local_json_and_parquet_loaders(tmp_path):
         assert _all_documents(out) == {f"hf:{builder}/train/{file}:{i + 1}": t for i, t in enumerate(TEXTS)}
 
 
+def test_a_file_a_datasets_builder_cannot_parse_is_named_with_the_way_to_skip_its_bad_records(tmp_path):
+    """Arrow parses a json builder's file whole and its error names no file: the step says which,
+    and that `inputs=` (not the builder) skips and counts a bad record, as `on_bad_record` asks."""
+    from keel.data.ingest import BadInputFileError
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n" + json.dumps({"text": "good"}) + "\n")
+    spec = HfDatasetSpec("json", data_files=(str(bad),))
+    with pytest.raises(BadInputFileError, match=rf"{re.escape(str(bad))} could not be read by the datasets 'json' builder "
+                                                r"\(ArrowInvalid: .*\); a file builder reads a file whole, so "
+                                                r"IngestConfig.on_bad_record cannot skip one bad record in it: .*inputs"):
+        _ingest(tmp_path, name="bad", hf_dataset=spec, validation_fraction=0.0)
+    out = _ingest(tmp_path, name="as-input", inputs=(str(bad),), validation_fraction=0.0, max_bad_fraction=0.5)  # skipped, counted
+    assert list(_all_documents(out).values()) == ["good"]
+
+
 def test_a_file_added_before_another_in_hf_data_files_moves_none_of_its_documents_draws(tmp_path):
     (tmp_path / "b.jsonl").write_bytes(_jsonl([{"text": f"bee {i}"} for i in range(40)]))
     (tmp_path / "a.jsonl").write_bytes(_jsonl([{"text": f"ay {i}"} for i in range(40)]))

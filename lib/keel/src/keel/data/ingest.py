@@ -481,13 +481,20 @@ def _read_hf(spec: HfDatasetSpec, text_field: str, log: RecordLog) -> Iterator[D
     for prefix, data_files in streams:
         rows = datasets.load_dataset(spec.path, spec.name, split=spec.split, data_files=data_files,
                                      revision=spec.revision, streaming=True)
-        for row_number, record in enumerate(rows, start=1):
-            log.look()
-            text, kind, detail = _text_of(record, text_field)
-            if text is None:
-                log.skip(BadRecord(prefix, row_number, kind, detail))
-                continue
-            yield Document(f"{prefix}:{row_number}", text)
+        try:
+            for row_number, record in enumerate(rows, start=1):
+                log.look()
+                text, kind, detail = _text_of(record, text_field)
+                if text is None:
+                    log.skip(BadRecord(prefix, row_number, kind, detail))
+                    continue
+                yield Document(f"{prefix}:{row_number}", text)
+        except _unreadable() as exc:  # Arrow's parse error names no file
+            where = data_files[0] if spec.path in HF_FILE_BUILDERS else source
+            raise BadInputFileError(
+                f"{where} could not be read by the datasets {spec.path!r} builder ({type(exc).__name__}: {exc}); a file "
+                "builder reads a file whole, so IngestConfig.on_bad_record cannot skip one bad record in it: fix the "
+                "file, or give it as IngestConfig.inputs, which skips and counts bad records") from exc
 
 
 def ingest_documents(config: IngestConfig) -> None:
