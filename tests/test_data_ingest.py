@@ -2,6 +2,7 @@
 
 import gzip
 import json
+import os
 import re
 
 import pyarrow as pa
@@ -440,3 +441,17 @@ def test_a_hugging_face_source_that_cannot_say_what_it_reads_is_refused_when_dec
     with pytest.raises(ValueError, match=r"HfDatasetSpec\('someone/corpus'\) is a hub dataset with no revision: pin one"):
         HfDatasetSpec("someone/corpus")
     assert HfDatasetSpec("someone/corpus", revision="abc123").revision == "abc123"
+
+
+def test_an_input_whose_name_is_not_utf8_is_refused_naming_it(tmp_path):
+    """Document ids name their file, and ids are UTF-8: the step died on a bare UnicodeEncodeError."""
+    from keel.data.ingest import BadInputFileError
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "ok.txt").write_text("fine")
+    with open(os.path.join(os.fsencode(folder), b"caf\xe9.txt"), "w") as f:  # a Latin-1 name, as bytes
+        f.write("caf\u00e9")
+    with pytest.raises(BadInputFileError, match=r"IngestConfig.inputs: the name of .*caf\\udce9\.txt' is not UTF-8, so its "
+                                                r"documents' ids cannot name it: rename the file"):
+        _ingest(tmp_path, inputs=(str(folder / "*.txt"),), validation_fraction=0.0)

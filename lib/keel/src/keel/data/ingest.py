@@ -220,6 +220,11 @@ def _matches(pattern: str, field: str) -> list[InputFile]:
     protocol = pattern.partition("://")[0] + "://" if "://" in pattern else ""
     files = []
     for match in matches:
+        try:
+            match.encode("utf-8")
+        except UnicodeEncodeError:  # a name the file system holds as bytes (os.fsdecode's surrogates): ids are UTF-8
+            raise BadInputFileError(f"{field}: the name of {match!r} is not UTF-8, so its documents' ids cannot name it: "
+                                    "rename the file") from None
         relative = match[len(base) + 1 :] if base and match.startswith(base + "/") else match.rsplit("/", 1)[-1]
         name = (f"{declared_base}/{relative}" if declared_base else relative) if wildcard else pattern
         files.append(InputFile(protocol + match, relative, name))
