@@ -131,3 +131,17 @@ def test_a_file_that_is_not_a_tokenizer_names_itself_and_the_field(tmp_path):
     with pytest.raises(ValueError, match=rf"{re.escape(str(vocab))} is not a Hugging Face tokenizers file \(.*\): give "
                                          r"the tokenizer's folder or its tokenizer.json \(TokenizeConfig.tokenizer\)"):
         load_tokenizer(str(vocab))
+
+
+@pytest.mark.parametrize("ref, config", [
+    ("memory://tok.json", "memory://tokenizer_config.json"),  # a store's root: was memory:/..., a local path
+    ("gs://bucket/tok.json", "gs://bucket/tokenizer_config.json"),
+    ("gs://bucket/d/tok.json", "gs://bucket/d/tokenizer_config.json"),
+    ("tok.json", "./tokenizer_config.json"),
+    ("/a/tok.json", "/a/tokenizer_config.json"),
+    ("dir", "dir/tokenizer_config.json"),
+])
+def test_a_tokenizers_config_is_read_beside_its_file_on_every_store(ref, config):
+    from keel.spec.data import tokenizer_files
+
+    assert tokenizer_files(ref)[1] == config

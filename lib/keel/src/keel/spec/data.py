@@ -20,7 +20,9 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 def tokenizer_files(ref: str) -> tuple[str, str]:
     """(tokenizer.json, tokenizer_config.json) of a tokenizer directory or a tokenizer.json path."""
     if ref.endswith(".json"):
-        return ref, storage.join(ref.rsplit("/", 1)[0] if "/" in ref else ".", TOKENIZER_CONFIG_FILE)
+        scheme, sep, path = ref.rpartition("://")  # a store's root keeps its `scheme://`: memory://tok.json
+        folder = f"{scheme}{sep}{path.rsplit('/', 1)[0] if '/' in path else ('' if sep else '.')}"
+        return ref, storage.join(folder, TOKENIZER_CONFIG_FILE)
     return storage.join(ref, TOKENIZER_FILE), storage.join(ref, TOKENIZER_CONFIG_FILE)
 
 
