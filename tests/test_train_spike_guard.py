@@ -32,10 +32,13 @@ pytestmark = pytest.mark.slow
 POISON = "17:padding,23:noise"
 BASE = dict(num_steps=30, batch_size=16, seq_len=64, eval_every=100, eval_batches=1, z_loss=1e-4,
             rolling_checkpoint_minutes=None, permanent_checkpoint_every=15, optimizer=AdamWConfig(lr=1e-2))
+PHASES = {0: "first", 25: "second"}  # a mixture phase starting at batch 25: read by step 23, after two skipped batches
 GUARD = SpikeGuardConfig(window=16, min_history=8, snapshot_every=5, max_rollbacks=2)
 
 
-def _train(out, monkeypatch, poison=POISON, **changes):
+def _train(out, monkeypatch, poison=POISON, phase_starts=None, **changes):
+    import dataclasses
+
     from train_standin import loop_inputs
 
     from keel.train.loop import train
@@ -45,7 +48,8 @@ def _train(out, monkeypatch, poison=POISON, **changes):
     else:
         monkeypatch.delenv("KEEL_POISON_BATCHES", raising=False)
     config = TrainConfig(**{**BASE, **changes})
-    return train(config, loop_inputs(config, use_wandb=False), str(out))
+    inputs = loop_inputs(config, use_wandb=False)
+    return train(config, dataclasses.replace(inputs, phase_starts=phase_starts or {}), str(out))
 
 
 def _records(out):
@@ -72,7 +76,7 @@ def guarded(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "guarded-0123abcd89"
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
-        _train(out, mp, spike_guard=GUARD)
+        _train(out, mp, spike_guard=GUARD, phase_starts=PHASES)
     return out, printed.getvalue()
 
 
@@ -122,6 +126,8 @@ def test_the_rollbacks_are_on_the_console_and_in_the_closing_line(guarded):
     assert "step 22: LOSS SPIKE: train/loss = " in text
     assert "Rolled back to step 20, replaying steps 20-21 and skipping batch 23 (rollback 2 of at most 2)" in text
     assert "batch 17 skipped" in text and "batch 23 skipped" in text
+    # the mixture phase starts at its batch, which step 23 reads (step 25 reads batch 27): said there, once
+    assert "step 23: mixture second starts (batch 25)" in text and text.count("mixture second starts") == 1
     assert lines[-1].split("; outputs in")[0].endswith("; with 2 rollbacks (skipped batch 17 at step 17, batch 23 at step 22)")
 
 

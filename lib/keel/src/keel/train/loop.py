@@ -335,11 +335,19 @@ class _Run:
 
     def _marks(self) -> dict[int, str]:
         marks = {p.start_step: f"-> {p.transport}" for p in self.config.transports if p.start_step}
-        marks.update({s: name for s, name in self.inputs.phase_starts.items() if s})
+        marks.update({self._first_step_reading(s): name for s, name in self.inputs.phase_starts.items() if s})
         return marks
 
+    # Mixture phases start at a batch; a step reads a later batch than its number once the spike
+    # guard skipped one (`SpikeGuard.batch_index`).
+    def _batch_of(self, step: int) -> int:
+        return self.guard.batch_index(step) if self.guard is not None else step
+
+    def _first_step_reading(self, batch: int) -> int:
+        return self.guard.first_step_reading(batch) if self.guard is not None else batch
+
     def _mixture_phase(self, step: int) -> str | None:
-        names = [name for s, name in sorted(self.inputs.phase_starts.items()) if s <= step]
+        names = [name for s, name in sorted(self.inputs.phase_starts.items()) if s <= self._batch_of(step)]
         return names[-1] if names else None
 
     def _train_steps(self, start: int, loader) -> None:
@@ -389,8 +397,10 @@ class _Run:
         phase = self.transport_at(step)
         if phase != previous:
             self.progress.event(f"step {step}: switching transport {previous.transport} -> {phase.transport}")
-        if step in self.inputs.phase_starts and step:
-            self.progress.event(f"step {step}: mixture {self.inputs.phase_starts[step]} starts")
+        starting = [name for s, name in sorted(self.inputs.phase_starts.items()) if s and self._first_step_reading(s) == step]
+        if starting:
+            batch = self._batch_of(step)
+            self.progress.event(f"step {step}: mixture {starting[-1]} starts" + (f" (batch {batch})" if batch != step else ""))
         if self._place(step) or phase != previous:
             self._check_layout(step, "phase change")
         return phase

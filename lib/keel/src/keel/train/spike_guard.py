@@ -153,6 +153,10 @@ class SpikeGuard:
                 index += 1
         return index
 
+    def first_step_reading(self, batch: int) -> int:
+        """The first step that reads batch `batch` or, when it was skipped, the next one after it."""
+        return batch - sum(1 for skipped in self.skipped if skipped < batch)
+
     def batches(self, loader, step: int):
         """(batch index, batch) for step `step` on, from a Levanter loader, without the skipped batches."""
         index = self.batch_index(step)
