@@ -428,6 +428,7 @@ def test_a_step_whose_input_is_made_again_while_it_runs_records_what_it_read_and
     assert report.ok and sorted(report.ran) == ["x/a", "x/d"], (report, lines)
     (warned,) = report.warned
     assert warned.step == "x/a" and warned.warnings == [
-        "x/d was made again while it ran; it read the earlier output, so the next `keel run` runs it again"], warned
+        "x/d: made again while it ran (by another launcher); it read the earlier output, so the next `keel run` runs it "
+        "again"], warned
     plans = {p.name: p for p in plan_graph(Graph(load_experiment(str(experiment)), prefix))}
     assert plans["x/d"].state == "cached" and plans["x/a"].state == "run" and plans["x/a"].remade_inputs, plans["x/a"]

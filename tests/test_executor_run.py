@@ -584,7 +584,7 @@ def test_a_process_a_launcher_step_forks_exits_and_takes_signals_as_any_process(
 
 def test_ctrl_c_that_lands_while_the_scheduler_holds_its_lock_stops_the_run():
     """Python runs a signal handler on the main thread between two bytecodes, so Ctrl-C can land
-    while the scheduler there holds the runner's lock (`_cores_busy`, each round): the handler
+    while the scheduler there holds the runner's lock (`_take_core`, each round): the handler
     takes it again. With a plain lock it waited for itself, every later Ctrl-C too, and the leases'
     heartbeats kept other launchers waiting on the steps; only `kill -9` ended it."""
     from keel.executor import interrupt, run

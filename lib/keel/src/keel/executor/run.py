@@ -590,12 +590,14 @@ class Runner:
         return read
 
     def _warn_of_inputs_made_again(self, step: Step, output_path: str, read: dict[str, str]) -> None:
-        """An input another launcher made again while the step ran (`--force`): the step read the
-        earlier one. Its status records the inputs as it started, so the next plan runs it again."""
-        remade = sorted(name for name, digest in self._read_inputs(step).items() if read.get(name) != digest)
+        """An input another launcher made again while the step ran, or is making again (`--force`):
+        the step read the earlier one. Its status records the inputs as it started, so the next plan
+        runs it again."""
+        now = self._read_inputs(step)
+        remade = sorted(name for name in read.keys() | now.keys() if read.get(name) != now.get(name))
         if remade:
-            step_warnings.warn(f"{', '.join(remade)} {'was' if len(remade) == 1 else 'were'} made again while it ran; "
-                               "it read the earlier output, so the next `keel run` runs it again", output_path=output_path)
+            step_warnings.warn(f"{', '.join(remade)}: made again while it ran (by another launcher); it read the earlier "
+                               "output, so the next `keel run` runs it again", output_path=output_path)
 
     def _inputs_unchanged(self, plan: StepPlan) -> bool:
         """Whether an output planned again because an input is made again read inputs with the

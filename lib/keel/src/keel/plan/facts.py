@@ -475,7 +475,9 @@ def _fewest_rows(capacity_factors) -> float:
 
 
 def _activations_per_token(model, sheet: dict) -> float:
-    """Values one token leaves in one layer's forward, at the fewest expert rows any phase holds."""
+    """Values one token leaves in one layer's forward, at the fewest expert rows any phase holds: a
+    claim's bound on what the model needs, its assignments' rows (a dropless transport 1.0). The
+    memory counts what keel's kernels hold instead (`memory`: the ring's expert_parallel times)."""
     return sum(layer_activations_per_token(model, _fewest_rows(t["capacity_factor"] for t in sheet["transports"])).values())
 
 

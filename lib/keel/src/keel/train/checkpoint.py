@@ -8,8 +8,9 @@ complete checkpoint and resumes from it; Levanter only writes a checkpoint's `me
 every array is committed, so a checkpoint torn by `kill -9` is never picked. A checkpoint damaged
 after it was written (a truncated array file: tensorstore's OUT_OF_RANGE) is skipped with a line
 saying which and why, and the newest intact one before it restored (in a run of several
-processes, which each read their own shards, by all of them when any finds it damaged); with
-none intact the run starts from its initial state. A skipped checkpoint is moved aside, whole, to `checkpoints-damaged/`
+processes, which each read their own shards, by all of them when any finds it damaged:
+`_worst_of_every_process`, which says where that cannot hold); with none intact the run starts
+from its initial state. A skipped checkpoint is moved aside, whole, to `checkpoints-damaged/`
 beside `checkpoints/` (kept to be looked at, never deleted): left in place it would still count as
 the newest rolling checkpoint, and Levanter, keeping the newest N, would delete each new one as
 soon as it was written; and the run, back at its step, would write into it.
@@ -70,7 +71,11 @@ _READ, _DAMAGED, _FAILED = 0, 1, 2  # one process's read of a checkpoint, worst 
 def _worst_of_every_process(outcome: int) -> int:
     """The worst read outcome among the run's processes. Each reads only its own shards, so one may
     find a checkpoint damaged that another read whole: they fall back together, or fail together,
-    instead of training on from different steps (or hanging in the first collective)."""
+    instead of training on from different steps. This holds where the restore itself runs no
+    collective (`_read_config`: every replica reads, as on CPUs); on accelerators one replica reads
+    each shard and an all-reduce hands it on, and a process that fails mid-read leaves the others
+    in that all-reduce: the run then stops at the coordinator's timeout, and the damaged checkpoint
+    must be moved aside by hand (to `checkpoints-damaged/`)."""
     if jax.process_count() == 1:
         return outcome
     from jax.experimental import multihost_utils

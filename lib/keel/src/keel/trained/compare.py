@@ -81,7 +81,7 @@ class RunSummary:
     """{"steps": names of the steps that ran on the host meanwhile, "fraction": of the wall time}, or None."""
     prediction: dict | None
     verdict: str | None
-    """'within', 'above' or 'below' the prediction's band."""
+    """'within', 'above' or 'below' the prediction's band, or 'not finite' (a NaN or infinite loss)."""
     fields: dict[str, Any]
     """Identity fields that differ between the compared runs (dotted paths into the config)."""
     rollbacks: tuple[int, ...] = ()
