@@ -52,6 +52,23 @@ def test_each_record_format_is_ingested_with_its_text_field(tmp_path, suffix):
         assert doc_id in {d.id for d in iter_documents(out, expected)}
 
 
+@pytest.mark.parametrize("read_size", [7, 4096, 1 << 20])
+def test_a_zst_reader_gives_every_byte_once_whatever_the_read_size(read_size):
+    """Frames larger and smaller than a compressed read (64 KiB), an empty one, any read size:
+    the bytes come out whole and in order (each read takes from an offset into what is ready)."""
+    import io
+
+    from keel.data.ingest import _Zstd
+
+    parts = [bytes(range(256)) * 1000, b"", b"tail of one frame", bytes(7) * 300_000]
+    raw = io.BytesIO(b"".join(zstandard.compress(p) for p in parts))
+    reader, out = _Zstd(raw, "parts.zst"), bytearray()
+    buffer = bytearray(read_size)
+    while n := reader.readinto(buffer):
+        out += buffer[:n]
+    assert bytes(out) == b"".join(parts)
+
+
 def test_a_zst_file_of_several_frames_is_read_to_its_end(tmp_path):
     records = [{"text": f"document {i} " * 50} for i in range(3000)]
     frames = b"".join(zstandard.compress(_jsonl(records[i:i + 700])) for i in range(0, 3000, 700))  # concatenated
