@@ -178,9 +178,8 @@ class _Run:
         self.guard: SpikeGuard | None = None  # made when training starts (keel.train.spike_guard)
         self._met = False  # the processes met before their first shared program (`_meet_before_first_program`)
         self._kernel_pending: int | None = None  # the step of the layout record that waits for its kernels' report
-        if self.start < config.num_steps:  # a fresh run evaluates first, which compiles on this thread alongside;
-            # a resume evaluates only later, so its evaluation compiles here too, after the step (not mid-run, training waiting)
-            self._compile_ahead(self.start, evaluation=self.start > 0, announce=False)
+        if self.start < config.num_steps:  # a fresh run evaluates first: that compiles on this thread, alongside
+            self._compile_ahead(self.start, evaluation=False, announce=False)
 
         # Where each part of the state lives (keel.train.offload): pinned as the step's in/out shardings.
         self.layout = offload.Layout()
@@ -375,7 +374,10 @@ class _Run:
                 self.state_arrays, metrics, rollback = self.guard.step(
                     step, index, self.state_arrays, lambda arrays: step_fn.get()(arrays, batch, rates), self.layout)
             waited = self._compiled(step_fn, f"step {step}", by_step=True) if first_use else None
-            if step_fn is not previous_fn:  # a program compiled, or one returned to: the next one's turn
+            if step_fn is not previous_fn:  # a program compiled, or one returned to: the next ones' turn
+                # this phase's evaluation, which a resume has not compiled yet: after its first step, whose restore
+                # and trace it would slow (the GIL), and before its first evaluation, which would wait for it
+                self._compile_ahead(step)
                 self._compile_ahead(self._next_change(step))
                 previous_fn = step_fn
             if first_use and self.wandb is not None:
