@@ -34,6 +34,7 @@ import fsspec
 import haliax as hax
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from levanter.checkpoint import (
     Checkpointer,
     CheckpointInterval,
@@ -78,8 +79,6 @@ def _worst_of_every_process(outcome: int) -> int:
     must be moved aside by hand (to `checkpoints-damaged/`)."""
     if jax.process_count() == 1:
         return outcome
-    from jax.experimental import multihost_utils
-
     return int(np.max(multihost_utils.process_allgather(np.asarray(outcome, dtype=np.int32))))
 
 
