@@ -661,3 +661,28 @@ def test_a_step_process_that_cannot_start_leaves_no_folder(tmp_path, monkeypatch
     with pytest.raises(TypeError, match="lock"):
         start_child(write, WriteConfig(threading.Lock()), str(tmp_path / "out"), env={})
     assert list(tmp_path.glob("keel-step-*")) == []
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_lease_that_cannot_be_released_leaves_the_steps_own_outcome(tmp_path, monkeypatch, fails):
+    """Releasing the lease is keel's last write (a full disk can refuse it): the step finished, or
+    failed with its own error, all the same; before, the release's OSError replaced either."""
+    from keel.executor import lease as leases_module
+
+    def refused(self):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(leases_module.Lease, "release", refused)
+    said: list[str] = []
+    step = Step("full/disk", flaky if fails else write, WriteConfig("x"), retries=Retries(on_failure=0))
+    CALLS.clear()
+    report = run_steps([step], str(tmp_path), echo=said.append)
+    if fails:
+        (failure,) = report.failures
+        assert "the first attempt fails" in failure.error, failure.error
+    else:
+        assert report.ok and report.ran == ["full/disk"], report.failures
+        assert read_status(Graph([step], str(tmp_path)).path(step)).state == "SUCCESS"
+    assert [line for line in said if line.startswith("[keel] warn  full/disk: its lease could not be released")] == [
+        "[keel] warn  full/disk: its lease could not be released (OSError: [Errno 28] No space left on device); another "
+        f"launcher can take the step over once it expires, within {leases_module.DEFAULT_TIMEOUT_S:.0f} s"]

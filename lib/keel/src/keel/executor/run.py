@@ -486,7 +486,16 @@ class Runner:
             finally:
                 with self._lock:
                     self._active.pop(plan.output_path, None)
-                lease.release()
+                self._release(plan, lease)
+
+    def _release(self, plan: StepPlan, lease: leases.Lease) -> None:
+        """Let the step's lease go. One that cannot be written (a full disk) expires by itself: that
+        is said, and the step's own outcome stands (it was replaced by a failure to record it)."""
+        try:
+            lease.release()
+        except OSError as exc:
+            self.echo(f"[keel] warn  {plan.name}: its lease could not be released ({type(exc).__name__}: {exc}); "
+                      f"another launcher can take the step over once it expires, within {self.lease_timeout:.0f} s")
 
     def _run_claimed(self, plan: StepPlan, lease: leases.Lease, previous: Status | None) -> str:
         step: Step = plan.step  # type: ignore[assignment]
