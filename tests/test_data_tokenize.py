@@ -267,6 +267,26 @@ def test_an_error_mid_way_stops_the_pipeline_threads_and_leaves_no_complete_cach
 
 
 @pytest.mark.parametrize("setting", [None, "true"])
+def test_two_tokenize_steps_overlapping_in_one_launcher_leave_the_setting_as_it_was(monkeypatch, setting):
+    """The first to end restored what it saw before, the other then what it saw: "false", the
+    first's; `tokenizers` stayed serial for the rest of the launcher's life."""
+    from keel.data.tokenize import PARALLELISM, serial_tokenizer
+
+    if setting is None:
+        monkeypatch.delenv(PARALLELISM, raising=False)
+    else:
+        monkeypatch.setenv(PARALLELISM, setting)
+    first, second = serial_tokenizer(), serial_tokenizer()
+    first.__enter__()
+    second.__enter__()
+    assert os.environ[PARALLELISM] == "false"
+    first.__exit__(None, None, None)
+    assert os.environ[PARALLELISM] == "false"  # the second still encodes
+    second.__exit__(None, None, None)
+    assert os.environ.get(PARALLELISM) == setting
+
+
+@pytest.mark.parametrize("setting", [None, "true"])
 def test_batches_encode_with_the_tokenizers_threads_off_and_the_setting_comes_back(inputs, tmp_path, monkeypatch, setting):
     """The step's threads parallelise over batches; `tokenizers` must not also spread each batch
     over every core (two thread pools on the same cores only contend), and whatever the process

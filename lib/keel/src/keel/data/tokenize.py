@@ -235,20 +235,36 @@ def encode_threads() -> int:
     return machine_cores()
 
 
-@contextlib.contextmanager
-def serial_tokenizer():
-    """`tokenizers` encodes each call on the calling thread while the block runs (the step's threads
-    parallelise over batches instead). The switch is its environment variable, which is the
-    process's: a tokenizer used meanwhile on another thread encodes the same ids, only serially."""
-    before = os.environ.get(PARALLELISM)
-    os.environ[PARALLELISM] = "false"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(PARALLELISM, None)
-        else:
-            os.environ[PARALLELISM] = before
+class _SerialTokenizer:
+    """`tokenizers` encodes each call on the calling thread while a `serial_tokenizer()` block runs
+    (the step's threads parallelise over batches instead). The switch is its environment variable,
+    which is the process's: a tokenizer used meanwhile on another thread encodes the same ids, only
+    serially. Blocks counted: two tokenize steps in one launcher overlap, and the setting from
+    before the first comes back after the last (each restoring its own left it off)."""
+
+    def __init__(self):
+        self._lock, self._open, self._before = threading.Lock(), 0, None
+
+    @contextlib.contextmanager
+    def __call__(self):
+        with self._lock:
+            if not self._open:
+                self._before = os.environ.get(PARALLELISM)
+                os.environ[PARALLELISM] = "false"
+            self._open += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open -= 1
+                if not self._open:
+                    if self._before is None:
+                        os.environ.pop(PARALLELISM, None)
+                    else:
+                        os.environ[PARALLELISM] = self._before
+
+
+serial_tokenizer = _SerialTokenizer()
 
 
 def _encoded(encode, batches: Iterator[tuple[str, list[str]]]) -> Iterator[tuple[str, list]]:
