@@ -23,7 +23,7 @@ from keel.executor.collector import no_cycle_collection
 from keel.executor.graph import substitute, topological_order
 from keel.executor.identity import Identities, output_path
 from keel.executor.inputs import describe_change
-from keel.executor.status import FAILED, INTERRUPTED, SUCCESS, Status, keel_path, output_digest, read_status, verify_manifest
+from keel.executor.status import FAILED, INTERRUPTED, SUCCESS, Status, output_digest, read_record, read_status, verify_manifest
 from keel.executor.step import External, Step, StepDeclarationError
 
 CACHED, RUN, STALE, FAILED_STATE, RUNNING_ELSEWHERE, EXTERNAL = "cached", "run", "stale", "failed", "running-elsewhere", "external"
@@ -253,11 +253,8 @@ def _closest_record(paths: list[str]) -> tuple[dict, str] | None:
     the file never had)."""
     best, best_rank = None, None
     for p in paths:
-        try:
-            record = storage.read_json(keel_path(p, "step.json"))
-        except ValueError:  # torn by a machine crash
-            continue
-        if not isinstance(record, dict) or not isinstance(record.get("identity"), dict) or not isinstance(record.get("provenance", {}), dict):
+        record = read_record(p)
+        if record is None or not isinstance(record.get("identity"), dict) or not isinstance(record.get("provenance", {}), dict):
             continue  # not a record keel wrote: it cannot say what changed
         status = read_status(p)
         rank = (status is not None and status.state == SUCCESS, "overrides" not in record,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from keel.executor import code, storage
-from keel.executor.status import KEEL_DIR, RECORD, SUCCESS, Status, keel_path, read_status, verify_manifest
+from keel.executor.status import KEEL_DIR, SUCCESS, Status, read_record, read_status, verify_manifest
 from keel.executor.step import Step
 
 INDEX = "content"
@@ -56,11 +56,8 @@ def find(prefix: str, content_hash: str, own_path: str) -> Reused | None:
     status = read_status(path)
     if status is None or status.state != SUCCESS or verify_manifest(path, status) is not None:
         return None
-    try:
-        record = storage.read_json(keel_path(path, RECORD))
-    except ValueError:  # torn: it cannot say what work it is
-        return None
-    if not isinstance(record, dict) or record.get("content_hash") != content_hash:
+    record = read_record(path)
+    if record is None or record.get("content_hash") != content_hash:
         return None
     return Reused(found["name"], path, status)
 

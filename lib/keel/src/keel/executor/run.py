@@ -58,7 +58,7 @@ from keel.executor.provenance import _secret_values, provenance, scrub
 from keel.executor.resolve import resolve_config
 from keel.executor.resources import machine_cores
 from keel.executor.identity import HASH_CHARS
-from keel.executor.status import (KEEL_DIR, RECORD, SUCCESS, Status, keel_path, mark_finished, mark_running, output_digest, read_status,
+from keel.executor.status import (KEEL_DIR, RECORD, SUCCESS, Status, keel_path, mark_finished, mark_running, output_digest, read_record, read_status,
                                   verify_manifest, write_running_record)
 from keel.executor.step import DeclaresDevices, Step, StepDeclarationError
 
@@ -260,7 +260,7 @@ class Runner:
             if p.state != CACHED or p.reused_from is not None or not isinstance(p.step, Step) or not reuse.reusable(p.step):
                 continue
             content = self.graph.identities.content_hash(p.step)
-            if f"{content}.json" not in known and _recorded_content(p.output_path) == content:
+            if f"{content}.json" not in known and (read_record(p.output_path) or {}).get("content_hash") == content:
                 self._index(content, p.step, p.output_path, known)
 
     def _index(self, content: str, step: Step, output_path: str, known: set[str] | None = None) -> None:
@@ -746,16 +746,6 @@ class Runner:
         names = ", ".join(p.rsplit("/", 1)[-1] for p in active) or "nothing"
         print(f"keel: aborted; interrupted: {names}. Run the same `keel run` again to resume.", file=sys.stderr, flush=True)
         os._exit(interrupt.EXIT_INTERRUPTED)
-
-
-def _recorded_content(output_path: str) -> str | None:
-    """The content hash an output's step.json records; None where it records none or was torn by a
-    crash (it cannot say what work it is, so the output is not indexed, as `reuse.find` skips it)."""
-    try:
-        record = storage.read_json(keel_path(output_path, RECORD))
-    except ValueError:
-        return None
-    return record.get("content_hash") if isinstance(record, dict) else None
 
 
 def _forget_launcher_signals() -> None:

@@ -117,6 +117,13 @@ def _read(output_path: str, name: str) -> dict | None:
         return None
 
 
+def read_record(output_path: str) -> dict | None:
+    """The step's step.json, or None when it is absent, torn by a crash (it is not fsynced) or not
+    keel's (not an object): such a record cannot say what work its output is."""
+    record = _read(output_path, RECORD)
+    return record if isinstance(record, dict) else None
+
+
 def mark_running(output_path: str, previous: Status | None, record: dict) -> Status:
     """Start the next attempt: write `record` (step.json) with its number and start time, then
     drop the previous attempt's status (a forced rerun rewrites outputs its SUCCESS describes)."""

@@ -27,7 +27,7 @@ from typing import Any
 from keel.executor import storage
 from keel.executor.job import ran_on
 from keel.executor.lease import current_lease
-from keel.executor.status import KEEL_DIR, RECORD, keel_path, read_status
+from keel.executor.status import KEEL_DIR, RECORD, keel_path, read_record, read_status
 from keel.executor.plan import CACHED, plan_graph
 from keel.executor.step import Step
 from keel.spec.metrics import (COMPILE_WAIT, finite_json, latest_by_step, METRICS_FILE, read_metrics,
@@ -158,17 +158,8 @@ def wall_split(log: str, metrics: list[dict], tokens_per_step: int, wall: float 
     return {"compile_s": compile_s, "train_s": train_s, "eval_s": eval_s, "setup_s": max(0.0, wall - loop_s)}
 
 
-def _read_record(path: str) -> dict | None:
-    """The step's step.json, or None when it is absent, torn by a crash (it is not fsynced) or not keel's."""
-    try:
-        record = storage.read_json(keel_path(path, RECORD))
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) else None
-
-
 def _record(path: str) -> dict:
-    record = _read_record(path)
+    record = read_record(path)
     if record is None:
         raise FileNotFoundError(f"{path} has no readable .keel/step.json: is it a keel step's output?")
     return record
@@ -190,7 +181,7 @@ def _attempts_near(paths) -> list[tuple[str, str, str | None, float, float]]:
         for depth in range(1, 5):
             for record_path in fs.glob(f"{plain}/{'/'.join(['*'] * depth)}/{KEEL_DIR}/{RECORD}"):
                 step = root + record_path.rsplit(f"/{KEEL_DIR}/", 1)[0][len(plain):]
-                record, status = _read_record(step), read_status(step)
+                record, status = read_record(step), read_status(step)
                 if record is None or status is None:
                     continue
                 end = status.finished
