@@ -320,7 +320,7 @@ class _Zstd(io.RawIOBase):
     def readinto(self, buffer) -> int:
         # Compressed reads of 64 KiB bound what one decompresses to; the offset, not a re-slice of
         # what is left, keeps each read's cost its own size (re-slicing copied the rest of the chunk
-        # on every 8 KiB read: a 16 MB file's lines took 1.34 s against zstandard's reader's 0.03 s).
+        # on every 8 KiB read: 22.7 MB of lines took 2.42 s, now 0.018 s; zstandard's reader 0.009 s).
         while self._at >= len(self._ready):
             data = self._raw.read(1 << 16)
             if not data:

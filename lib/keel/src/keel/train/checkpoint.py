@@ -111,8 +111,8 @@ class TrainCheckpoints:
             worst = _worst_of_every_process(outcome)  # each process reads its own shards: they must agree
             if worst != _READ:
                 where = "" if outcome == worst else " on another of the run's processes"
-                why = (f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}" if error is not None
-                       and outcome == worst else "that process says why")
+                why = (f"{type(error).__name__}: {(str(error).strip().splitlines() or [type(error).__name__])[0][:300]}"
+                       if outcome == worst else "that process says why")  # its own error, or another process's
                 if worst == _FAILED:  # a storage outage, a permission, memory: skipping would throw away the run
                     raise RuntimeError(f"checkpoint {candidate} could not be read{where} ({why}), and not because it is "
                                        "damaged: the run stops rather than train again from an older checkpoint or "
