@@ -234,7 +234,7 @@ _THREAD_STARTS_CHILD = """
 import json, os, sys, threading, time
 sys.path.insert(0, {fixtures!r})
 from interruptible_graph import TickConfig, tick
-from keel.executor.child import start_child
+from keel.executor.child import collect, start_child
 
 started = {{}}
 def start():  # once the step runs, this thread ends, while its process goes on
@@ -246,7 +246,7 @@ thread.start()
 thread.join()
 process, workdir = started["child"]
 process.wait(timeout=120)
-print(open(os.path.join(workdir, "result.json")).read())
+print(json.dumps({{"state": collect(process, workdir).state}}))
 """
 
 
@@ -256,7 +256,11 @@ def test_the_end_of_the_launcher_thread_that_started_a_child_is_not_a_stop_reque
     output = tmp_path / "count" / "steady-0123456789"
     output.mkdir(parents=True)
     script = _THREAD_STARTS_CHILD.format(fixtures=str(REPO / "tests" / "fixtures"), output=str(output))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    launcher_tmp = tmp_path / "launcher-tmp"
+    launcher_tmp.mkdir()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "TMPDIR": str(launcher_tmp)})
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1])["state"] == "succeeded", done.stdout
     assert (output / "progress").read_text() == "60"
+    assert list(launcher_tmp.iterdir()) == []

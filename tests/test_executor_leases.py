@@ -152,13 +152,16 @@ def test_a_killed_launchers_step_process_dies_with_it_before_the_next_launcher_r
 @pytest.mark.timeout(120)
 def test_a_stopped_launchers_step_process_is_killed_by_the_launcher_that_takes_its_lease(tmp_path):
     """Ctrl-Z stops a launcher, not its isolated step (a session of its own), which went on ticking
-    beside the step of the launcher that took the expired lease over: two processes, one output."""
+    beside the step of the launcher that took the expired lease over: two processes, one output.
+    The launcher that kills it removes its folder too, which the stopped one would have."""
     a, a_log = launch(tmp_path, "A", TICKS="400", TIMEOUT="1")  # 40 s of ticks, unless stopped
     b = None
     try:
         wait_until(lambda: (tmp_path / "ticks").exists())
         output = (tmp_path / "started-A").read_text()
         stray = int((tmp_path / "ticks").read_text().split()[0])
+        stray_folder = Path(os.fsdecode(Path(f"/proc/{stray}/cmdline").read_bytes().split(b"\0")[-3]))
+        assert (stray_folder / "payload").exists()
         os.kill(a.pid, signal.SIGSTOP)  # the launcher only, as Ctrl-Z stops the terminal's foreground group
         wait_until(lambda: not leases.current_lease(output).is_live())
         b, b_log = launch(tmp_path, "B", TICKS="5", TIMEOUT="1")
@@ -173,6 +176,7 @@ def test_a_stopped_launchers_step_process_is_killed_by_the_launcher_that_takes_i
     assert str(stray) not in ticks[first_of_b:], f"A's step ticked beside B's: {ticks}"
     assert f"its step's process (pid {stray}) still ran, its launcher silent: killed it" in b_log.read_text()
     assert read_status(output).state == "SUCCESS"
+    assert not stray_folder.exists(), "the killed step's folder (its temporary files) outlived both launchers"
 
 
 def test_a_lease_released_while_another_launcher_takes_it_over_leaves_one_holder(tmp_path, monkeypatch):

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 from keel.executor import heartbeat as heartbeat_mod
 from keel.executor import interrupt, storage
+from keel.executor.lease import CHILD_FOLDER_PREFIX
 
 _PARENT_POLL_S = 1.0
 EXIT_GRACE_S = 120.0
@@ -80,7 +81,7 @@ def start_child(fn, resolved_config, output_path: str, env: dict[str, str], drop
     named in `drop`, with a temporary directory of its own; returns the process and the folder
     holding its payload/result. With `watch`, the step fails if it writes outside its output (or
     into another output under `prefix`, the graph's)."""
-    workdir = tempfile.mkdtemp(prefix="keel-step-")
+    workdir = tempfile.mkdtemp(prefix=CHILD_FOLDER_PREFIX)
     try:  # a config that does not pickle (a lock, an open file) or a process that does not start leaves no folder
         os.mkdir(os.path.join(workdir, "tmp"))
         with open(os.path.join(workdir, "payload"), "wb") as f:
@@ -143,9 +144,15 @@ def collect(process: subprocess.Popen, workdir: str, heartbeat: str | None = Non
             return ChildOutcome("killed", f"the step's process was killed by {signal.Signals(-code).name}")
         return ChildOutcome("failed", f"the step's process exited with code {code} without reporting a result")
     finally:
-        if log is not None:
-            _upload_staged_log(workdir, log)
-        shutil.rmtree(workdir, ignore_errors=True)  # with the step's temporary directory
+        discard(workdir, log)
+
+
+def discard(workdir: str, log: str | None) -> None:
+    """Remove a child's folder, with the step's temporary directory, once its process has ended,
+    uploading first into `log` what a child whose output is not on a local disk staged there."""
+    if log is not None:
+        _upload_staged_log(workdir, log)
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _upload_staged_log(workdir: str, log: str) -> None:

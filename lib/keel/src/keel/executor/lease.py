@@ -68,6 +68,18 @@ EMPTY_LEASE_S = 10.0
 creating and writing it (a crash), and the lease is taken over."""
 
 
+CHILD_FOLDER_PREFIX = "keel-step-"
+"""How the folder of an isolated step's process is named (`child.start_child`)."""
+
+
+@dataclass(frozen=True)
+class StrayStep:
+    """A superseded lease's step process, still running: its pid and its folder (payload, result
+    and the step's temporary directory), which its stopped launcher would have removed."""
+    pid: int
+    workdir: str
+
+
 @dataclass(frozen=True)
 class LeaseInfo:
     epoch: int
@@ -100,12 +112,12 @@ class LeaseInfo:
             return False
         return not _exists(self.pid) and (self.child is None or not _exists(self.child))
 
-    def stray_step_process(self) -> int | None:
-        """The pid of this (expired) lease's isolated step process when it still runs on this host:
-        its launcher is stopped (Ctrl-Z, SIGSTOP) or stuck past the timeout while the step, in a
-        session of its own, goes on writing the output. None otherwise, or where the pid now names
-        another process: the step's process is `python -m keel.executor.child WORKDIR LAUNCHER_PID`,
-        and its launcher is this lease's owner."""
+    def stray_step_process(self) -> StrayStep | None:
+        """This (expired) lease's isolated step process when it still runs on this host: its
+        launcher is stopped (Ctrl-Z, SIGSTOP) or stuck past the timeout while the step, in a session
+        of its own, goes on writing the output. None otherwise, or where the pid now names another
+        process: the step's process is `python -m keel.executor.child WORKDIR LAUNCHER_PID`, and its
+        launcher is this lease's owner."""
         if self.child is None or self.pid is None or self.host != socket.gethostname():
             return None
         try:
@@ -114,8 +126,9 @@ class LeaseInfo:
         except OSError:
             return None
         argv = [a for a in argv if a]
-        ours = b"keel.executor.child" in argv and argv[-1] == str(self.pid).encode()
-        return self.child if ours else None  # a zombie's cmdline is empty: not ours
+        ours = (b"keel.executor.child" in argv and len(argv) >= 2 and argv[-1] == str(self.pid).encode()
+                and os.path.basename(argv[-2]).startswith(CHILD_FOLDER_PREFIX.encode()))
+        return StrayStep(self.child, os.fsdecode(argv[-2])) if ours else None  # a zombie's cmdline is empty: not ours
 
     def is_live(self, now: float | None = None) -> bool:
         return self.age(now) < self.timeout and not self.owner_gone()

@@ -429,14 +429,17 @@ class Runner:
                     self.echo(f"[keel] take  {plan.name}: its lease was held by {holder.describe()}")
                     stray = holder.stray_step_process()
                     if stray is not None:
-                        if not leases.stop_stray_step_process(stray):
+                        from keel.executor.child import discard
+
+                        if not leases.stop_stray_step_process(stray.pid):
                             lease.release()
                             raise StepFailed(plan.name, plan.output_path,
-                                             f"the step's process of the launcher whose lease expired (pid {stray}) "
+                                             f"the step's process of the launcher whose lease expired (pid {stray.pid}) "
                                              "still runs and did not die when killed: stop it, then run again",
                                              _log_or_none(plan.output_path))
-                        self.echo(f"[keel] take  {plan.name}: its step's process (pid {stray}) still ran, its launcher "
-                                  "silent: killed it, so that one process writes the output")
+                        discard(stray.workdir, log_url(plan.output_path))  # its silent launcher will not
+                        self.echo(f"[keel] take  {plan.name}: its step's process (pid {stray.pid}) still ran, its "
+                                  "launcher silent: killed it, so that one process writes the output")
                 return lease, status
             if finished and not forced:
                 return None, status
