@@ -246,3 +246,38 @@ def test_a_rollback_at_a_phase_start_checks_the_kernels_of_the_step_that_enters_
     assert [(r["step"], r["reason"], r.get("transport")) for r in records] == [
         (0, "start", fixed), (17, "phase change", None), (17, "phase change", ring)]
     assert [r["spike/rollback_from"] for r in _records(out) if "spike/rollback_from" in r] == [17]
+
+
+def test_a_ctrl_c_during_the_replay_names_the_checkpoint_a_rerun_resumes_from(guarded, tmp_path, monkeypatch):
+    """Snapshots every 10 steps: the spike at 17 rolls back to step 10 and replays steps 10-16, past
+    the permanent checkpoint at step 15 saved before the spike. A Ctrl-C at step 12 of the replay
+    saves nothing behind that checkpoint (a rolling one there would be deleted at once, or stand
+    unused) and names it; the rerun resumes from it and ends as the uninterrupted run did."""
+    from keel.executor import interrupt
+    from keel.train.spike_guard import SpikeGuard
+
+    guarded, _ = guarded
+    replaying = SpikeGuard.replaying
+
+    def ctrl_c_at_step_12_of_the_replay(self, step):
+        if step == 12 and replaying(self, step):
+            interrupt.request()
+        return replaying(self, step)
+
+    out, printed = tmp_path / "stopped-0123abcd89", io.StringIO()
+    guard = SpikeGuardConfig(window=16, min_history=8, snapshot_every=10, max_rollbacks=2)
+    try:
+        with monkeypatch.context() as mp, contextlib.redirect_stdout(printed), \
+                pytest.raises(interrupt.StepInterrupted) as stopped:
+            mp.setattr(SpikeGuard, "replaying", ctrl_c_at_step_12_of_the_replay)
+            _train(out, mp, spike_guard=guard, phase_starts=PHASES)
+    finally:
+        interrupt.clear()
+    assert stopped.value.resume == "its checkpoint at step 15"
+    assert ("interrupted: stopped after step 13 of 30, replaying after a rollback; a rerun resumes from the checkpoint "
+            "at step 15, saved before the rollback") in printed.getvalue(), printed.getvalue()
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["step-15"]
+
+    _train(out, monkeypatch, spike_guard=guard, phase_starts=PHASES)
+    assert latest_by_step(_records(out), "train/loss") == latest_by_step(_records(guarded), "train/loss")
+    assert _final_eval(out) == _final_eval(guarded)

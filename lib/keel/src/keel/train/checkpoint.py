@@ -96,6 +96,11 @@ class TrainCheckpoints:
     def latest(self) -> str | None:
         return discover_latest_checkpoint(self.root)
 
+    def latest_step(self) -> int | None:
+        """The completed steps of the newest checkpoint, None when there is none."""
+        latest = self.latest()
+        return self.step_of(latest) if latest is not None else None
+
     def restore(self, exemplar, path: str):
         """The state saved at `path`, laid out like `exemplar` (arrays or ShapeDtypeStructs: the same
         tree, shardings, memory kinds and dtypes); when `path` is damaged (`_damaged`), the newest

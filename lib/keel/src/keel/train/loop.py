@@ -455,19 +455,30 @@ class _Run:
 
     def _checkpoint_or_stop(self, done: StepDone) -> None:
         """Checkpoints on the cadence, permanent ones at the end and where the next step switches
-        transport; on an interruption (Ctrl-C, SIGTERM) a rolling checkpoint, then `StepInterrupted`."""
+        transport; on an interruption (Ctrl-C, SIGTERM) a rolling checkpoint, then `StepInterrupted`.
+        Interrupted while the spike guard replays, the run may hold a checkpoint the replay has not
+        reached yet (saved before the rollback, as the replay is bit-exact): a resume starts there,
+        so none is saved behind it (Levanter, keeping the newest rolling ones by step, would delete
+        it at once), and the console names the one a resume uses."""
         config, completed = self.config, done.completed
         switching = completed < config.num_steps and self.transport_at(completed) != done.phase
         stopping = stop_requested_anywhere() and completed < config.num_steps
-        if (not done.replaying or stopping) and self.checkpoints.on_step(
+        ahead = self.checkpoints.latest_step() if stopping and done.replaying else None
+        ahead = ahead if ahead is not None and ahead >= completed else None
+        if (not done.replaying or (stopping and ahead is None)) and self.checkpoints.on_step(
                 self.state_arrays, completed, force=completed == config.num_steps or switching, rolling=stopping):
             self.metrics.flush()  # the records up to the checkpoint, for a resume from it (an object store's file)
             self.progress.event(f"step {completed}: checkpoint saved")
         if stopping:
             self.checkpoints.wait()
-            self.progress.event(f"interrupted: stopped after step {completed} of {config.num_steps}, checkpoint saved")
-            raise interrupt.StepInterrupted(f"training stopped after step {completed} of {config.num_steps}",
-                                            resume=f"its checkpoint at step {completed}")
+            stopped = f"stopped after step {completed} of {config.num_steps}"
+            if ahead is None:
+                self.progress.event(f"interrupted: {stopped}, checkpoint saved")
+            else:
+                self.progress.event(f"interrupted: {stopped}, replaying after a rollback; a rerun resumes from the "
+                                    f"checkpoint at step {ahead}, saved before the rollback (the replay reproduces "
+                                    "the steps up to it bit for bit)")
+            raise interrupt.StepInterrupted(f"training {stopped}", resume=f"its checkpoint at step {completed if ahead is None else ahead}")
 
     # ------------------------------------------------------------------ pieces
     def transport_at(self, step: int) -> TransportPhase:
