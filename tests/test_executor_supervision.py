@@ -244,3 +244,48 @@ def test_a_step_whose_process_hangs_after_reporting_success_is_success_and_not_w
     err = capsys.readouterr().err
     assert "reported its result but had not exited 3s later" in err and "the result stands" in err, err
     assert (next((tmp_path / "out" / "x").glob("lingers-*")) / "done.txt").read_text() == "done"
+
+
+LEAVES_A_WRITER = '''
+import os
+import subprocess
+from dataclasses import dataclass
+
+from keel import Step, main, this_output
+
+
+@dataclass(frozen=True)
+class Out:
+    output_path: str = this_output()
+
+
+def start_a_writer_then_die(config):
+    writer = subprocess.Popen(["sleep", "300"])  # in the step's process group, as a data writer would be
+    with open(os.path.join(config.output_path, "writer.pid"), "w") as f:
+        f.write(str(writer.pid))
+    os._exit(3)  # the step's process dies (as from a fault) with its writer still running
+
+
+run = Step("x/leaves", start_a_writer_then_die, Out(), isolated=True)
+
+if __name__ == "__main__":
+    main([run])
+'''
+
+
+def test_processes_a_dead_steps_process_left_running_are_killed_with_it(tmp_path, capsys):
+    """A step's process that dies leaves what it started (a writer, a server) running, in its group,
+    writing the output beside the next attempt: the launcher kills the group once the process ends."""
+    from keel.cli import console_main
+    from keel.executor.lease import _running
+
+    experiment = tmp_path / "leaves.py"
+    experiment.write_text(LEAVES_A_WRITER)
+    assert console_main(["run", str(experiment), "--prefix", str(tmp_path / "out")]) != 0
+    assert "exited with code 3 without reporting a result" in capsys.readouterr().err
+    writer = int((next((tmp_path / "out" / "x").glob("leaves-*")) / "writer.pid").read_text())
+    try:
+        assert not _running(writer), "the dead step's writer still runs"
+    finally:
+        if _running(writer):
+            os.kill(writer, 9)

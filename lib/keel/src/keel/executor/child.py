@@ -183,16 +183,17 @@ def _wait(process: subprocess.Popen, result_path: str, heartbeat: str | None, ti
     """Wait for the child. Before it reports its result (`result_path`), with a `heartbeat` and
     `timeout_s`, its process group is killed when the heartbeat is older than `timeout_s`: why is
     returned. After it reported, it has `EXIT_GRACE_S` to exit, then its group is killed and the
-    result stands (said on the console). None unless it stalled."""
+    result stands (said on the console). None unless it stalled. Once the child has exited, what it
+    left running in its group (a writer, a server the step started) is killed too: a retry must
+    not find it writing the output beside it."""
     poll = min(1.0, timeout_s / 4) if timeout_s else 1.0
     watch = heartbeat_mod.Watch(heartbeat, time.time()) if heartbeat and timeout_s else None
     reported_at = None
+    exited = _exit_event(process)
     while True:
-        try:
-            process.wait(timeout=poll)
+        if exited.wait(poll):
+            _kill_group(process)  # not reaped yet, so its pid still names its group and nothing else
             return None
-        except subprocess.TimeoutExpired:
-            pass
         if reported_at is None and os.path.exists(result_path):
             reported_at = time.monotonic()
         if reported_at is not None:
@@ -209,6 +210,21 @@ def _wait(process: subprocess.Popen, result_path: str, heartbeat: str | None, ti
         if silent > timeout_s:
             _kill_group(process)
             return f"no progress for {silent:.0f}s (progress_timeout_s={timeout_s:g}): {why}, so its process group was killed"
+
+
+def _exit_event(process: subprocess.Popen) -> threading.Event:
+    """Set once the child has exited, which leaves it unreaped (`WNOWAIT`) for `_kill_group`."""
+    exited = threading.Event()
+
+    def watch():
+        try:
+            os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:  # reaped already
+            pass
+        exited.set()
+
+    threading.Thread(target=watch, name="keel-child-exit", daemon=True).start()
+    return exited
 
 
 def _kill_group(process: subprocess.Popen) -> None:
