@@ -80,7 +80,7 @@ def test_switching_a_feature_off_removes_exactly_its_parameters(off, removed):
 
 def test_a_plain_moe_with_every_feature_off_is_valid():
     plain = MoELMConfig(hidden_dim=32, num_layers=2, vocab_size=100, max_seq_len=16, num_heads=2, head_dim=16,
-                        num_kv_heads=2, num_experts=4, experts_per_token=1, expert_dim=16)
+                        num_kv_heads=2, num_experts=4, experts_per_token=2, expert_dim=16)
     assert not plain.qk_norm and not plain.xsa and not plain.conv_sites and plain.latent_dim is None
     assert plain.balancing is Balancing.NONE and plain.global_layers == ()
     shapes = plain.parameter_shapes()
@@ -113,7 +113,7 @@ def _random_config(rng: random.Random) -> MoELMConfig:
         conv_kernel=rng.randint(1, 4),
         gated_norm_rank=rng.choice([0, 4]),
         num_experts=experts,
-        experts_per_token=rng.randint(1, experts - 1) if experts else 0,
+        experts_per_token=rng.randint(2, experts - 1) if experts else 0,
         latent_dim=rng.choice([None, 8]) if experts else None,
         expert_dim=rng.choice([8, 24]),
         num_shared_experts=rng.randint(0 if experts else 1, 2),
@@ -181,6 +181,8 @@ def test_enum_fields_accept_their_string_values():
         (dict(num_kv_heads=3), "num_kv_heads"),
         (dict(num_global_kv_heads=3), "num_global_kv_heads"),
         (dict(experts_per_token=8), "experts_per_token"),
+        (dict(experts_per_token=1), "experts_per_token=1 with routing='sigmoid_topk_threshold' renormalises"),
+        (dict(experts_per_token=1, routing="softmax_topk", balancing="none"), "experts_per_token=1 with routing='softmax_topk' renormalises"),
         (dict(latent_dim=0), "latent_dim"),
         (dict(expert_dim=-1), "expert_dim"),
         (dict(sliding_window=256), "sliding_window"),

@@ -38,7 +38,7 @@ def _random_config(rng: random.Random) -> MoELMConfig:
         conv_sites=tuple(s for s in ConvSite if rng.random() < 0.5),
         gated_norm_rank=rng.choice([0, 2, 3]),
         num_experts=num_experts,
-        experts_per_token=rng.randint(1, num_experts - 1) if num_experts else 0,
+        experts_per_token=rng.randint(2, num_experts - 1) if num_experts else 0,
         latent_dim=rng.choice([None, 6]) if num_experts else None,
         expert_dim=rng.choice([4, 10]),
         num_shared_experts=rng.choice([0, 1, 2]) if num_experts else rng.choice([1, 2]),

@@ -252,6 +252,11 @@ class MoELMConfig:
                     f"experts_per_token={self.experts_per_token} must be >= 1 and < num_experts={self.num_experts}: "
                     "lower it or add experts"
                 )
+            elif self.experts_per_token == 1:  # both routings renormalise the chosen experts' gates
+                yield (
+                    f"experts_per_token=1 with routing='{self.routing.value}' renormalises the one chosen expert's gate "
+                    "to a constant, so the loss never trains the router: set experts_per_token >= 2"
+                )
             if self.expert_dim <= 0:
                 yield f"expert_dim={self.expert_dim} must be positive"
             if self.latent_dim is not None and self.latent_dim <= 0:
