@@ -1,6 +1,8 @@
 """`--set` values are checked as the declaration is: against the step's resources, against the
 field's declared type, and with derived values (a left-out seq_len) resolved again."""
 
+import dataclasses
+
 import pytest
 
 from keel.cli import load_experiment
@@ -55,7 +57,6 @@ def test_a_left_out_seq_len_follows_a_set_on_the_tokenize_step_and_a_declared_on
 def test_a_derived_seq_len_survives_the_config_the_running_step_gets():
     """The running step's config holds its data as paths, which no longer say their length: the
     length derived at declaration stays (the twin's step failed on it: 'seq_len is not declared')."""
-    import dataclasses
 
     from keel.executor.resolve import resolve_config
 
@@ -74,3 +75,15 @@ def test_resources_of_more_gpus_per_replica_than_a_host_holds_are_refused():
     problem = hero.config.resources_problem(Resources.with_gpu("GB200", 8, replicas=88))
     assert problem == ("resources ask for 8 GPUs per replica, but hardware.gpus_per_host=4 (GB200 NVL72): a replica is "
                        "one host; declare Resources.with_gpu('GB200', 4, replicas=176) with the step")
+
+
+def test_replicas_without_a_topology_are_refused_naming_it():
+    """Without a topology a run lays its devices out as one rack; across replicas (hosts) that puts
+    the expert and FSDP axes on the slow link between them."""
+    from keel import Resources
+
+    tiny = _after(TINY)["train/tiny_moe"]
+    unlaid = dataclasses.replace(tiny.config, topology=None)
+    assert unlaid.resources_problem(Resources(cpu=1)) is None  # one process: its devices are one rack
+    problem = unlaid.resources_problem(Resources(cpu=1, replicas=2))
+    assert problem.startswith("resources ask for 2 replicas, but no topology is declared") and "RackTopology(" in problem

@@ -700,6 +700,10 @@ class TrainStepConfig:
         gpu_count x replicas GPUs and the mesh needs topology.num_devices of them, so a mismatch would
         fail only at dispatch: `default_train` and a `--set` (`keel.executor.overrides`) both ask here."""
         topology = self.topology
+        if topology is None and resources is not None and resources.replicas > 1:
+            return (f"resources ask for {resources.replicas} replicas, but no topology is declared, and a run without "
+                    "one lays every device out as one rack, its expert and FSDP axes across the hosts' slow link: "
+                    "declare topology=RackTopology(racks=..., gpus_per_rack=...) with the step")
         if resources is None or topology is None or not resources.gpu_count:
             return None
         asked = resources.gpu_count * resources.replicas

@@ -34,7 +34,11 @@ def train_step(config: TrainStepConfig) -> None:
     """Train (or resume training) to `config.train.num_steps`; results land under `config.output_path`."""
     check_store(config.output_path)
     join_replicas(config.coordinator)  # a multi-host step: its replicas become one jax.distributed world (no-op alone)
-    if config.topology is None:  # the run's mesh is every local device, as one rack
+    if config.topology is None:  # the run's mesh is every device of this one process, as one rack
+        if jax.process_count() > 1:  # a hand-made Step (`default_train` refuses it: `resources_problem`)
+            raise ValueError(f"TrainStepConfig.topology is None on {jax.process_count()} processes: one rack across "
+                             "hosts puts the expert and FSDP axes on their slow link; declare "
+                             "topology=RackTopology(racks=..., gpus_per_rack=...)")
         config = dataclasses.replace(config, topology=RackTopology(racks=1, gpus_per_rack=len(jax.devices())))
     plan = resolve(config)
     if config.train.compilation_cache:
