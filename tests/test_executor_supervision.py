@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -163,6 +164,106 @@ def test_a_crashed_step_with_remote_outputs_still_gets_its_log(tmp_path):
     assert re.search(r'File "<string>", line \d+ in crash\n', text), text
     assert not workdir.exists()
 
+
+STUBBORN_STEP = '''
+import time
+from keel.executor.job import run_step_job
+
+def stubborn(config):
+    print("step output before the abort", flush=True)
+    time.sleep(300)
+
+run_step_job(stubborn, None, "memory://stubborn-step/out", whole_process=True)
+'''
+
+
+def test_a_step_aborted_by_a_second_ctrl_c_still_gets_its_log(tmp_path):
+    """The second Ctrl-C kills a step's process at once (`abandon`): what it staged for its remote
+    log is uploaded before its folder goes, as after a crash."""
+    import fsspec
+
+    from keel.executor.child import abandon
+    from keel.executor.job import STAGED_LOG_PREFIX
+
+    workdir = tmp_path / "child"
+    (workdir / "tmp").mkdir(parents=True)
+    process = subprocess.Popen([sys.executable, "-c", STUBBORN_STEP], env={**os.environ, "TMPDIR": str(workdir / "tmp")},
+                               cwd=tmp_path, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(b"before the abort" in p.read_bytes() for p in (workdir / "tmp").glob(STAGED_LOG_PREFIX + "*")):
+            assert process.poll() is None and time.monotonic() < deadline, "the step never printed"
+            time.sleep(0.1)
+        log = "memory://stubborn-step-launcher/.keel/log.txt"
+        abandon(process, str(workdir), log)
+    finally:
+        process.kill()
+    assert "step output before the abort" in fsspec.filesystem("memory").cat_file(log.removeprefix("memory://")).decode()
+    assert not workdir.exists()
+
+
+def test_an_abort_that_cannot_mark_one_step_marks_the_others_and_exits(monkeypatch, capsys):
+    """A second Ctrl-C on a full disk: the first step's record cannot be written. The abort still
+    marks the next one, releases both leases and exits (it raised before, and waited on the steps)."""
+    import threading
+    import types
+
+    from keel.executor import run
+
+    marked, released = [], []
+
+    def mark_finished(output_path, running, error=None, **_):
+        if output_path == "/out/a":
+            raise OSError(28, "No space left on device")
+        marked.append(output_path)
+
+    class Lease:
+        def __init__(self, path):
+            self.path = path
+
+        def release(self):
+            released.append(self.path)
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(run, "mark_finished", mark_finished)
+    monkeypatch.setattr(run, "_taken_over", lambda *_: None)
+    monkeypatch.setattr(run.os, "_exit", exit_)
+    runner = types.SimpleNamespace(_lock=threading.RLock(), _children={}, cluster=None,
+                                   _active={p: (None, Lease(p)) for p in ("/out/a", "/out/b")})
+    with pytest.raises(SystemExit) as exited:
+        run.Runner._abort(runner)
+    assert exited.value.code == 130
+    assert marked == ["/out/b"] and released == ["/out/b"]
+    err = capsys.readouterr().err
+    assert "could not mark /out/a interrupted (OSError: [Errno 28] No space left on device)" in err, err
+    assert "keel: aborted; interrupted: a, b." in err
+
+def test_a_log_that_cannot_be_uploaded_is_named_and_the_step_still_succeeds(tmp_path, monkeypatch, capsys):
+    """The store answering 503 to the log's upload, after the step wrote its outputs, failed the step
+    (and a cluster job, retried on failure, ran again). The log's file is kept and named."""
+    import tempfile
+
+    import fsspec
+
+    from keel.executor import job, storage
+
+    def unavailable(local, url):
+        raise OSError("503 Service Unavailable")
+
+    def step(config):
+        print("the step's line")
+        with fsspec.open("memory://unuploaded/out/result.txt", "w") as f:
+            f.write("done")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(storage, "append_local_file", unavailable)
+    job.run_step_job(step, None, "memory://unuploaded/out")
+    err = capsys.readouterr().err
+    assert "the step's log could not be uploaded to memory://unuploaded/out/.keel/log.txt (OSError: 503" in err, err
+    [kept] = tmp_path.glob(job.STAGED_LOG_PREFIX + "*")
+    assert "the step's line" in kept.read_text() and f"its lines are in {kept}" in err
 
 def test_a_heartbeat_on_an_object_store_is_written_at_most_every_few_seconds_and_read_by_its_age(monkeypatch):
     """A cluster job beats on the shared store (`gs://`, here `memory://`), which takes about one

@@ -170,13 +170,13 @@ def _upload_staged_log(workdir: str, log: str) -> None:
                   file=sys.stderr)
 
 
-def abandon(process: subprocess.Popen, workdir: str) -> None:
+def abandon(process: subprocess.Popen, workdir: str, log: str | None = None) -> None:
     """Kill the child's process group at once (the step and every process it started, which would
     otherwise go on writing its output beside the next launcher's attempt) and remove its folder,
-    which no `collect` will read now (a launcher aborting on a second Ctrl-C); the step's temporary
-    files go with it."""
+    which no `collect` will read now (a launcher aborting on a second Ctrl-C), after uploading into
+    `log` what it staged there; the step's temporary files go with it."""
     _kill_group(process)
-    shutil.rmtree(workdir, ignore_errors=True)
+    discard(workdir, log)
 
 
 def _wait(process: subprocess.Popen, result_path: str, heartbeat: str | None, timeout_s: float | None) -> str | None:

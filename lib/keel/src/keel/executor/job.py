@@ -20,6 +20,7 @@ import faulthandler
 import gc
 import os
 import socket
+import sys
 import tempfile
 import threading
 import traceback
@@ -34,6 +35,20 @@ from keel.executor.step import StepFunction
 STAGED_LOG_PREFIX = "keel-log-"
 """A step whose output is not on a local disk writes its log into a local temporary file of this name
 and uploads it when the step ends (`run_step_job`)."""
+
+
+def _upload_log(log_file: str, target: str) -> None:
+    """Append the staged log to the step's log (after the earlier attempts' lines, as locally). One
+    that cannot be uploaded (the store answers 503) is said, and the step's outcome stands: its
+    outputs are written. The file stays where it was staged, which a child's launcher uploads again
+    as the child ends (`child.collect`)."""
+    try:
+        storage.append_local_file(log_file, target)
+    except Exception as exc:  # noqa: BLE001 - a lost log is named, never the step's failure
+        print(f"[keel] the step's log could not be uploaded to {target} ({type(exc).__name__}: {exc}); its lines "
+              f"are in {log_file} on {socket.gethostname()}", file=sys.stderr, flush=True)
+        return
+    os.remove(log_file)
 
 
 def log_url(output_path: str) -> str:
@@ -194,8 +209,7 @@ def run_step_job(fn, resolved_config, output_path: str, in_launcher: bool = Fals
             log.flush()
             if not local and log.opened:
                 log.close()
-                storage.append_local_file(log_file, target)  # after the earlier attempts' lines, as locally
-                os.remove(log_file)
+                _upload_log(log_file, target)
     finally:
         log.close()
 

@@ -215,7 +215,7 @@ class Runner:
         # also while the scheduler there holds it (counting the cores held): a plain lock waited for itself forever
         self._lock = threading.RLock()
         self._core_freed = threading.Condition(self._lock)
-        self._children: dict = {}  # live child processes of isolated steps: their folders (`keel.executor.child`)
+        self._children: dict = {}  # live child processes of isolated steps: (their folder, the step's log) (`keel.executor.child`)
         self._active: dict[str, tuple[Status, leases.Lease]] = {}  # output path -> (RUNNING status, lease)
         self._warned: dict[str, list[str]] = {}  # output path -> the warnings of its successful attempt
         self._stopping, self._stopping_since = False, 0.0
@@ -688,7 +688,7 @@ class Runner:
             # forever (as Levanter's supervisor does).
             process, workdir = start_child(step.fn, resolved, output_path, env, drop=_FAULT_ENV if retry else (),
                                            watch=self._watched(step), prefix=self.graph.prefix)
-            self._children[process] = workdir
+            self._children[process] = (workdir, log_url(output_path))
         try:
             lease.runs_in(process.pid)  # live while the step's process is, should this launcher die
             outcome = collect(process, workdir, beat, step.progress_timeout_s, log=log_url(output_path))
@@ -729,26 +729,34 @@ class Runner:
                   "to abort now.")
 
     def _abort(self) -> None:
-        """The second signal: kill child processes (removing their folders) and cluster jobs, mark running steps
-        INTERRUPTED, free their leases, exit."""
+        """The second signal: kill child processes (removing their folders, their staged logs uploaded)
+        and cluster jobs, mark running steps INTERRUPTED, free their leases, exit. Exits whatever
+        fails on the way (a full disk, the likely reason for pressing Ctrl-C twice): a step that could
+        not be marked stays RUNNING, and the next run takes its lease over."""
         from keel.executor.child import abandon
 
-        with self._lock:
-            children, active = dict(self._children), dict(self._active)
-        for process, workdir in children.items():
-            abandon(process, workdir)
-        if self.cluster is not None:
-            from keel.executor.cluster import terminate_live_jobs
+        try:
+            with self._lock:
+                children, active = dict(self._children), dict(self._active)
+            for process, (workdir, log) in children.items():
+                abandon(process, workdir, log)
+            if self.cluster is not None:
+                from keel.executor.cluster import terminate_live_jobs
 
-            terminate_live_jobs()
-        for output_path, (running, lease) in active.items():
-            if _taken_over(output_path, lease, running) is None:
-                mark_finished(output_path, running, error="aborted by a second Ctrl-C; `keel run` again resumes it from "
-                              "its last checkpoint", interrupted=True)
-            lease.release()
-        names = ", ".join(p.rsplit("/", 1)[-1] for p in active) or "nothing"
-        print(f"keel: aborted; interrupted: {names}. Run the same `keel run` again to resume.", file=sys.stderr, flush=True)
-        os._exit(interrupt.EXIT_INTERRUPTED)
+                terminate_live_jobs()
+            for output_path, (running, lease) in active.items():
+                try:
+                    if _taken_over(output_path, lease, running) is None:
+                        mark_finished(output_path, running, error="aborted by a second Ctrl-C; `keel run` again "
+                                      "resumes it from its last checkpoint", interrupted=True)
+                    lease.release()
+                except Exception as exc:  # noqa: BLE001 - the others are marked all the same
+                    print(f"keel: could not mark {output_path} interrupted ({type(exc).__name__}: {exc}); the next run "
+                          "takes it over", file=sys.stderr, flush=True)
+            names = ", ".join(p.rsplit("/", 1)[-1] for p in active) or "nothing"
+            print(f"keel: aborted; interrupted: {names}. Run the same `keel run` again to resume.", file=sys.stderr, flush=True)
+        finally:
+            os._exit(interrupt.EXIT_INTERRUPTED)
 
 
 def _forget_launcher_signals() -> None:
