@@ -550,6 +550,47 @@ def test_the_cores_are_the_affinitys_or_the_least_cgroup_cpu_quota_when_less(tmp
     assert resources.machine_cores() == cores
 
 
+@pytest.mark.parametrize("cgroup, mounts, files, kills", [
+    (V2, V2_MOUNT, {"unified/kubepods/pod1/ctr/memory.events": "low 0\nhigh 0\nmax 4\noom 2\noom_kill 2\noom_group_kill 0",
+                    "vmstat": "pgfault 10\noom_kill 9"}, 2),
+    (V1, V1_MOUNTS, {"memory/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 3", "vmstat": "oom_kill 9"}, 3),
+    (V1, V1_MOUNTS, {"vmstat": "pgfault 10\noom_kill 9"}, 9),  # no memory cgroup to read: the machine's count
+    (None, None, {}, None),
+], ids=["v2", "v1", "vmstat", "none"])
+def test_the_out_of_memory_kills_are_read_from_the_memory_cgroup_else_the_machine(tmp_path, monkeypatch, cgroup, mounts,
+                                                                                files, kills):
+    from keel.executor import resources
+
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    proc.mkdir()
+    if cgroup is not None:
+        (proc / "cgroup").write_text(cgroup)
+        (proc / "mountinfo").write_text(mounts.format(root=root))
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text + "\n")
+    monkeypatch.setattr(resources, "PROC_SELF", str(proc))
+    monkeypatch.setattr(resources, "PROC_VMSTAT", str(root / "vmstat"))
+    assert resources.oom_kills() == kills
+
+
+def test_a_step_process_the_out_of_memory_killer_killed_failed_and_is_not_a_preemption(tmp_path, monkeypatch):
+    """A SIGKILL is a preemption (retried, resumed) unless the out-of-memory killer's count rose
+    meanwhile: then the step failed, as a rerun runs out of memory again."""
+    from keel.executor import child
+
+    def killed_by_sigkill():
+        (tmp_path / "child").mkdir(exist_ok=True)
+        process = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+        return process, str(tmp_path / "child")
+
+    monkeypatch.setattr(child, "oom_kills", lambda: 5)
+    outcome = child.collect(*killed_by_sigkill(), oom_kills_before=4)
+    assert outcome.state == "failed" and outcome.message.startswith(
+        "the step's process was killed by the kernel's out-of-memory killer (its count of such kills rose from 4 to 5"), outcome
+    assert child.collect(*killed_by_sigkill(), oom_kills_before=5) == child.ChildOutcome(
+        "killed", "the step's process was killed by SIGKILL")
+
 def test_a_process_a_launcher_step_forks_exits_and_takes_signals_as_any_process(monkeypatch):
     """A step in the launcher may fork (a multiprocessing pool): the child inherits the launcher's
     `os._exit` guard and signal handlers. Its `os._exit` must end it (not raise StepExited, sending

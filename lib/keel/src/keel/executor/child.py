@@ -26,10 +26,11 @@ the child checks whether its parent changed, and the kernel signals again when i
 A child that crashes in native code (SIGSEGV, SIGABRT, ...: `CRASH_SIGNALS`) reports nothing either
 and comes back `failed`, its Python stacks at the end of its log (`job._crash_stacks_into`). A log
 that a child died before uploading (its output is not on a local disk) the launcher uploads.
-A child killed from outside (SIGKILL, a preempted VM) reports nothing and comes back `killed`; a
-child watched by its heartbeat (`heartbeat.py`) that stops beating for the declared timeout (or whose
-heartbeat cannot be read that long) has its process group killed and comes back `stalled`. The
-launcher retries either as a preemption. A child that reported its result but does not exit is
+A child killed from outside (SIGKILL, a preempted VM) reports nothing and comes back `killed`, unless
+the kernel's out-of-memory killer killed it (its count rose meanwhile: `failed`, as a rerun runs out
+of memory again); a child watched by its heartbeat (`heartbeat.py`) that stops beating for the
+declared timeout (or whose heartbeat cannot be read that long) has its process group killed and
+comes back `stalled`. The launcher retries `killed` and `stalled` as a preemption. A child that reported its result but does not exit is
 killed `EXIT_GRACE_S` later, its result standing.
 """
 
@@ -55,6 +56,7 @@ from dataclasses import dataclass
 from keel.executor import heartbeat as heartbeat_mod
 from keel.executor import interrupt, storage
 from keel.executor.lease import CHILD_FOLDER_PREFIX
+from keel.executor.resources import oom_kills
 
 _PARENT_POLL_S = 1.0
 EXIT_GRACE_S = 120.0
@@ -118,12 +120,15 @@ def _pickler(f):
 
 
 def collect(process: subprocess.Popen, workdir: str, heartbeat: str | None = None, timeout_s: float | None = None,
-            log: str | None = None) -> ChildOutcome:
+            log: str | None = None, oom_kills_before: int | None = None) -> ChildOutcome:
     """Wait for the child and read what it reported (a child killed outright reports nothing).
     With `heartbeat` and `timeout_s`, a child whose heartbeat is older than `timeout_s` (counted
     from its start until its first beat) is killed with its process group: `stalled`; one that
     reported but does not exit is killed `EXIT_GRACE_S` later, its result standing. `log` is the
-    step's log, where a log the child staged but did not upload goes (`_upload_staged_log`)."""
+    step's log, where a log the child staged but did not upload goes (`_upload_staged_log`). A
+    child killed with SIGKILL while the out-of-memory killer's count rose from `oom_kills_before`
+    (`resources.oom_kills`, read before it started) `failed`: a rerun runs out of memory again,
+    so it is no preemption to retry or resume."""
     result_path = os.path.join(workdir, "result.json")
     stalled = _wait(process, result_path, heartbeat, timeout_s)
     code = process.wait()
@@ -140,6 +145,11 @@ def collect(process: subprocess.Popen, workdir: str, heartbeat: str | None = Non
             return ChildOutcome("failed", f"the step's process crashed with {signal.Signals(-code).name} (a fault in "
                                           "native code, which a rerun meets again): the Python stack of every thread at "
                                           "the crash ends the step's log")
+        if code == -signal.SIGKILL and oom_kills_before is not None and (now := oom_kills() or 0) > oom_kills_before:
+            return ChildOutcome("failed", f"the step's process was killed by the kernel's out-of-memory killer (its "
+                                          f"count of such kills rose from {oom_kills_before} to {now} while the step "
+                                          "ran): it needs more memory than it has here; lower its batch or model, or "
+                                          "give it more (Resources(memory=...) on a cluster), then run again")
         if code < 0:
             return ChildOutcome("killed", f"the step's process was killed by {signal.Signals(-code).name}")
         return ChildOutcome("failed", f"the step's process exited with code {code} without reporting a result")

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 PROC_SELF = "/proc/self"
 """Where this process's cgroup (`cgroup`) and the mounted cgroup hierarchies (`mountinfo`) are read."""
+PROC_VMSTAT = "/proc/vmstat"
+"""The kernel's event counts for the whole machine, `oom_kill` among them (Linux 4.13 and later)."""
 
 
 def machine_cores() -> int:
@@ -32,7 +34,7 @@ def cpu_quota() -> float | None:
     v1 (`cpu.cfs_quota_us`, -1 for none, over `cpu.cfs_period_us`); None where none is set or the
     cgroups cannot be read (not Linux)."""
     quotas = []
-    for directory, mountpoint, version in _cpu_cgroups():
+    for directory, mountpoint, version in _cgroups("cpu"):
         while True:
             try:
                 if version == 2:
@@ -53,18 +55,39 @@ def cpu_quota() -> float | None:
     return min(quotas) if quotas else None
 
 
-def _cpu_cgroups() -> list[tuple[str, str, int]]:
+def oom_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has killed in this process's memory
+    cgroup (and the cgroups below it, where its steps' processes run): cgroup v2's `memory.events`
+    or v1's `memory.oom_control`, else the whole machine's count (`/proc/vmstat`); None where none
+    can be read. A step's process killed with SIGKILL while it rose was killed for its memory."""
+    counts = []
+    for directory, _, version in _cgroups("memory"):
+        try:
+            with open(os.path.join(directory, "memory.events" if version == 2 else "memory.oom_control")) as f:
+                counts += [int(line.split()[1]) for line in f if line.startswith("oom_kill ")]
+        except (OSError, ValueError, IndexError):  # a v2 hierarchy without the memory controller
+            pass
+    if counts:
+        return sum(counts)
+    try:
+        with open(PROC_VMSTAT) as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("oom_kill ")), None)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _cgroups(controller: str) -> list[tuple[str, str, int]]:
     """(this process's cgroup directory, its hierarchy's mount point, cgroup version) for each
-    mounted hierarchy that holds the cpu controller: the unified (v2) one and a v1 `cpu` one; a
-    hybrid host has both. A container sees its own cgroup as its hierarchy's root (mountinfo's
-    root field), so the path below that root is what names its directory."""
+    mounted hierarchy that may hold `controller` ("cpu", "memory"): the unified (v2) one and a v1
+    one holding it; a hybrid host has both. A container sees its own cgroup as its hierarchy's
+    root (mountinfo's root field), so the path below that root is what names its directory."""
     try:
         with open(os.path.join(PROC_SELF, "cgroup")) as f:
             paths = {}  # controller ("" for v2) -> the process's cgroup path
             for line in f:
                 _, controllers, path = line.rstrip("\n").split(":", 2)
-                for controller in controllers.split(",") if controllers else [""]:
-                    paths[controller] = path
+                for name in controllers.split(",") if controllers else [""]:
+                    paths[name] = path
         with open(os.path.join(PROC_SELF, "mountinfo")) as f:
             mounts = f.read().splitlines()
     except (OSError, ValueError):
@@ -78,8 +101,8 @@ def _cpu_cgroups() -> list[tuple[str, str, int]]:
         root, mountpoint, fstype, options = fields[3], fields[4], after[0], after[2].split(",")
         if fstype == "cgroup2" and "" in paths:
             path, version = paths[""], 2
-        elif fstype == "cgroup" and "cpu" in options and "cpu" in paths:
-            path, version = paths["cpu"], 1
+        elif fstype == "cgroup" and controller in options and controller in paths:
+            path, version = paths[controller], 1
         else:
             continue
         below = os.path.relpath(path, root) if path == root or path.startswith(root.rstrip("/") + "/") else "."

@@ -56,7 +56,7 @@ from keel.executor.job import guard_process_exit, log_url, run_step_job
 from keel.executor.plan import CACHED, EMPTY_EXTERNAL, EXTERNAL, Graph, StepPlan, plan_graph, select
 from keel.executor.provenance import _secret_values, provenance, scrub
 from keel.executor.resolve import resolve_config
-from keel.executor.resources import machine_cores
+from keel.executor.resources import machine_cores, oom_kills
 from keel.executor.identity import HASH_CHARS
 from keel.executor.status import (KEEL_DIR, RECORD, SUCCESS, Status, keel_path, mark_finished, mark_running, output_digest, read_record, read_status,
                                   verify_manifest, write_running_record)
@@ -681,6 +681,7 @@ class Runner:
         beat = _heartbeat_file(output_path) if step.progress_timeout_s else None
         if beat:
             env = {**env, heartbeat.ENV: beat}
+        oom_kills_before = oom_kills()
         with self._lock:
             if self._stopping:
                 raise interrupt.StepInterrupted("the run was interrupted before the step started")
@@ -691,7 +692,8 @@ class Runner:
             self._children[process] = (workdir, log_url(output_path))
         try:
             lease.runs_in(process.pid)  # live while the step's process is, should this launcher die
-            outcome = collect(process, workdir, beat, step.progress_timeout_s, log=log_url(output_path))
+            outcome = collect(process, workdir, beat, step.progress_timeout_s, log=log_url(output_path),
+                              oom_kills_before=oom_kills_before)
         finally:
             with self._lock:
                 self._children.pop(process, None)
