@@ -302,6 +302,37 @@ def test_ctrl_c_reaches_a_job_whose_controller_stopped_answering(monkeypatch):
         assert refuses or job.terminated_at - 5.0 <= cluster_module.STATE_POLL_MAX_S
 
 
+def test_a_job_whose_step_another_launcher_took_over_is_terminated(monkeypatch, tmp_path):
+    """This launcher was suspended past its lease's timeout; another took the step over (a newer
+    epoch) and runs it in a job of its own. Resumed, this one's heartbeat finds the newer lease:
+    its job, still running, is terminated rather than waited on, so that one job writes the output."""
+    import json
+
+    from keel.executor import cluster as cluster_module
+    from keel.executor import lease as leases
+    from keel.executor import storage
+
+    output = str(tmp_path / "step-0123456789")
+    lease, _ = leases.try_acquire(output, 60)
+
+    class TakenOverAt30(FakeClock):
+        def sleep(self, seconds: float) -> None:
+            super().sleep(seconds)
+            if self.now >= 30.0 and not lease.superseded:
+                storage.write_atomic(leases._lease_url(output, lease.epoch + 1), json.dumps(
+                    {"owner": "otherhost:1:b", "heartbeat": 1e12, "timeout": 60}))
+                lease.heartbeat()  # as its heartbeat thread does
+
+    clock = TakenOverAt30()
+    job = RunningJob(clock, ends_at=600.0)
+    job.terminated_at = None
+    job.terminate = lambda: setattr(job, "terminated_at", clock.now)
+    monkeypatch.setattr(cluster_module, "time", clock)
+    with pytest.raises(cluster_module.ClusterJobSuperseded, match="another launcher took the step over while this one "
+                                                                  "was suspended: cluster job fake-job was terminated"):
+        cluster_module.run_on_cluster(job, None, "cpu=1", superseded=lambda: lease.superseded)
+    assert job.terminated_at is not None and job.terminated_at - 30.0 <= cluster_module.STATE_POLL_MAX_S
+
 def test_the_abort_terminates_every_live_job_even_when_one_refuses(capsys):
     from keel.executor import cluster as cluster_module
 

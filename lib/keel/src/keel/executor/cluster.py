@@ -19,6 +19,7 @@ import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 from keel.executor import heartbeat, interrupt
 
@@ -54,6 +55,10 @@ class ClusterJobFailed(RuntimeError):
 
 class ClusterJobStalled(RuntimeError):
     """A step's cluster job beat no heartbeat for its `progress_timeout_s`, and was terminated."""
+
+
+class ClusterJobSuperseded(RuntimeError):
+    """Another launcher took the step's lease over while its job ran, and the job was terminated."""
 
 
 def in_iris_job() -> bool:
@@ -117,10 +122,13 @@ def check_reachable(url: str) -> None:
     )
 
 
-def run_on_cluster(client, request, resources: str, beat: str | None = None, timeout_s: float | None = None) -> None:
+def run_on_cluster(client, request, resources: str, beat: str | None = None, timeout_s: float | None = None,
+                   superseded: Callable[[], bool] | None = None) -> None:
     """Submit `request` and wait for it; any failure becomes `ClusterJobFailed`. With `beat` (the
     heartbeat the job writes on the shared store) and `timeout_s`, a job silent for longer (a hung
-    collective, a wedged host) is terminated: `ClusterJobStalled`.
+    collective, a wedged host) is terminated: `ClusterJobStalled`. Once `superseded()` (the step's
+    lease, taken over by another launcher while this one was suspended past its timeout), the job
+    is terminated too, `ClusterJobSuperseded`: that launcher runs the step in a job of its own.
 
     A request the cluster cannot place (no scaling group offers the device) fails here, at submit,
     before anything waits on it. A job that fails brings back the tail of its log. An interrupted
@@ -144,10 +152,10 @@ def run_on_cluster(client, request, resources: str, beat: str | None = None, tim
             _LIVE_LOCK.notify_all()
     finished = False
     try:
-        _wait_until_finished(handle, beat, timeout_s)
+        _wait_until_finished(handle, beat, timeout_s, superseded)
         finished = True
         handle.wait(raise_on_failure=True)  # finished: returns at once, or raises as fray does on a failure
-    except (interrupt.StepInterrupted, ClusterJobStalled):
+    except (interrupt.StepInterrupted, ClusterJobStalled, ClusterJobSuperseded):
         raise
     except Exception as exc:  # noqa: BLE001 - JobFailedError, JobFailed, timeouts: one error for all
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -192,13 +200,14 @@ SUBMIT_WAIT_S = 15.0
 """How long a second Ctrl-C waits for a submission under way (bundling the workspace takes seconds)."""
 
 
-def _wait_until_finished(handle, beat: str | None = None, timeout_s: float | None = None) -> None:
+def _wait_until_finished(handle, beat: str | None = None, timeout_s: float | None = None,
+                         superseded: Callable[[], bool] | None = None) -> None:
     """Poll the job's state, 0.1 s apart at first, growing to STATE_POLL_MAX_S, until it ends or
-    the run is interrupted (which terminates it). A controller that does not answer is asked again
-    (the interruption still checked between tries) for up to UNANSWERED_S, then the step fails.
-    The heartbeat `beat`, when given, is read every quarter of `timeout_s` (at least once a minute)
-    once the job runs (a job queued for its hardware is not silent), and a job silent for longer
-    is terminated."""
+    the run is interrupted or the step's lease `superseded()` (either terminates it). A controller
+    that does not answer is asked again (those still checked between tries) for up to UNANSWERED_S,
+    then the step fails. The heartbeat `beat`, when given, is read every quarter of `timeout_s` (at
+    least once a minute) once the job runs (a job queued for its hardware is not silent), and a job
+    silent for longer is terminated."""
     from fray.types import JobStatus
 
     interval, unanswered_since = 0.1, None
@@ -207,6 +216,10 @@ def _wait_until_finished(handle, beat: str | None = None, timeout_s: float | Non
         if interrupt.requested():
             problem = _terminate(handle)
             raise interrupt.StepInterrupted(problem or f"the run was interrupted: cluster job {handle.job_id} was terminated")
+        if superseded is not None and superseded():
+            problem = _terminate(handle)
+            raise ClusterJobSuperseded("another launcher took the step over while this one was suspended: " + (
+                problem or f"cluster job {handle.job_id} was terminated, so that one job writes the output"))
         if watch is not None and time.monotonic() - beat_read >= min(timeout_s / 4, 60.0):
             beat_read = time.monotonic()
             silent, why = watch.silent_for(time.time())

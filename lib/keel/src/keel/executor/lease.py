@@ -251,6 +251,11 @@ class Lease:
         with contextlib.suppress(OSError):
             self.heartbeat()
 
+    @property
+    def superseded(self) -> bool:
+        """Whether the heartbeat found a newer epoch (read nowhere: what the last heartbeat saw)."""
+        return self._superseded
+
     def taken_over(self) -> str | None:
         """Who holds the step's lease now, when it is no longer this one (None while it is): a
         holder that was suspended past its timeout may have been superseded meanwhile."""

@@ -657,7 +657,8 @@ class Runner:
                 environment=create_environment(env_vars=env) if env else None,
             )
             try:
-                run_on_cluster(self.cluster, request, step.resources.describe(), beat, step.progress_timeout_s)
+                run_on_cluster(self.cluster, request, step.resources.describe(), beat, step.progress_timeout_s,
+                               superseded=lambda: lease.superseded)
             except ClusterJobStalled as stalled:
                 raise StepPreempted(str(stalled)) from None
             return
