@@ -257,3 +257,14 @@ def test_the_router_computes_its_logits_in_full_fp32_in_the_bf16_training_forwar
     assert routers and all(eqn.outvars[0].aval.dtype == jnp.float32 for eqn in routers)
     highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
     assert all(eqn.params["precision"] == highest for eqn in routers), [eqn.params["precision"] for eqn in routers]
+
+
+def test_a_fixed_capacity_transport_without_an_expert_axis_reports_no_capacity():
+    """Without an expert axis of 2 or more, grug runs its dropless local kernel whatever transport it
+    is asked for: the kernel's report (what the loop checks against the plan) says no capacity."""
+    config = hero_like()
+    model = compiled_init(config, jax.random.PRNGKey(0))
+    ids, seg = packed_batch(config)
+    _, aux = jax.jit(lambda m, i, s: m(i, s, transport=TransportSpec("fixed_all_to_all")))(model, ids, seg)
+    assert np.all(np.asarray(aux["kernel_capacity_factor"].array) == 0.0)
+    assert np.all(np.asarray(aux["dropped_fraction"].array) == 0)

@@ -20,7 +20,8 @@ def rms_normalize(x: NamedArray, axis: Axis, eps: float) -> NamedArray:
 
 
 def rms_norm(axis: Axis, config: MoELMConfig) -> hnn.RmsNorm:
-    """A learned-gain RMSNorm computed in fp32 (no bias); apply it with `apply_rms_norm`."""
+    """A learned-gain RMSNorm (no bias), its gain kept in fp32; apply it with `apply_rms_norm`,
+    which normalises in fp32 and applies the gain in the activations' dtype."""
     return hnn.RmsNorm.init(axis, eps=config.norm_eps, use_weight=True, use_bias=False, dtype=jnp.float32)
 
 

@@ -7,7 +7,8 @@ alongside them (see attention.py).
 
 Packed documents: `segment_ids` [Batch, Pos] give each token's document; attention and the short
 convolutions never cross a document boundary. A negative segment id marks padding: such tokens
-are skipped by the experts and by the routing statistics.
+are skipped by the routed experts and the routing statistics (the shared experts, attention and
+convolutions compute on them, and the loss masks them).
 """
 
 import equinox as eqx

@@ -164,7 +164,9 @@ class MoELMConfig:
     qb_histogram_bins: int = 10_000
     aux_loss_coef: float = 0.0
     capacity_factor: float = 1.25
-    """Per-expert capacity = capacity_factor x (tokens x k / E); assignments over it are dropped."""
+    """The capacity of a fixed-capacity transport, as a multiple of the even share of assignments;
+    what it sizes (a sender's cell per expert, a destination pool, a receiver buffer) is the
+    transport's (`keel.spec.transports.TRANSPORTS`), and assignments past it are dropped."""
 
     # --- numerics and init
     norm_eps: float = 1e-5
