@@ -82,6 +82,28 @@ def test_execution_only_fields_do_not_count():
     assert graph_hashes(base) != graph_hashes(Step("x/b", noop, Config(n=1)))
 
 
+@dataclass(frozen=True)
+class Layout:
+    n: int
+    shards: int = execution_only(default=1)
+    spare: int = execution_only(default=0)
+
+    def derived_identity(self) -> dict:
+        return {"shards": self.shards} if self.shards > 1 else {}  # what the shards decide about the result
+
+
+def test_what_execution_only_fields_decide_about_the_results_counts():
+    """`DerivesIdentity`: the config says what its execution-only fields decide; that joins the
+    identity and the content (a step of another name doing that same work still reuses it)."""
+    ids = Identities()
+    plain = Step("x/a", noop, Layout(1))
+    assert "derived" not in ids.payload(plain)  # {}: the payload of a config that derives nothing
+    assert ids.hash(plain) == ids.hash(Step("x/a", noop, Layout(1, spare=5)))  # decides nothing
+    assert ids.hash(plain) != ids.hash(Step("x/a", noop, Layout(1, shards=4)))
+    assert ids.hash(Step("x/a", noop, Layout(1, shards=4))) == ids.hash(Step("x/a", noop, Layout(1, shards=4, spare=5)))
+    assert ids.content_hash(Step("x/a", noop, Layout(1, shards=4))) == ids.content_hash(Step("x/b", noop, Layout(1, shards=4)))
+    assert ids.content_hash(Step("x/a", noop, Layout(1, shards=4))) != ids.content_hash(Step("x/a", noop, Layout(1, shards=2)))
+
 def test_resources_never_count():
     from keel import Resources
 

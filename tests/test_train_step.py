@@ -31,7 +31,7 @@ def test_identity_ignores_execution_only_fields_and_tracks_the_rest():
         data=CACHE,
         model=tiny_moe,
         train=_train(
-            transports=(TransportPhase(0, "fixed_all_to_all"), TransportPhase(10, "ring")),
+            transports=(TransportPhase(0, "local"), TransportPhase(10, "ring")),  # dropless: see the next test
             permanent_checkpoint_every=5,
             rolling_checkpoint_minutes=1.0,
             log_every=3,
@@ -48,6 +48,34 @@ def test_identity_ignores_execution_only_fields_and_tracks_the_rest():
         assert _hash(default_train("t", data=CACHE, model=tiny_moe, train=changed)) != _hash(base)
     other_model = default_train("t", data=CACHE, model=tiny_moe.replace(num_layers=2), train=_train())
     assert _hash(other_model) != _hash(base)
+
+
+def test_which_routed_assignments_the_run_drops_counts_toward_identity():
+    """Transports and topology are execution-only, but a fixed-capacity transport drops the routed
+    assignments past its capacity, counted on the expert-parallel and token shards: a capacity of
+    0.5 drops half of them, another run and never the same one resumed. What decides no drop stays
+    free to change."""
+    racks = RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4)
+
+    def run(*transports, topology=racks):
+        return _hash(default_train("t", data=CACHE, model=tiny_moe, train=_train(transports=transports), topology=topology))
+
+    fixed = run(TransportPhase(0, "fixed_all_to_all"), TransportPhase(10, "ring"))
+    assert fixed != run() == run(TransportPhase(0, "ring"))  # the default timeline is dropless
+    for other in (run(TransportPhase(0, "fixed_all_to_all", capacity_factor=0.5), TransportPhase(10, "ring")),
+                  run(TransportPhase(0, "fixed_all_to_all"), TransportPhase(12, "ring")),  # two more steps drop
+                  run(TransportPhase(0, "fixed_pooled_all_to_all"), TransportPhase(10, "ring")),
+                  run(TransportPhase(0, "fixed_all_to_all"), TransportPhase(10, "ring"),
+                      topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=2))):  # cells of other senders
+        assert other != fixed
+    for same in (run(TransportPhase(0, "fixed_all_to_all"), TransportPhase(10, "local")),  # dropless either way
+                 run(TransportPhase(0, "fixed_all_to_all"), TransportPhase(5, "fixed_all_to_all", capacity_factor=1.25),
+                     TransportPhase(10, "ring")),  # the same rule, said twice
+                 run(TransportPhase(0, "fixed_all_to_all"), TransportPhase(10, "ring"),
+                     topology=RackTopology(racks=1, gpus_per_rack=8, expert_parallel=4))):  # the same shards
+        assert same == fixed
+    pooled = TransportPhase(0, "fixed_pooled_all_to_all")
+    assert run(pooled) != run(dataclasses.replace(pooled, num_waves=3))
 
 
 def _resolve(step):

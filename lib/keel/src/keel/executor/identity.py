@@ -1,8 +1,9 @@
 """Content addressing: a step's identity payload, its hash and its output path.
 
-Identity = name + every config field that is not execution-only + the identities of the
-dependencies + the fingerprints of the files it reads from outside keel (those its config's
-`input_files()` names, an External's files; see `inputs.py`). Everything counts unless declared
+Identity = name + every config field that is not execution-only + what its execution-only fields
+decide about the results where they decide any (`DerivesIdentity.derived_identity`) + the
+identities of the dependencies + the fingerprints of the files it reads from outside keel (those
+its config's `input_files()` names, an External's files; see `inputs.py`). Everything counts unless declared
 otherwise, so a changed config or an edited input file can never silently reuse a stale output. The encoding is canonical JSON: stable across processes, hash seeds and
 machines. Changing it re-keys every output, so `tests/test_executor_identity.py` pins golden hashes.
 
@@ -24,7 +25,7 @@ from keel.executor.code import fingerprint, qualified_name
 from keel.executor.encoding import canonical_json, encode
 from keel.executor.graph import CycleError, topological_order
 from keel.executor.inputs import InputError, fingerprint_files, fingerprint_tree
-from keel.executor.step import External, ReadsFiles, Step, StepDeclarationError
+from keel.executor.step import DerivesIdentity, External, ReadsFiles, Step, StepDeclarationError
 
 HASH_CHARS = 10
 
@@ -46,6 +47,11 @@ def _reads_files(config_type: type) -> bool:
     """`ReadsFiles` by the config's class, once per class (a Protocol's isinstance costs ~9 us: a
     10,000-step plan paid 0.1 s for it)."""
     return issubclass(config_type, ReadsFiles)
+
+
+@functools.cache
+def _derives_identity(config_type: type) -> bool:
+    return issubclass(config_type, DerivesIdentity)
 
 
 class Identities:
@@ -79,6 +85,9 @@ class Identities:
                 encoding[step] = None
                 try:
                     found = {"name": step.name, "config": encode(step.config, f"{step.name}.config", self.hash)}
+                    derived = step.config.derived_identity() if _derives_identity(type(step.config)) else None
+                    if derived:
+                        found["derived"] = encode(derived, f"{step.name}.config.derived_identity()", self.hash)
                 finally:
                     del encoding[step]
                 if _reads_files(type(step.config)):  # a config that reads outside files
@@ -103,7 +112,8 @@ class Identities:
                 else:
                     content = {"fn": qualified_name(node.fn), "code": fingerprint(node.fn),
                                "config": encode(node.config, f"{node.name}.config", self.content_hash),
-                               "inputs": payload.get("inputs")}
+                               "inputs": payload.get("inputs"),
+                               **({"derived": payload["derived"]} if "derived" in payload else {})}
                 self._contents[node] = hashlib.sha256(canonical_json(content).encode()).hexdigest()[:2 * HASH_CHARS]
             found = self._contents[step]
         return found

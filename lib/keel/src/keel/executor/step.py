@@ -82,6 +82,17 @@ class ReadsFiles(Protocol):
 
 
 @runtime_checkable
+class DerivesIdentity(Protocol):
+    """A config whose execution-only fields still decide part of what its step computes (a training
+    step's layout decides which routed tokens a fixed-capacity transport drops): that part joins
+    its identity, so changing it cannot reuse an output computed otherwise, while the rest of those
+    fields stays free to change."""
+
+    def derived_identity(self) -> dict:
+        """What the execution-only fields decide about the results, as plain values; {} for nothing."""
+
+
+@runtime_checkable
 class DeclaresDevices(Protocol):
     """A config whose step must see particular devices (a training step's racks): the environment
     each of its processes starts with."""

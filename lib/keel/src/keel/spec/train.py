@@ -273,9 +273,9 @@ class TransportPhase:
 
     `capacity_factor` None keeps the model's `capacity_factor` for a transport with a capacity
     (`TRANSPORTS[name].capacity`: the sender cells, the destination pools, the ragged receiver
-    buffer); `num_waves` is read by the pooled transport only. A switch
-    checkpoints at `start_step` and continues under the same output path: the transport is not
-    part of the run's identity.
+    buffer); `num_waves` is read by the pooled transport only. A switch checkpoints at `start_step`
+    and continues under the same output path: the transport is not part of the run's identity,
+    except which assignments it drops (`TrainStepConfig.derived_identity`).
     """
 
     start_step: int
@@ -693,6 +693,24 @@ class TrainStepConfig:
                              "batch where the experiment declares it, with a length derived from it, or --set "
                              "train.num_steps too")
         return notes
+
+    def derived_identity(self) -> dict:
+        """Which routed assignments the run drops, as its execution-only layout decides (`DerivesIdentity`):
+        for each stretch of the transport timeline whose transport has a capacity, that transport, its
+        capacity factor, its waves and the expert-parallel and token shards the capacity is counted on
+        (a capacity of 0.5 drops half the assignments: another run, not the same one resumed). Dropless
+        stretches (`ring`, `local`, any transport without an expert axis of 2 or more) decide nothing,
+        so a run dropless throughout adds nothing, and its transports and topology stay free to change."""
+        topology, timeline = self.topology, []
+        for phase in self.train.transports:
+            factor = phase.capacity(self.model)
+            rule = None if factor is None or topology is None or topology.expert_parallel < 2 else {
+                "transport": phase.transport, "capacity_factor": factor,
+                "num_waves": phase.num_waves if TRANSPORTS[phase.transport].waves else 1,
+                "expert_parallel": topology.expert_parallel, "token_shards": topology.batch_shards}
+            if not timeline or timeline[-1][1] != rule:
+                timeline.append([phase.start_step, rule])
+        return {"drops": timeline} if any(rule is not None for _, rule in timeline) else {}
 
     def resources_problem(self, resources: Any) -> str | None:
         """Why the step's `resources` (a `keel.Resources`) cannot run this layout, as a message with
