@@ -70,8 +70,9 @@ def _training(t: dict, o: dict) -> list[str]:
                  f"z-loss {o['z_loss']:g}")
     wd = o.get("weight_decay_change")
     if wd:
-        lines.append(f"  weight decay from step {_n(wd['start_step'])}: {wd['peak']:g} x (1 - step/{_n(t['num_steps'])}) "
-                     f"= {wd['rate_at_start']:.4f} at start, on {', '.join(wd['groups'])}")
+        lines.append(f"  weight decay from step {_n(wd['start_step'])}: the group's learning rate x {wd['peak']:g} x "
+                     f"(1 - step/{_n(t['num_steps'])}), the factor {wd['rate_at_start']:.4f} at start, on "
+                     f"{', '.join(wd['groups'])}")
     return lines
 
 

@@ -248,7 +248,9 @@ class ScheduleConfig:
 
 @dataclass(frozen=True)
 class WeightDecayChange:
-    """From `start_step` on, decoupled weight decay `peak x (1 - step / num_steps)` on `groups`."""
+    """From `start_step` on, decoupled weight decay on `groups` at `peak x (1 - step / num_steps)` times
+    the group's learning rate (as AdamW's decay is), added to any decay the optimizer applies itself
+    (`AdamWConfig.weight_decay`)."""
 
     start_step: int
     peak: float

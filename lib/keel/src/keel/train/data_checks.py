@@ -137,7 +137,10 @@ def check_one_tokenizer(stats: dict[str, tuple[str, dict]]) -> dict | None:
 
 def _warn_of_repeats(config: TrainStepConfig, stats: dict[str, tuple[str, dict]]) -> None:
     """A run that draws more sequences from a cache than its train split holds reads the same data
-    again (Levanter's datasets wrap around) with no word said: warn, with the passes it makes."""
+    again (Levanter's datasets wrap around) with no word said: warn, with the passes it makes (once
+    per run, from its first process, not once per replica)."""
+    if jax.process_index() != 0:
+        return
     drawn = config.data.sequences_drawn(config.train.batch_size, config.train.num_steps)
     for name, (root, found) in stats.items():
         held = found["splits"].get("train", {}).get("sequences", 0)
