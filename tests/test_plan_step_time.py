@@ -250,3 +250,17 @@ def test_plan_names_a_start_date_set_wrong_and_how_to_write_it(capsys):
     assert console_main(["plan", "experiments/hero_535b.py", "--set", "train/hero_535b:facts.start_date=2026-13-01"]) == 2
     assert capsys.readouterr().err.strip() == ("keel: error: --set train/hero_535b:facts.start_date=2026-13-01: "
                                                "RunFacts.start_date='2026-13-01' is not an ISO date: write it as 'yyyy-mm-dd'")
+
+
+def test_an_observation_at_a_step_the_run_never_takes_is_refused_naming_it():
+    """Steps run 0 .. num_steps - 1: one observed at num_steps lay in no stretch and was left out of
+    the fit without a word."""
+    from keel.spec import PlanError, SpeedObservation
+    from keel.spec.resolved import resolve
+
+    last = HERO.train.num_steps
+    observed = (HERO.facts.observed[0], SpeedObservation(step=last, date="2026-11-20", step_seconds=16.8))
+    with pytest.raises(PlanError, match=rf"facts.observed\[1\]: step {last} must lie in \[0, train.num_steps={last}\)"):
+        resolve(dataclasses.replace(HERO, facts=dataclasses.replace(HERO.facts, observed=observed)))
+    resolve(dataclasses.replace(HERO, facts=dataclasses.replace(HERO.facts, observed=(
+        HERO.facts.observed[0], SpeedObservation(step=last - 1, date="2026-11-20", step_seconds=16.8)))))

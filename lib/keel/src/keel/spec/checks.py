@@ -83,8 +83,9 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
             fail(f"train.transports[{i}].num_waves={phase.num_waves} must divide the {local_experts} experts per GPU "
                  "(num_experts / expert_parallel): each wave sends to an equal share of them")
         if hw is not None and not hw.supports_transport(phase.transport):
-            fail(f"train.transports[{i}].transport={phase.transport!r} is not supported by hardware {hw.name!r}: "
-                 "choose a CPU-capable transport (e.g. 'fixed_all_to_all' or 'ring')")
+            fail(f"train.transports[{i}].transport={phase.transport!r} is not supported by hardware {hw.name!r} "
+                 "(hardware.supports_ragged_all_to_all is False): use 'fixed_all_to_all', 'fixed_pooled_all_to_all' "
+                 "or 'ring'")
     problem = data_step_problem(config)
     if problem:
         fail(problem)
@@ -118,8 +119,8 @@ def check_train_step(config: TrainStepConfig, where: str = "") -> None:
     facts = config.facts
     if facts is not None:
         for i, seen in enumerate(facts.observed):
-            if not 0 <= seen.step <= train.num_steps or seen.step_seconds <= 0:
-                fail(f"facts.observed[{i}]: step {seen.step} must lie in [0, train.num_steps={train.num_steps}] and "
+            if not 0 <= seen.step < train.num_steps or seen.step_seconds <= 0:  # steps are 0 .. num_steps - 1
+                fail(f"facts.observed[{i}]: step {seen.step} must lie in [0, train.num_steps={train.num_steps}) and "
                      f"step_seconds={seen.step_seconds} must be positive")
         if facts.projected_steps_per_day is not None and facts.projected_steps_per_day <= 0:
             fail(f"facts.projected_steps_per_day={facts.projected_steps_per_day} must be positive")
