@@ -699,6 +699,9 @@ class Runner:
             with self._lock:
                 self._children.pop(process, None)
             lease.runs_in(None)
+            if beat and not storage.is_local(output_path):  # its file beside the launcher's temporary files
+                with contextlib.suppress(OSError):
+                    os.remove(beat)
         writes.wrote_beside(outcome.beside, storage.split(output_path)[1])
         if outcome.state == "interrupted" or (outcome.state == "killed" and self._stopping):
             raise interrupt.StepInterrupted(outcome.message, outcome.resume)
