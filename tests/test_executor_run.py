@@ -535,30 +535,14 @@ def test_the_cores_are_the_affinitys_or_the_least_cgroup_cpu_quota_when_less(tmp
                                                                             limits, cores):
     """Read as the kernel lays them out: /proc/self/cgroup names the process's cgroup in each
     hierarchy, mountinfo where each is mounted and which of its cgroups is the mount's root."""
-    from keel.executor import resources
-
-    proc, root = tmp_path / "proc", tmp_path / "cgroup"
-    proc.mkdir()
-    if cgroup is not None:
-        (proc / "cgroup").write_text(cgroup)
-        (proc / "mountinfo").write_text(mounts.format(root=root))
-    for name, text in limits.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text + "\n")
-    monkeypatch.setattr(resources, "PROC_SELF", str(proc))
+    resources = _fake_proc(tmp_path, monkeypatch, cgroup, mounts, limits)
     monkeypatch.setattr(resources.os, "sched_getaffinity", lambda pid: set(range(8)))
     assert resources.machine_cores() == cores
 
 
-@pytest.mark.parametrize("cgroup, mounts, files, kills", [
-    (V2, V2_MOUNT, {"unified/kubepods/pod1/ctr/memory.events": "low 0\nhigh 0\nmax 4\noom 2\noom_kill 2\noom_group_kill 0",
-                    "vmstat": "pgfault 10\noom_kill 9"}, 2),
-    (V1, V1_MOUNTS, {"memory/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 3", "vmstat": "oom_kill 9"}, 3),
-    (V1, V1_MOUNTS, {"vmstat": "pgfault 10\noom_kill 9"}, 9),  # no memory cgroup to read: the machine's count
-    (None, None, {}, None),
-], ids=["v2", "v1", "vmstat", "none"])
-def test_the_out_of_memory_kills_are_read_from_the_memory_cgroup_else_the_machine(tmp_path, monkeypatch, cgroup, mounts,
-                                                                                files, kills):
+def _fake_proc(tmp_path, monkeypatch, cgroup: str | None, mounts: str | None, files: dict[str, str]):
+    """`keel.executor.resources` reading a fake /proc/self (`cgroup`, `mountinfo`) and cgroup tree
+    (`files` under it, `vmstat` among them standing for /proc/vmstat)."""
     from keel.executor import resources
 
     proc, root = tmp_path / "proc", tmp_path / "cgroup"
@@ -571,7 +555,19 @@ def test_the_out_of_memory_kills_are_read_from_the_memory_cgroup_else_the_machin
         (root / name).write_text(text + "\n")
     monkeypatch.setattr(resources, "PROC_SELF", str(proc))
     monkeypatch.setattr(resources, "PROC_VMSTAT", str(root / "vmstat"))
-    assert resources.oom_kills() == kills
+    return resources
+
+
+@pytest.mark.parametrize("cgroup, mounts, files, kills", [
+    (V2, V2_MOUNT, {"unified/kubepods/pod1/ctr/memory.events": "low 0\nhigh 0\nmax 4\noom 2\noom_kill 2\noom_group_kill 0",
+                    "vmstat": "pgfault 10\noom_kill 9"}, 2),
+    (V1, V1_MOUNTS, {"memory/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 3", "vmstat": "oom_kill 9"}, 3),
+    (V1, V1_MOUNTS, {"vmstat": "pgfault 10\noom_kill 9"}, 9),  # no memory cgroup to read: the machine's count
+    (None, None, {}, None),
+], ids=["v2", "v1", "vmstat", "none"])
+def test_the_out_of_memory_kills_are_read_from_the_memory_cgroup_else_the_machine(tmp_path, monkeypatch, cgroup, mounts,
+                                                                                files, kills):
+    assert _fake_proc(tmp_path, monkeypatch, cgroup, mounts, files).oom_kills() == kills
 
 
 def test_a_step_process_the_out_of_memory_killer_killed_failed_and_is_not_a_preemption(tmp_path, monkeypatch):
