@@ -30,8 +30,8 @@ A child killed from outside (SIGKILL, a preempted VM) reports nothing and comes 
 the kernel's out-of-memory killer killed it (its count rose meanwhile: `failed`, as a rerun runs out
 of memory again); a child watched by its heartbeat (`heartbeat.py`) that stops beating for the
 declared timeout (or whose heartbeat cannot be read that long) has its process group killed and
-comes back `stalled`. The launcher retries `killed` and `stalled` as a preemption. A child that reported its result but does not exit is
-killed `EXIT_GRACE_S` later, its result standing.
+comes back `stalled`. The launcher retries `killed` and `stalled` as a preemption. A child that
+reported its result but does not exit is killed `EXIT_GRACE_S` later, its result standing.
 """
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 Identity = name + every config field that is not execution-only + what its execution-only fields
 decide about the results where they decide any (`DerivesIdentity.derived_identity`) + the
 identities of the dependencies + the fingerprints of the files it reads from outside keel (those
-its config's `input_files()` names, an External's files; see `inputs.py`). Everything counts unless declared
-otherwise, so a changed config or an edited input file can never silently reuse a stale output. The encoding is canonical JSON: stable across processes, hash seeds and
-machines. Changing it re-keys every output, so `tests/test_executor_identity.py` pins golden hashes.
+its config's `input_files()` names, an External's files; see `inputs.py`). Everything counts
+unless declared otherwise, so a changed config or an edited input file can never silently reuse a
+stale output. The encoding is canonical JSON: stable across processes, hash seeds and machines. Changing it re-keys every output, so `tests/test_executor_identity.py` pins golden hashes.
 
 The identity hash names the output path (`{name}-{hash}`). The *content* hash leaves the name out:
 the step's function, its config and input files, and its dependencies' content hashes. Two steps

@@ -253,7 +253,8 @@ class Lease:
 
     @property
     def superseded(self) -> bool:
-        """Whether the heartbeat found a newer epoch (read nowhere: what the last heartbeat saw)."""
+        """Whether a heartbeat found a newer epoch: what the last one saw, without reading the store
+        (`taken_over` reads it)."""
         return self._superseded
 
     def taken_over(self) -> str | None:
