@@ -93,6 +93,18 @@ def test_a_resume_drops_the_line_the_attempt_before_tore_and_keeps_every_step(tm
     assert path.read_text().count("\n") == 12 and "dropped 1 torn line(s)" in caplog.text
 
 
+def test_a_resume_ends_a_whole_last_row_the_attempt_before_left_without_its_newline(tmp_path):
+    """The attempt died between a row and its newline: the next row was appended onto it, and the
+    two read as one torn line, both lost."""
+    path = tmp_path / "metrics.jsonl"
+    rows = "".join(json.dumps({"step": s, "train/loss": 5.0 - s}) + "\n" for s in range(10))
+    path.write_text(rows + json.dumps({"step": 10, "train/loss": -5.0}))
+    log = MetricsLog(str(path), resume_at=11)
+    log.log({"train/loss": -6.0}, step=11)
+    log.finish()
+    assert [r["step"] for r in read_metrics(str(path))] == list(range(12))
+
+
 
 def test_on_a_store_without_appends_the_file_is_rewritten_and_a_resume_keeps_every_step(monkeypatch):
     """`memory://` refuses append mode and gcsfs turns it into overwrite: there the file is rewritten

@@ -130,12 +130,13 @@ def _drop_records_after(path: str, resume_at: int) -> None:
     a line torn by the attempt that died (the next record would be appended onto it, and both lost)."""
     text = storage.read_text(path) or ""
     records = read_metrics(path)
-    torn = text.count("\n") + (not text.endswith("\n")) - len(records) if text else 0
+    torn = sum(1 for line in text.splitlines() if line.strip()) - len(records)
+    unterminated = bool(text) and not text.endswith("\n")  # whole or torn, the next row would join its line
     # The evaluation at the checkpoint's own step is not repeated on resume, except at step 0; nor is
     # a spike guard's rollback (keel.train.spike_guard: the resumed run skips its batch by the record).
     kept = [r for r in records if r["step"] < resume_at or (0 < r["step"] == resume_at and _is_eval(r))
             or "spike/rollback_from" in r]
-    if len(kept) == len(records) and not torn:
+    if len(kept) == len(records) and not torn and not unterminated:
         return
     storage.write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     logger.info("Resuming at step %d: dropped %d metric records past the checkpoint", resume_at, len(records) - len(kept))
