@@ -8,7 +8,8 @@ upstream step), the optimizer, schedule, seed, batch size, sequence length, step
 weight-decay change, spike guard and precision (`compute_dtype`, `master_dtype`: it changes the
 weights). Topology, hardware, transports, checkpoint/log/eval cadence, eval batch counts, host
 offload and remat are execution-only: changing them resumes the same run under the same output
-path. The declaration is checked once, by `keel.spec.resolved.resolve`, when `keel plan` or
+path, except which routed assignments a fixed-capacity transport drops
+(`TrainStepConfig.derived_identity`). The declaration is checked once, by `keel.spec.resolved.resolve`, when `keel plan` or
 `keel run` starts (and again by the step itself): a mistake is a `keel: error:` naming the field
 before any step runs.
 """

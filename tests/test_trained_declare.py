@@ -56,6 +56,24 @@ def test_an_eval_is_keyed_by_its_run_data_and_checkpoint():
     assert final.config.process_env() == run.config.process_env() != {}  # the run's 8 simulated devices
 
 
+def test_an_eval_that_reads_as_many_batches_as_the_run_is_keyed_by_that_count():
+    """The run's `eval_batches` is execution-only for the run, but an eval that follows it
+    (num_batches=None) reads as many sequences: 8 batches are another eval than 3."""
+    import dataclasses
+
+    run = _run("a")
+    more = run.with_config(dataclasses.replace(run.config, train=dataclasses.replace(run.config.train, eval_batches=8)))
+    tokens = _chain()[1]
+
+    def path(run, **kw):
+        step = default_eval("e", run=run, data={"stdlib": tokens}, **kw)
+        return Graph([step], "/tmp/keel-test").path(step)
+
+    assert Graph([run], "/tmp/keel-test").path(run) == Graph([more], "/tmp/keel-test").path(more)
+    assert path(run) != path(more)
+    assert path(run, num_batches=3) == path(more, num_batches=3)  # a declared count: the run's does not matter
+
+
 def test_an_eval_on_a_cache_of_a_larger_vocabulary_is_refused_before_loading_the_model(tmp_path):
     """The embedding lookup clamps ids past the model's vocabulary, so such an eval would write a
     plausible loss and bits per byte; the training step refuses that cache, and so does the eval."""

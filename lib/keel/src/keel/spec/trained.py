@@ -101,6 +101,11 @@ class EvalConfig:
         """(batch size, number of batches): the declared ones, else the run's validation reads."""
         return (self.batch_size or self.model.train.batch_size, self.num_batches or self.model.train.eval_batches)
 
+    def derived_identity(self) -> dict:
+        """The run's `eval_batches` where `num_batches` follows it (`DerivesIdentity`): execution-only for
+        the run, it decides which sequences this step evaluates (the run's batch size is in its identity)."""
+        return {"eval_batches": self.model.train.eval_batches} if self.num_batches is None else {}
+
     def process_env(self, processes: int = 1) -> dict[str, str]:
         return self.model.process_env(processes)
 
