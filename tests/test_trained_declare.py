@@ -100,8 +100,10 @@ def test_an_eval_of_the_runs_own_data_leaves_out_a_cache_without_validation_as_t
     _write_cache(tmp_path / "a", "train", range(1000, 1040))
     none_held_out = _write_cache(tmp_path / "b", "validation", [])  # declared with validation_fraction=0
     _write_cache(tmp_path / "b", "train", range(2000, 2040))
-    data = Mixture({"a": External("a", held_out, version="1"), "b": External("b", none_held_out, version="1")},
-                   (MixturePhase(0, {"a": 0.5, "b": 0.5}),), block_size=8)
+    train_only = _write_cache(tmp_path / "c", "train", range(3000, 3040))  # another tool's: no validation split at all
+    data = Mixture({"a": External("a", held_out, version="1"), "b": External("b", none_held_out, version="1"),
+                    "c": External("c", train_only, version="1")},
+                   (MixturePhase(0, {"a": 0.4, "b": 0.3, "c": 0.3}),), block_size=8)
     train = TrainConfig(batch_size=8, seq_len=SEQ_LEN, num_steps=4, optimizer=AdamWConfig(lr=1e-3), eval_batches=1)
     run = default_train("own", data=data, model=tiny_moe, train=train,
                         topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4), hardware=cpu_sim)
@@ -114,10 +116,12 @@ def test_an_eval_of_the_runs_own_data_leaves_out_a_cache_without_validation_as_t
 
     own = default_eval("own", run=run)
     assert own.config.own_data and list(evaluated_caches(resolved(own))) == ["a"]
-    assert "EvalConfig.data['b'] (" in capsys.readouterr().out  # said, not silent
-    named = default_eval("named", run=run, data={"a": data.components["a"], "b": data.components["b"]})
-    with pytest.raises(ValueError, match=r"the validation split of EvalConfig.data\['b'\] .* is empty"):
-        evaluated_caches(resolved(named))
+    said = capsys.readouterr().out
+    assert "EvalConfig.data['b'] (" in said and "EvalConfig.data['c'] (" in said  # said, not silent
+    for left_out in ("b", "c"):
+        named = default_eval("named", run=run, data={"a": data.components["a"], left_out: data.components[left_out]})
+        with pytest.raises(ValueError, match=rf"the validation split of EvalConfig.data\['{left_out}'\] .* is empty or absent"):
+            evaluated_caches(resolved(named))
 
 
 def test_an_eval_on_a_cache_of_another_tokenizer_than_the_runs_is_refused_before_loading_the_model(tmp_path):

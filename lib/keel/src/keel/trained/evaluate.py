@@ -20,10 +20,10 @@ import jax
 import numpy as np
 from levanter.models.loss import next_token_loss_weight
 
-from keel.data.cache_files import STATS_FILE
+from keel.data.cache_files import STATS_FILE, has_split
 from keel.data.datasets import load_token_cache, read_sequence_bytes
 from keel.data.tokenizer import predicted_tokens
-from keel.executor import storage
+from keel.executor import storage, warn
 from keel.model.axes import POS
 from keel.model.loss import next_token_weight
 from keel.spec.topology import BATCH_AXES
@@ -65,26 +65,33 @@ def eval_step(config: EvalConfig) -> None:
     for label, r in results.items():
         print(f"eval {label}: loss {r['loss']:.4f}  perplexity {r['perplexity']:.2f}  bits/byte "
               f"{'n/a' if r['bits_per_byte'] is None else format(r['bits_per_byte'], '.4f')}")
+    not_finite = [label for label, loss in losses.items() if not math.isfinite(loss)]
+    if not_finite:
+        warn(f"the loss on {', '.join(not_finite)} is not finite ({', '.join(str(losses[n]) for n in not_finite)}): the "
+             f"checkpoint at step {config.model.step} diverged, or its sample held no token to predict; evaluate an "
+             "earlier checkpoint (checkpoint=...)")
 
 
 def evaluated_caches(config: EvalConfig) -> dict:
-    """label -> the `split` of that cache, as a dataset. An empty split is an error, except in the
-    run's own caches (`EvalConfig.own_data`), where it is left out as the training loop leaves it out
-    of its validation (a document set declared without held-out documents), and said so."""
+    """label -> the `split` of that cache, as a dataset. An empty or absent split is an error, except
+    in the run's own caches (`EvalConfig.own_data`), where it is left out as the training loop leaves
+    it out of its validation (a document set declared without held-out documents, another tool's
+    cache written without one), and said so."""
     datasets, empty = {}, []
     for label, root in sorted(config.data.items()):
         stats = storage.read_json(storage.join(root, STATS_FILE))
         if stats is not None:  # a cache keel tokenized: its ids must all have an embedding and mean what the run learned
             check_cache_vocab(f"EvalConfig.data[{label!r}] ({root})", stats, config.model.model.vocab_size)
             check_same_tokenizer_as_run(f"EvalConfig.data[{label!r}] ({root})", stats, config.model.run)
-        dataset = load_token_cache(root, config.split, seq_len=config.model.train.seq_len)
-        if len(dataset):
+        dataset = load_token_cache(root, config.split, seq_len=config.model.train.seq_len) \
+            if has_split(root, config.split) else None
+        if dataset is not None and len(dataset):
             datasets[label] = dataset
         else:
             empty.append(f"EvalConfig.data[{label!r}] ({root})")
     if empty and (not config.own_data or not datasets):
-        raise ValueError(f"the {config.split} split of {' and of '.join(empty)} is empty: there is nothing to evaluate "
-                         "on; give a cache with sequences in that split")
+        raise ValueError(f"the {config.split} split of {' and of '.join(empty)} is empty or absent: there is nothing to "
+                         "evaluate on; give a cache with sequences in that split")
     for where in empty:
         print(f"eval: {where} has no {config.split} sequences; left out, as the run's own validation leaves it out")
     return datasets
@@ -115,7 +122,7 @@ def dataset_result(loss: float, cache_root: str, split: str, rows, seq_len: int,
     sequences = len(rows)
     return {
         "loss": loss,
-        "perplexity": math.exp(loss),
+        "perplexity": math.exp(loss) if loss < 709 else math.inf,  # exp overflows a float past 709.78
         "bits_per_byte": loss / math.log(2) * targets / num_bytes if num_bytes else None,
         "sequences": sequences,
         "tokens": sequences * seq_len,
