@@ -171,6 +171,26 @@ def test_what_the_kernels_ran_is_held_to_the_plans_phase_layer_by_layer():
     assert kernel_report({"train/loss": 3.0}) is None, "a model without routed experts reports no kernel"
 
 
+def test_a_step_of_a_model_with_routed_experts_that_reports_no_kernel_stops_the_run():
+    """Without the report the kernel check had nothing to compare and passed: a model whose loss
+    leaves the `kernel/` metrics out would train unchecked."""
+    import types
+
+    sys.path.insert(0, HERE)
+    from train_standin import micro_plan
+
+    from keel.spec.train import AdamWConfig, TrainConfig, TransportPhase
+    from keel.train.layout import LayoutMismatch
+    from keel.train.loop import StepDone, _Run
+
+    plan = micro_plan(TrainConfig(batch_size=16, seq_len=64, num_steps=8, optimizer=AdamWConfig(lr=1e-2),
+                                  transports=(TransportPhase(0, "fixed_all_to_all"),)))
+    run = types.SimpleNamespace(plan=plan, _kernel_pending=0, output_path="/nowhere")
+    done = StepDone(0, plan.transport_at(0).phase, {"train/loss": 3.0}, 0.0)
+    with pytest.raises(LayoutMismatch, match="step 0: the model has routed experts, but its step reported no MoE kernel"):
+        _Run._check_kernel(run, done)
+
+
 @pytest.mark.parametrize("warmup, decay_to", [(0.01, 0.05), (0.1, 0.0), (0.01, 0.0)])
 def test_the_loops_float32_rates_pass_the_check_at_every_step_and_a_step_off_does_not(warmup, decay_to):
     """The loop checks its rates (XLA's float32 schedule) against the resolved run's (float64) at every

@@ -419,8 +419,12 @@ class _Run:
             return
         self._kernel_pending = None
         report = layout.kernel_report(jax.device_get({k: v for k, v in done.metrics.items() if k.startswith(KERNEL)}))
-        if report is None:  # no routed experts: no kernel to ask
-            return
+        if report is None:
+            if self.plan is not None and self.plan.config.model.num_experts > 0:
+                raise layout.LayoutMismatch(f"step {done.step}: the model has routed experts, but its step reported no "
+                                            "MoE kernel: the kernel check would pass unchecked; the model's loss must "
+                                            "return the kernel/ metrics (KeelLM.loss)")
+            return  # no routed experts: no kernel to ask
         if jax.process_index() == 0:
             layout.add_to_last_record(self.output_path, transport=report)
         layout.check_kernel(report, done.step, self.plan)
