@@ -2,9 +2,10 @@
 
 The DAG is the executor benchmark's layered DAG of trivial steps (`executor_overhead.layered_dag`:
 each step of layer d reads two parents of layer d-1). Baseline in the same run: the same DAG run
-cold by keel with fray's in-process `LocalClient`. Then the same DAG run cold by keel with every
-step sent as a job to an in-process Iris cluster on 127.0.0.1 (tests/fixtures/iris_local.yaml),
-where each step is a fresh Python process. Both use the same concurrency (`--max-concurrent`), so
+cold by keel with fray's in-process `LocalClient`. Then the same DAG, each step declaring
+`Resources(cpu=1)`, run cold by keel with a cluster (`run_steps(cluster=...)`, what `keel run
+--cluster URL` does): every step is a job on an in-process Iris cluster on 127.0.0.1
+(tests/fixtures/iris_local.yaml), a fresh Python process, waited on by keel's own state poll. Both use the same concurrency (`--max-concurrent`), so
 the per-step figure is throughput; a 1-wide chain (`--chain`, default 5 steps) run on both also
 gives the latency of one step, start to finish, when nothing overlaps it.
 
@@ -28,13 +29,14 @@ sys.path.insert(0, str(ROOT / "tests"))  # the local cluster harness the tests u
 import executor_overhead  # noqa: E402
 from iris_local import local_iris_cluster  # noqa: E402
 
+from keel import Resources  # noqa: E402
 from keel.executor.cluster import cluster_client  # noqa: E402
 from keel.executor.run import run_steps  # noqa: E402
 
 
-def timed_cold_run(steps, prefix: str, client, max_concurrent: int) -> float:
+def timed_cold_run(steps, prefix: str, cluster, max_concurrent: int) -> float:
     started = time.perf_counter()
-    report = run_steps(steps, prefix, client=client, max_concurrent=max_concurrent, echo=lambda _: None)
+    report = run_steps(steps, prefix, cluster=cluster, max_concurrent=max_concurrent, echo=lambda _: None)
     elapsed = time.perf_counter() - started
     assert report.ok and len(report.ran) == len(steps), report.failures[:1]
     return elapsed
@@ -51,6 +53,8 @@ def main() -> None:
 
     steps = executor_overhead.layered_dag(args.width, args.depth)
     chain = executor_overhead.layered_dag(1, args.chain)
+    jobs = executor_overhead.layered_dag(args.width, args.depth, resources=Resources(cpu=1))
+    job_chain = executor_overhead.layered_dag(1, args.chain, resources=Resources(cpu=1))
     n = len(steps)
     with tempfile.TemporaryDirectory() as tmp:
         local = timed_cold_run(steps, f"{tmp}/local", None, args.max_concurrent)
@@ -60,8 +64,8 @@ def main() -> None:
             client = cluster_client(url, workspace=ROOT)
             try:
                 startup = time.perf_counter() - started
-                iris = timed_cold_run(steps, f"{tmp}/iris", client, args.max_concurrent)
-                iris_chain = timed_cold_run(chain, f"{tmp}/iris-chain", client, 1)
+                iris = timed_cold_run(jobs, f"{tmp}/iris", client, args.max_concurrent)
+                iris_chain = timed_cold_run(job_chain, f"{tmp}/iris-chain", client, 1)
             finally:
                 client.shutdown(wait=False)
 

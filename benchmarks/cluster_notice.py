@@ -64,7 +64,7 @@ def main() -> None:
     late = {"iris": [], "keel": []}
     with tempfile.TemporaryDirectory() as tmp, local_iris_client(Path(tmp, "iris")) as (_, client):
         for seconds in args.seconds:
-            cluster._wait_until_finished = lambda handle: None  # baseline: handle.wait() alone
+            cluster._wait_until_finished = lambda *_, **__: None  # baseline: handle.wait() alone
             late["iris"].append(noticed_late(client, f"{tmp}/out", seconds, "iris"))
             cluster._wait_until_finished = keel_poll
             late["keel"].append(noticed_late(client, f"{tmp}/out", seconds, "keel"))

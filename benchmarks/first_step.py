@@ -6,8 +6,9 @@ training step prints "first step done Ns after the process started" (`keel.train
 it has, the benchmark stops keel with Ctrl-C (SIGINT: the step checkpoints and is INTERRUPTED),
 runs the same command again, which resumes from that checkpoint with the programs the first
 process left in the compilation cache (the machine's, here a fresh one under the benchmark's
-folder: `XDG_CACHE_HOME`), and reads the line again. The twin runs after tiny_moe in the
-same prefix, so it reuses tiny_moe's token cache and the data steps cost neither anything.
+folder for each experiment: `XDG_CACHE_HOME`, so the twin's cold run loads no program tiny_moe
+compiled), and reads the line again. The twin runs after tiny_moe in the same prefix, so it reuses
+tiny_moe's token cache and the data steps cost neither anything.
 
 Baseline in the same run: a fresh interpreter that imports what a training step imports
 (`keel.train.step`: jax, Levanter, Haliax, optax, wandb) and lists its 8 simulated devices, the
@@ -24,6 +25,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,13 +60,14 @@ def keel_command() -> list[str]:
     return [uv, "run", "--locked", "keel"] if uv else [sys.executable, "-m", "keel.cli_entry"]
 
 
-def first_step(args: list[str], prefix: str, timeout: float, earlier: int) -> float:
-    """Run `keel run ARGS`, read its training step's first-step time (the log, which every attempt
-    appends to, already holds `earlier` such lines), then stop it with Ctrl-C."""
+def first_step(args: list[str], prefix: str, cache_home: str, timeout: float, earlier: int) -> float:
+    """Run `keel run ARGS` on a machine whose caches are under `cache_home`, read its training step's
+    first-step time (the log, which every attempt appends to, already holds `earlier` such lines),
+    then stop it with Ctrl-C."""
     console = Path(prefix) / f"console-{time.monotonic_ns()}.txt"
     with open(console, "w") as out:
         proc = subprocess.Popen([*keel_command(), "run", *args, "--prefix", prefix], cwd=REPO,
-                                env=user_env(os.path.join(prefix, "cache")),
+                                env=user_env(cache_home),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
@@ -91,12 +94,16 @@ def first_step(args: list[str], prefix: str, timeout: float, earlier: int) -> fl
 
 
 def import_floor() -> float:
-    """Seconds for a fresh interpreter to import the training step's stack and list 8 devices."""
+    """Seconds for a fresh interpreter to import the training step's stack and list 8 devices: the
+    median of 3, after one that warms the page cache."""
     code = ("import os; os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'; "
             "import keel.train.step, jax; assert len(jax.devices()) == 8")
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code], check=True, env=user_env())
-    return time.perf_counter() - started
+    times = []
+    for _ in range(4):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True, env=user_env())
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
 
 
 def main() -> None:
@@ -111,8 +118,9 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory(prefix="keel-first-step-") as prefix:
         for name in names:
-            cold = first_step(EXPERIMENTS[name], prefix, args.timeout, earlier=0)
-            cached = first_step(EXPERIMENTS[name], prefix, args.timeout, earlier=1)
+            cache_home = os.path.join(prefix, f"cache-{name}")
+            cold = first_step(EXPERIMENTS[name], prefix, cache_home, args.timeout, earlier=0)
+            cached = first_step(EXPERIMENTS[name], prefix, cache_home, args.timeout, earlier=1)
             results[name] = (cold, cached)
             print(f"{name}: first step {cold:.1f}s after its process started (target {TARGETS[name]:.0f}s); "
                   f"resumed with the compilation cache {cached:.1f}s (target {CACHED_TARGET:.0f}s)")
