@@ -327,3 +327,24 @@ def test_the_tokenize_step_records_each_sequences_utf8_bytes(tmp_path):
     (tmp_path / "cache" / "tokenize.json").write_text(json.dumps({**stats, "format": "keel.token_cache/v1"}))
     with pytest.raises(ValueError, match=r"counted the bytes of every token.*keel run --force"):
         read_sequence_bytes(str(tmp_path / "cache"), "train")
+
+
+def test_a_completion_reads_as_it_follows_its_prompt():
+    """A SentencePiece-style decoder drops a completion's leading space when it decodes the completion
+    alone: "The cat" + "sat". A byte-level one (keel's) reads the same either way."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from keel.trained.sample import completion_text
+
+    metaspace = Tokenizer(models.WordLevel(vocab={"▁The": 0, "▁cat": 1, "▁sat": 2}, unk_token="▁The"))
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace()
+    metaspace.decoder = decoders.Metaspace()
+    assert metaspace.decode([2]) == "sat"
+    assert completion_text(metaspace, [0, 1], [2]) == " sat"
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    byte_level = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level.decoder = decoders.ByteLevel()
+    prompt, completion = byte_level.encode("The café").ids, byte_level.encode(" au lait").ids
+    assert completion_text(byte_level, prompt, completion) == byte_level.decode(completion) == " au lait"

@@ -52,12 +52,20 @@ def sample_step(config: SampleConfig) -> None:
     completions = generate(loaded, prompts, context=config.model.train.seq_len, max_tokens=config.max_tokens,
                            temperature=config.temperature, seed=config.seed, stop_id=loaded_tokenizer.eos_id)
     lines = []
-    for prompt, ids in zip(config.prompts, completions):
-        text = tokenizer.decode(ids)
+    for prompt, prompt_ids, ids in zip(config.prompts, prompts, completions):
+        text = completion_text(tokenizer, prompt_ids, ids)
         lines.append({"prompt": prompt, "completion": text, "completion_ids": ids, "step": config.model.step,
                       "temperature": config.temperature, "seed": config.seed})
         print(f"--- sample (step {config.model.step}, seed {config.seed}, temperature {config.temperature})\n{prompt}{text}")
     storage.write_atomic(storage.join(config.output_path, SAMPLES_FILE), "".join(json.dumps(r) + "\n" for r in lines))
+
+
+def completion_text(tokenizer, prompt_ids: list[int], ids: list[int]) -> str:
+    """The completion as it reads after its prompt: decoded with the prompt, whose own text is then
+    taken off (decoded alone, a SentencePiece-style decoder drops the completion's leading space:
+    "The cat" + "sat")."""
+    before, whole = tokenizer.decode(prompt_ids), tokenizer.decode(prompt_ids + ids)
+    return whole[len(before):] if whole.startswith(before) else tokenizer.decode(ids)
 
 
 def generate(loaded, prompts: list[list[int]], *, context: int, max_tokens: int, temperature: float, seed: int,
