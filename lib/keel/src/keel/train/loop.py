@@ -482,7 +482,8 @@ class _Run:
                 self.progress.event(f"interrupted: {stopped}, replaying after a rollback; a rerun resumes from the "
                                     f"checkpoint at step {ahead}, saved before the rollback (the replay reproduces "
                                     "the steps up to it bit for bit)")
-            raise interrupt.StepInterrupted(f"training {stopped}", resume=f"its checkpoint at step {completed if ahead is None else ahead}")
+            resume = completed if ahead is None else ahead
+            raise interrupt.StepInterrupted(f"training {stopped}", resume=f"its checkpoint at step {resume}")
 
     # ------------------------------------------------------------------ pieces
     def transport_at(self, step: int) -> TransportPhase:
