@@ -264,3 +264,21 @@ def test_an_observation_at_a_step_the_run_never_takes_is_refused_naming_it():
         resolve(dataclasses.replace(HERO, facts=dataclasses.replace(HERO.facts, observed=observed)))
     resolve(dataclasses.replace(HERO, facts=dataclasses.replace(HERO.facts, observed=(
         HERO.facts.observed[0], SpeedObservation(step=last - 1, date="2026-11-20", step_seconds=16.8)))))
+
+
+def test_the_update_moves_the_memory_sheets_master_weights_gradients_and_moments():
+    """The update's HBM bytes are the memory sheet's own parts: master weights and moments read and
+    written, gradients (typed like the master weights) read. It counted the gradients in the compute
+    dtype and a compute-dtype weight copy the step never keeps: right for bf16/fp32 by coincidence
+    (2x4 + 2x2 = 2x4 + 4 bytes a parameter), 2 bytes a trained parameter short with bf16 masters."""
+    def hbm_and_parts(config):
+        sheet = fact_sheet(config)
+        parts = sheet["memory"]["parts_gb"]
+        first = sheet["step_time"]["stretches"][0]["terms"]["hbm"]["gb"]
+        return first, 2 * parts["master_weights"] + parts["gradients"] + 2 * parts["optimizer_state"]
+
+    fp32_hbm, fp32_update = hbm_and_parts(HERO)
+    bf16_hbm, bf16_update = hbm_and_parts(variant(train=dataclasses.replace(HERO.train, master_dtype="bfloat16")))
+    assert bf16_update < fp32_update
+    # the weights read each pass (compute dtype) and the saved residuals are the same in both
+    assert bf16_hbm - fp32_hbm == pytest.approx(bf16_update - fp32_update, rel=1e-9)

@@ -135,9 +135,10 @@ def loads(run: ResolvedRun, sheet: dict) -> list[Load]:
         shards = fsdp_shards(run, p)
         gathered += run.per_device(p) * (shards - 1) * compute_bytes
         weights_read += run.per_device(p) * shards * compute_bytes
-    master_bytes = bytes_of(train.master_dtype, "train.master_dtype")
-    # the update reads and writes the master weights and moments, reads the gradients, writes the weights
-    update = mem["parameters_per_gpu"] * (2 * master_bytes + 2 * compute_bytes) + mem["parts_gb"]["optimizer_state"] * GB * 2
+    # the update reads and writes the master weights and the moments and reads the gradients: the
+    # memory sheet's own parts (gradients typed like the master weights, no compute-dtype copy kept)
+    parts = mem["parts_gb"]
+    update_gb = 2 * parts["master_weights"] + parts["gradients"] + 2 * parts["optimizer_state"]
     fsdp_gb = gathered * (passes + 1) / GB  # a gather per pass and the gradients' reduce-scatter
     fsdp_s, fsdp_off = _spread(fsdp_gb, topo.data * topo.expert, hw)
     cross = sheet["cross_rack"] or {}
@@ -154,7 +155,7 @@ def loads(run: ResolvedRun, sheet: dict) -> list[Load]:
         host_gb = memory["host_gb"] * 2  # in and back
         # weights read each pass and their gradients written once, the update, the saved residuals
         # written and read back, every all-to-all buffer written and read
-        hbm_gb = (weights_read * (passes + 1) + update) / GB + 2 * memory["saved_residuals_gb"]
+        hbm_gb = weights_read * (passes + 1) / GB + update_gb + 2 * memory["saved_residuals_gb"]
         hbm_gb += 2 * (a2a["gb_per_step_per_gpu"] if a2a else 0)
         waves = phase.num_waves  # 1 but for a transport that sends in waves (TransportPhase refuses others)
         out.append(Load(
