@@ -30,8 +30,8 @@ _EXPERIMENT = textwrap.dedent(
         rows += [{"step": s, "train/loss": 6.0 - s / 10, "throughput/tokens_per_s": v,
                   "transport": "ring" if s < 2 else "fixed_all_to_all"} for s, v in speeds.items()]
         rows += [{"step": 4, "eval/loss": 5.0 + config.train.optimizer.lr}]
-        if config.train.optimizer.lr == 0.5:  # the spike guard rolled this one back once, as its row says
-            rows.append({"step": 2, "spike/rollback_from": 2, "spike/rollback_to": 0, "spike/skipped_batch": 2})
+        if config.train.optimizer.lr == 0.5:  # the spike guard rolled this one back twice at step 2, as its rows say
+            rows += [{"step": 2, "spike/rollback_from": 2, "spike/rollback_to": 0, "spike/skipped_batch": b} for b in (2, 3)]
         with open(os.path.join(config.output_path, "metrics.jsonl"), "w") as f:
             f.writelines(json.dumps(r) + "\\n" for r in rows)
         meet = os.environ.get("MEET_DIR")  # runs declared together wait for each other: they surely overlap
@@ -86,7 +86,7 @@ def test_compare_across_experiments_with_columns_defined_and_shared_runs_marked(
     notes = lines[lines.index("") + 1:]
     defined = [line.split(":")[0][2:] for line in notes if not line.startswith("- train/")]
     assert defined == header[:-1] + ["train.optimizer.lr"]  # every column shown, defined where it is shown
-    assert "- train/moe rolled back past 1 loss spike(s), skipping the batch at step(s) 2" in "\n".join(notes)
+    assert "- train/moe rolled back past 2 loss spike(s), skipping the batch at step(s) 2, 2 " in "\n".join(notes)
     assert not [line for line in notes if line.startswith("- train/dense")]  # a plain run has no such note
 
     # Beside them: a launcher killed mid-step days ago (step.json, no status, no lease) on this host, and a

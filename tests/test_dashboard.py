@@ -266,6 +266,92 @@ def test_a_hand_written_run_nan_loss_many_legends_and_a_dead_launcher(tmp_path):
         _check_hand_written_page(page)
 
 
+_LONG = textwrap.dedent(
+    """
+    from defaults import default_train
+    from defaults.models import tiny_moe
+    from keel import External, main
+    from keel.spec import AdamWConfig, Mixture, MixturePhase, TrainConfig
+
+    caches = {name: External(name, f"/nowhere/{name}", version="v1") for name in ("a", "b")}
+    phases = (MixturePhase(0, {"a": 1.0}), MixturePhase(100_000, {"b": 1.0}), MixturePhase(400_000, {"a": 1.0}))
+    train = TrainConfig(batch_size=2, seq_len=8, num_steps=500_000, optimizer=AdamWConfig(lr=0.5))
+    run = default_train("long", data=Mixture(caches, phases, block_size=2), model=tiny_moe, train=train)
+    if __name__ == "__main__":
+        main([run])
+    """
+)
+LONG_STEPS, SPIKE = 150_000, (77_777, 50.0)
+
+
+def test_a_long_run_is_sent_thinned_with_its_spike_both_rollbacks_and_phases_where_read(tmp_path):
+    """A run 150,000 steps into 500,000 (the hero logs every step of 390,251): each series is sent
+    thinned to its extremes per stretch (whole, one poll was 45 MB), the spike kept; two rollbacks at
+    one step are two (keyed by step, one was lost); a phase starts at the step that reads its batch,
+    two steps early after two skipped batches; the x axis ends at the data, not at a phase 250,000
+    steps ahead (the curve was squeezed into its first pixels); and a page sent a series of 200,000
+    points draws it (Math.min(...points) overflowed the stack: "render error" for every section)."""
+    from keel.dashboard import build_state
+    from keel.dashboard.state import MAX_POINTS
+
+    experiment = tmp_path / "long_exp.py"
+    experiment.write_text(_LONG)
+    graph = _graph(str(experiment), str(tmp_path / "out"))
+    output = Path(graph.path(next(s for s in graph.steps() if s.name == "train/long")))
+    output.mkdir(parents=True)
+    rows = [{"step": s, "train/loss": SPIKE[1] if s == SPIKE[0] else 5.0 - s / 1e6} for s in range(LONG_STEPS)]
+    rows[6:6] = [{"step": 5, "spike/rollback_from": 5, "spike/skipped_batch": batch} for batch in (5, 6)]
+    (output / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    run = next(r for r in build_state(str(experiment), graph)["runs"] if r["name"] == "train/long")
+    loss = run["series"]["train/loss"]
+    assert len(loss) <= MAX_POINTS + 2 and loss[0] == (0, 5.0) and loss[-1][0] == LONG_STEPS - 1 and SPIKE in loss
+    assert run["rollbacks"] == 2
+    assert [m["label"] for m in run["marks"] if m["kind"] == "rollback"] == ["rollback: skipped batch 5", "rollback: skipped batch 6"]
+    assert {m["label"]: m["step"] for m in run["marks"] if m["kind"] == "phase"} == {"phase 1": 99_998, "phase 2": 399_998}
+
+    with serving(str(experiment), graph) as url, browser_page() as page:
+        page.goto(url)
+        chart = f'.run[data-run="train/long"] svg[data-chart="loss"]'
+        assert points(page, "train/long", "loss", "train/loss") == len(loss)
+        ticks = page.locator(f"{chart} text[text-anchor=middle]").evaluate_all("ts => ts.map(t => +t.textContent)")
+        assert max(ticks) == LONG_STEPS - 1, ticks
+        drawn = page.locator(f"{chart} line.mark").evaluate_all("ls => ls.map(l => l.classList[1])")
+        assert sorted(drawn) == ["phase", "rollback", "rollback"], drawn  # phase 2 lies ahead of the data
+        assert not page.errors, page.errors
+
+        whole = json.loads(page.evaluate("() => JSON.stringify(window.KEEL_STATE)"))
+        next(r for r in whole["runs"] if r["name"] == "train/long")["series"]["train/loss"] = [[s, 5.0] for s in range(200_000)]
+        page.route("**/state.json", lambda route: route.fulfill(status=200, content_type="application/json", body=json.dumps(whole)))
+        page.wait_for_function(f"""() => Number(document.querySelector('{chart} polyline[data-series="train/loss"]')
+            .dataset.points) === 200000""", timeout=30_000)
+        assert page.inner_text("#live").startswith("live, updated") and not page.errors, page.errors
+
+
+def test_a_slow_state_build_waits_five_times_its_length_before_the_next(monkeypatch):
+    """Every poll rebuilt a state older than a second: a build of 2 s (a long run on an object store)
+    followed the last at once, a core kept busy for as long as a tab stayed open; each poll encoded
+    the document again. The clock is the test's, so nothing here depends on the machine's speed."""
+    import keel.dashboard.server as server
+
+    clock, builds = [0.0], []
+
+    def build_state(experiment, graph):
+        builds.append(clock[0])
+        clock[0] += 2.0  # the build takes 2 s
+        return {"built": len(builds)}
+
+    monkeypatch.setattr(server.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(server, "build_state", build_state)
+    cached = server._Cached("exp.py", graph=None)
+    seen = []
+    while clock[0] < 30:
+        seen.append(json.loads(cached.get())["built"])
+        clock[0] += 1.5  # the page polls every 1.5 s
+    assert builds == [0.0, 12.5, 25.0]  # 10 s after each 2 s build ended, at the first poll past it
+    assert seen.count(1) == 7 and seen[-1] == 3
+
+
 def test_port_80_answers_the_bare_host_a_browser_sends():
     """A browser leaves the port out of Host on port 80: 127.0.0.1 and localhost are this server's
     names there; another host is still refused. (The server is bound elsewhere and told it is on 80:

@@ -2,7 +2,8 @@
 
 The page is index.html, static/app.js and static/style.css (package data), and state.js: the state
 document as `window.KEEL_STATE`. Served live, state.js and state.json are rebuilt from the prefix
-on request (at most once a second, however many tabs poll), and the page polls state.json;
+on request (at most once a second, however many tabs poll, and less often where a build is slow),
+and the page polls state.json;
 exported, state.js is a snapshot and the page opens from disk with no server.
 """
 
@@ -26,6 +27,8 @@ HOST = "127.0.0.1"
 STATIC = ("app.js", "style.css")
 _TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".json": "application/json"}
 FRESH_S = 1.0
+BUILDS_SHARE = 0.2
+"""At most this share of a core on building the state: a build that took 2 s waits 10 s for the next."""
 
 
 def _static(name: str) -> bytes:
@@ -36,23 +39,28 @@ def _state_json(state: dict) -> str:
     return json.dumps(finite_json(state), default=str)
 
 
-def state_script(state: dict, live: bool) -> str:
-    return f"window.KEEL_LIVE = {'true' if live else 'false'};\nwindow.KEEL_STATE = {_state_json(state)};\n"
+def state_script(state_json: str, live: bool) -> str:
+    return f"window.KEEL_LIVE = {'true' if live else 'false'};\nwindow.KEEL_STATE = {state_json};\n"
 
 
 class _Cached:
-    """The state document, rebuilt when older than FRESH_S."""
+    """The state document as JSON, rebuilt when older than FRESH_S, or than its last build's time
+    over BUILDS_SHARE where that is longer: a large run's state is read from the prefix and encoded
+    once per build, not once per poll, and a slow build does not follow another at once."""
 
     def __init__(self, experiment: str, graph):
         self.experiment, self.graph = experiment, graph
         self._lock = threading.Lock()
-        self._state, self._at = None, 0.0
+        self._json, self._at, self._took = None, 0.0, 0.0
 
-    def get(self) -> dict:
+    def get(self) -> str:
         with self._lock:
-            if self._state is None or time.monotonic() - self._at > FRESH_S:
-                self._state, self._at = build_state(self.experiment, self.graph), time.monotonic()
-            return self._state
+            if self._json is None or time.monotonic() - self._at > max(FRESH_S, self._took / BUILDS_SHARE):
+                started = time.monotonic()
+                self._json = _state_json(build_state(self.experiment, self.graph))
+                self._at = time.monotonic()
+                self._took = self._at - started
+            return self._json
 
 
 def _local_hosts(port: int) -> set[str]:
@@ -88,7 +96,7 @@ def make_server(experiment: str, graph, port: int = 0) -> ThreadingHTTPServer:
             elif path == "/state.js":
                 self._send(state_script(cached.get(), live=True).encode(), ".js")
             elif path == "/state.json":
-                self._send(_state_json(cached.get()).encode(), ".json")
+                self._send(cached.get().encode(), ".json")
             elif path.startswith("/static/") and path[len("/static/"):] in STATIC:
                 self._send(_static(path[len("/static/"):]), os.path.splitext(path)[1])
             else:
@@ -144,7 +152,7 @@ def export(experiment: str, graph, out_dir: str) -> str:
     fsspec folder (local, gs://, s3://, memory://); returns its path."""
     for name in STATIC:
         storage.write_atomic(storage.join(out_dir, "static", name), _static(name))
-    storage.write_atomic(storage.join(out_dir, "state.js"), state_script(build_state(experiment, graph), live=False))
+    storage.write_atomic(storage.join(out_dir, "state.js"), state_script(_state_json(build_state(experiment, graph)), live=False))
     index = storage.join(out_dir, "index.html")
     storage.write_atomic(index, _static("index.html"))
     return index

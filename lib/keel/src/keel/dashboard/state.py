@@ -9,6 +9,7 @@ so the page works offline and on a prefix that another machine is writing.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import re
 import time
 from typing import Any
@@ -18,9 +19,14 @@ from keel.executor.plan import RUNNING_ELSEWHERE, Graph, StepPlan, plan_graph
 from keel.executor.status import keel_path
 from keel.executor.step import Step
 from keel.spec.metrics import METRICS_FILE, read_metrics, steady_tokens_per_s
+from keel.spec.mixture import first_step_reading
 from keel.trained import compare, ladder
 
 LOG_TAIL_LINES = 80
+LOG_TAIL_BYTES = 64 * 1024  # read from a log's end: a long run's log.txt is not read whole on every poll
+MAX_POINTS = 2000
+"""Points per series at most in the document: a chart is about 400 pixels wide, and a 390,251-step
+run sent whole made a 45 MB document on every poll (`_thinned` keeps each stretch's extremes)."""
 CHART_KEYS = re.compile(r"^(train/loss|eval/.*loss|lr/.*|throughput/tokens_per_s|moe/.*)$")
 """The metrics the run charts draw (loss, per-component validation loss, LR per group, speed, MoE health)."""
 
@@ -74,8 +80,16 @@ def _step(graph: Graph, plan: StepPlan, names: dict[int, str]) -> dict[str, Any]
 
 
 def _log_tail(path: str) -> str:
-    text = storage.read_text(keel_path(path, "log.txt")) or ""
-    return "\n".join(text.replace("\r", "\n").splitlines()[-LOG_TAIL_LINES:])
+    """The log's last lines, read from its last `LOG_TAIL_BYTES`; a byte that is no UTF-8 (a
+    character cut by the read, or written so) shows as \ufffd rather than failing the page."""
+    fs, log = storage.split(keel_path(path, "log.txt"))
+    try:
+        size = fs.size(log)
+        data = fs.cat_file(log, start=max(0, size - LOG_TAIL_BYTES))
+    except FileNotFoundError:
+        return ""
+    lines = data.decode(errors="replace").replace("\r", "\n").splitlines()
+    return "\n".join(lines[1 if size > LOG_TAIL_BYTES else 0:][-LOG_TAIL_LINES:])  # the first line read may be cut
 
 
 def _run(graph: Graph, plan: StepPlan) -> dict[str, Any]:
@@ -87,7 +101,7 @@ def _run(graph: Graph, plan: StepPlan) -> dict[str, Any]:
         records = []
     series: dict[str, dict[int, float]] = {}
     transports: dict[int, str] = {}
-    rollbacks: dict[int, int | None] = {}
+    rollbacks: set[tuple[int, int | None]] = set()  # (step, skipped batch): a step may roll back twice
     for record in records:  # the last record of a step wins (a resumed run rewrites its tail)
         for key, value in record.items():
             if CHART_KEYS.match(key) and isinstance(value, (int, float)):
@@ -95,7 +109,7 @@ def _run(graph: Graph, plan: StepPlan) -> dict[str, Any]:
         if isinstance(record.get("transport"), str):
             transports[record["step"]] = record["transport"]
         if "spike/rollback_from" in record:  # keel.train.spike_guard
-            rollbacks[record["step"]] = record.get("spike/skipped_batch")
+            rollbacks.add((record["step"], record.get("spike/skipped_batch")))
     prediction = ladder.read_prediction(ladder.prediction_location(graph, plan.step))
     evals = series.get("eval/loss", {})
     final = evals[max(evals)] if evals else None
@@ -105,9 +119,9 @@ def _run(graph: Graph, plan: StepPlan) -> dict[str, Any]:
         "output_path": plan.output_path,
         "num_steps": config.train.num_steps,
         "tokens_per_step": config.train.tokens_per_step,
-        "series": {k: sorted(v.items()) for k, v in sorted(series.items())},
-        "marks": _marks(plan.output_path, transports, config) + [
-            {"step": step, "kind": "rollback", "label": f"rollback: skipped batch {batch}"} for step, batch in sorted(rollbacks.items())],
+        "series": {k: _thinned(sorted(v.items())) for k, v in sorted(series.items())},
+        "marks": _marks(plan.output_path, transports, config, {batch for _, batch in rollbacks if batch is not None}) + [
+            {"step": step, "kind": "rollback", "label": f"rollback: skipped batch {batch}"} for step, batch in sorted(rollbacks)],
         "rollbacks": len(rollbacks),
         "prediction": prediction,
         "verdict": ladder.judge(final, prediction) if evals and max(evals) == config.train.num_steps else None,
@@ -115,8 +129,23 @@ def _run(graph: Graph, plan: StepPlan) -> dict[str, Any]:
     }
 
 
-def _marks(path: str, transports: dict[int, str], config) -> list[dict[str, Any]]:
-    """Checkpoints kept, transport switches and mixture phase starts, by step."""
+def _thinned(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """At most about `MAX_POINTS` of a series sorted by step: its first and last, and the lowest and
+    highest finite value of each of `MAX_POINTS / 2` equal stretches between, so a spike stays drawn."""
+    if len(points) <= MAX_POINTS:
+        return points
+    per = math.ceil(len(points) / (MAX_POINTS // 2))
+    kept = {points[0], points[-1]}
+    for i in range(0, len(points), per):
+        stretch = [p for p in points[i:i + per] if math.isfinite(p[1])]
+        if stretch:
+            kept.update((min(stretch, key=lambda p: p[1]), max(stretch, key=lambda p: p[1])))
+    return sorted(kept)
+
+
+def _marks(path: str, transports: dict[int, str], config, skipped: set[int]) -> list[dict[str, Any]]:
+    """Checkpoints kept, transport switches and mixture phase starts, by step: a phase starts at a
+    batch, read by an earlier step for each batch the spike guard skipped before it (`skipped`)."""
     from keel.spec.checks import mixture_phases
 
     marks = [{"step": int(m.group(1)), "kind": "checkpoint", "label": f"checkpoint {m.group(1)}"}
@@ -126,7 +155,7 @@ def _marks(path: str, transports: dict[int, str], config) -> list[dict[str, Any]
         if previous is not None and transport != previous:
             marks.append({"step": step, "kind": "transport", "label": f"-> {transport}"})
         previous = transport
-    marks += [{"step": start, "kind": "phase", "label": f"phase {i}"}
+    marks += [{"step": first_step_reading(start, skipped), "kind": "phase", "label": f"phase {i}"}
               for i, (start, _) in enumerate(mixture_phases(config.data)) if start]
     return sorted(marks, key=lambda m: m["step"])
 

@@ -25,6 +25,12 @@ INT32_READS = 2**31
 """Sequences a component may serve before a phase starts (Levanter's int32 count; `check_read_counts`)."""
 
 
+def first_step_reading(batch: int, skipped) -> int:
+    """The first step that reads batch `batch` (a phase's start), or the next batch when it was
+    skipped: earlier than its number by each batch a spike guard skipped before it (`skipped`)."""
+    return batch - sum(1 for b in skipped if b < batch)
+
+
 class MixtureError(ValueError):
     """A mixture declared with weights or phases that cannot be used."""
 

@@ -55,6 +55,7 @@ import numpy as np
 
 from keel.executor import step_warnings, storage
 from keel.spec.metrics import METRICS_FILE, latest_by_step, read_metrics
+from keel.spec.mixture import first_step_reading
 
 SPIKE_FILE = "spike_guard.json"
 """The rollbacks of a run, under its output path: {"rollbacks": [{"spike_step", "rolled_back_to",
@@ -155,7 +156,7 @@ class SpikeGuard:
 
     def first_step_reading(self, batch: int) -> int:
         """The first step that reads batch `batch` or, when it was skipped, the next one after it."""
-        return batch - sum(1 for skipped in self.skipped if skipped < batch)
+        return first_step_reading(batch, self.skipped)
 
     def batches(self, loader, step: int):
         """(batch index, batch) for step `step` on, from a Levanter loader, without the skipped batches."""
@@ -207,7 +208,7 @@ class SpikeGuard:
             return ", ".join(f"{k} = {v}" for k, v in bad.items()) + " is not finite", None
         c = self.config
         phase = max((r for r in self.restarts if r <= self.batch_index(step)), default=0)  # the data's, by batch
-        since = phase - sum(1 for b in self.skipped if b < phase)  # the first step reading it: earlier by each skip
+        since = first_step_reading(phase, self.skipped)
         recent = [loss for s, loss in self.losses if since <= s < step][-c.window:]
         if len(recent) < c.min_history:  # at least 2 (`SpikeGuardConfig`)
             return None

@@ -85,7 +85,8 @@ class RunSummary:
     fields: dict[str, Any]
     """Identity fields that differ between the compared runs (dotted paths into the config)."""
     rollbacks: tuple[int, ...] = ()
-    """Steps where the spike guard rolled the run back (`keel.train.spike_guard`): its curve is not a plain run's."""
+    """The step of each rollback the spike guard took (`keel.train.spike_guard`; twice where one step rolled
+    back twice): its curve is not a plain run's."""
 
 
 def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None,
@@ -126,9 +127,16 @@ def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None,
             prediction=prediction,
             verdict=ladder.judge(final, prediction),
             fields={name: identities[label].get(name) for name in differing},
-            rollbacks=tuple(sorted({int(r["spike/rollback_from"]) for r in metrics if "spike/rollback_from" in r})),
+            rollbacks=_rollback_steps(metrics),
         ))
     return rows
+
+
+def _rollback_steps(metrics: list[dict]) -> tuple[int, ...]:
+    """The step of each spike-guard rollback a run took: one per skipped batch, so a step that rolled
+    back twice (its next batch spiked too) is there twice."""
+    rows = {(int(r["spike/rollback_from"]), r.get("spike/skipped_batch")) for r in metrics if "spike/rollback_from" in r}
+    return tuple(step for step, _ in sorted(rows, key=lambda row: (row[0], row[1] is None, row[1] or 0)))
 
 
 _DONE = re.compile(r"done: steps (\d+)->\d+ in ([\d.]+)s \(compiling [\d.]+s, waited for ([\d.]+)s, ([\d.]+)s of it "

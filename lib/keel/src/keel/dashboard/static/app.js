@@ -115,7 +115,7 @@ function renderDetails(state) {
 // series: [{name, points: [[x, y]], dots, dash}]; marks: [{step, label, kind}]; band: {low, high, label}.
 // A null y (NaN or infinite in the run's record: JSON has neither) is not drawn. The legend takes
 // as many rows as it needs, and the plot moves down (and the chart grows) by the rows past the first.
-function chart(key, title, allSeries, { marks = [], band = null, width = 430, height = 210 } = {}) {
+function chart(key, title, allSeries, { marks = [], band = null, xEnd = -Infinity, width = 430, height = 210 } = {}) {
   const series = allSeries.map((s) => ({ ...s, points: s.points.filter((p) => Number.isFinite(p[1])) }));
   const extra = LEGEND_ROW * Math.max(0, Math.ceil(series.length / 3) - 1);
   const L = 58, R = 10, T = 30 + extra, B = 24;
@@ -127,9 +127,13 @@ function chart(key, title, allSeries, { marks = [], band = null, width = 430, he
     root.append(svg("text", { x: L, y: height / 2 }, "no data yet"));
     return root;
   }
-  let xs = pts.map((p) => p[0]).concat(marks.map((m) => m.step));
-  let ys = pts.map((p) => p[1]).concat(band ? [band.low, band.high] : []);
-  let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
+  // The x axis spans the data (to `xEnd`, the run's newest step, at least), not marks ahead of it:
+  // a phase 300,000 steps on squeezed the curve into its first pixels. Extremes by a loop: a spread
+  // of 150,000 numbers into Math.min overflows the stack.
+  let [x0, x1] = extent(pts.map((p) => p[0]));
+  x1 = Math.max(x1, xEnd);
+  let [y0, y1] = extent(pts.map((p) => p[1]).concat(band ? [band.low, band.high] : []));
+  marks = marks.filter((m) => m.step >= x0 && m.step <= x1);
   if (x1 === x0) x1 = x0 + 1;
   if (y1 === y0) { y0 -= Math.abs(y0) * 0.05 || 1; y1 += Math.abs(y1) * 0.05 || 1; }
   const pad = (y1 - y0) * 0.05; y0 -= pad; y1 += pad;
@@ -166,6 +170,12 @@ function chart(key, title, allSeries, { marks = [], band = null, width = 430, he
   return root;
 }
 
+function extent(values) {
+  let low = Infinity, high = -Infinity;
+  for (const v of values) { if (v < low) low = v; if (v > high) high = v; }
+  return [low, high];
+}
+
 function runCharts(run) {
   const s = run.series;
   const pick = (re) => Object.keys(s).filter((k) => re.test(k));
@@ -175,11 +185,12 @@ function runCharts(run) {
   const p = run.prediction;
   const band = p ? { low: p.low, high: p.high, label: `predicted ${p.loss.toFixed(3)}` } : null;
   const marks = run.marks;
+  const xEnd = extent(Object.values(s).map((points) => (points.length ? points[points.length - 1][0] : -Infinity)))[1];
   return [
-    chart("loss", "loss", loss, { marks, band }),
-    chart("lr", "learning rate per optimizer group", pick(/^lr\//).map((k) => ({ name: k, points: s[k] })), { marks }),
-    chart("throughput", "tokens/s", [{ name: "throughput/tokens_per_s", points: s["throughput/tokens_per_s"] || [] }], { marks }),
-    chart("moe", "MoE health: dropped fraction, expert load balance", pick(/^moe\//).map((k) => ({ name: k, points: s[k] })), { marks }),
+    chart("loss", "loss", loss, { marks, band, xEnd }),
+    chart("lr", "learning rate per optimizer group", pick(/^lr\//).map((k) => ({ name: k, points: s[k] })), { marks, xEnd }),
+    chart("throughput", "tokens/s", [{ name: "throughput/tokens_per_s", points: s["throughput/tokens_per_s"] || [] }], { marks, xEnd }),
+    chart("moe", "MoE health: dropped fraction, expert load balance", pick(/^moe\//).map((k) => ({ name: k, points: s[k] })), { marks, xEnd }),
   ];
 }
 
