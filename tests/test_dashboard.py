@@ -417,3 +417,18 @@ def test_a_port_that_cannot_be_bound_is_an_error_naming_it(monkeypatch, capsys):
     assert server.serve("exp.py", None, 80) == 2
     err = capsys.readouterr().err
     assert err.startswith("keel: error: --port 80: cannot listen on 127.0.0.1:80 (Permission denied): pass --port ")
+
+
+def test_a_log_tail_is_read_from_the_end_and_a_byte_that_is_no_utf8_does_not_fail_the_page(tmp_path):
+    """The page read every step's whole log.txt on each poll, strictly as UTF-8: one stray byte (a
+    character cut between two writes) made every poll a 500."""
+    from keel.dashboard.state import LOG_TAIL_BYTES, LOG_TAIL_LINES, _log_tail
+
+    log = tmp_path / ".keel" / "log.txt"
+    log.parent.mkdir()
+    lines = [f"[train] step {i}: loss {5 - i / 1e4:.4f}" for i in range(10_000)]
+    log.write_bytes(("\n".join(lines) + "\n").encode() + b"cut here \xe2\x82\n")
+    assert log.stat().st_size > 4 * LOG_TAIL_BYTES
+    tail = _log_tail(str(tmp_path)).splitlines()
+    assert len(tail) == LOG_TAIL_LINES and tail[:-1] == lines[-(LOG_TAIL_LINES - 1):] and tail[-1] == "cut here \ufffd"
+    assert _log_tail(str(tmp_path / "never-ran")) == ""
