@@ -120,6 +120,30 @@ def test_samples_are_fixed_by_their_seed(sweep, tmp_path):
     assert other != [s["completion_ids"] for s in written] and all(other)
 
 
+def test_a_sample_whose_prompts_would_not_read_as_the_runs_documents_is_refused_before_loading(sweep, tmp_path):
+    """The sample step checks its encoding against the run's record (`data.json`): a bos id the run's
+    documents did not start with (a sample declared before a `--set` on the tokenize step kept the
+    old add_bos), or another vocabulary, is refused naming the fix; before, it sampled."""
+    from tokenizers import Tokenizer
+
+    from keel.trained.sample import sample_step
+
+    graph, steps = sweep
+    config = resolve_config(steps["sample/lr_sweep/lr1.0"].config, str(tmp_path / "out"), graph.path)
+    assert config.add_bos is False and json.loads((Path(config.model.run) / "data.json").read_text())["tokenizer"]["bos_id"] is None
+    with pytest.raises(ValueError, match=r"prompts would start with bos id \d+, while the documents of run .* started "
+                                         r"with no bos id: set add_bos=False"):
+        sample_step(dataclasses.replace(config, add_bos=True))
+    other = Tokenizer.from_file(str(Path(config.tokenizer) / "tokenizer.json"))
+    other.add_tokens(["<|not-in-the-run|>"])
+    (tmp_path / "other").mkdir()
+    other.save(str(tmp_path / "other" / "tokenizer.json"))
+    (tmp_path / "other" / "tokenizer_config.json").write_text((Path(config.tokenizer) / "tokenizer_config.json").read_text())
+    with pytest.raises(ValueError, match="its tokenizer's vocabulary .* is not the one run .* trained on"):
+        sample_step(dataclasses.replace(config, tokenizer=str(tmp_path / "other")))
+    assert not (tmp_path / "out").exists()  # refused before the model loaded or anything was written
+
+
 def test_the_tutorial_shares_the_tiny_moe_data_chain_and_reruns_cached(sweep):
     graph, steps = sweep
     tiny = graph_as_run(load_experiment(str(REPO / "experiments/tutorials/tiny_moe.py")), graph.prefix)

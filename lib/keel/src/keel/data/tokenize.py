@@ -45,8 +45,6 @@ identical one.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import queue
@@ -408,12 +406,9 @@ def tokenize_documents(config: TokenizeConfig) -> None:
 
 
 def tokenizer_identity(config: TokenizeConfig, loaded) -> dict:
-    """What an id means: the tokenizer's vocabulary, every token with its id, added tokens included
-    (a digest: not where the tokenizer lay, nor how the library serialises it), and the bos/eos
+    """What an id means: the tokenizer's vocabulary (`LoadedTokenizer.vocabulary`) and the bos/eos
     ids added around each document."""
-    vocabulary = sorted(loaded.tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
-    digest = hashlib.sha256(json.dumps(vocabulary).encode()).hexdigest()[:16]
-    return {"vocabulary": digest, "bos_id": loaded.bos_id if config.add_bos else None,
+    return {"vocabulary": loaded.vocabulary, "bos_id": loaded.bos_id if config.add_bos else None,
             "eos_id": loaded.eos_id if config.add_eos else None}
 
 

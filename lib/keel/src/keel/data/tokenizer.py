@@ -8,6 +8,8 @@ such a directory, a path to a `tokenizer.json`, or a hub name (only where a hub 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +38,13 @@ class LoadedTokenizer:
         """One more than the largest id, added tokens included: the embedding rows its ids need. Not
         `get_vocab_size()`, the count of tokens, which is smaller where the ids leave gaps."""
         return max(self.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+
+    @property
+    def vocabulary(self) -> str:
+        """A digest of every token with its id, added tokens included: what its ids mean, not where
+        the tokenizer lay nor how the library serialises it."""
+        tokens = sorted(self.tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
+        return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
 
 
 class _TrainingTexts:

@@ -30,6 +30,7 @@ import numpy as np
 from keel.data.cache_files import STATS_FILE, has_split
 from keel.data.datasets import drawn_components
 from keel.data.documents import document_texts, text_hash
+from keel.data.tokenizer import LoadedTokenizer
 from keel.executor import storage, warn
 from keel.spec.mixture import Mixture
 from keel.spec.train import TrainStepConfig
@@ -119,6 +120,27 @@ def check_same_tokenizer_as_run(where: str, stats: dict, run_output: str) -> Non
         raise ValueError(f"{where} was tokenized differently from the training data of run {run_output} "
                          f"({_described(mine)} against {_described(theirs)}): its ids mean other text than the model "
                          "learned; evaluate on caches made with the run's tokenizer")
+
+
+def check_prompt_encoding(where: str, loaded: LoadedTokenizer, add_bos: bool, run_output: str) -> None:
+    """Raise a ValueError where prompts encoded with `loaded`, a bos id first as `add_bos` says, would
+    not read as the run's documents did (its `data.json`): another vocabulary, or another id at a
+    document's start. A sample step declared before a `--set` on the run's tokenize step kept the
+    old convention and sampled from prompts the model never saw the like of."""
+    recorded = (storage.read_json(storage.join(run_output, RUN_DATA_FILE)) or {}).get("tokenizer")
+    if not recorded:
+        return
+    if loaded.vocabulary != recorded["vocabulary"]:
+        raise ValueError(f"{where}: its tokenizer's vocabulary {loaded.vocabulary} is not the one run {run_output} "
+                         f"trained on ({recorded['vocabulary']}): its ids mean other text than the model learned; "
+                         "sample with the run's tokenizer (default_sample finds it through the run's tokenize steps)")
+    bos = loaded.bos_id if add_bos else None
+    if bos != recorded["bos_id"]:
+        theirs = "no bos id" if recorded["bos_id"] is None else f"bos id {recorded['bos_id']}"
+        fix = "add_bos=False" if recorded["bos_id"] is None else f"add_bos=True with the bos token of id {recorded['bos_id']}"
+        raise ValueError(f"{where}: prompts would start with {'no bos id' if bos is None else f'bos id {bos}'}, while "
+                         f"the documents of run {run_output} started with {theirs}: set {fix} (the run's tokenize "
+                         "step's), or declare the sample again after changing that step")
 
 
 def check_one_tokenizer(stats: dict[str, tuple[str, dict]]) -> dict | None:

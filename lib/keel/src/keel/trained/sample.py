@@ -30,6 +30,7 @@ from keel.spec.topology import BATCH_AXES
 from keel.spec.trained import SampleConfig
 from keel.spec.transports import TransportSpec
 from keel.train import compile_cache
+from keel.train.data_checks import check_prompt_encoding
 from keel.trained.load import load_model
 
 SAMPLES_FILE = "samples.jsonl"
@@ -40,6 +41,7 @@ def sample_step(config: SampleConfig) -> None:
     loaded_tokenizer = load_tokenizer(config.tokenizer, bos_token=config.bos_token, eos_token=config.eos_token)
     tokenizer = loaded_tokenizer.tokenizer
     tokenizer.encode_special_tokens = True  # as the tokenize step encoded documents: special strings are text
+    check_prompt_encoding("SampleConfig", loaded_tokenizer, config.add_bos, config.model.run)
     if loaded_tokenizer.vocab_size > config.model.model.vocab_size:
         raise ValueError(f"tokenizer {config.tokenizer!r} has {loaded_tokenizer.vocab_size} tokens, more than the model's "
                          f"vocab_size={config.model.model.vocab_size}: sample with the tokenizer the run trained with")
