@@ -48,6 +48,22 @@ def test_a_ladder_needs_four_distinct_rungs_and_judges_a_loss_against_the_band()
     assert [judge(v, band) for v in (float("nan"), float("inf"))] == ["not finite", "not finite"]
 
 
+def test_a_rung_that_ended_on_a_loss_that_is_no_number_is_named(tmp_path):
+    """scipy refused the fit with "array must not contain infs or NaNs", naming no rung."""
+    from keel.trained.ladder import ladder_step
+
+    runs, compute = {}, {}
+    for i, loss in enumerate((5.0, 4.5, float("nan"), 4.0)):
+        run = tmp_path / f"rung{i}"
+        run.mkdir()
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 10, "eval/loss": loss}) + "\n")
+        runs[f"rung{i}"], compute[f"rung{i}"] = str(run), 1e10 * 2**i
+    config = LadderConfig(runs=runs, compute=compute, target="t", target_compute=1e12, output_path=str(tmp_path / "fit"))
+    with pytest.raises(ValueError, match=r"ladder run rung2 \(.*rung2\) ended with validation loss nan at step 10: a power "
+                                         "law cannot be fitted"):
+        ladder_step(config)
+
+
 _EXPERIMENT = textwrap.dedent(
     """
     import dataclasses, json, os

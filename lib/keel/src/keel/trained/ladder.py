@@ -141,6 +141,10 @@ def ladder_step(config: LadderConfig) -> None:
         found = final_val_loss(path)
         if found is None:
             raise ValueError(f"ladder run {label} ({path}) recorded no validation loss: give it eval_batches > 0")
+        if not math.isfinite(found[1]):
+            raise ValueError(f"ladder run {label} ({path}) ended with validation loss {found[1]} at step {found[0]}: a "
+                             "power law cannot be fitted through it; look at that rung's metrics.jsonl (a diverged run "
+                             "wants a lower learning rate; a split with nothing to evaluate, more validation documents)")
         rungs.append({"run": label, "compute": config.compute[label], "step": found[0], "loss": found[1]})
     fit = fit_power_law([r["compute"] for r in rungs], [r["loss"] for r in rungs])
     for r in rungs:
