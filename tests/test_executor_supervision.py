@@ -374,6 +374,36 @@ if __name__ == "__main__":
 '''
 
 
+def test_a_killed_group_is_waited_for_until_only_zombies_are_left():
+    """`_kill_group` returns once no process of the group lives: the kill lands when each process
+    next runs, and CI once found the dead step's writer still running after the launcher returned.
+    A zombie (killed, not yet reaped) answers kill(pid, 0) but writes nothing: it does not count."""
+    import signal
+    import subprocess
+    import time
+
+    from keel.executor.child import _group_lives, _kill_group
+    from keel.executor.lease import _running
+
+    leader = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        assert _group_lives(leader.pid)
+        os.kill(leader.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while _running(leader.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.killpg(leader.pid, 0)  # the zombie still answers a kill...
+        assert not _group_lives(leader.pid)  # ...but no process of the group lives
+    finally:
+        leader.kill()
+        leader.wait(timeout=30)
+
+    group = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300 & wait"], start_new_session=True)
+    time.sleep(0.2)  # its two sleeps started
+    _kill_group(group)
+    assert group.returncode is not None and not _group_lives(group.pid)
+
+
 def test_processes_a_dead_steps_process_left_running_are_killed_with_it(tmp_path, capsys):
     """A step's process that dies leaves what it started (a writer, a server) running, in its group,
     writing the output beside the next attempt: the launcher kills the group once the process ends."""

@@ -238,15 +238,42 @@ def _exit_event(process: subprocess.Popen) -> threading.Event:
 
 
 def _kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL the child's process group and reap the child (waiting at most 10 s)."""
+    """SIGKILL the child's process group, reap the child and wait until no process of the group
+    lives (at most 10 s in all): a kill takes effect when its process next runs, and on a busy
+    machine a writer the step started still ran after the launcher had moved on to a retry."""
     try:
         os.killpg(process.pid, signal.SIGKILL)  # its own session: the group is the step's processes
     except OSError:  # the group is gone already
         pass
+    deadline = time.monotonic() + 10
     try:
         process.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
+    while _group_lives(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def _group_lives(group: int) -> bool:
+    """Whether a process of process group `group` lives: not a zombie, which `kill` counts too (an
+    orphan waits for init to reap it)."""
+    try:
+        os.killpg(group, 0)
+    except OSError:
+        return False
+    try:
+        pids = [name for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:  # no /proc: what kill says
+        return True
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgrp) == group and state != "Z":
+            return True
+    return False
 
 
 def _install_signal_handlers(launcher: int, workdir: str) -> None:
