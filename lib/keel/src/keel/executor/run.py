@@ -797,12 +797,14 @@ def _with_hint(error: str) -> str:
 
 def _heartbeat_file(output_path: str) -> str:
     """`.keel/heartbeat` of a local output; beside the launcher's temporary files for a remote one
-    (a heartbeat is read every second: an object store is no place for it)."""
+    (a heartbeat is read every second: an object store is no place for it), named by this launcher
+    too: a launcher resumed after another took the step over removes its own file, not the other's
+    live one (whose silence then counted from its start, and a healthy step was killed as stalled)."""
     if storage.is_local(output_path):
         beat = storage.split(keel_path(output_path, heartbeat.FILE))[1]
         os.makedirs(os.path.dirname(beat), exist_ok=True)
         return beat
-    name = f"keel-heartbeat-{output_path.rsplit('/', 1)[-1]}-{_whole_path_digest(output_path)}"
+    name = f"keel-heartbeat-{output_path.rsplit('/', 1)[-1]}-{_whole_path_digest(output_path)}-{os.getpid()}"
     return os.path.join(tempfile.gettempdir(), name)
 
 
