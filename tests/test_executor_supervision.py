@@ -202,6 +202,23 @@ def test_a_step_aborted_by_a_second_ctrl_c_still_gets_its_log(tmp_path):
     assert not workdir.exists()
 
 
+def test_a_staged_log_is_uploaded_once_whichever_threads_end_its_step(tmp_path):
+    """A second Ctrl-C's abort and the step's own `collect` both discard the child's folder, from two
+    threads: each appended the staged log to the remote one, which then held its lines twice."""
+    import fsspec
+
+    from keel.executor.child import _upload_staged_log
+    from keel.executor.job import STAGED_LOG_PREFIX
+
+    workdir = tmp_path / "child"
+    (workdir / "tmp").mkdir(parents=True)
+    (workdir / "tmp" / (STAGED_LOG_PREFIX + "x")).write_text("the step's last words\n")
+    log = "memory://staged-once/.keel/log.txt"
+    _upload_staged_log(str(workdir), log)
+    _upload_staged_log(str(workdir), log)
+    assert fsspec.filesystem("memory").cat_file(log.removeprefix("memory://")).decode() == "the step's last words\n"
+
+
 def test_an_abort_that_cannot_mark_one_step_marks_the_others_and_exits(monkeypatch, capsys):
     """A second Ctrl-C on a full disk: the first step's record cannot be written. The abort still
     marks the next one, releases both leases and exits (it raised before, and waited on the steps)."""
@@ -382,18 +399,18 @@ def test_a_killed_group_is_waited_for_until_only_zombies_are_left():
     import subprocess
     import time
 
-    from keel.executor.child import _group_lives, _kill_group
-    from keel.executor.lease import _running
+    from keel.executor.child import _kill_group
+    from keel.executor.lease import _running, group_lives
 
     leader = subprocess.Popen(["sleep", "300"], start_new_session=True)
     try:
-        assert _group_lives(leader.pid)
+        assert group_lives(leader.pid)
         os.kill(leader.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while _running(leader.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         os.killpg(leader.pid, 0)  # the zombie still answers a kill...
-        assert not _group_lives(leader.pid)  # ...but no process of the group lives
+        assert not group_lives(leader.pid)  # ...but no process of the group lives
     finally:
         leader.kill()
         leader.wait(timeout=30)
@@ -401,7 +418,7 @@ def test_a_killed_group_is_waited_for_until_only_zombies_are_left():
     group = subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300 & wait"], start_new_session=True)
     time.sleep(0.2)  # its two sleeps started
     _kill_group(group)
-    assert group.returncode is not None and not _group_lives(group.pid)
+    assert group.returncode is not None and not group_lives(group.pid)
 
 
 def test_processes_a_dead_steps_process_left_running_are_killed_with_it(tmp_path, capsys):
@@ -420,3 +437,22 @@ def test_processes_a_dead_steps_process_left_running_are_killed_with_it(tmp_path
     finally:
         if _running(writer):
             os.kill(writer, 9)
+
+
+def test_two_launchers_of_one_remote_output_keep_their_heartbeats_apart(tmp_path):
+    """The heartbeat of a step writing to an object store lies beside the launcher's temporary files,
+    and the launcher removes it when the step ends. It was named by the output alone: a launcher
+    resumed (`fg`) after another had taken the step over removed the other's live file."""
+    import subprocess
+    import sys
+
+    from keel.executor.run import _heartbeat_file
+
+    output = "memory://bucket/out/train/run-0123456789"
+    other = subprocess.run([sys.executable, "-c", f"from keel.executor.run import _heartbeat_file; "
+                            f"print(_heartbeat_file({output!r}))"], capture_output=True, text=True, timeout=120)
+    assert other.returncode == 0, other.stderr
+    mine = _heartbeat_file(output)
+    assert mine != other.stdout.strip() and mine == _heartbeat_file(output)
+    local = str(tmp_path / "out" / "train" / "run-0123456789")  # a local output's is the output's own, for any launcher
+    assert _heartbeat_file(local) == str(tmp_path / "out" / "train" / "run-0123456789" / ".keel" / "heartbeat")

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from keel.executor import heartbeat as heartbeat_mod
 from keel.executor import interrupt, storage
-from keel.executor.lease import CHILD_FOLDER_PREFIX
+from keel.executor.lease import CHILD_FOLDER_PREFIX, group_lives
 from keel.executor.resources import oom_kills
 
 _PARENT_POLL_S = 1.0
@@ -173,8 +173,13 @@ def _upload_staged_log(workdir: str, log: str) -> None:
     from keel.executor.job import STAGED_LOG_PREFIX
 
     for staged in glob.glob(os.path.join(workdir, "tmp", STAGED_LOG_PREFIX + "*")):
+        claimed = os.path.join(workdir, "uploading-" + os.path.basename(staged))
+        try:  # one upload of it: a second Ctrl-C's abort and the step's own collect both end here
+            os.rename(staged, claimed)
+        except OSError:
+            continue
         try:
-            storage.append_local_file(staged, log)
+            storage.append_local_file(claimed, log)
         except Exception as e:  # noqa: BLE001 - the step's outcome stands; the lost log is named
             print(f"[keel] could not upload the log of a step whose process ended early to {log}: {e!r}",
                   file=sys.stderr)
@@ -227,10 +232,13 @@ def _exit_event(process: subprocess.Popen) -> threading.Event:
     exited = threading.Event()
 
     def watch():
-        try:
-            os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
-        except ChildProcessError:  # reaped already
-            pass
+        if not hasattr(os, "waitid"):  # macOS before Python 3.13: reaped here (a live member keeps the group's id)
+            process.wait()
+        else:
+            try:
+                os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
+            except ChildProcessError:  # reaped already
+                pass
         exited.set()
 
     threading.Thread(target=watch, name="keel-child-exit", daemon=True).start()
@@ -250,30 +258,8 @@ def _kill_group(process: subprocess.Popen) -> None:
         process.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
-    while _group_lives(process.pid) and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
-def _group_lives(group: int) -> bool:
-    """Whether a process of process group `group` lives: not a zombie, which `kill` counts too (an
-    orphan waits for init to reap it)."""
-    try:
-        os.killpg(group, 0)
-    except OSError:
-        return False
-    try:
-        pids = [name for name in os.listdir("/proc") if name.isdigit()]
-    except OSError:  # no /proc: what kill says
-        return True
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
-            continue
-        if int(pgrp) == group and state != "Z":
-            return True
-    return False
+    while group_lives(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _install_signal_handlers(launcher: int, workdir: str) -> None:

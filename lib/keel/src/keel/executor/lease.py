@@ -163,9 +163,34 @@ def _running(pid: int) -> bool:
         return _exists(pid)
 
 
+def group_lives(group: int) -> bool:
+    """Whether a process of process group `group` lives: not a zombie, which `kill` counts too (an
+    orphan waits for init to reap it)."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    try:
+        pids = [name for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:  # no /proc: what kill says
+        return True
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(pgrp) == group and state != "Z":
+            return True
+    return False
+
+
 def stop_stray_step_process(pid: int, wait_s: float = 10.0) -> bool:
     """Kill the process group of a superseded lease's step process (it leads its own session) and
-    wait, at most `wait_s`, for it to be gone; whether it is."""
+    wait, at most `wait_s`, until none of its processes lives (a writer it started too, not only
+    the step's own process); whether none does."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -173,9 +198,9 @@ def stop_stray_step_process(pid: int, wait_s: float = 10.0) -> bool:
     except PermissionError:  # another user's process: not this launcher's to stop
         return False
     deadline = time.monotonic() + wait_s
-    while _running(pid) and time.monotonic() < deadline:
+    while group_lives(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return not _running(pid)
+    return not group_lives(pid)
 
 
 def _created(url: str) -> float:
