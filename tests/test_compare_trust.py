@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import textwrap
+import time
 from dataclasses import dataclass
 
 from keel import Step, this_output
@@ -269,3 +270,22 @@ def test_the_best_loss_is_the_least_finite_one(tmp_path, capsys):
     assert console_main(["compare", str(experiment), "--prefix", prefix, "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)["runs"]
     assert (row["best_step"], row["best_loss"]) == (4, 6.0), row
+
+
+def test_runs_that_differ_only_in_the_drops_their_layout_decides_are_told_apart(tmp_path):
+    """A capacity factor on a fixed-capacity transport is execution-only for the config but part of
+    the run's identity (`derived`): two such runs got two output paths, and compare's table showed
+    no field that told them apart."""
+    runs = {}
+    for label, factor in (("cf1.0", 1.0), ("cf1.25", 1.25)):
+        digest = f"{int(factor * 100):010d}"
+        path = tmp_path / "out" / "train" / f"{label}-{digest}"
+        (path / ".keel").mkdir(parents=True)
+        drops = [[0, {"transport": "fixed_all_to_all", "capacity_factor": factor, "expert_parallel": 4}]]
+        identity = {"config": {"train": {"num_steps": 4, "seq_len": 8, "batch_size": 2}}, "derived": {"drops": drops}}
+        (path / ".keel" / "step.json").write_text(json.dumps({"name": f"train/{label}", "hash": digest, "identity": identity,
+                                                              "started": time.time() - 60}))
+        (path / "metrics.jsonl").write_text(json.dumps({"step": 4, "eval/loss": 5.0}) + "\n")
+        runs[label] = str(path)
+    rows = {row.run: row.fields for row in summarize(runs)}
+    assert rows == {"cf1.0": {"derived.drops[0][1].capacity_factor": 1.0}, "cf1.25": {"derived.drops[0][1].capacity_factor": 1.25}}

@@ -62,7 +62,7 @@ def _step(graph: Graph, plan: StepPlan, names: dict[int, str]) -> dict[str, Any]
     status = plan.status
     config = {}
     if isinstance(plan.step, Step):  # identity fields only: execution-only ones never change what a step computes
-        config = compare.flat_config(graph.identities.payload(plan.step)["config"])
+        config = compare.identity_fields(graph.identities.payload(plan.step))
     return {
         "name": plan.name,
         "state": plan.state,

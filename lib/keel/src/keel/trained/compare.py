@@ -96,7 +96,7 @@ def summarize(runs: dict[str, str], experiments: dict[str, str] | None = None,
     prediction each declares is written (`ladder.prediction_location`: found through the graph, since
     `predicted_loss` is no part of the run's identity and the path its step.json froze can be stale)."""
     records = {label: _record(path) for label, path in runs.items()}
-    identities = {label: flat_config(record["identity"]["config"]) for label, record in records.items()}
+    identities = {label: identity_fields(record["identity"]) for label, record in records.items()}
     differing = _differing(list(identities.values()))
     neighbours = _attempts_near(runs.values())
     rows = []
@@ -219,6 +219,15 @@ def _shared(path: str, record: dict, status, attempts) -> dict | None:
             covered += e - max(s, reach)
             reach = e
     return {"steps": sorted({name for _, _, name in spans}), "fraction": covered / max(end - start, 1e-9)}
+
+
+def identity_fields(identity: dict) -> dict[str, Any]:
+    """A step's identity as {dotted path: plain value}: its config's fields and, under `derived.`,
+    what its config derives into it (`DerivesIdentity`: the drops a layout decides), so two runs
+    that differ only there are told apart."""
+    fields = flat_config(identity["config"])
+    _flatten(identity.get("derived", {}), "derived", fields)
+    return fields
 
 
 def flat_config(config: dict) -> dict[str, Any]:
