@@ -270,7 +270,8 @@ def test_the_update_moves_the_memory_sheets_master_weights_gradients_and_moments
     """The update's HBM bytes are the memory sheet's own parts: master weights and moments read and
     written, gradients (typed like the master weights) read. It counted the gradients in the compute
     dtype and a compute-dtype weight copy the step never keeps: right for bf16/fp32 by coincidence
-    (2x4 + 2x2 = 2x4 + 4 bytes a parameter), 2 bytes a trained parameter short with bf16 masters."""
+    (2x4 + 2x2 = 2x4 + 4 bytes a parameter), 2 bytes a trained parameter too many with bf16 masters
+    (2x2 + 2x2 against 2x2 + 2)."""
     def hbm_and_parts(config):
         sheet = fact_sheet(config)
         parts = sheet["memory"]["parts_gb"]
