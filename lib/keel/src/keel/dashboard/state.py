@@ -86,7 +86,7 @@ def _log_tail(path: str) -> str:
     try:
         size = fs.size(log)
         data = fs.cat_file(log, start=max(0, size - LOG_TAIL_BYTES))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return ""
     lines = data.decode(errors="replace").replace("\r", "\n").splitlines()
     return "\n".join(lines[1 if size > LOG_TAIL_BYTES else 0:][-LOG_TAIL_LINES:])  # the first line read may be cut
