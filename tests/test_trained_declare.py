@@ -91,6 +91,26 @@ def test_an_eval_on_a_cache_of_a_larger_vocabulary_is_refused_before_loading_the
         eval_step(config)
 
 
+def test_an_eval_batch_a_run_without_topology_cannot_split_over_this_process_is_refused_before_loading(tmp_path):
+    """A run declaring no topology lays its mesh out on every device of its process, so its eval's
+    batch size can only be checked where the eval runs: declared, any size passed, and 12 rows on 8
+    devices went on to read the caches and load the checkpoint, to fail at the first batch."""
+    from dataclasses import replace
+
+    import jax
+
+    from keel.spec import AdamWConfig
+    from keel.trained.evaluate import eval_step
+
+    train = TrainConfig(batch_size=8, seq_len=128, num_steps=20, optimizer=AdamWConfig(lr=1e-3), eval_batches=3)
+    run = default_train("a", data=_chain()[1], model=tiny_moe, train=train)
+    step = default_eval("e", run=run, data={"stdlib": _chain()[1]}, batch_size=12)
+    config = replace(step.config, data={"stdlib": str(tmp_path / "never-read")}, output_path=str(tmp_path / "eval"))
+    assert len(jax.devices()) == 8
+    with pytest.raises(ValueError, match=r"EvalConfig.batch_size=12 does not split over the 8 devices of this process"):
+        eval_step(config)
+
+
 def test_an_eval_of_the_runs_own_data_leaves_out_a_cache_without_validation_as_the_loop_does(tmp_path, capsys):
     from keel.spec import AdamWConfig, MixturePhase
     from keel.trained.evaluate import evaluated_caches

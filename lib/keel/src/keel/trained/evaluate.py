@@ -31,7 +31,7 @@ from keel.spec.trained import EvalConfig
 from keel.train import compile_cache
 from keel.train.data_checks import check_cache_vocab, check_same_tokenizer_as_run
 from keel.train.loop import eval_loss_fn, validation_losses
-from keel.trained.load import checkpoint_path, load_model
+from keel.trained.load import checkpoint_path, load_model, mesh_topology
 
 EVAL_FILE = "eval.json"
 
@@ -39,10 +39,15 @@ EVAL_FILE = "eval.json"
 def eval_step(config: EvalConfig) -> None:
     """Step function: evaluate `config.model` on every cache of `config.data`, write eval.json."""
     seq_len = config.model.train.seq_len
+    batch_size, num_batches = config.batches
+    shards = mesh_topology(config.model).batch_shards
+    if batch_size % shards:  # a run with a topology was checked at declaration (EvalConfig)
+        raise ValueError(f"EvalConfig.batch_size={batch_size} does not split over the {shards} devices of this process, "
+                         "which a run declaring no topology lays its mesh out on: give a multiple of "
+                         f"{shards}, or declare the run's topology")
     datasets = evaluated_caches(config)
     compile_cache.use(config.output_path, "eval")  # the run's own evaluation program, when it trained here
     loaded = load_model(config.model)
-    batch_size, num_batches = config.batches
     with jax.set_mesh(loaded.mesh):
         evaluate = eval_loss_fn(loaded.lm, loaded.static, loaded.shardings, loaded.transport, loaded.compute_dtype)
         sampled = validation_losses(evaluate, loaded.arrays, datasets, batch_size=batch_size,

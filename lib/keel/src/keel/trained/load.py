@@ -62,10 +62,16 @@ def checkpoint_path(ref: TrainedModel) -> str:
     return path
 
 
+def mesh_topology(ref: TrainedModel) -> RackTopology:
+    """The topology `ref`'s model is loaded on: its run's, or (a run declaring none) every device of
+    this process as one rack, as the run itself laid its mesh out."""
+    return ref.topology or RackTopology(racks=1, gpus_per_rack=len(jax.devices()))
+
+
 def load_model(ref: TrainedModel) -> LoadedModel:
-    """Restore the model of checkpoint `ref` on the mesh of its run's topology (all local devices without one)."""
+    """Restore the model of checkpoint `ref` on the mesh of `mesh_topology(ref)`."""
     path = checkpoint_path(ref)
-    topology = ref.topology or RackTopology(racks=1, gpus_per_rack=len(jax.devices()))
+    topology = mesh_topology(ref)
     checkpoint = External("trained/checkpoint", ref.run, version=f"step-{ref.step}")  # resolve needs data; any will do
     plan = resolve(TrainStepConfig(model=ref.model, data=checkpoint, train=ref.train, topology=topology))
     mesh = build_mesh(topology)
