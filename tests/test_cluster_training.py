@@ -6,6 +6,7 @@ one process of 8 devices to the run's last validation loss. A replicated step is
 and its manifest holds what every replica wrote.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -152,3 +153,31 @@ def test_a_checkpoint_of_2_processes_x_4_devices_evaluates_in_one_process_of_8(t
     report = run_steps([evaluation], two, cluster=iris, echo=lambda _: None)
     assert report.ok and report.ran == ["eval/tiny_moe-2x4"], (report.ran, report.failures)  # the run: cached
     eval_reproduces_the_last_validation_loss(two, evaluation)
+
+
+@pytest.mark.timeout(900)
+def test_a_checkpoint_of_2_processes_x_4_devices_evaluates_and_samples_as_2_processes_too(tiny_replicas, iris):
+    """A model too large for one host evaluates and samples on as many as it trained on: each
+    replica joins one jax world (the eval and sample steps never joined: every replica failed the
+    device count) and the first writes the result, the run's last validation loss."""
+    from defaults import default_eval, default_sample
+    from test_trained_checkpoints import eval_reproduces_the_last_validation_loss
+
+    _, _, multi, two, trained = tiny_replicas
+    assert trained.ok, trained.failures
+    replicas = Resources(cpu=1, replicas=2)
+    evaluation = default_eval("tiny_moe-2x4-on-2", run=multi, resources=replicas)
+    evaluation = evaluation.with_config(dataclasses.replace(evaluation.config, coordinator=f"127.0.0.1:{free_port()}"))
+    sample = default_sample("tiny_moe-2x4-on-2", run=multi, prompts=("def ", "import os\n"), max_tokens=6, temperature=0.0,
+                            resources=replicas)
+    sample = sample.with_config(dataclasses.replace(sample.config, coordinator=f"127.0.0.1:{free_port()}"))
+    # the same work as the one-process eval's under another name: forced, or it would be reused
+    report = run_steps([evaluation, sample], two, cluster=iris, echo=lambda _: None, force="^(eval|sample)/")
+    assert report.ok and sorted(report.ran) == ["eval/tiny_moe-2x4-on-2", "sample/tiny_moe-2x4-on-2"], (report.ran,
+                                                                                                         report.failures)
+    eval_reproduces_the_last_validation_loss(two, evaluation)
+    graph = Graph([evaluation, sample], two)
+    written = [json.loads(line) for line in Path(graph.path(sample), "samples.jsonl").read_text().splitlines()]
+    assert [s["prompt"] for s in written] == ["def ", "import os\n"] and all(s["completion_ids"] for s in written)
+    for step in (evaluation, sample):  # both replicas ran it to the end, and one wrote
+        assert "Traceback" not in Path(keel_path(graph.path(step), "log.replica1.txt")).read_text()

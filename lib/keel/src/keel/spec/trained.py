@@ -80,6 +80,9 @@ class EvalConfig:
     own_data: bool = execution_only(default=False)
     """`data` is the run's own caches (`default_eval` without data=): a cache whose split is empty is
     left out, as the training loop leaves it out of its validation. Else an empty split is an error."""
+    coordinator: str | None = execution_only(default=None)
+    """Where the replicas of an eval on several processes meet ("host:port"; `resources=` with
+    replicas, for a run too large for one host); None: found through Iris."""
     output_path: str = this_output()
 
     def __post_init__(self):
@@ -129,6 +132,8 @@ class SampleConfig:
     add_bos: bool = False
     bos_token: str | None = None
     eos_token: str | None = None
+    coordinator: str | None = execution_only(default=None)
+    """Where the replicas of a sample on several processes meet ("host:port"); None: found through Iris."""
     output_path: str = this_output()
 
     def __post_init__(self):

@@ -24,6 +24,7 @@ from keel.data.cache_files import STATS_FILE, has_split
 from keel.data.datasets import load_token_cache, read_sequence_bytes
 from keel.data.tokenizer import predicted_tokens
 from keel.executor import storage, warn
+from keel.executor.replicas import join_replicas
 from keel.model.axes import POS
 from keel.model.loss import next_token_weight
 from keel.spec.topology import BATCH_AXES
@@ -37,7 +38,9 @@ EVAL_FILE = "eval.json"
 
 
 def eval_step(config: EvalConfig) -> None:
-    """Step function: evaluate `config.model` on every cache of `config.data`, write eval.json."""
+    """Step function: evaluate `config.model` on every cache of `config.data`, write eval.json (from the
+    first process of an eval on several: each evaluates the same batches, laid out over all of them)."""
+    join_replicas(config.coordinator)  # an eval on several hosts: one jax world (a no-op alone)
     seq_len = config.model.train.seq_len
     batch_size, num_batches = config.batches
     shards = mesh_topology(config.model).batch_shards
@@ -66,6 +69,8 @@ def eval_step(config: EvalConfig) -> None:
         "loss": sum(losses.values()) / len(losses),
         "datasets": results,
     }
+    if jax.process_index() != 0:
+        return
     storage.write_json(storage.join(config.output_path, EVAL_FILE), report)
     for label, r in results.items():
         print(f"eval {label}: loss {r['loss']:.4f}  perplexity {r['perplexity']:.2f}  bits/byte "

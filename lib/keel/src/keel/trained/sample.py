@@ -23,6 +23,7 @@ import numpy as np
 
 from keel.data.tokenizer import load_tokenizer
 from keel.executor import storage
+from keel.executor.replicas import join_replicas
 from keel.mesh.mesh import compute_axis_mapping
 from keel.model.axes import BATCH, POS
 from keel.spec.resolved import default_transport
@@ -37,7 +38,9 @@ SAMPLES_FILE = "samples.jsonl"
 
 
 def sample_step(config: SampleConfig) -> None:
-    """Step function: write one JSON line per prompt ({prompt, completion, token ids, ...}) and print them."""
+    """Step function: write one JSON line per prompt ({prompt, completion, token ids, ...}) and print them
+    (from the first process of a sample on several: each draws the same tokens)."""
+    join_replicas(config.coordinator)  # a sample on several hosts: one jax world (a no-op alone)
     loaded_tokenizer = load_tokenizer(config.tokenizer, bos_token=config.bos_token, eos_token=config.eos_token)
     tokenizer = loaded_tokenizer.tokenizer
     tokenizer.encode_special_tokens = True  # as the tokenize step encoded documents: special strings are text
@@ -53,6 +56,8 @@ def sample_step(config: SampleConfig) -> None:
     loaded = load_model(config.model)
     completions = generate(loaded, prompts, context=config.model.train.seq_len, max_tokens=config.max_tokens,
                            temperature=config.temperature, seed=config.seed, stop_id=loaded_tokenizer.eos_id)
+    if jax.process_index() != 0:
+        return
     lines = []
     for prompt, prompt_ids, ids in zip(config.prompts, prompts, completions):
         text = completion_text(tokenizer, prompt_ids, ids)
@@ -76,7 +81,8 @@ def generate(loaded, prompts: list[list[int]], *, context: int, max_tokens: int,
     shards = loaded.topology.batch_shards
     rows = -(-len(prompts) // shards) * shards
     sharding = jax.sharding.NamedSharding(loaded.mesh, jax.sharding.PartitionSpec(BATCH_AXES, None))
-    logits_at = _next_token_logits(loaded)
+    by_row = jax.sharding.NamedSharding(loaded.mesh, jax.sharding.PartitionSpec(BATCH_AXES))
+    logits_at = _next_token_logits(loaded, jax.sharding.NamedSharding(loaded.mesh, jax.sharding.PartitionSpec()))
     generators = [np.random.default_rng([seed, i]) for i in range(len(prompts))]
     sequences = [list(p) for p in prompts]
     completions: list[list[int]] = [[] for _ in prompts]
@@ -86,8 +92,9 @@ def generate(loaded, prompts: list[list[int]], *, context: int, max_tokens: int,
             break
         ids, segments, last = _window(sequences, rows, context)
         with jax.set_mesh(loaded.mesh):
-            logits = logits_at(loaded.arrays, jax.device_put(ids, sharding), jax.device_put(segments, sharding))
-        logits = np.asarray(jax.device_get(logits), dtype=np.float64)[np.arange(rows), last]
+            logits = logits_at(loaded.arrays, jax.device_put(ids, sharding), jax.device_put(segments, sharding),
+                               jax.device_put(last, by_row))
+        logits = np.asarray(jax.device_get(logits), dtype=np.float64)
         for i in sorted(running):
             token = _draw(logits[i], temperature, generators[i])
             if token == stop_id:
@@ -103,7 +110,7 @@ def _window(sequences: list[list[int]], rows: int, context: int):
     tokens as one document, the rest padding (segment -1); rows past the prompts repeat the first."""
     ids = np.zeros((rows, context), np.int32)
     segments = np.full((rows, context), -1, np.int32)
-    last = np.zeros((rows,), np.int64)
+    last = np.zeros((rows,), np.int32)
     for row in range(rows):
         window = sequences[row if row < len(sequences) else 0][-context:]
         ids[row, :len(window)] = window
@@ -121,16 +128,20 @@ def _draw(logits, temperature: float, generator) -> int:
     return int(generator.choice(len(p), p=p / p.sum()))
 
 
-def _next_token_logits(loaded):
-    """Jitted (model arrays, input_ids, segment_ids) -> float32 logits [rows, context, vocab]."""
+def _next_token_logits(loaded, replicated):
+    """Jitted (model arrays, input_ids, segment_ids, last [rows]) -> float32 logits [rows, vocab] at
+    each row's last position (picked by a one-hot contraction: a gather across the row-split batch
+    has no one output layout), replicated on every device: every process of a run of several reads
+    them whole (and draws the same tokens), and only these rows leave the devices."""
     static, dtype = loaded.static, loaded.compute_dtype
     transport = TransportSpec(default_transport(loaded.topology).transport)
 
-    def logits(arrays, input_ids, segment_ids):
+    def logits(arrays, input_ids, segment_ids, last):
         model = eqx.combine(arrays, static)
         with hax.axis_mapping(compute_axis_mapping()):
             out, _ = model(hax.named(input_ids, (BATCH, POS)), hax.named(segment_ids, (BATCH, POS)),
                            transport=transport, compute_dtype=dtype)
-        return out.array.astype(jnp.float32)
+        at_last = jax.nn.one_hot(last, out.array.shape[1], dtype=jnp.float32)  # [rows, context], split as the rows
+        return jnp.einsum("rcv,rc->rv", out.array.astype(jnp.float32), at_last)
 
-    return jax.jit(logits)
+    return jax.jit(logits, out_shardings=replicated)
