@@ -172,17 +172,21 @@ def _upload_staged_log(workdir: str, log: str) -> None:
     before the directory goes, so that the step's log holds what the process wrote up to its end."""
     from keel.executor.job import STAGED_LOG_PREFIX
 
-    for staged in glob.glob(os.path.join(workdir, "tmp", STAGED_LOG_PREFIX + "*")):
-        claimed = os.path.join(workdir, "uploading-" + os.path.basename(staged))
-        try:  # one upload of it: a second Ctrl-C's abort and the step's own collect both end here
-            os.rename(staged, claimed)
-        except OSError:
-            continue
-        try:
-            storage.append_local_file(claimed, log)
-        except Exception as e:  # noqa: BLE001 - the step's outcome stands; the lost log is named
-            print(f"[keel] could not upload the log of a step whose process ended early to {log}: {e!r}",
-                  file=sys.stderr)
+    # A second Ctrl-C's abort and the step's own collect both end here, on two threads: the second
+    # waits for the first's upload (the abort then exits the process) and finds the log gone.
+    with _UPLOADING:
+        for staged in glob.glob(os.path.join(workdir, "tmp", STAGED_LOG_PREFIX + "*")):
+            try:
+                storage.append_local_file(staged, log)
+                os.remove(staged)
+            except Exception as e:  # noqa: BLE001 - the step's outcome stands; the lost log is named
+                print(f"[keel] could not upload the log of a step whose process ended early to {log}: {e!r}",
+                      file=sys.stderr)
+
+
+_UPLOADING = threading.RLock()
+"""Held over an upload of staged logs (rare: only a child that ended before uploading its own);
+re-entrant, as the abort runs in a signal handler on whichever thread the signal found."""
 
 
 def abandon(process: subprocess.Popen, workdir: str, log: str | None = None) -> None:
