@@ -400,14 +400,14 @@ def test_a_killed_group_is_waited_for_until_only_zombies_are_left():
     import time
 
     from keel.executor.child import _kill_group
-    from keel.executor.lease import _running, group_lives
+    from keel.executor.lease import group_lives, process_lives
 
     leader = subprocess.Popen(["sleep", "300"], start_new_session=True)
     try:
         assert group_lives(leader.pid)
         os.kill(leader.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while _running(leader.pid) and time.monotonic() < deadline:
+        while process_lives(leader.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         os.killpg(leader.pid, 0)  # the zombie still answers a kill...
         assert not group_lives(leader.pid)  # ...but no process of the group lives
@@ -425,7 +425,7 @@ def test_processes_a_dead_steps_process_left_running_are_killed_with_it(tmp_path
     """A step's process that dies leaves what it started (a writer, a server) running, in its group,
     writing the output beside the next attempt: the launcher kills the group once the process ends."""
     from keel.cli import console_main
-    from keel.executor.lease import _running
+    from keel.executor.lease import process_lives
 
     experiment = tmp_path / "leaves.py"
     experiment.write_text(LEAVES_A_WRITER)
@@ -433,10 +433,20 @@ def test_processes_a_dead_steps_process_left_running_are_killed_with_it(tmp_path
     assert "exited with code 3 without reporting a result" in capsys.readouterr().err
     writer = int((next((tmp_path / "out" / "x").glob("leaves-*")) / "writer.pid").read_text())
     try:
-        assert not _running(writer), "the dead step's writer still runs"
+        assert not process_lives(writer), "the dead step's writer still runs"
     finally:
-        if _running(writer):
+        if process_lives(writer):
             os.kill(writer, 9)
+
+
+def other_pid() -> int:
+    """The pid of a process that has ended (reaped)."""
+    import subprocess
+    import sys
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait(timeout=60)
+    return ended.pid
 
 
 def test_two_launchers_of_one_remote_output_keep_their_heartbeats_apart(tmp_path):
@@ -454,5 +464,17 @@ def test_two_launchers_of_one_remote_output_keep_their_heartbeats_apart(tmp_path
     assert other.returncode == 0, other.stderr
     mine = _heartbeat_file(output)
     assert mine != other.stdout.strip() and mine == _heartbeat_file(output)
+    # a launcher killed before it removed its file leaves one behind: the next of that output removes it
+    left, live = mine.rsplit("-", 1)[0] + f"-{other_pid()}", mine
+    for path in (left, live):
+        with open(path, "w") as f:
+            f.write("beat")
+    try:
+        _heartbeat_file(output)
+        assert not os.path.exists(left) and os.path.exists(live)
+    finally:
+        for path in (left, live):
+            if os.path.exists(path):
+                os.remove(path)
     local = str(tmp_path / "out" / "train" / "run-0123456789")  # a local output's is the output's own, for any launcher
     assert _heartbeat_file(local) == str(tmp_path / "out" / "train" / "run-0123456789" / ".keel" / "heartbeat")

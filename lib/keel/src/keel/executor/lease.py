@@ -154,7 +154,7 @@ def _exists(pid: int) -> bool:
     return True
 
 
-def _running(pid: int) -> bool:
+def process_lives(pid: int) -> bool:
     """Whether process `pid` exists and is not a zombie (dead, not yet reaped by its parent)."""
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import glob
 import hashlib
 import heapq
 import math
@@ -804,8 +805,13 @@ def _heartbeat_file(output_path: str) -> str:
         beat = storage.split(keel_path(output_path, heartbeat.FILE))[1]
         os.makedirs(os.path.dirname(beat), exist_ok=True)
         return beat
-    name = f"keel-heartbeat-{output_path.rsplit('/', 1)[-1]}-{_whole_path_digest(output_path)}-{os.getpid()}"
-    return os.path.join(tempfile.gettempdir(), name)
+    stem = os.path.join(tempfile.gettempdir(), f"keel-heartbeat-{output_path.rsplit('/', 1)[-1]}-{_whole_path_digest(output_path)}-")
+    for left in glob.glob(glob.escape(stem) + "*"):  # a killed launcher's, which removed nothing
+        pid = left[len(stem):]
+        if pid.isdigit() and not leases.process_lives(int(pid)):
+            with contextlib.suppress(OSError):
+                os.remove(left)
+    return f"{stem}{os.getpid()}"
 
 
 def cluster_job_name(name: str, output_path: str, attempt: int) -> str:
