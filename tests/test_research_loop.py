@@ -120,6 +120,48 @@ def test_samples_are_fixed_by_their_seed(sweep, tmp_path):
     assert other != [s["completion_ids"] for s in written] and all(other)
 
 
+def test_the_sample_program_returns_the_models_logits_at_each_rows_last_position(sweep):
+    """The sample's program picks each row's last-position logits on the devices (replicated, so every
+    process of a sample on several hosts reads them): exactly the model's full logits gathered on
+    the host, as the step read them before, for rows of other lengths and the padding rows."""
+    import equinox as eqx
+    import haliax as hax
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from keel.mesh.mesh import compute_axis_mapping
+    from keel.model.axes import BATCH, POS
+    from keel.spec.resolved import default_transport
+    from keel.spec.topology import BATCH_AXES
+    from keel.spec.transports import TransportSpec
+    from keel.trained.load import load_model
+    from keel.trained.sample import _next_token_logits, _window
+
+    graph, steps = sweep
+    config = resolve_config(steps["sample/lr_sweep/lr1.0"].config, "/unused", graph.path)
+    loaded = load_model(config.model)
+    rows, context = loaded.topology.batch_shards, config.model.train.seq_len
+    ids, segments, last = _window([[5, 6, 7], list(range(20, 20 + context + 9)), [1]], rows, context)
+    transport = TransportSpec(default_transport(loaded.topology).transport)
+
+    def full(arrays, input_ids, segment_ids):  # the whole [rows, context, vocab], as the step computed it before
+        model = eqx.combine(arrays, loaded.static)
+        with hax.axis_mapping(compute_axis_mapping()):
+            out, _ = model(hax.named(input_ids, (BATCH, POS)), hax.named(segment_ids, (BATCH, POS)),
+                           transport=transport, compute_dtype=loaded.compute_dtype)
+        return out.array.astype(jnp.float32)
+
+    split = NamedSharding(loaded.mesh, PartitionSpec(BATCH_AXES, None))
+    with jax.set_mesh(loaded.mesh):
+        args = (loaded.arrays, jax.device_put(ids, split), jax.device_put(segments, split))
+        picked = _next_token_logits(loaded, NamedSharding(loaded.mesh, PartitionSpec()))(
+            *args, jax.device_put(last, NamedSharding(loaded.mesh, PartitionSpec(BATCH_AXES))))
+        whole = jax.device_get(jax.jit(full)(*args))
+    assert picked.sharding.is_fully_replicated and len(set(last)) == 3
+    np.testing.assert_array_equal(np.asarray(picked), np.asarray(whole)[np.arange(rows), last])
+
+
 def test_a_sample_whose_prompts_would_not_read_as_the_runs_documents_is_refused_before_loading(sweep, tmp_path):
     """The sample step checks its encoding against the run's record (`data.json`): a bos id the run's
     documents did not start with (a sample declared before a `--set` on the tokenize step kept the

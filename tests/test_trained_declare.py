@@ -107,7 +107,7 @@ def test_an_eval_batch_a_run_without_topology_cannot_split_over_this_process_is_
     step = default_eval("e", run=run, data={"stdlib": _chain()[1]}, batch_size=12)
     config = replace(step.config, data={"stdlib": str(tmp_path / "never-read")}, output_path=str(tmp_path / "eval"))
     assert len(jax.devices()) == 8
-    with pytest.raises(ValueError, match=r"EvalConfig.batch_size=12 does not split over the 8 devices of this process"):
+    with pytest.raises(ValueError, match=r"EvalConfig.batch_size=12 does not split over the 8 devices the eval runs on"):
         eval_step(config)
 
 

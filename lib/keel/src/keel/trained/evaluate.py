@@ -45,7 +45,7 @@ def eval_step(config: EvalConfig) -> None:
     batch_size, num_batches = config.batches
     shards = mesh_topology(config.model).batch_shards
     if batch_size % shards:  # a run with a topology was checked at declaration (EvalConfig)
-        raise ValueError(f"EvalConfig.batch_size={batch_size} does not split over the {shards} devices of this process, "
+        raise ValueError(f"EvalConfig.batch_size={batch_size} does not split over the {shards} devices the eval runs on, "
                          "which a run declaring no topology lays its mesh out on: give a multiple of "
                          f"{shards}, or declare the run's topology")
     datasets = evaluated_caches(config)

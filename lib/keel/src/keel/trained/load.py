@@ -63,8 +63,8 @@ def checkpoint_path(ref: TrainedModel) -> str:
 
 
 def mesh_topology(ref: TrainedModel) -> RackTopology:
-    """The topology `ref`'s model is loaded on: its run's, or (a run declaring none) every device of
-    this process as one rack, as the run itself laid its mesh out."""
+    """The topology `ref`'s model is loaded on: its run's, or (a run declaring none, which trains in
+    one process) every device jax sees as one rack, as the run itself laid its mesh out."""
     return ref.topology or RackTopology(racks=1, gpus_per_rack=len(jax.devices()))
 
 

@@ -130,8 +130,8 @@ def _draw(logits, temperature: float, generator) -> int:
 
 def _next_token_logits(loaded, replicated):
     """Jitted (model arrays, input_ids, segment_ids, last [rows]) -> float32 logits [rows, vocab] at
-    each row's last position (picked by a one-hot contraction: a gather across the row-split batch
-    has no one output layout), replicated on every device: every process of a run of several reads
+    each row's last position (picked by a mask and a sum of one term: a gather across the row-split
+    batch has no one output layout), replicated on every device: every process of a run of several reads
     them whole (and draws the same tokens), and only these rows leave the devices."""
     static, dtype = loaded.static, loaded.compute_dtype
     transport = TransportSpec(default_transport(loaded.topology).transport)
@@ -141,7 +141,7 @@ def _next_token_logits(loaded, replicated):
         with hax.axis_mapping(compute_axis_mapping()):
             out, _ = model(hax.named(input_ids, (BATCH, POS)), hax.named(segment_ids, (BATCH, POS)),
                            transport=transport, compute_dtype=dtype)
-        at_last = jax.nn.one_hot(last, out.array.shape[1], dtype=jnp.float32)  # [rows, context], split as the rows
-        return jnp.einsum("rcv,rc->rv", out.array.astype(jnp.float32), at_last)
+        at_last = jnp.arange(out.array.shape[1])[None, :] == last[:, None]  # [rows, context], split as the rows
+        return jnp.where(at_last[:, :, None], out.array.astype(jnp.float32), 0.0).sum(axis=1)  # exact: one term
 
     return jax.jit(logits, out_shardings=replicated)
