@@ -159,7 +159,8 @@ def test_a_checkpoint_of_2_processes_x_4_devices_evaluates_in_one_process_of_8(t
 def test_a_checkpoint_of_2_processes_x_4_devices_evaluates_and_samples_as_2_processes_too(tiny_replicas, iris):
     """A model too large for one host evaluates and samples on as many as it trained on: each
     replica joins one jax world (the eval and sample steps never joined: every replica failed the
-    device count) and the first writes the result, the run's last validation loss."""
+    device count) and the first writes the result: the run's last validation loss, and the tokens
+    the same sample draws in one process."""
     from defaults import default_eval, default_sample
     from test_trained_checkpoints import eval_reproduces_the_last_validation_loss
 
@@ -179,5 +180,11 @@ def test_a_checkpoint_of_2_processes_x_4_devices_evaluates_and_samples_as_2_proc
     graph = Graph([evaluation, sample], two)
     written = [json.loads(line) for line in Path(graph.path(sample), "samples.jsonl").read_text().splitlines()]
     assert [s["prompt"] for s in written] == ["def ", "import os\n"] and all(s["completion_ids"] for s in written)
+    # the same greedy sample in one process of 8 devices draws the same tokens (the logits differ in
+    # their last bits at most: gloo's sums across processes round otherwise)
+    alone = default_sample("tiny_moe-2x4-on-1", run=multi, prompts=("def ", "import os\n"), max_tokens=6, temperature=0.0)
+    assert run_steps([alone], two, echo=lambda _: None, force="^sample/tiny_moe-2x4-on-1$").ok
+    by_one = [json.loads(line) for line in Path(Graph([alone], two).path(alone), "samples.jsonl").read_text().splitlines()]
+    assert [s["completion_ids"] for s in by_one] == [s["completion_ids"] for s in written]
     for step in (evaluation, sample):  # both replicas ran it to the end, and one wrote
         assert "Traceback" not in Path(keel_path(graph.path(step), "log.replica1.txt")).read_text()
