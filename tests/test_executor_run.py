@@ -560,9 +560,10 @@ def _fake_proc(tmp_path, monkeypatch, cgroup: str | None, mounts: str | None, fi
 
 @pytest.mark.parametrize("cgroup, mounts, files, kills", [
     (V2, V2_MOUNT, {"unified/kubepods/pod1/ctr/memory.events": "low 0\nhigh 0\nmax 4\noom 2\noom_kill 2\noom_group_kill 0",
-                    "vmstat": "pgfault 10\noom_kill 9"}, 2),
-    (V1, V1_MOUNTS, {"memory/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 3", "vmstat": "oom_kill 9"}, 3),
-    (V1, V1_MOUNTS, {"vmstat": "pgfault 10\noom_kill 9"}, 9),  # no memory cgroup to read: the machine's count
+                    "vmstat": "pgfault 10\noom_kill 9"}, (2, False)),
+    (V1, V1_MOUNTS, {"memory/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 3", "vmstat": "oom_kill 9"},
+     (3, False)),
+    (V1, V1_MOUNTS, {"vmstat": "pgfault 10\noom_kill 9"}, (9, True)),  # no memory cgroup to read: the machine's count
     (None, None, {}, None),
 ], ids=["v2", "v1", "vmstat", "none"])
 def test_the_out_of_memory_kills_are_read_from_the_memory_cgroup_else_the_machine(tmp_path, monkeypatch, cgroup, mounts,
@@ -574,18 +575,25 @@ def test_a_step_process_the_out_of_memory_killer_killed_failed_and_is_not_a_pree
     """A SIGKILL is a preemption (retried, resumed) unless the out-of-memory killer's count rose
     meanwhile: then the step failed, as a rerun runs out of memory again."""
     from keel.executor import child
+    from keel.executor.resources import OomKills
 
     def killed_by_sigkill():
         (tmp_path / "child").mkdir(exist_ok=True)
         process = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
         return process, str(tmp_path / "child")
 
-    monkeypatch.setattr(child, "oom_kills", lambda: 5)
-    outcome = child.collect(*killed_by_sigkill(), oom_kills_before=4)
+    monkeypatch.setattr(child, "oom_kills", lambda: OomKills(5, whole_machine=False))
+    outcome = child.collect(*killed_by_sigkill(), oom_kills_before=OomKills(4, whole_machine=False))
     assert outcome.state == "failed" and outcome.message.startswith(
-        "the step's process was killed by the kernel's out-of-memory killer (its count of such kills rose from 4 to 5"), outcome
-    assert child.collect(*killed_by_sigkill(), oom_kills_before=5) == child.ChildOutcome(
+        "the step's process was killed by the kernel's out-of-memory killer (its memory cgroup's count of such kills "
+        "rose from 4 to 5"), outcome
+    assert child.collect(*killed_by_sigkill(), oom_kills_before=OomKills(5, whole_machine=False)) == child.ChildOutcome(
         "killed", "the step's process was killed by SIGKILL")
+    # counted for the whole machine, the message says that another process's kill counts there too
+    monkeypatch.setattr(child, "oom_kills", lambda: OomKills(10, whole_machine=True))
+    outcome = child.collect(*killed_by_sigkill(), oom_kills_before=OomKills(9, whole_machine=True))
+    assert outcome.state == "failed" and "(the machine's count of such kills, which no memory cgroup here narrows to its " \
+        "own (another process's kill counts too) rose from 9 to 10" in outcome.message, outcome
 
 def test_a_process_a_launcher_step_forks_exits_and_takes_signals_as_any_process(monkeypatch):
     """A step in the launcher may fork (a multiprocessing pool): the child inherits the launcher's

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from keel.executor import heartbeat as heartbeat_mod
 from keel.executor import interrupt, storage
 from keel.executor.lease import CHILD_FOLDER_PREFIX, group_lives
-from keel.executor.resources import oom_kills
+from keel.executor.resources import OomKills, oom_kills
 
 _PARENT_POLL_S = 1.0
 EXIT_GRACE_S = 120.0
@@ -120,7 +120,7 @@ def _pickler(f):
 
 
 def collect(process: subprocess.Popen, workdir: str, heartbeat: str | None = None, timeout_s: float | None = None,
-            log: str | None = None, oom_kills_before: int | None = None) -> ChildOutcome:
+            log: str | None = None, oom_kills_before: OomKills | None = None) -> ChildOutcome:
     """Wait for the child and read what it reported (a child killed outright reports nothing).
     With `heartbeat` and `timeout_s`, a child whose heartbeat is older than `timeout_s` (counted
     from its start until its first beat) is killed with its process group: `stalled`; one that
@@ -145,9 +145,12 @@ def collect(process: subprocess.Popen, workdir: str, heartbeat: str | None = Non
             return ChildOutcome("failed", f"the step's process crashed with {signal.Signals(-code).name} (a fault in "
                                           "native code, which a rerun meets again): the Python stack of every thread at "
                                           "the crash ends the step's log")
-        if code == -signal.SIGKILL and oom_kills_before is not None and (now := oom_kills() or 0) > oom_kills_before:
-            return ChildOutcome("failed", f"the step's process was killed by the kernel's out-of-memory killer (its "
-                                          f"count of such kills rose from {oom_kills_before} to {now} while the step "
+        now = oom_kills() if code == -signal.SIGKILL and oom_kills_before is not None else None
+        if now is not None and now.count > oom_kills_before.count:
+            counted = ("the machine's count of such kills, which no memory cgroup here narrows to its own (another "
+                       "process's kill counts too)" if now.whole_machine else "its memory cgroup's count of such kills")
+            return ChildOutcome("failed", f"the step's process was killed by the kernel's out-of-memory killer "
+                                          f"({counted} rose from {oom_kills_before.count} to {now.count} while the step "
                                           "ran): it needs more memory than it has here; lower its batch or model, or "
                                           "give it more (Resources(memory=...) on a cluster), then run again")
         if code < 0:

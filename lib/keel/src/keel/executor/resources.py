@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 PROC_SELF = "/proc/self"
 """Where this process's cgroup (`cgroup`) and the mounted cgroup hierarchies (`mountinfo`) are read."""
@@ -55,11 +56,19 @@ def cpu_quota() -> float | None:
     return min(quotas) if quotas else None
 
 
-def oom_kills() -> int | None:
+class OomKills(NamedTuple):
+    """A count of the kernel's out-of-memory kills, and whether it is the whole machine's."""
+
+    count: int
+    whole_machine: bool
+
+
+def oom_kills() -> OomKills | None:
     """How many processes the kernel's out-of-memory killer has killed in this process's memory
     cgroup (and the cgroups below it, where its steps' processes run): cgroup v2's `memory.events`
-    or v1's `memory.oom_control`, else the whole machine's count (`/proc/vmstat`); None where none
-    can be read. A step's process killed with SIGKILL while it rose was killed for its memory."""
+    or v1's `memory.oom_control`, else the whole machine's count (`/proc/vmstat`, where another
+    process's kill counts too); None where none can be read. A step's process killed with SIGKILL
+    while it rose was killed for its memory."""
     counts = []
     for directory, _, version in _cgroups("memory"):
         try:
@@ -68,12 +77,13 @@ def oom_kills() -> int | None:
         except (OSError, ValueError, IndexError):  # a v2 hierarchy without the memory controller
             pass
     if counts:
-        return sum(counts)
+        return OomKills(sum(counts), whole_machine=False)
     try:
         with open(PROC_VMSTAT) as f:
-            return next((int(line.split()[1]) for line in f if line.startswith("oom_kill ")), None)
+            count = next((int(line.split()[1]) for line in f if line.startswith("oom_kill ")), None)
     except (OSError, ValueError, IndexError):
         return None
+    return None if count is None else OomKills(count, whole_machine=True)
 
 
 def _cgroups(controller: str) -> list[tuple[str, str, int]]:
