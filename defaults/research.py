@@ -144,19 +144,23 @@ def default_eval(name: str, *, run: Step | None = None, data: dict[str, Step | E
 
 def default_sample(name: str, *, run: Step | None = None, prompts: Sequence[str], max_tokens: int = 64, temperature: float = 1.0,
                    seed: int = 0, checkpoint: str | int = "final", tokenizer: Step | External | str | None = None,
+                   add_bos: bool = False, bos_token: str | None = None, eos_token: str | None = None,
                    resources: Resources | None = None, **old: Any) -> Step:
     """A step writing samples.jsonl: a completion per prompt by training step `run`'s checkpoint.
-    The tokenizer is the one the run's data was tokenized with (found through its tokenize steps);
-    pass `tokenizer=` for a run on caches keel did not tokenize."""
+    The tokenizer and its bos/eos convention are the ones the run's data was tokenized with (found
+    through its tokenize steps); for a run on caches keel did not tokenize, pass `tokenizer=` and,
+    as its documents were encoded, `add_bos=`, `bos_token=` and `eos_token=`."""
     where = f"default_sample({name!r})"
     _no_old_names(where, run, old)
     data = _training(where, run).data
+    special = dict(add_bos=add_bos, bos_token=bos_token, eos_token=eos_token)
     if tokenizer is None:
+        if special != dict(add_bos=False, bos_token=None, eos_token=None):
+            raise TypeError(f"{where}: add_bos=, bos_token= and eos_token= go with tokenizer=; without it the run's "
+                            "tokenize steps say them")
         encoding = _tokenize_config(where, data)
         tokenizer, special = encoding.tokenizer, dict(add_bos=encoding.add_bos, bos_token=encoding.bos_token,
                                                        eos_token=encoding.eos_token)
-    else:
-        special = {}
     config = SampleConfig(model=trained_model(where, run, checkpoint), tokenizer=tokenizer, prompts=tuple(prompts),
                           max_tokens=max_tokens, temperature=temperature, seed=seed, **special)
     return Step(f"sample/{name}", sample_step, config, resources=resources, isolated=True)

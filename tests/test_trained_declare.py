@@ -218,6 +218,11 @@ def test_a_sample_uses_the_tokenizer_the_runs_data_was_tokenized_with(tmp_path):
     with pytest.raises(ValueError, match=r"not a keel tokenize step.*pass tokenizer="):
         default_sample("s", run=_run(data=cache), prompts=["a"])
     assert default_sample("s", run=_run(data=cache), prompts=["a"], tokenizer="/tok").config.tokenizer == "/tok"
+    # a tokenizer given by hand comes with the convention its documents were encoded with
+    given = default_sample("s", run=_run(data=cache), prompts=["a"], tokenizer="/tok", add_bos=True, bos_token="<s>").config
+    assert (given.add_bos, given.bos_token, given.eos_token) == (True, "<s>", None)
+    with pytest.raises(TypeError, match="add_bos=, bos_token= and eos_token= go with tokenizer="):
+        default_sample("s", run=_run(data=tokens), prompts=["a"], add_bos=True)
     (tmp_path / "tokenizer.json").write_text("{}")  # a tokenizer given by path: its file joins the identity
     by_path = default_sample("s", run=_run(data=cache), prompts=["a"], tokenizer=str(tmp_path)).config
     assert by_path.input_files() == {str(tmp_path / "tokenizer.json"): str(tmp_path / "tokenizer.json")}

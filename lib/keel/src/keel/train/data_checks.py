@@ -139,8 +139,9 @@ def check_prompt_encoding(where: str, loaded: LoadedTokenizer, add_bos: bool, ru
         theirs = "no bos id" if recorded["bos_id"] is None else f"bos id {recorded['bos_id']}"
         fix = "add_bos=False" if recorded["bos_id"] is None else f"add_bos=True with the bos token of id {recorded['bos_id']}"
         raise ValueError(f"{where}: prompts would start with {'no bos id' if bos is None else f'bos id {bos}'}, while "
-                         f"the documents of run {run_output} started with {theirs}: set {fix} (the run's tokenize "
-                         "step's), or declare the sample again after changing that step")
+                         f"the documents of run {run_output} started with {theirs}: set {fix}, as the run's "
+                         "tokenize step has it (default_sample finds it there unless given tokenizer=, whose "
+                         "add_bos= and bos_token= say it then)")
 
 
 def check_one_tokenizer(stats: dict[str, tuple[str, dict]]) -> dict | None:
