@@ -131,3 +131,28 @@ def test_on_a_store_without_appends_the_file_is_rewritten_and_a_resume_keeps_eve
     resumed.finish()
     assert [(r["step"], r["train/loss"]) for r in read_metrics(url)] == [(0, 5.0), (1, 4.0), (2, 3.0), (3, 2.0), (4, 1.0),
                                                                           (5, 0.5)]
+
+
+def test_rows_wandb_refuses_are_said_once_on_the_console(capsys):
+    """wandb takes steps in order only: a resumed online run holds an earlier attempt's rows, and
+    Levanter's tracker refused this attempt's rows for those steps with a warning in the log only."""
+    from types import SimpleNamespace
+
+    from keel.train.tracking import _WandbRun
+
+    sent = []
+    run = SimpleNamespace(id="tiny_moe-44d4c1d68a", step=50)  # wandb's next step: it holds 0..49
+
+    def log(row, step, commit):
+        sent.append(step)
+        run.step = step + 1
+
+    run.log = log
+    tracker = _WandbRun(run)
+    for step in (20, 21, 49, 50, 51):
+        tracker.log({"train/loss": 4.0}, step=step)
+    assert sent == [50, 51]  # the rows of steps it held were refused
+    said = capsys.readouterr().out
+    assert said.count("[wandb]") == 1 and ("[wandb] run tiny_moe-44d4c1d68a already holds rows up to step 49 (an earlier "
+                                           "attempt's, or a spike guard's replay's): wandb keeps those and refuses this "
+                                           "attempt's rows from step 20 to 49; metrics.jsonl") in said, said

@@ -311,8 +311,23 @@ class OpenedLater(Tracker):
 
 
 class _WandbRun(WandbTracker):
-    """Levanter's wandb tracker that also shuts wandb's service down when it finishes, not at
-    interpreter exit."""
+    """Levanter's wandb tracker that says, once, when wandb refuses rows, and shuts wandb's service
+    down when it finishes, not at interpreter exit.
+
+    wandb takes a run's steps in order only: the rows of steps it already holds (an earlier
+    attempt's, on a resumed online run; those a spike guard's replay goes over again) are refused,
+    with a warning in the log once per 500 steps. The replayed losses are the same values, and
+    `metrics.jsonl` holds every row, but the console says so: wandb's curve is not this attempt's."""
+
+    _refused = False
+
+    def log(self, metrics: Mapping[str, Any], *, step: int | None, commit: bool | None = None) -> None:
+        if step is not None and not self._refused and int(step) < self.run.step:
+            self._refused = True
+            print(f"[wandb] run {self.run.id} already holds rows up to step {self.run.step - 1} (an earlier attempt's, "
+                  f"or a spike guard's replay's): wandb keeps those and refuses this attempt's rows from step {step} to "
+                  f"{self.run.step - 1}; {METRICS_FILE} in the step's output holds this attempt's", flush=True)
+        super().log(metrics, step=step, commit=commit)
 
     def finish(self) -> None:
         super().finish()
