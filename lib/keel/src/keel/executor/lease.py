@@ -154,11 +154,17 @@ def _exists(pid: int) -> bool:
     return True
 
 
+def _stat(pid: int | str) -> list[str]:
+    """The fields of /proc/PID/stat after the command's name: state, ppid, pgrp, ... (OSError or
+    IndexError where there is none to read)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def process_lives(pid: int) -> bool:
     """Whether process `pid` exists and is not a zombie (dead, not yet reaped by its parent)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        return _stat(pid)[0] != "Z"
     except (OSError, IndexError):
         return _exists(pid)
 
@@ -178,9 +184,8 @@ def group_lives(group: int) -> bool:
         return True
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                state, _, pgrp = f.read().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError):
+            state, _, pgrp = _stat(pid)[:3]
+        except (OSError, IndexError, ValueError):
             continue
         if int(pgrp) == group and state != "Z":
             return True

@@ -26,6 +26,13 @@ from keel.spec.placement import place
 from keel.spec.topology import BATCH_AXES, MESH_AXES, RackTopology
 
 
+def run_topology(declared: RackTopology | None) -> RackTopology:
+    """The topology a step's mesh is laid out on: the declared one, else (a run declaring none,
+    which trains in one process) every device jax sees as one rack. The training step and the
+    steps that load its checkpoints both read it here."""
+    return declared or RackTopology(racks=1, gpus_per_rack=len(jax.devices()))
+
+
 def build_mesh(topology: RackTopology, devices=None) -> Mesh:
     """The explicit (replica_dcn, data, expert, model) mesh; racks are contiguous device blocks."""
     devices = list(jax.devices() if devices is None else devices)

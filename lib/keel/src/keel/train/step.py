@@ -14,10 +14,10 @@ import logging
 import jax
 
 from keel.executor.replicas import join_replicas
-from keel.mesh.mesh import build_mesh
+from keel.mesh.mesh import build_mesh, run_topology
 from keel.spec.checks import mixture_phases
 from keel.spec.resolved import ResolvedRun, resolve
-from keel.spec.topology import BATCH_AXES, RackTopology
+from keel.spec.topology import BATCH_AXES
 from keel.spec.train import TrainStepConfig
 from keel.spec.transports import check_transport_supported
 from keel.train import compile_cache
@@ -39,7 +39,7 @@ def train_step(config: TrainStepConfig) -> None:
             raise ValueError(f"TrainStepConfig.topology is None on {jax.process_count()} processes: one rack across "
                              "hosts puts the expert and FSDP axes on their slow link; declare "
                              "topology=RackTopology(racks=..., gpus_per_rack=...)")
-        config = dataclasses.replace(config, topology=RackTopology(racks=1, gpus_per_rack=len(jax.devices())))
+        config = dataclasses.replace(config, topology=run_topology(None))
     plan = resolve(config)
     if config.train.compilation_cache:
         compile_cache.use(config.output_path)

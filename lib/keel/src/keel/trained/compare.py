@@ -225,16 +225,10 @@ def identity_fields(identity: dict) -> dict[str, Any]:
     """A step's identity as {dotted path: plain value}: its config's fields and, under `derived.`,
     what its config derives into it (`DerivesIdentity`: the drops a layout decides), so two runs
     that differ only there are told apart."""
-    fields = flat_config(identity["config"])
+    fields: dict[str, Any] = {}
+    _flatten(identity["config"], "", fields)  # placeholders (outputs of other steps, enums) as words
     _flatten(identity.get("derived", {}), "derived", fields)
     return fields
-
-
-def flat_config(config: dict) -> dict[str, Any]:
-    """An identity payload's config as {dotted path: plain value} (placeholders as words)."""
-    flat: dict[str, Any] = {}
-    _flatten(config, "", flat)
-    return flat
 
 
 def _flatten(value: Any, where: str, out: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ from keel.data.datasets import load_token_cache, read_sequence_bytes
 from keel.data.tokenizer import predicted_tokens
 from keel.executor import storage, warn
 from keel.executor.replicas import join_replicas
+from keel.mesh.mesh import run_topology
 from keel.model.axes import POS
 from keel.model.loss import next_token_weight
 from keel.spec.topology import BATCH_AXES
@@ -32,7 +33,7 @@ from keel.spec.trained import EvalConfig
 from keel.train import compile_cache
 from keel.train.data_checks import check_cache_vocab, check_same_tokenizer_as_run
 from keel.train.loop import eval_loss_fn, validation_losses
-from keel.trained.load import checkpoint_path, load_model, mesh_topology
+from keel.trained.load import checkpoint_path, load_model
 
 EVAL_FILE = "eval.json"
 
@@ -43,7 +44,7 @@ def eval_step(config: EvalConfig) -> None:
     join_replicas(config.coordinator)  # an eval on several hosts: one jax world (a no-op alone)
     seq_len = config.model.train.seq_len
     batch_size, num_batches = config.batches
-    shards = mesh_topology(config.model).batch_shards
+    shards = run_topology(config.model.topology).batch_shards
     if batch_size % shards:  # a run with a topology was checked at declaration (EvalConfig)
         raise ValueError(f"EvalConfig.batch_size={batch_size} does not split over the {shards} devices the eval runs on, "
                          "which a run declaring no topology lays its mesh out on: give a multiple of "

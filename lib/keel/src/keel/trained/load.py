@@ -20,9 +20,8 @@ import jax.numpy as jnp
 
 from keel.executor import storage
 from keel.executor.step import External
-from keel.mesh.mesh import build_mesh
+from keel.mesh.mesh import build_mesh, run_topology
 from keel.spec.resolved import resolve
-from keel.spec.topology import RackTopology
 from keel.spec.train import TrainStepConfig
 from keel.spec.trained import TrainedModel
 from keel.train.checkpoint import checkpoint_root, restore_like
@@ -62,16 +61,10 @@ def checkpoint_path(ref: TrainedModel) -> str:
     return path
 
 
-def mesh_topology(ref: TrainedModel) -> RackTopology:
-    """The topology `ref`'s model is loaded on: its run's, or (a run declaring none, which trains in
-    one process) every device jax sees as one rack, as the run itself laid its mesh out."""
-    return ref.topology or RackTopology(racks=1, gpus_per_rack=len(jax.devices()))
-
-
 def load_model(ref: TrainedModel) -> LoadedModel:
-    """Restore the model of checkpoint `ref` on the mesh of `mesh_topology(ref)`."""
+    """Restore the model of checkpoint `ref` on the mesh its run laid out (`run_topology`)."""
     path = checkpoint_path(ref)
-    topology = mesh_topology(ref)
+    topology = run_topology(ref.topology)
     checkpoint = External("trained/checkpoint", ref.run, version=f"step-{ref.step}")  # resolve needs data; any will do
     plan = resolve(TrainStepConfig(model=ref.model, data=checkpoint, train=ref.train, topology=topology))
     mesh = build_mesh(topology)
