@@ -22,7 +22,7 @@ def _save_steps(checkpoints: TrainCheckpoints, steps) -> list[str]:
 
 
 def test_rolling_by_time_keeps_only_the_newest_and_permanent_ones_stay(tmp_path):
-    checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=3, rolling_minutes=1e-6)  # roll after every step
+    checkpoints = TrainCheckpoints(str(tmp_path), permanent=lambda step: step % 3 == 0, rolling_minutes=1e-6)  # roll after every step
     saved = _save_steps(checkpoints, range(1, 6))
     assert saved == ["step-3", "step-5"], saved  # step 3 is permanent; 1, 2 and 4 were rolled away
     latest = checkpoints.latest()
@@ -32,18 +32,18 @@ def test_rolling_by_time_keeps_only_the_newest_and_permanent_ones_stay(tmp_path)
 
 
 def test_rolling_every_n_steps_keeps_the_declared_number(tmp_path):
-    checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=None, rolling_every=2, keep_rolling=2)
+    checkpoints = TrainCheckpoints(str(tmp_path), permanent=lambda step: False, rolling_every=2, keep_rolling=2)
     assert _save_steps(checkpoints, range(1, 12)) == ["step-8", "step-10"]  # 2, 4, 6 pruned; odd steps never saved
 
 
 def test_permanent_cadence_is_kept_and_supersedes_rolling_ones(tmp_path):
-    checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=10, rolling_every=3, keep_rolling=3)
+    checkpoints = TrainCheckpoints(str(tmp_path), permanent=lambda step: step % 10 == 0, rolling_every=3, keep_rolling=3)
     # 3, 6, 9 rolling; 10 permanent (rolling ones before it are superseded); 12, 15, 18, 21 rolling (keep 3); 20 permanent
     assert _save_steps(checkpoints, range(1, 23)) == ["step-10", "step-20", "step-21"]
 
 
 def test_a_truncated_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, capsys):
-    checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=1)
+    checkpoints = TrainCheckpoints(str(tmp_path), permanent=lambda step: True)
     assert _save_steps(checkpoints, (1, 2)) == ["step-1", "step-2"]
     newest = checkpoints.latest()
     for chunk in (Path(newest) / "d").iterdir():  # tensorstore's OCDBT data files
@@ -58,11 +58,11 @@ def test_a_damaged_rolling_checkpoint_is_set_aside_so_the_new_rolling_ones_are_k
     """Left in place, a damaged rolling checkpoint at step 12 stayed the newest rolling one: a rerun
     resuming from step 10 had each new rolling save (step 11 here; on SIGTERM, the one the
     interruption said it saved) deleted as soon as it was written."""
-    first = TrainCheckpoints(str(tmp_path), permanent_every=10, rolling_every=1, keep_rolling=1)
+    first = TrainCheckpoints(str(tmp_path), permanent=lambda step: step % 10 == 0, rolling_every=1, keep_rolling=1)
     assert _save_steps(first, range(1, 13)) == ["step-10", "step-12"]
     for chunk in (tmp_path / "checkpoints" / "step-12" / "d").iterdir():
         chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
-    rerun = TrainCheckpoints(str(tmp_path), permanent_every=10, rolling_every=1, keep_rolling=1)
+    rerun = TrainCheckpoints(str(tmp_path), permanent=lambda step: step % 10 == 0, rolling_every=1, keep_rolling=1)
     restored = rerun.restore({"w": jnp.zeros((4,))}, rerun.latest())
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((4,), 10.0))
     aside = tmp_path / "checkpoints-damaged" / "step-12"
@@ -78,7 +78,7 @@ def _abstract_w() -> dict:
 
 
 def test_when_no_checkpoint_reads_restore_says_so_and_returns_none(tmp_path, capsys):
-    checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=1)
+    checkpoints = TrainCheckpoints(str(tmp_path), permanent=lambda step: True)
     assert _save_steps(checkpoints, (1, 2)) == ["step-1", "step-2"]
     for chunk in Path(tmp_path).glob("checkpoints/step-*/d/*"):
         chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
@@ -87,14 +87,14 @@ def test_when_no_checkpoint_reads_restore_says_so_and_returns_none(tmp_path, cap
 
 
 def test_a_checkpoint_restores_into_abstract_arrays(tmp_path):
-    checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=1)
+    checkpoints = TrainCheckpoints(str(tmp_path), permanent=lambda step: True)
     _save_steps(checkpoints, (1,))
     restored = checkpoints.restore(_abstract_w(), checkpoints.latest())
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.full((4,), 1.0))
 
 
 def test_none_leaves_load_without_a_warning(tmp_path, caplog):
-    checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=1)
+    checkpoints = TrainCheckpoints(str(tmp_path), permanent=lambda step: True)
     checkpoints.on_step({"w": jnp.full((4,), 1.0), "bias": None}, 1)
     checkpoints.wait()
     restored = restore_like({"w": jnp.zeros((4,)), "bias": None}, checkpoints.latest())
@@ -107,7 +107,7 @@ def test_a_storage_error_stops_the_restore_instead_of_falling_back(tmp_path, mon
     back to an older one, or to step 0, would throw away the run's progress for a passing outage."""
     import keel.train.checkpoint as checkpoint
 
-    checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=1)
+    checkpoints = TrainCheckpoints(str(tmp_path), permanent=lambda step: True)
     _save_steps(checkpoints, (1, 2))
     newest = checkpoints.latest()
 
@@ -138,7 +138,7 @@ def test_a_checkpoint_another_process_cannot_read_is_skipped_or_fails_here_too(t
     rest. Here this process reads it whole; the other's outcome comes through the agreement."""
     import keel.train.checkpoint as checkpoint
 
-    checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=1)
+    checkpoints = TrainCheckpoints(str(tmp_path), permanent=lambda step: True)
     _save_steps(checkpoints, (1, 2))
     newest = checkpoints.latest()
     outcomes = iter([elsewhere])  # the other process's outcome for the newest; the older one reads everywhere

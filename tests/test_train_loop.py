@@ -173,6 +173,9 @@ def test_a_phase_returning_to_an_earlier_transport_runs_the_program_compiled_for
                              ("the fixed_all_to_all evaluation", "ahead")]
     records = [r for r in read_metrics(os.path.join(out, METRICS_FILE)) if "train/loss" in r]
     assert [r["transport"] for r in records] == ["fixed_all_to_all"] * 2 + ["ring"] * 2 + ["fixed_all_to_all"] * 4
+    # the checkpoints the finished run holds are the ones its config says it keeps (an eval is held to that rule)
+    kept = sorted(os.listdir(os.path.join(out, "checkpoints")), key=lambda name: int(name.split("-")[1]))
+    assert kept == [f"step-{s}" for s in range(1, 9) if config.keeps_checkpoint(s)] == ["step-2", "step-4", "step-6", "step-8"]
 
 
 def test_router_bias_of_step_t_plus_1_comes_from_step_t_and_survives_checkpoints(switch_run):

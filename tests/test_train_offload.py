@@ -93,8 +93,8 @@ def test_a_checkpoint_of_host_arrays_restores_into_the_exemplars_memory_kinds(tm
 
     _, state = _toy_state()
     host = offload.shardings(state, offload.Layout(HOST, HOST))
-    checkpoints = TrainCheckpoints(str(tmp_path), permanent_every=None)
-    checkpoints.on_step(jax.device_put(state, host), 3, force=True)
+    checkpoints = TrainCheckpoints(str(tmp_path), permanent=lambda step: step == 3)
+    checkpoints.on_step(jax.device_put(state, host), 3)
     checkpoints.wait()
     latest = checkpoints.latest()
     assert checkpoints.step_of(latest) == 3

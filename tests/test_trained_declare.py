@@ -16,7 +16,7 @@ from defaults.hardware import cpu_sim
 from defaults.models import tiny_moe
 from keel import External
 from keel.cli import console_main
-from keel.spec import Mixture, RackTopology, TrainConfig
+from keel.spec import Mixture, RackTopology, TrainConfig, TransportPhase
 from keel.executor.plan import Graph
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,7 +31,8 @@ def _chain():
 def _run(name="a", data=None, lr=1e-3, steps=20):
     from keel.spec import AdamWConfig
 
-    train = TrainConfig(batch_size=8, seq_len=128, num_steps=steps, optimizer=AdamWConfig(lr=lr), eval_batches=3)
+    train = TrainConfig(batch_size=8, seq_len=128, num_steps=steps, optimizer=AdamWConfig(lr=lr), eval_batches=3,
+                        permanent_checkpoint_every=10)
     return default_train(name, data=data if data is not None else _chain()[1], model=tiny_moe, train=train,
                          topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4), hardware=cpu_sim)
 
@@ -237,6 +238,16 @@ def test_declaration_mistakes_name_the_fix():
         default_eval("e", run=run, data={"x": tokens}, checkpoint="last")
     with pytest.raises(ValueError, match=r"checkpoint step in 1\.\.20"):
         default_eval("e", run=run, data={"x": tokens}, checkpoint=21)
+    with pytest.raises(ValueError, match=r"checkpoint=15: the run keeps no checkpoint of step 15 \(it keeps its last "
+                                         r"step, 20, every 10 steps; .*permanent_checkpoint_every to a divisor of 15"):
+        default_sample("s", run=run, prompts=["a"], checkpoint=15)  # it failed only once the sample had started
+    switching = default_train("switching", data=tokens, model=tiny_moe, hardware=cpu_sim,
+                              topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4),
+                              train=TrainConfig(batch_size=8, seq_len=128, num_steps=20, transports=(
+                                  TransportPhase(0, "fixed_all_to_all"), TransportPhase(5, "ring"))))
+    assert default_eval("e", run=switching, data={"x": tokens}, checkpoint=5).config.model.step == 5  # a switch's
+    with pytest.raises(ValueError, match=r"it keeps its last step, 20, the transport switches at 5; rolling"):
+        default_eval("e", run=switching, data={"x": tokens}, checkpoint=6)
     with pytest.raises(ValueError, match="data is empty"):
         default_eval("e", run=run, data={})
     silent = default_train("quiet", data=tokens, model=tiny_moe, train=TrainConfig(batch_size=8, seq_len=128, num_steps=20,

@@ -496,6 +496,17 @@ class TrainConfig:
             return self.eval_every
         return -(-self.num_steps // self.evaluations) if self.evaluations is not None else 100
 
+    def keeps_checkpoint(self, step: int) -> bool:
+        """Whether the finished run holds the checkpoint of `step` completed steps: the permanent ones,
+        at its last step, every `permanent_checkpoint_every` and at each transport switch (what a run
+        resumed on the next transport starts from). Rolling checkpoints do not outlive the last
+        step's, which supersedes them. The loop saves permanent checkpoints by this rule, and an
+        eval or sample of a step number is held to it at declaration."""
+        every = self.permanent_checkpoint_every
+        return 0 < step <= self.num_steps and (
+            step == self.num_steps or bool(every and step % every == 0)
+            or any(phase.start_step == step for phase in self.transports[1:]))
+
     @property
     def tokens_per_step(self) -> int:
         if self.seq_len is None:

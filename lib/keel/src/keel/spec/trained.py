@@ -50,6 +50,10 @@ class TrainedModel:
                 or not 0 < self.checkpoint <= config.train.num_steps:
             raise ValueError(f"TrainedModel.checkpoint={self.checkpoint!r}: give 'final' or a checkpoint step in "
                              f"1..{config.train.num_steps} (the run's num_steps)")
+        elif not config.train.keeps_checkpoint(self.checkpoint):
+            raise ValueError(f"TrainedModel.checkpoint={self.checkpoint}: the run keeps no checkpoint of step "
+                             f"{self.checkpoint} ({_kept_checkpoints(config.train)}); name one of those, or set the "
+                             f"run's TrainConfig.permanent_checkpoint_every to a divisor of {self.checkpoint}")
         else:
             step = self.checkpoint
         for name, value in (("step", step), ("model", config.model), ("train", config.train),
@@ -58,6 +62,17 @@ class TrainedModel:
 
     def process_env(self, processes: int = 1) -> dict[str, str]:
         return declared_process_env(self.hardware, self.topology, processes)
+
+
+def _kept_checkpoints(train: TrainConfig) -> str:
+    """The checkpoints a finished run keeps, in words (`TrainConfig.keeps_checkpoint`)."""
+    kept = [f"its last step, {train.num_steps}"]
+    if train.permanent_checkpoint_every:
+        kept.append(f"every {train.permanent_checkpoint_every} steps")
+    switches = [phase.start_step for phase in train.transports[1:]]
+    if switches:
+        kept.append(f"the transport switches at {', '.join(map(str, switches))}")
+    return "it keeps " + ", ".join(kept) + "; rolling checkpoints do not outlive the last one"
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Training-state checkpoints under a step's output path, with Levanter's tensorstore checkpointer.
 
 Two kinds, as in Levanter: rolling (temporary) checkpoints, every N steps and/or by wall-clock
-time, of which the newest `keep_rolling` are kept, and permanent ones every N steps (and whenever
-forced: the final step, a transport switch), never deleted; a permanent checkpoint supersedes the
-rolling ones, which are then removed. A rerun of a step that died finds the newest
+time, of which the newest `keep_rolling` are kept, and permanent ones where the run's
+`TrainConfig.keeps_checkpoint` says (every N steps, the final step, each transport switch), never
+deleted; a permanent checkpoint supersedes the rolling ones, which are then removed. A rerun of a step that died finds the newest
 complete checkpoint and resumes from it; Levanter only writes a checkpoint's `metadata.json` once
 every array is committed, so a checkpoint torn by `kill -9` is never picked. A checkpoint damaged
 after it was written (a truncated array file: tensorstore's OUT_OF_RANGE) is skipped with a line
@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import urllib.parse
+from collections.abc import Callable
 
 import fsspec
 import haliax as hax
@@ -37,7 +38,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 from levanter.checkpoint import (
     Checkpointer,
-    CheckpointInterval,
     CheckpointRetention,
     discover_latest_checkpoint,
     load_checkpoint,
@@ -85,13 +85,15 @@ def _worst_of_every_process(outcome: int) -> int:
 class TrainCheckpoints:
     """Saves the train state by Levanter's time/step policies and restores the newest one."""
 
-    def __init__(self, output_path: str, *, permanent_every: int | None, rolling_every: int | None = None,
+    def __init__(self, output_path: str, *, permanent: Callable[[int], bool], rolling_every: int | None = None,
                  rolling_minutes: float | None = None, keep_rolling: int = 1):
+        """`permanent(step)`: whether the checkpoint of `step` completed steps is kept for good (the
+        run's `TrainConfig.keeps_checkpoint`, which eval and sample steps are held to)."""
         self.root = checkpoint_root(output_path)
+        self.permanent = permanent
         self.rolling_every = rolling_every
-        policies = [CheckpointInterval(every=permanent_every)] if permanent_every else []
         interval = datetime.timedelta(minutes=rolling_minutes) if rolling_minutes else None
-        self._checkpointer = _checkpointer_class()(self.root, interval, policies, keep_last_temporary_checkpoints=keep_rolling)
+        self._checkpointer = _checkpointer_class()(self.root, interval, [], keep_last_temporary_checkpoints=keep_rolling)
 
     def latest(self) -> str | None:
         return discover_latest_checkpoint(self.root)
@@ -156,13 +158,14 @@ class TrainCheckpoints:
         with fsspec.open(os.path.join(path, "metadata.json")) as f:
             return int(json.load(f)["step"])
 
-    def on_step(self, state, step: int, *, force: bool = False, rolling: bool = False) -> bool:
-        """Save if a policy says so, a permanent one if `force`, at least a rolling one if `rolling`;
-        `step` counts completed optimizer steps. True when a save of this step started."""
+    def on_step(self, state, step: int, *, rolling: bool = False) -> bool:
+        """Save a permanent checkpoint where `permanent` says so, else a rolling one by the time or
+        step cadence, at least a rolling one if `rolling`; `step` counts completed optimizer steps.
+        True when a save of this step started."""
         if rolling or (self.rolling_every and step % self.rolling_every == 0):
             self._checkpointer.request_checkpoint(CheckpointRetention.TEMPORARY)
         self._checkpointer.saving_step = None
-        self._checkpointer.on_step(tree=state, step=step, force=force)
+        self._checkpointer.on_step(tree=state, step=step, force=self.permanent(step))
         return self._checkpointer.saving_step == step
 
     def wait(self) -> None:

@@ -154,7 +154,7 @@ class _Run:
                              "plan.config.train")
         self.compute_dtype = jnp.dtype(config.compute_dtype)
         self.checkpoints = TrainCheckpoints(
-            output_path, permanent_every=config.permanent_checkpoint_every, rolling_every=config.rolling_checkpoint_every,
+            output_path, permanent=config.keeps_checkpoint, rolling_every=config.rolling_checkpoint_every,
             rolling_minutes=config.rolling_checkpoint_minutes, keep_rolling=config.keep_rolling_checkpoints,
         )
         self.latest = self.checkpoints.latest()
@@ -458,19 +458,18 @@ class _Run:
             self._evaluate(done.completed, done.phase)
 
     def _checkpoint_or_stop(self, done: StepDone) -> None:
-        """Checkpoints on the cadence, permanent ones at the end and where the next step switches
-        transport; on an interruption (Ctrl-C, SIGTERM) a rolling checkpoint, then `StepInterrupted`.
+        """Rolling checkpoints on their cadence, permanent ones where `TrainConfig.keeps_checkpoint`
+        says (the end, the permanent cadence, where the next step switches transport); on an interruption (Ctrl-C, SIGTERM) a rolling checkpoint, then `StepInterrupted`.
         Interrupted while the spike guard replays, the run may hold a checkpoint the replay has not
         reached yet (saved before the rollback, as the replay is bit-exact): a resume starts there,
         so none is saved behind it (Levanter, keeping the newest rolling ones by step, would delete
         it at once), and the console names the one a resume uses."""
         config, completed = self.config, done.completed
-        switching = completed < config.num_steps and self.transport_at(completed) != done.phase
         stopping = stop_requested_anywhere() and completed < config.num_steps
         ahead = self.checkpoints.latest_step() if stopping and done.replaying else None
         ahead = ahead if ahead is not None and ahead >= completed else None
         if (not done.replaying or (stopping and ahead is None)) and self.checkpoints.on_step(
-                self.state_arrays, completed, force=completed == config.num_steps or switching, rolling=stopping):
+                self.state_arrays, completed, rolling=stopping):
             self.metrics.flush()  # the records up to the checkpoint, for a resume from it (an object store's file)
             self.progress.event(f"step {completed}: checkpoint saved")
         if stopping:
