@@ -193,6 +193,50 @@ def test_an_evaluation_on_documents_another_component_trains_on_is_refused(cache
     check_step_config(_planned(_config(leaky, eval_batches=0), racks), num_devices=8, platform="cpu")  # nothing evaluated
 
 
+def test_an_eval_on_validation_documents_its_run_trained_on_is_refused_before_loading_the_model(caches, tmp_path, capsys):
+    """A run records the document sets its drawn components come from (`data.json`); an eval of its
+    checkpoint on held-out documents among them would report memorisation as generalisation, as the
+    run's own evaluation would (the test above). Its train split, or its own caches' validation
+    split, may be evaluated."""
+    from defaults import default_eval, default_train
+    from keel import External
+    from keel.executor.plan import Graph
+    from keel.executor.resolve import resolve_config
+    from keel.spec import Mixture
+    from keel.trained.evaluate import evaluated_caches
+    from keel.train.data_checks import RUN_DATA_FILE, record_run_data
+
+    def cache(name):
+        return External(name, caches[name], version="1")
+
+    trained = Mixture.constant({"same": cache("same_documents"), "probe": cache("no_validation")},
+                               {"same": 1.0, "probe": 0.0}, block_size=16)  # probe: evaluated only, never drawn
+    train = TrainConfig(batch_size=16, seq_len=64, num_steps=5, optimizer=AdamWConfig(lr=1e-3), eval_batches=1)
+    run = default_train("run", data=trained, model=tiny_moe, train=train)
+
+    def eval_config(split="validation", **data):
+        step = default_eval("e", run=run, data={label: cache(name) for label, name in data.items()}, split=split)
+        graph = Graph([step], str(tmp_path / "out"))
+        return resolve_config(step.config, graph.path(step), graph.path)
+
+    run_output = eval_config(held="with_validation").model.run
+    resolved = resolve_config(run.config, run_output, Graph([run], str(tmp_path / "out")).path)
+    record_run_data(run_output, None, resolved.data)  # as the training step does
+    documents = {name: json.loads((Path(caches[name]) / "tokenize.json").read_text())["documents"] for name in caches}
+    assert json.loads(Path(run_output, RUN_DATA_FILE).read_text()) == {
+        "tokenizer": None, "trained_documents": [documents["same_documents"]]}
+    with pytest.raises(ValueError, match=r"(\d+) of the \1 validation documents of EvalConfig.data\['held'\] \(document "
+                                         rf"set {documents['with_validation']}\), 100.0% of its validation text, are "
+                                         rf"training documents of run {run_output} \({documents['same_documents']}\): "
+                                         r"its validation loss would measure memorisation"):
+        evaluated_caches(eval_config(held="with_validation"))
+    assert list(evaluated_caches(eval_config(split="train", held="with_validation"))) == ["held"]  # asked for
+    assert list(evaluated_caches(eval_config(other="copied_documents", split="train"))) == ["other"]
+    Path(run_output, RUN_DATA_FILE).write_text(json.dumps({"tokenizer": None}))  # a run trained before it was recorded
+    assert list(evaluated_caches(eval_config(held="with_validation"))) == ["held"]
+    assert f"[data] run {run_output} trained before keel recorded its document sets" in capsys.readouterr().out
+
+
 def test_other_texts_under_the_same_ids_are_not_a_leak(caches):
     """Two folders' `corpus.jsonl` give their documents the same ids: their texts differ, so the
     second set training on every id the first holds out leaks nothing."""

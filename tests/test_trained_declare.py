@@ -175,7 +175,7 @@ def test_an_eval_on_a_cache_of_another_tokenizer_than_the_runs_is_refused_before
 
 def test_the_training_step_records_its_caches_tokenizer_for_its_evaluations(tmp_path):
     from keel.spec import AdamWConfig, MixturePhase, TrainStepConfig
-    from keel.train.data_checks import RUN_DATA_FILE, check_token_caches, record_run_tokenizer
+    from keel.train.data_checks import RUN_DATA_FILE, check_token_caches, record_run_data
 
     identity = {"vocabulary": "0123456789abcdef", "bos_id": None, "eos_id": 0}
     (tmp_path / "cache").mkdir()
@@ -184,8 +184,8 @@ def test_the_training_step_records_its_caches_tokenizer_for_its_evaluations(tmp_
     data = Mixture({"a": str(tmp_path / "cache")}, (MixturePhase(0, {"a": 1.0}),), block_size=8)
     train = TrainConfig(batch_size=8, seq_len=128, num_steps=4, optimizer=AdamWConfig(lr=1e-3), eval_batches=0)
     config = TrainStepConfig(model=tiny_moe, data=data, train=train, output_path=str(tmp_path / "run"))
-    record_run_tokenizer(config.output_path, check_token_caches(config))  # as the step does, its caches checked
-    assert json.loads((tmp_path / "run" / RUN_DATA_FILE).read_text()) == {"tokenizer": identity}
+    record_run_data(config.output_path, check_token_caches(config), config.data)  # as the step does, its caches checked
+    assert json.loads((tmp_path / "run" / RUN_DATA_FILE).read_text()) == {"tokenizer": identity, "trained_documents": []}
 
 
 def test_eval_and_sample_follow_their_run_under_set():

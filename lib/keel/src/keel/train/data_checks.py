@@ -15,7 +15,8 @@ checked against the training step here, in the step's process, before any comput
   generalisation. Documents are held out by their id's hash (`keel.data.documents.split_of`), so
   two document sets of the same files at different validation fractions do this, and so do two
   sets holding one text under other ids; each cache's `tokenize.json` names its document set,
-  whose splits list their documents' text hashes.
+  whose splits list their documents' text hashes. The run records the sets it trains on
+  (`data.json`), and an eval step of its checkpoints is held to the same rule.
 
 Where the producing steps' configs already say it, `keel plan` refuses the same mistakes first
 (`keel.spec.checks`). Of caches keel did not make (no `tokenize.json`), whether they hold a
@@ -86,8 +87,8 @@ def check_token_caches(config: TrainStepConfig) -> dict | None:
 
 
 RUN_DATA_FILE = "data.json"
-"""A training step's record of its caches' tokenizer, under its output (`record_run_tokenizer`), which
-its evaluations hold their caches to."""
+"""A training step's record of its caches' tokenizer and of the document sets it trains on, under its
+output (`record_run_data`), which its evaluations hold their caches to."""
 
 
 def cache_stats(data: Mixture) -> dict[str, tuple[str, dict]]:
@@ -100,11 +101,33 @@ def cache_stats(data: Mixture) -> dict[str, tuple[str, dict]]:
     return stats
 
 
-def record_run_tokenizer(output_path: str, identity: dict | None) -> None:
+def record_run_data(output_path: str, identity: dict | None, data: Mixture) -> None:
     """Write what the run's ids mean (its caches' shared tokenizer identity, `check_token_caches`;
-    None where no cache says) to its output's `data.json`, for its checkpoints' evaluations to check
-    against."""
-    storage.write_json(storage.join(output_path, RUN_DATA_FILE), {"tokenizer": identity})
+    None where no cache says) and the document sets its drawn components were tokenized from to its
+    output's `data.json`, for its checkpoints' evaluations to check against."""
+    stats = cache_stats(data)
+    trained = sorted({stats[name][1]["documents"] for name in drawn_components(data)
+                      if name in stats and stats[name][1].get("documents")})
+    storage.write_json(storage.join(output_path, RUN_DATA_FILE), {"tokenizer": identity, "trained_documents": trained})
+
+
+def check_evaluated_documents_held_out(caches: dict[str, tuple[str, dict]], run_output: str) -> None:
+    """Refuse an evaluation of run `run_output` on validation documents it trained on (above
+    `SHARED_VALIDATION_REFUSED_ABOVE` of a cache's validation text; warn of less), as the run's own
+    evaluation is held to (`check_held_out_documents`). `caches` is {label: (root, its
+    tokenize.json)}; the run's document sets come from its `data.json`."""
+    recorded = storage.read_json(storage.join(run_output, RUN_DATA_FILE)) or {}
+    if "trained_documents" not in recorded:
+        if jax.process_index() == 0:
+            print(f"[data] run {run_output} trained before keel recorded its document sets: whether the evaluated "
+                  "documents are among its training documents is not checked")
+        return
+    labels: dict[str, list[str]] = {}
+    for label, (root, found) in caches.items():
+        if found.get("documents"):
+            labels.setdefault(found["documents"], []).append(f"EvalConfig.data[{label!r}]")
+    check_held_out({path: f"{' and '.join(names)} (document set {path})" for path, names in labels.items()},
+                   {path: f"run {run_output} ({path})" for path in recorded["trained_documents"]})
 
 
 def _described(identity: dict) -> str:
@@ -190,19 +213,28 @@ def check_held_out_documents(stats: dict[str, tuple[str, dict]], trained: set[st
     """Refuse a run where more than `SHARED_VALIDATION_REFUSED_ABOVE` of a component's validation
     text is training text of the components in `trained` (those drawn in some phase; an
     evaluation-only one trains on nothing); warn of less. `stats` is {component: (cache root, its
-    tokenize.json)}. Texts are compared whitespace-collapsed (`keel.data.documents.text_hash`), so
-    the same record in two files counts and two files' records that share only their ids
-    (`data.jsonl:7` of two folders) do not; blank texts are left out."""
+    tokenize.json)}."""
     sets = {name: found["documents"] for name, (_, found) in stats.items() if found.get("documents")}
-    if len(set(sets.values())) < 2:
+    check_held_out({path: f"token cache {_named(sets, path)} ({path})" for path in sets.values()},
+                   {sets[name]: f"{_named(sets, sets[name])} ({sets[name]})" for name in trained if name in sets})
+
+
+def check_held_out(held: dict[str, str], trainers: dict[str, str]) -> None:
+    """Refuse where more than `SHARED_VALIDATION_REFUSED_ABOVE` of the validation text of a document
+    set in `held` is training text of another set in `trainers` (each {document set: how the
+    message names it}); warn of less. A set's own splits never share a text. Texts are compared
+    whitespace-collapsed (`keel.data.documents.text_hash`), so the same record in two files counts
+    and two files' records that share only their ids (`data.jsonl:7` of two folders) do not; blank
+    texts are left out."""
+    if not any(path != other for path in held for other in trainers):
         return  # one document set splits each text one way
-    paths = sorted(set(sets.values()))
+    paths = sorted(held)
     held_out = {path: document_texts(path, "validation") for path in paths}  # the small splits, all at once
     shared = {path: np.zeros(len(texts[0]), dtype=bool) for path, texts in held_out.items() if texts is not None}
     by = {path: [] for path in shared}  # the document sets that train on some of a set's validation texts
     unchecked = [path for path in paths if held_out[path] is None]
-    for other_path in paths:  # the training splits one at a time: memory for the largest, not for all
-        if not any(sets.get(name) == other_path for name in trained) or other_path in unchecked:
+    for other_path in sorted(trainers):  # the training splits one at a time: memory for the largest, not for all
+        if other_path in unchecked or not any(path != other_path for path in shared):
             continue
         texts = document_texts(other_path, "train")
         if texts is None:
@@ -217,12 +249,11 @@ def check_held_out_documents(stats: dict[str, tuple[str, dict]], trained: set[st
     primary = jax.process_index() == 0  # one message per run, not one per replica
     for path in unchecked if primary else ():
         print(f"[data] document set {path} was written before keel recorded its texts' hashes: whether its documents "
-              "are held out in one component and trained on in another is not checked (rerun its ingestion step "
+              "are held out in one set and trained on in another is not checked (rerun its ingestion step "
               "with keel run --force NAME to check it)")
     for path, found in shared.items():
         if found.any():
-            _shared_texts(found, held_out[path][1], f"token cache {_named(sets, path)} ({path})",
-                          " and ".join(f"{_named(sets, p)} ({p})" for p in by[path]), primary)
+            _shared_texts(found, held_out[path][1], held[path], " and ".join(trainers[p] for p in by[path]), primary)
 
 
 def _named(sets: dict[str, str], path: str) -> str:

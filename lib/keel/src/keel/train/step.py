@@ -23,7 +23,7 @@ from keel.spec.transports import check_transport_supported
 from keel.train import compile_cache
 from keel.train.batches import training_datasets
 from keel.train.checkpoint import check_store
-from keel.train.data_checks import check_token_caches, record_run_tokenizer
+from keel.train.data_checks import check_token_caches, record_run_data
 from keel.train.lm import KeelLM
 from keel.train.loop import LoopInputs, train
 
@@ -46,7 +46,7 @@ def train_step(config: TrainStepConfig) -> None:
     topology = config.topology
     tokenizer = check_step_config(plan, num_devices=len(jax.devices()), platform=jax.default_backend())
     if jax.process_index() == 0:
-        record_run_tokenizer(config.output_path, tokenizer)  # what its evaluations' caches must share
+        record_run_data(config.output_path, tokenizer, config.data)  # what its evaluations' caches are held to
     mesh = build_mesh(topology)
     train_data, val_data = training_datasets(
         config.data, seq_len=config.train.seq_len, batch_size=config.train.batch_size, seed=config.train.seed

@@ -8,7 +8,9 @@ next-token targets the loss weighs (not a row's last position, not across a docu
 so it is multiplied by their count, not by every token; each sequence's bytes are the UTF-8 bytes
 of exactly those targets (`keel.data.tokenizer.predicted_tokens`) as the tokenize step recorded
 them, so the figure is the bits per byte of the predicted text. The targets are counted here from
-the loss's own weights and checked against that definition.
+the loss's own weights and checked against that definition. Before the checkpoint loads, each
+cache is held to the run's record (`data.json`): the same tokenizer, and validation documents the
+run did not train on.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from keel.model.loss import next_token_weight
 from keel.spec.topology import BATCH_AXES
 from keel.spec.trained import EvalConfig
 from keel.train import compile_cache
-from keel.train.data_checks import check_cache_vocab, check_same_tokenizer_as_run
+from keel.train.data_checks import check_cache_vocab, check_evaluated_documents_held_out, check_same_tokenizer_as_run
 from keel.train.loop import eval_loss_fn, validation_losses
 from keel.trained.load import checkpoint_path, load_model
 
@@ -88,12 +90,13 @@ def evaluated_caches(config: EvalConfig) -> dict:
     in the run's own caches (`EvalConfig.own_data`), where it is left out as the training loop leaves
     it out of its validation (a document set declared without held-out documents, another tool's
     cache written without one), and said so."""
-    datasets, empty = {}, []
+    datasets, empty, made_here = {}, [], {}
     for label, root in sorted(config.data.items()):
         stats = storage.read_json(storage.join(root, STATS_FILE))
         if stats is not None:  # a cache keel tokenized: its ids must all have an embedding and mean what the run learned
             check_cache_vocab(f"EvalConfig.data[{label!r}] ({root})", stats, config.model.model.vocab_size)
             check_same_tokenizer_as_run(f"EvalConfig.data[{label!r}] ({root})", stats, config.model.run)
+            made_here[label] = (root, stats)
         dataset = load_token_cache(root, config.split, seq_len=config.model.train.seq_len) \
             if has_split(root, config.split) else None
         if dataset is not None and len(dataset):
@@ -105,6 +108,9 @@ def evaluated_caches(config: EvalConfig) -> dict:
                          "evaluate on; give a cache with sequences in that split")
     for where in empty:
         print(f"eval: {where} has no {config.split} sequences; left out, as the run's own validation leaves it out")
+    if config.split == "validation":  # held-out text, which must not be what the run trained on (its train split may)
+        check_evaluated_documents_held_out({label: made_here[label] for label in datasets if label in made_here},
+                                           config.model.run)
     return datasets
 
 
