@@ -302,10 +302,13 @@ def test_ctrl_c_reaches_a_job_whose_controller_stopped_answering(monkeypatch):
         assert refuses or job.terminated_at - 5.0 <= cluster_module.STATE_POLL_MAX_S
 
 
-def test_a_job_whose_step_another_launcher_took_over_is_terminated(monkeypatch, tmp_path):
+@pytest.mark.parametrize("adopted", [False, True])
+def test_a_job_whose_step_another_launcher_took_over_is_terminated_unless_that_one_adopted_it(monkeypatch, tmp_path,
+                                                                                               adopted):
     """This launcher was suspended past its lease's timeout; another took the step over (a newer
-    epoch) and runs it in a job of its own. Resumed, this one's heartbeat finds the newer lease:
-    its job, still running, is terminated rather than waited on, so that one job writes the output."""
+    epoch). Resumed, this one's heartbeat finds the newer lease and stops waiting. When that
+    launcher runs the step in a job of its own, this one's job, still running, is terminated, so
+    that one job writes the output; when it adopted this job (its lease names it), the job runs on."""
     import json
 
     from keel.executor import cluster as cluster_module
@@ -314,13 +317,15 @@ def test_a_job_whose_step_another_launcher_took_over_is_terminated(monkeypatch, 
 
     output = str(tmp_path / "step-0123456789")
     lease, _ = leases.try_acquire(output, 60)
+    lease.runs_job("t-a-attempt1")
 
     class TakenOverAt30(FakeClock):
         def sleep(self, seconds: float) -> None:
             super().sleep(seconds)
             if self.now >= 30.0 and not lease.superseded:
                 storage.write_atomic(leases._lease_url(output, lease.epoch + 1), json.dumps(
-                    {"owner": "otherhost:1:b", "heartbeat": 1e12, "timeout": 60}))
+                    {"owner": "otherhost:1:b", "heartbeat": 1e12, "timeout": 60,
+                     "job": "t-a-attempt1" if adopted else "t-a-attempt2"}))
                 lease.heartbeat()  # as its heartbeat thread does
 
     clock = TakenOverAt30()
@@ -328,10 +333,44 @@ def test_a_job_whose_step_another_launcher_took_over_is_terminated(monkeypatch, 
     job.terminated_at = None
     job.terminate = lambda: setattr(job, "terminated_at", clock.now)
     monkeypatch.setattr(cluster_module, "time", clock)
+    said = (", and waits on cluster job fake-job itself: the job runs on" if adopted else
+            ": cluster job fake-job was terminated")
     with pytest.raises(cluster_module.ClusterJobSuperseded, match="another launcher took the step over while this one "
-                                                                  "was suspended: cluster job fake-job was terminated"):
-        cluster_module.run_on_cluster(job, None, "cpu=1", superseded=lambda: lease.superseded)
-    assert job.terminated_at is not None and job.terminated_at - 30.0 <= cluster_module.STATE_POLL_MAX_S
+                                                                  f"was suspended{said}"):
+        cluster_module.run_on_cluster(job, None, "cpu=1", superseded=lambda: lease.superseded,
+                                      handed_over=lambda: lease.handed_over("t-a-attempt1"))
+    assert clock.now - 30.0 <= cluster_module.STATE_POLL_MAX_S  # noticed within a poll
+    assert (job.terminated_at is None) == adopted
+
+
+@pytest.mark.parametrize("with_cluster", [True, False])
+def test_a_launcher_taking_over_a_lease_adopts_its_cluster_job(tmp_path, with_cluster):
+    """The expired lease names the cluster job its launcher ran the step in (which may still run):
+    the launcher taking it over submits its first attempt under that name, which fray adopts while
+    the job runs, so that one job writes the output; its lease names the job from the start, so the
+    old launcher, resumed, leaves the job be. A launcher with no cluster could not stop that job
+    and would run the step beside it: the step fails, naming the job and the fix."""
+    import json
+
+    from keel.executor import lease as leases
+    from keel.executor import storage
+
+    a, _, _, _ = chain(tmp_path)
+    prefix = str(tmp_path / "out")
+    output = Graph([a], prefix).path(a)
+    storage.write_atomic(leases._lease_url(output, 0), json.dumps(  # its launcher silent for hours, on another host
+        {"owner": "otherhost:1:b", "heartbeat": time.time() - 3600, "timeout": 60, "job": "t-a-0123-attempt3"}))
+    cluster, said = NamingCluster(), []
+    result = run_steps([a], prefix, cluster=cluster if with_cluster else None, echo=said.append)
+    if with_cluster:
+        assert result.ok and cluster.names == ["t-a-0123-attempt3"]
+        assert any("its cluster job t-a-0123-attempt3 is adopted while it still runs" in line for line in said), said
+        assert read_status(output).state == "SUCCESS"
+    else:
+        assert not result.ok
+        error = read_status(output).error if read_status(output) is not None else "\n".join(said)
+        assert "ran the step in cluster job t-a-0123-attempt3, which may still run" in "\n".join(said) + str(error)
+        assert leases.current_lease(output) is None  # released, not left to expire
 
 def test_the_abort_terminates_every_live_job_even_when_one_refuses(capsys):
     from keel.executor import cluster as cluster_module

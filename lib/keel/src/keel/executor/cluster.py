@@ -123,12 +123,14 @@ def check_reachable(url: str) -> None:
 
 
 def run_on_cluster(client, request, resources: str, beat: str | None = None, timeout_s: float | None = None,
-                   superseded: Callable[[], bool] | None = None) -> None:
+                   superseded: Callable[[], bool] | None = None, handed_over: Callable[[], bool] | None = None) -> None:
     """Submit `request` and wait for it; any failure becomes `ClusterJobFailed`. With `beat` (the
     heartbeat the job writes on the shared store) and `timeout_s`, a job silent for longer (a hung
     collective, a wedged host) is terminated: `ClusterJobStalled`. Once `superseded()` (the step's
-    lease, taken over by another launcher while this one was suspended past its timeout), the job
-    is terminated too, `ClusterJobSuperseded`: that launcher runs the step in a job of its own.
+    lease, taken over by another launcher while this one was suspended past its timeout), this
+    launcher stops waiting, `ClusterJobSuperseded`: when `handed_over()` (that launcher adopted the
+    job, submitting under its name) the job runs on, else it is terminated, as that launcher runs
+    the step in a job of its own.
 
     A request the cluster cannot place (no scaling group offers the device) fails here, at submit,
     before anything waits on it. A job that fails brings back the tail of its log. An interrupted
@@ -152,7 +154,7 @@ def run_on_cluster(client, request, resources: str, beat: str | None = None, tim
             _LIVE_LOCK.notify_all()
     finished = False
     try:
-        _wait_until_finished(handle, beat, timeout_s, superseded)
+        _wait_until_finished(handle, beat, timeout_s, superseded, handed_over)
         finished = True
         handle.wait(raise_on_failure=True)  # finished: returns at once, or raises as fray does on a failure
     except (interrupt.StepInterrupted, ClusterJobStalled, ClusterJobSuperseded):
@@ -201,7 +203,7 @@ SUBMIT_WAIT_S = 15.0
 
 
 def _wait_until_finished(handle, beat: str | None = None, timeout_s: float | None = None,
-                         superseded: Callable[[], bool] | None = None) -> None:
+                         superseded: Callable[[], bool] | None = None, handed_over: Callable[[], bool] | None = None) -> None:
     """Poll the job's state, 0.1 s apart at first, growing to STATE_POLL_MAX_S, until it ends or
     the run is interrupted or the step's lease `superseded()` (either terminates it). A controller
     that does not answer is asked again (those still checked between tries) for up to UNANSWERED_S,
@@ -217,6 +219,9 @@ def _wait_until_finished(handle, beat: str | None = None, timeout_s: float | Non
             problem = _terminate(handle)
             raise interrupt.StepInterrupted(problem or f"the run was interrupted: cluster job {handle.job_id} was terminated")
         if superseded is not None and superseded():
+            if handed_over is not None and handed_over():
+                raise ClusterJobSuperseded(f"another launcher took the step over while this one was suspended, and "
+                                           f"waits on cluster job {handle.job_id} itself: the job runs on")
             problem = _terminate(handle)
             raise ClusterJobSuperseded("another launcher took the step over while this one was suspended: " + (
                 problem or f"cluster job {handle.job_id} was terminated, so that one job writes the output"))

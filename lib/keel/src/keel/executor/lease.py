@@ -88,6 +88,10 @@ class LeaseInfo:
     timeout: float
     child: int | None = None
     """The pid of the process the step runs in, when not the owner's (an isolated step's)."""
+    job: str | None = None
+    """The name of the cluster job the step runs in, on a cluster: a launcher taking the lease over
+    submits under that name, so that the cluster hands it the job while it still runs (one job
+    writes the output) and starts it again once it has ended."""
 
     @property
     def host(self) -> str:
@@ -240,9 +244,10 @@ def _read(output_path: str, epoch: int) -> LeaseInfo | None:
         record = json.loads(text)
         if record.get("released") is True:
             return None
-        child = record.get("child")
+        child, job = record.get("child"), record.get("job")
         return LeaseInfo(epoch, str(record["owner"]), float(record["heartbeat"]), float(record["timeout"]),
-                         child if isinstance(child, int) and not isinstance(child, bool) else None)
+                         child if isinstance(child, int) and not isinstance(child, bool) else None,
+                         job if isinstance(job, str) and job else None)
     except (ValueError, KeyError, TypeError, AttributeError):  # not a lease keel wrote (torn, or edited): expired, so taken over
         return LeaseInfo(epoch, f"unreadable lease {_lease_url(output_path, epoch)}", 0.0, 0.0)
 
@@ -259,6 +264,10 @@ class Lease:
         self._released = False
         self._superseded = False
         self._child: int | None = None
+        self._job: str | None = None
+        self.adopts: str | None = None
+        """The cluster job of the expired lease this one took over (`LeaseInfo.job`), which this
+        launcher's first cluster attempt submits under."""
 
     def heartbeat(self) -> None:
         """Renew the lease, unless a newer epoch superseded it (this holder was suspended past its
@@ -271,7 +280,8 @@ class Lease:
                 _HEARTBEATS.discard(self)
                 return
             record = {"owner": self.owner, "heartbeat": time.time(), "timeout": self.timeout,
-                      **({"child": self._child} if self._child is not None else {})}
+                      **({"child": self._child} if self._child is not None else {}),
+                      **({"job": self._job} if self._job is not None else {})}
             storage.write_atomic(_lease_url(self.output_path, self.epoch), json.dumps(record))
 
     def runs_in(self, child: int | None) -> None:
@@ -280,6 +290,20 @@ class Lease:
         self._child = child
         with contextlib.suppress(OSError):
             self.heartbeat()
+
+    def runs_job(self, job: str | None) -> None:
+        """Record that the step now runs in the cluster job named `job` (None: no longer), for a
+        launcher that takes the lease over to adopt (`LeaseInfo.job`); a write that fails is made
+        by the next heartbeat."""
+        self._job = job
+        with contextlib.suppress(OSError):
+            self.heartbeat()
+
+    def handed_over(self, job: str) -> bool:
+        """Whether the launcher that took this lease over runs the step in cluster job `job` too
+        (it adopted it): the job is then its, not this superseded launcher's to stop."""
+        current = current_lease(self.output_path)
+        return current is not None and current.epoch > self.epoch and current.job == job
 
     @property
     def superseded(self) -> bool:
@@ -321,7 +345,10 @@ def try_acquire(output_path: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[L
     epoch = 0 if latest is None else latest + 1
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
     lease = Lease(output_path, epoch, owner, timeout)
-    record = json.dumps({"owner": owner, "heartbeat": time.time(), "timeout": timeout})
+    adopted = current.job if current is not None else None  # named from the start: its old launcher leaves it be
+    lease._job = lease.adopts = adopted
+    record = json.dumps({"owner": owner, "heartbeat": time.time(), "timeout": timeout,
+                         **({"job": adopted} if adopted else {})})
     if not storage.create_exclusive(_lease_url(output_path, epoch), record):
         return None, current_lease(output_path)
     # Epoch files are deleted only once a newer one exists (below; `release`). So an epoch created

@@ -428,6 +428,16 @@ class Runner:
                     return None, status
                 if holder is not None:
                     self.echo(f"[keel] take  {plan.name}: its lease was held by {holder.describe()}")
+                    if holder.job is not None and not self._on_cluster(plan.step):
+                        lease.release()  # the job, named in this lease, would be left to run beside this launcher's
+                        raise StepFailed(plan.name, plan.output_path,
+                                         f"the launcher whose lease expired ran the step in cluster job {holder.job}, "
+                                         "which may still run and write the output: run with --cluster (or "
+                                         "KEEL_CLUSTER) to take the job over, or stop it with the cluster's own "
+                                         "tools (iris) first", _log_or_none(plan.output_path))
+                    if holder.job is not None:
+                        self.echo(f"[keel] take  {plan.name}: its cluster job {holder.job} is adopted while it still "
+                                  "runs (else started again), so that one job writes the output")
                     stray = holder.stray_step_process()
                     if stray is not None:
                         from keel.executor.child import discard
@@ -648,6 +658,8 @@ class Runner:
         if self._on_cluster(step):
             from keel.executor.cluster import ClusterJobStalled, run_on_cluster
 
+            job_name, lease.adopts = lease.adopts or job_name, None  # a job taken over with the lease: adopted while it runs
+
             env = _process_env(resolved, processes=step.resources.replicas)
             beat = keel_path(output_path, heartbeat.FILE) if step.progress_timeout_s else None  # on the shared store
             request = JobRequest(
@@ -657,11 +669,14 @@ class Runner:
                 resources=step.resources.to_fray(),
                 environment=create_environment(env_vars=env) if env else None,
             )
+            lease.runs_job(job_name)  # before submitting: a launcher taking the lease over then adopts the job
             try:
                 run_on_cluster(self.cluster, request, step.resources.describe(), beat, step.progress_timeout_s,
-                               superseded=lambda: lease.superseded)
+                               superseded=lambda: lease.superseded, handed_over=lambda: lease.handed_over(job_name))
             except ClusterJobStalled as stalled:
                 raise StepPreempted(str(stalled)) from None
+            finally:
+                lease.runs_job(None)
             return
         if step.isolated:  # never under memory:// (`_refuse_isolated_in_memory`)
             self._run_in_child(step, resolved, output_path, lease, retry)
