@@ -92,8 +92,8 @@ def generate(loaded, prompts: list[list[int]], *, context: int, max_tokens: int,
             break
         ids, segments, last = _window(sequences, rows, context)
         with jax.set_mesh(loaded.mesh):
-            logits = logits_at(loaded.arrays, jax.device_put(ids, sharding), jax.device_put(segments, sharding),
-                               jax.device_put(last, by_row))
+            logits = logits_at(loaded.arrays, _laid_out(ids, sharding), _laid_out(segments, sharding),
+                               _laid_out(last, by_row))
         logits = np.asarray(jax.device_get(logits), dtype=np.float64)
         for i in sorted(running):
             token = _draw(logits[i], temperature, generators[i])
@@ -103,6 +103,14 @@ def generate(loaded, prompts: list[list[int]], *, context: int, max_tokens: int,
             sequences[i].append(token)
             completions[i].append(token)
     return completions
+
+
+def _laid_out(array: np.ndarray, sharding):
+    """`array`, which every process holds whole (each draws the same tokens), as a global array laid
+    out by `sharding`, each process placing its own devices' parts. `jax.device_put` would first
+    check, across the processes of a run of several, that they all pass the same value: one
+    gather per call, three per token."""
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
 def _window(sequences: list[list[int]], rows: int, context: int):
