@@ -317,7 +317,7 @@ def test_a_job_whose_step_another_launcher_took_over_is_terminated_unless_that_o
 
     output = str(tmp_path / "step-0123456789")
     lease, _ = leases.try_acquire(output, 60)
-    lease.runs_job("t-a-attempt1")
+    lease.runs_job(leases.ClusterJob("t-a-attempt1", "fake-job"))
 
     class TakenOverAt30(FakeClock):
         def sleep(self, seconds: float) -> None:
@@ -325,7 +325,7 @@ def test_a_job_whose_step_another_launcher_took_over_is_terminated_unless_that_o
             if self.now >= 30.0 and not lease.superseded:
                 storage.write_atomic(leases._lease_url(output, lease.epoch + 1), json.dumps(
                     {"owner": "otherhost:1:b", "heartbeat": 1e12, "timeout": 60,
-                     "job": "t-a-attempt1" if adopted else "t-a-attempt2"}))
+                     "job": {"name": "t-a-attempt1", "id": "fake-job" if adopted else "/other/t-a-attempt1"}}))
                 lease.heartbeat()  # as its heartbeat thread does
 
     clock = TakenOverAt30()
@@ -333,46 +333,135 @@ def test_a_job_whose_step_another_launcher_took_over_is_terminated_unless_that_o
     job.terminated_at = None
     job.terminate = lambda: setattr(job, "terminated_at", clock.now)
     monkeypatch.setattr(cluster_module, "time", clock)
-    said = (", and waits on cluster job fake-job itself: the job runs on" if adopted else
-            ": cluster job fake-job was terminated")
+    said = ": cluster job fake-job " + ("runs on, adopted by the launcher that took the step over" if adopted else
+                                        "was terminated")
     with pytest.raises(cluster_module.ClusterJobSuperseded, match="another launcher took the step over while this one "
                                                                   f"was suspended{said}"):
         cluster_module.run_on_cluster(job, None, "cpu=1", superseded=lambda: lease.superseded,
-                                      handed_over=lambda: lease.handed_over("t-a-attempt1"))
+                                      handed_over=lease.handed_over)
     assert clock.now - 30.0 <= cluster_module.STATE_POLL_MAX_S  # noticed within a poll
     assert (job.terminated_at is None) == adopted
 
 
-@pytest.mark.parametrize("with_cluster", [True, False])
-def test_a_launcher_taking_over_a_lease_adopts_its_cluster_job(tmp_path, with_cluster):
-    """The expired lease names the cluster job its launcher ran the step in (which may still run):
-    the launcher taking it over submits its first attempt under that name, which fray adopts while
-    the job runs, so that one job writes the output; its lease names the job from the start, so the
-    old launcher, resumed, leaves the job be. A launcher with no cluster could not stop that job
-    and would run the step beside it: the step fails, naming the job and the fix."""
+class AdoptingCluster(NamingCluster):
+    """A fray client that hands back the job `running` names while it runs, as Iris does for a
+    submit under a running job's name, and gives each job the id `prefix + name` (another user's or
+    parent job's prefix makes the same name another job)."""
+
+    def __init__(self, running: str | None = None, prefix: str = ""):
+        super().__init__()
+        self.running, self.prefix, self.terminated = running, prefix, []
+
+    def submit(self, request):
+        from fray.types import JobStatus
+
+        if request.name == self.running and not self.prefix:  # the running job, handed back
+            self.names.append(request.name)
+            cluster, call = self, request.entrypoint.callable_entrypoint
+
+            class Adopted:
+                job_id, ran = request.name, False
+
+                def status(self):  # it finishes the step, unless terminated first
+                    if request.name in cluster.terminated:
+                        return JobStatus.STOPPED
+                    if not self.ran:
+                        self.ran = True
+                        call.callable(*call.args, **call.kwargs)
+                    return JobStatus.SUCCEEDED
+
+                def wait(self, timeout=None, raise_on_failure=True):
+                    return None
+
+                def terminate(self):
+                    cluster.terminated.append(request.name)
+
+            return Adopted()
+        handle = super().submit(request) if not self.prefix else type("New", (), {
+            "job_id": self.prefix + request.name, "status": lambda _: JobStatus.RUNNING})()
+        handle.terminate = lambda: self.terminated.append(handle.job_id)
+        return handle
+
+
+def _expired_lease_naming(output: str, job: dict, released: bool = False) -> None:
+    """The lease of a launcher silent for an hour on another host (or released), naming `job`."""
     import json
 
     from keel.executor import lease as leases
     from keel.executor import storage
 
+    record = {"owner": "otherhost:1:b", "released": True} if released else {
+        "owner": "otherhost:1:b", "heartbeat": time.time() - 3600, "timeout": 60}
+    storage.write_atomic(leases._lease_url(output, 0), json.dumps({**record, "job": job}))
+
+
+JOB = {"name": "t-a-0123-attempt3", "id": "t-a-0123-attempt3"}
+
+
+@pytest.mark.parametrize("released", [False, True])
+def test_a_launcher_taking_over_a_lease_adopts_its_cluster_job(tmp_path, released):
+    """The expired lease names the cluster job its launcher ran the step in, which may still run
+    (or a released one does: its launcher gave the step up while the job ran): the launcher taking
+    it over submits its first attempt under that name, which the cluster hands back while the job
+    runs, so that one job writes the output; its lease names the job from the start, so the old
+    launcher, resumed, leaves the job be."""
+    from keel.executor import lease as leases
+
     a, _, _, _ = chain(tmp_path)
     prefix = str(tmp_path / "out")
     output = Graph([a], prefix).path(a)
-    storage.write_atomic(leases._lease_url(output, 0), json.dumps(  # its launcher silent for hours, on another host
-        {"owner": "otherhost:1:b", "heartbeat": time.time() - 3600, "timeout": 60, "job": "t-a-0123-attempt3"}))
-    cluster, said = NamingCluster(), []
-    result = run_steps([a], prefix, cluster=cluster if with_cluster else None, echo=said.append)
-    if with_cluster:
-        assert result.ok and cluster.names == ["t-a-0123-attempt3"]
-        assert any("its cluster job t-a-0123-attempt3 is adopted while it still runs" in line for line in said), said
-        assert read_status(output).state == "SUCCESS"
-    else:
-        assert not result.ok
-        error = read_status(output).error if read_status(output) is not None else "\n".join(said)
-        assert "ran the step in cluster job t-a-0123-attempt3, which may still run" in "\n".join(said) + str(error)
-        assert leases.current_lease(output) is None  # released, not left to expire
+    _expired_lease_naming(output, JOB, released)
+    cluster, said = AdoptingCluster(running=JOB["name"]), []
+    assert run_steps([a], prefix, cluster=cluster, echo=said.append).ok
+    assert cluster.names == [JOB["name"]] and not cluster.terminated
+    assert any("its cluster job t-a-0123-attempt3 is adopted while it still runs" in line for line in said), said
+    assert read_status(output).state == "SUCCESS"
+    assert leases.current_lease(output) is None and leases._released_job(output, 1) is None  # the job ended: not named
 
-def test_the_abort_terminates_every_live_job_even_when_one_refuses(capsys):
+
+def test_a_launcher_that_cannot_adopt_the_job_fails_the_step_and_leaves_it_named(tmp_path):
+    """With no cluster, a launcher could only run the step beside the job; and a name that gives
+    another job (another user or parent job submitted it) is not the job: either way the step fails
+    naming the job, the new job is terminated, and the released lease still names the old one, so
+    the next launcher is refused too rather than run beside it."""
+    from keel.executor import lease as leases
+
+    a, _, _, _ = chain(tmp_path)
+    prefix = str(tmp_path / "out")
+    output = Graph([a], prefix).path(a)
+    _expired_lease_naming(output, JOB)
+    for attempt in range(2):  # the second launcher finds the job in the first one's released lease
+        said = []
+        assert not run_steps([a], prefix, echo=said.append).ok
+        assert "ran the step in cluster job t-a-0123-attempt3, which may still run and write the output, and this " \
+               "launcher has no cluster" in "\n".join(said), said
+        assert leases.current_lease(output) is None and leases._released_job(output, attempt + 1) == leases.ClusterJob(**JOB)
+    other, said = AdoptingCluster(running=JOB["name"], prefix="/other/"), []
+    assert not run_steps([a], prefix, cluster=other, echo=said.append).ok
+    assert other.terminated == ["/other/t-a-0123-attempt3"]  # the new job, at once
+    assert "cluster job t-a-0123-attempt3, in which the launcher whose lease this one took over ran the step, may " \
+           "still run, and this launcher cannot adopt it" in "\n".join(said) + (read_status(output).error or ""), said
+    assert leases._released_job(output, 3) == leases.ClusterJob(**JOB)
+
+
+def test_a_forced_run_stops_the_job_the_launcher_before_ran_the_step_in_before_emptying_its_output(tmp_path):
+    """--force starts from an empty output: the old job, adopted by its name and left running, would
+    go on writing into the new run (and the forced run would be that old one). It is stopped first,
+    then the step runs in a job of its own."""
+    a, _, _, _ = chain(tmp_path)
+    prefix = str(tmp_path / "out")
+    assert run_steps([a], prefix, echo=QUIET).ok
+    output = Graph([a], prefix).path(a)
+    _expired_lease_naming(output, JOB)
+    cluster, said = AdoptingCluster(running=JOB["name"]), []
+    assert run_steps([a], prefix, cluster=cluster, force="a", echo=said.append).ok
+    assert cluster.terminated == [JOB["name"]] and cluster.names[0] == JOB["name"] != cluster.names[1]
+    assert any("cluster job t-a-0123-attempt3, which the launcher before ran it in, was stopped" in line
+               for line in said), said
+
+
+def test_the_abort_terminates_every_live_job_even_when_one_refuses_but_one_handed_over(capsys):
+    """`d`'s step was taken over by a launcher that adopted the job: that one's to stop, not this one's."""
     from keel.executor import cluster as cluster_module
 
     class Job:
@@ -384,15 +473,16 @@ def test_the_abort_terminates_every_live_job_even_when_one_refuses(capsys):
                 raise ConnectionError("controller unavailable")
             self.terminated = True
 
-    jobs = [Job("a", False), Job("b", True), Job("c", False)]
+    jobs = [Job("a", False), Job("b", True), Job("c", False), Job("d", False)]
     with cluster_module._LIVE_LOCK:
-        cluster_module._LIVE_JOBS.update(jobs)
+        cluster_module._LIVE_JOBS.update({job: (lambda job_id: job_id == "d") for job in jobs})
     try:
         cluster_module.terminate_live_jobs()
     finally:
         with cluster_module._LIVE_LOCK:
-            cluster_module._LIVE_JOBS.difference_update(jobs)
-    assert [j.terminated for j in jobs] == [True, False, True]
+            for job in jobs:
+                cluster_module._LIVE_JOBS.pop(job)
+    assert [j.terminated for j in jobs] == [True, False, True, False]
     assert "could not terminate cluster job b (ConnectionError: controller unavailable)" in capsys.readouterr().err
 
 
@@ -441,7 +531,10 @@ def test_the_abort_waits_for_a_job_being_submitted_and_terminates_it_too():
     runner.join(timeout=30)
 
 
-def test_an_interrupted_run_terminates_the_job_it_waits_on(monkeypatch):
+@pytest.mark.parametrize("handed_over", [False, True])
+def test_an_interrupted_run_terminates_the_job_it_waits_on_unless_handed_over(monkeypatch, handed_over):
+    """...to a launcher that took the step over and adopted the job, before this one's heartbeat
+    noticed: that launcher waits on it now, and a Ctrl-C here must not stop it."""
     from keel.executor import cluster as cluster_module
     from keel.executor import interrupt
 
@@ -456,12 +549,17 @@ def test_an_interrupted_run_terminates_the_job_it_waits_on(monkeypatch):
     job.terminated_at = None
     job.terminate = lambda: setattr(job, "terminated_at", clock.now)
     monkeypatch.setattr(cluster_module, "time", clock)
+    said = "runs on, adopted by the launcher that took the step over" if handed_over else "was terminated"
     try:
-        with pytest.raises(interrupt.StepInterrupted, match="cluster job fake-job was terminated"):
-            cluster_module.run_on_cluster(job, request=None, resources="cpu=1")
+        with pytest.raises(interrupt.StepInterrupted, match=f"cluster job fake-job {said}"):
+            cluster_module.run_on_cluster(job, request=None, resources="cpu=1",
+                                          handed_over=lambda job_id: handed_over and job_id == "fake-job")
     finally:
         interrupt.clear()
-    assert job.terminated_at is not None and job.terminated_at - 5.0 <= cluster_module.STATE_POLL_MAX_S
+    if handed_over:
+        assert job.terminated_at is None
+    else:
+        assert job.terminated_at is not None and job.terminated_at - 5.0 <= cluster_module.STATE_POLL_MAX_S
     assert job.waited_at is None  # never left to Iris's wait on a running job
 
 

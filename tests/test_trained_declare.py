@@ -239,7 +239,7 @@ def test_declaration_mistakes_name_the_fix():
     with pytest.raises(ValueError, match=r"checkpoint step in 1\.\.20"):
         default_eval("e", run=run, data={"x": tokens}, checkpoint=21)
     with pytest.raises(ValueError, match=r"checkpoint=15: the run keeps no checkpoint of step 15 \(it keeps its last "
-                                         r"step, 20, every 10 steps; .*permanent_checkpoint_every to a divisor of 15"):
+                                         r"step, 20, every 10 steps; .*permanent_checkpoint_every as a divisor of 15 \(execution-only"):
         default_sample("s", run=run, prompts=["a"], checkpoint=15)  # it failed only once the sample had started
     switching = default_train("switching", data=tokens, model=tiny_moe, hardware=cpu_sim,
                               topology=RackTopology(racks=2, gpus_per_rack=4, expert_parallel=4),

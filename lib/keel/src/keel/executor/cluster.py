@@ -53,12 +53,22 @@ class ClusterJobFailed(RuntimeError):
     """A step's cluster job failed, or the cluster refused it; the message carries the job's log tail."""
 
 
+class ClusterJobNotAdopted(ClusterJobFailed):
+    """The job a launcher taking a step over submitted under the name of the job its expired lease
+    named became another job: that one may still run."""
+
+
 class ClusterJobStalled(RuntimeError):
     """A step's cluster job beat no heartbeat for its `progress_timeout_s`, and was terminated."""
 
 
 class ClusterJobSuperseded(RuntimeError):
-    """Another launcher took the step's lease over while its job ran, and the job was terminated."""
+    """Another launcher took the step's lease over while its job ran: the job was terminated, or
+    runs on under that launcher, which adopted it."""
+
+
+HandedOver = Callable[[str], bool]
+"""Whether a launcher that took the step over adopted the cluster job of this id (its to stop, not ours)."""
 
 
 def in_iris_job() -> bool:
@@ -123,14 +133,21 @@ def check_reachable(url: str) -> None:
 
 
 def run_on_cluster(client, request, resources: str, beat: str | None = None, timeout_s: float | None = None,
-                   superseded: Callable[[], bool] | None = None, handed_over: Callable[[], bool] | None = None) -> None:
+                   superseded: Callable[[], bool] | None = None, handed_over: HandedOver | None = None,
+                   adopts: str | None = None, submitted: Callable[[str], None] | None = None) -> None:
     """Submit `request` and wait for it; any failure becomes `ClusterJobFailed`. With `beat` (the
     heartbeat the job writes on the shared store) and `timeout_s`, a job silent for longer (a hung
     collective, a wedged host) is terminated: `ClusterJobStalled`. Once `superseded()` (the step's
     lease, taken over by another launcher while this one was suspended past its timeout), this
-    launcher stops waiting, `ClusterJobSuperseded`: when `handed_over()` (that launcher adopted the
-    job, submitting under its name) the job runs on, else it is terminated, as that launcher runs
-    the step in a job of its own.
+    launcher stops waiting, `ClusterJobSuperseded`, and the job is terminated, as that launcher
+    runs the step in a job of its own, unless `handed_over(job id)`: that launcher adopted the job
+    (it submitted under its name), which then runs on. No other way out of the wait (interrupted,
+    stalled, the controller silent) stops a job handed over either.
+
+    `adopts` is the id of the job an expired lease ran the step in, whose name `request` reuses: the
+    cluster hands that job back while it runs, and a job of another id (submitted under another
+    user or parent job, so not that one) is terminated at once, `ClusterJobFailed`, naming the one
+    that may still run. `submitted(job id)` is told the id once the job is submitted.
 
     A request the cluster cannot place (no scaling group offers the device) fails here, at submit,
     before anything waits on it. A job that fails brings back the tail of its log. An interrupted
@@ -150,39 +167,101 @@ def run_on_cluster(client, request, resources: str, beat: str | None = None, tim
         with _LIVE_LOCK:
             _SUBMITTING -= 1
             if handle is not None:
-                _LIVE_JOBS.add(handle)
+                _LIVE_JOBS[handle] = handed_over
             _LIVE_LOCK.notify_all()
     finished = False
     try:
+        if adopts is not None and handle.job_id != adopts:
+            raise ClusterJobNotAdopted(
+                f"cluster job {adopts}, in which the launcher whose lease this one took over ran the step, may still "
+                f"run, and this launcher cannot adopt it: submitted under its name, the step became another job "
+                f"({handle.job_id}: another user or parent job), {_stopped(handle)}; stop {adopts} with the cluster's "
+                "own tools (iris), then run the step again")
+        if submitted is not None:
+            submitted(handle.job_id)
         _wait_until_finished(handle, beat, timeout_s, superseded, handed_over)
         finished = True
         handle.wait(raise_on_failure=True)  # finished: returns at once, or raises as fray does on a failure
-    except (interrupt.StepInterrupted, ClusterJobStalled, ClusterJobSuperseded):
+    except (interrupt.StepInterrupted, ClusterJobStalled, ClusterJobSuperseded, ClusterJobNotAdopted):
         raise
     except Exception as exc:  # noqa: BLE001 - JobFailedError, JobFailed, timeouts: one error for all
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         # waiting failed (the controller unanswered): the job may run on, and a retry would start a second one
-        stopped = "" if finished else "\n" + (_terminate(handle) or f"cluster job {handle.job_id} was terminated")
+        stopped = "" if finished else "\n" + _stopped(handle, handed_over)
         raise ClusterJobFailed(f"cluster job {handle.job_id} failed: {reason}{stopped}\n{_log_tail(handle)}") from exc
     finally:
         with _LIVE_LOCK:
-            _LIVE_JOBS.discard(handle)
+            _LIVE_JOBS.pop(handle, None)
+
+
+def stop_job(client, request, expected_id: str | None) -> str:
+    """End the job named `request.name`, which the launcher before ran the step in: submitted under
+    that name, the cluster hands that job back while it runs (one that ended is started again, and
+    stopped here at once), which is terminated and waited for, at most STOP_WAIT_S. What became of
+    it; `ClusterJobFailed` where it could not be stopped (`ClusterJobNotAdopted`: the name gave
+    another job than `expected_id`)."""
+    from fray.types import JobStatus
+
+    try:
+        handle = client.submit(request)
+    except Exception as exc:  # noqa: BLE001 - Iris raises raw RPC errors at submit
+        raise ClusterJobFailed(f"cluster job {expected_id or request.name}, which the launcher before ran the step in, "
+                               f"could not be reached to stop it ({type(exc).__name__}: {exc}): stop it with the "
+                               "cluster's own tools (iris), then run the step again") from exc
+    if expected_id is not None and handle.job_id != expected_id:
+        raise ClusterJobNotAdopted(f"cluster job {expected_id}, which the launcher before ran the step in, may still run, "
+                                   f"and this launcher cannot stop it: its name gave another job ({handle.job_id}: "
+                                   f"another user or parent job), {_stopped(handle)}; stop {expected_id} with the "
+                                   "cluster's own tools (iris), then run the step again")
+    problem = _terminate(handle)
+    if problem:
+        raise ClusterJobFailed(problem)
+    deadline = time.monotonic() + STOP_WAIT_S
+    while not JobStatus.finished(handle.status()):
+        if time.monotonic() > deadline:
+            raise ClusterJobFailed(f"cluster job {handle.job_id}, which the launcher before ran the step in, was asked "
+                                   f"to stop but still runs after {STOP_WAIT_S:.0f}s: stop it with the cluster's own "
+                                   "tools (iris), then run the step again")
+        time.sleep(0.2)
+    return f"cluster job {handle.job_id}, which the launcher before ran it in, was stopped"
+
+
+STOP_WAIT_S = 120.0
+"""How long `stop_job` waits for a terminated job to end."""
 
 
 def terminate_live_jobs() -> None:
-    """Terminate every job this process is still waiting on: the driver is about to exit (a second
-    Ctrl-C), and a job left running would keep writing an output a rerun starts again. A job being
-    submitted is waited for (at most SUBMIT_WAIT_S), to be terminated too. A job the controller does
-    not terminate is named on the console, and the others are still terminated."""
+    """Terminate every job this process is still waiting on (but one a launcher that took its step
+    over adopted): the driver is about to exit (a second Ctrl-C), and a job left running would keep
+    writing an output a rerun starts again. A job being submitted is waited for (at most
+    SUBMIT_WAIT_S), to be terminated too. A job the controller does not terminate is named on the
+    console, and the others are still terminated."""
     with _LIVE_LOCK:
         if _SUBMITTING and not _LIVE_LOCK.wait_for(lambda: not _SUBMITTING, timeout=SUBMIT_WAIT_S):
             print(f"keel: {_SUBMITTING} cluster job(s) still being submitted after {SUBMIT_WAIT_S:g}s may run on: stop "
                   "them with the cluster's own tools (iris) before running the step again", file=sys.stderr, flush=True)
-        handles = list(_LIVE_JOBS)
-    for handle in handles:
+        handles = list(_LIVE_JOBS.items())
+    for handle, handed_over in handles:
+        if handed_over is not None and _adopted(handle, handed_over):
+            continue
         problem = _terminate(handle)
         if problem:
             print(f"keel: {problem}", file=sys.stderr, flush=True)
+
+
+def _adopted(handle, handed_over: HandedOver) -> bool:
+    """Whether a launcher that took the step over adopted the job; a store that cannot be read says no."""
+    try:
+        return handed_over(handle.job_id)
+    except OSError:
+        return False
+
+
+def _stopped(handle, handed_over: HandedOver | None = None) -> str:
+    """Terminate the job, unless a launcher that took the step over adopted it; what became of it."""
+    if handed_over is not None and _adopted(handle, handed_over):
+        return f"cluster job {handle.job_id} runs on, adopted by the launcher that took the step over"
+    return _terminate(handle) or f"cluster job {handle.job_id} was terminated"
 
 
 def _terminate(handle) -> str | None:
@@ -195,7 +274,8 @@ def _terminate(handle) -> str | None:
     return None
 
 
-_LIVE_JOBS: set = set()
+_LIVE_JOBS: dict = {}
+"""The jobs this process waits on, each with its `HandedOver` (or None)."""
 _LIVE_LOCK = threading.Condition()
 _SUBMITTING = 0  # submissions under way, whose jobs are not in _LIVE_JOBS yet
 SUBMIT_WAIT_S = 15.0
@@ -203,35 +283,29 @@ SUBMIT_WAIT_S = 15.0
 
 
 def _wait_until_finished(handle, beat: str | None = None, timeout_s: float | None = None,
-                         superseded: Callable[[], bool] | None = None, handed_over: Callable[[], bool] | None = None) -> None:
+                         superseded: Callable[[], bool] | None = None, handed_over: HandedOver | None = None) -> None:
     """Poll the job's state, 0.1 s apart at first, growing to STATE_POLL_MAX_S, until it ends or
-    the run is interrupted or the step's lease `superseded()` (either terminates it). A controller
-    that does not answer is asked again (those still checked between tries) for up to UNANSWERED_S,
-    then the step fails. The heartbeat `beat`, when given, is read every quarter of `timeout_s` (at
-    least once a minute) once the job runs (a job queued for its hardware is not silent), and a job
-    silent for longer is terminated."""
+    the run is interrupted or the step's lease `superseded()` (either stops it: `_stopped`). A
+    controller that does not answer is asked again (those still checked between tries) for up to
+    UNANSWERED_S, then the step fails. The heartbeat `beat`, when given, is read every quarter of
+    `timeout_s` (at least once a minute) once the job runs (a job queued for its hardware is not
+    silent), and a job silent for longer is stopped."""
     from fray.types import JobStatus
 
     interval, unanswered_since = 0.1, None
     watch, beat_read = None, time.monotonic()  # watched from when the job is first seen running
     while True:
         if interrupt.requested():
-            problem = _terminate(handle)
-            raise interrupt.StepInterrupted(problem or f"the run was interrupted: cluster job {handle.job_id} was terminated")
+            raise interrupt.StepInterrupted(f"the run was interrupted: {_stopped(handle, handed_over)}")
         if superseded is not None and superseded():
-            if handed_over is not None and handed_over():
-                raise ClusterJobSuperseded(f"another launcher took the step over while this one was suspended, and "
-                                           f"waits on cluster job {handle.job_id} itself: the job runs on")
-            problem = _terminate(handle)
-            raise ClusterJobSuperseded("another launcher took the step over while this one was suspended: " + (
-                problem or f"cluster job {handle.job_id} was terminated, so that one job writes the output"))
+            raise ClusterJobSuperseded(f"another launcher took the step over while this one was suspended: "
+                                       f"{_stopped(handle, handed_over)}")
         if watch is not None and time.monotonic() - beat_read >= min(timeout_s / 4, 60.0):
             beat_read = time.monotonic()
             silent, why = watch.silent_for(time.time())
             if silent > timeout_s:
-                problem = _terminate(handle)
                 raise ClusterJobStalled(f"no progress for {silent:.0f}s (progress_timeout_s={timeout_s:g}): {why}, so "
-                                        f"cluster job {handle.job_id} was terminated" + (f"; {problem}" if problem else ""))
+                                        f"the job was stopped: {_stopped(handle, handed_over)}")
         try:
             state = handle.status()
             if JobStatus.finished(state):

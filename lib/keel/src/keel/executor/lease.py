@@ -18,7 +18,10 @@ past the timeout may have been superseded: its heartbeat stops renewing once a n
 and `Lease.taken_over` tells the launcher, before it records anything, that the step is no longer
 its own. Its isolated step's process, in a session of its own, is not stopped with it: the launcher
 taking the lease over on the same host kills it first (`LeaseInfo.stray_step_process`), so two
-processes never write one output.
+processes never write one output. A step on a cluster has its job recorded (`Lease.runs_job`): the
+launcher taking the lease over adopts that job by submitting under its name (or stops it first, for
+a run that starts from an empty output), and a released lease keeps naming a job that may still run
+(its launcher gave the step up: refused, interrupted) for the next launcher.
 """
 
 from __future__ import annotations
@@ -81,6 +84,26 @@ class StrayStep:
 
 
 @dataclass(frozen=True)
+class ClusterJob:
+    """The cluster job a step runs in: the name it was submitted under, which a launcher taking the
+    lease over submits under too, so that the cluster hands it the job while it runs (and starts it
+    again once it has ended), and the id the cluster gave it (None until submitted). The id holds
+    the user and parent job, under which the same name is another job."""
+    name: str
+    id: str | None = None
+
+    def record(self) -> dict:
+        return {"name": self.name, **({"id": self.id} if self.id else {})}
+
+    @staticmethod
+    def read(record) -> "ClusterJob | None":
+        if not isinstance(record, dict) or not isinstance(record.get("name"), str) or not record["name"]:
+            return None
+        job_id = record.get("id")
+        return ClusterJob(record["name"], job_id if isinstance(job_id, str) and job_id else None)
+
+
+@dataclass(frozen=True)
 class LeaseInfo:
     epoch: int
     owner: str
@@ -88,10 +111,8 @@ class LeaseInfo:
     timeout: float
     child: int | None = None
     """The pid of the process the step runs in, when not the owner's (an isolated step's)."""
-    job: str | None = None
-    """The name of the cluster job the step runs in, on a cluster: a launcher taking the lease over
-    submits under that name, so that the cluster hands it the job while it still runs (one job
-    writes the output) and starts it again once it has ended."""
+    job: ClusterJob | None = None
+    """The cluster job the step runs in, on a cluster, which a launcher taking the lease over adopts."""
 
     @property
     def host(self) -> str:
@@ -247,9 +268,20 @@ def _read(output_path: str, epoch: int) -> LeaseInfo | None:
         child, job = record.get("child"), record.get("job")
         return LeaseInfo(epoch, str(record["owner"]), float(record["heartbeat"]), float(record["timeout"]),
                          child if isinstance(child, int) and not isinstance(child, bool) else None,
-                         job if isinstance(job, str) and job else None)
+                         ClusterJob.read(job))
     except (ValueError, KeyError, TypeError, AttributeError):  # not a lease keel wrote (torn, or edited): expired, so taken over
         return LeaseInfo(epoch, f"unreadable lease {_lease_url(output_path, epoch)}", 0.0, 0.0)
+
+
+def _released_job(output_path: str, epoch: int | None) -> ClusterJob | None:
+    """The cluster job a released lease left running (its launcher gave the step up before the job
+    ended: refused, stopped), else None."""
+    if epoch is None:
+        return None
+    try:
+        return ClusterJob.read(json.loads(storage.read_text(_lease_url(output_path, epoch)) or "{}").get("job"))
+    except (ValueError, AttributeError):
+        return None
 
 
 class Lease:
@@ -264,10 +296,10 @@ class Lease:
         self._released = False
         self._superseded = False
         self._child: int | None = None
-        self._job: str | None = None
-        self.adopts: str | None = None
-        """The cluster job of the expired lease this one took over (`LeaseInfo.job`), which this
-        launcher's first cluster attempt submits under."""
+        self._job: ClusterJob | None = None
+        self.adopts: ClusterJob | None = None
+        """The cluster job of the expired or released lease this one follows (`LeaseInfo.job`),
+        which this launcher's first cluster attempt submits under."""
 
     def heartbeat(self) -> None:
         """Renew the lease, unless a newer epoch superseded it (this holder was suspended past its
@@ -281,7 +313,7 @@ class Lease:
                 return
             record = {"owner": self.owner, "heartbeat": time.time(), "timeout": self.timeout,
                       **({"child": self._child} if self._child is not None else {}),
-                      **({"job": self._job} if self._job is not None else {})}
+                      **({"job": self._job.record()} if self._job is not None else {})}
             storage.write_atomic(_lease_url(self.output_path, self.epoch), json.dumps(record))
 
     def runs_in(self, child: int | None) -> None:
@@ -291,19 +323,21 @@ class Lease:
         with contextlib.suppress(OSError):
             self.heartbeat()
 
-    def runs_job(self, job: str | None) -> None:
-        """Record that the step now runs in the cluster job named `job` (None: no longer), for a
-        launcher that takes the lease over to adopt (`LeaseInfo.job`); a write that fails is made
-        by the next heartbeat."""
+    def runs_job(self, job: ClusterJob | None) -> None:
+        """Record that the step now runs in cluster job `job` (None: no longer), for a launcher that
+        takes the lease over to adopt (`LeaseInfo.job`); a write that fails is made by the next
+        heartbeat. A release keeps it, for the next launcher."""
         self._job = job
         with contextlib.suppress(OSError):
             self.heartbeat()
 
-    def handed_over(self, job: str) -> bool:
-        """Whether the launcher that took this lease over runs the step in cluster job `job` too
-        (it adopted it): the job is then its, not this superseded launcher's to stop."""
+    def handed_over(self, job_id: str) -> bool:
+        """Whether a launcher that took this lease over runs the step in cluster job `job_id` too (it
+        adopted it): the job is then its, not this superseded launcher's to stop. Read from the
+        store, not from what this one's heartbeat last saw."""
         current = current_lease(self.output_path)
-        return current is not None and current.epoch > self.epoch and current.job == job
+        return (current is not None and current.epoch > self.epoch and current.job is not None
+                and current.job.id == job_id)
 
     @property
     def superseded(self) -> bool:
@@ -328,8 +362,9 @@ class Lease:
             url = _lease_url(self.output_path, self.epoch)
             if (_latest_epoch(self.output_path) or 0) > self.epoch:  # superseded: the newer epoch numbers on
                 storage.delete_file(url)
-            else:
-                storage.write_atomic(url, json.dumps({"owner": self.owner, "released": True}))
+            else:  # a job that may still run is named for the next launcher to adopt
+                storage.write_atomic(url, json.dumps({"owner": self.owner, "released": True,
+                                                      **({"job": self._job.record()} if self._job else {})}))
 
 
 def try_acquire(output_path: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[Lease | None, LeaseInfo | None]:
@@ -345,10 +380,10 @@ def try_acquire(output_path: str, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[L
     epoch = 0 if latest is None else latest + 1
     owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
     lease = Lease(output_path, epoch, owner, timeout)
-    adopted = current.job if current is not None else None  # named from the start: its old launcher leaves it be
-    lease._job = lease.adopts = adopted
+    adopted = current.job if current is not None else _released_job(output_path, latest)
+    lease._job = lease.adopts = adopted  # named from the start: its old launcher leaves it be
     record = json.dumps({"owner": owner, "heartbeat": time.time(), "timeout": timeout,
-                         **({"job": adopted} if adopted else {})})
+                         **({"job": adopted.record()} if adopted else {})})
     if not storage.create_exclusive(_lease_url(output_path, epoch), record):
         return None, current_lease(output_path)
     # Epoch files are deleted only once a newer one exists (below; `release`). So an epoch created

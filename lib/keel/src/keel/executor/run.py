@@ -53,6 +53,7 @@ from typing import Callable
 
 from keel.executor import code, heartbeat, interrupt, reuse, step_warnings, storage, writes
 from keel.executor import lease as leases
+from keel.executor.lease import ClusterJob
 from keel.executor.job import guard_process_exit, log_url, run_step_job
 from keel.executor.plan import CACHED, EMPTY_EXTERNAL, EXTERNAL, Graph, StepPlan, plan_graph, select
 from keel.executor.provenance import _secret_values, provenance, scrub
@@ -428,16 +429,9 @@ class Runner:
                     return None, status
                 if holder is not None:
                     self.echo(f"[keel] take  {plan.name}: its lease was held by {holder.describe()}")
-                    if holder.job is not None and not self._on_cluster(plan.step):
-                        lease.release()  # the job, named in this lease, would be left to run beside this launcher's
-                        raise StepFailed(plan.name, plan.output_path,
-                                         f"the launcher whose lease expired ran the step in cluster job {holder.job}, "
-                                         "which may still run and write the output: run with --cluster (or "
-                                         "KEEL_CLUSTER) to take the job over, or stop it with the cluster's own "
-                                         "tools (iris) first", _log_or_none(plan.output_path))
-                    if holder.job is not None:
-                        self.echo(f"[keel] take  {plan.name}: its cluster job {holder.job} is adopted while it still "
-                                  "runs (else started again), so that one job writes the output")
+                if lease.adopts is not None:
+                    self._adopt_job(plan, lease, forced)
+                if holder is not None:
                     stray = holder.stray_step_process()
                     if stray is not None:
                         from keel.executor.child import discard
@@ -464,6 +458,38 @@ class Runner:
             self._give_core(plan.output_path)
             time.sleep(delay)
             delay = min(delay * 2, _MAX_WAIT_POLL_S)
+
+    def _adopt_job(self, plan: StepPlan, lease: leases.Lease, forced: bool) -> None:
+        """The launcher before this one ran the step in a cluster job that may still run (its lease
+        names it): this one's first attempt adopts it, or, where the run starts the step from an
+        empty output (--force, inputs made again), stops it first (`_stop_adopted_job`). A launcher
+        with no cluster could do neither and would run the step beside it: the step fails naming
+        the job, and the released lease names it for the next launcher."""
+        job = lease.adopts.id or lease.adopts.name
+        if not self._on_cluster(plan.step):
+            lease.release()
+            raise StepFailed(plan.name, plan.output_path,
+                             f"the launcher before this one ran the step in cluster job {job}, which may still run "
+                             "and write the output, and this launcher has no cluster to take it over on: run with "
+                             "--cluster (or KEEL_CLUSTER), or stop the job with the cluster's own tools (iris) first",
+                             _log_or_none(plan.output_path))
+        what = ("is stopped before its output is emptied for this run" if forced or plan.remade_inputs else
+                "is adopted while it still runs (else started again), so that one job writes the output")
+        self.echo(f"[keel] take  {plan.name}: its cluster job {job} {what}")
+
+    def _stop_adopted_job(self, plan: StepPlan, resolved, lease: leases.Lease) -> None:
+        """Stop the cluster job the launcher before ran the step in (`_adopt_job`), before a run
+        that starts from an empty output empties it: left running, it would write into the new run."""
+        from keel.executor.cluster import stop_job
+
+        job, lease.adopts = lease.adopts, None
+        try:
+            said = stop_job(self.cluster, self._cluster_request(plan.step, resolved, plan.output_path, job.name)[0],
+                            expected_id=job.id)
+        except Exception as exc:  # noqa: BLE001 - the lease, released, still names the job for the next launcher
+            raise StepFailed(plan.name, plan.output_path, str(exc), _log_or_none(plan.output_path)) from None
+        lease.runs_job(None)
+        self.echo(f"[keel] take  {plan.name}: {said}")
 
     def _execute(self, plan: StepPlan) -> str:
         if plan.remade_inputs and self._inputs_unchanged(plan):
@@ -515,7 +541,10 @@ class Runner:
         step: Step = plan.step  # type: ignore[assignment]
         resolved = resolve_config(step.config, plan.output_path, self.graph.path)
         record = _step_record(self.graph, step, resolved, self._launch, self._secrets)
-        if previous is not None and (plan.remade_inputs or self.force and self.force.search(plan.name)):
+        starts_clean = plan.remade_inputs or bool(self.force and self.force.search(plan.name))
+        if lease.adopts is not None and starts_clean:
+            self._stop_adopted_job(plan, resolved, lease)
+        if previous is not None and starts_clean:
             # --force (or an input made again) starts clean: no old checkpoint resumes, and no old run's lines lead its log
             storage.delete_contents(plan.output_path, keep=KEEL_DIR)
             for name in storage.list_names(storage.join(plan.output_path, KEEL_DIR)):
@@ -651,32 +680,50 @@ class Runner:
         """Whether `writes.py` watches where the step writes: not on a cluster, nor when it declares no outputs."""
         return not step.no_outputs and not self._on_cluster(step)
 
-    def _dispatch(self, step: Step, resolved, output_path: str, attempt: int, lease: leases.Lease, retry: bool = False) -> None:
+    @staticmethod
+    def _cluster_request(step: Step, resolved, output_path: str, job_name: str):
+        """(the fray JobRequest running the step on the cluster as `job_name`, the heartbeat it writes)."""
         from fray.types import Entrypoint, JobRequest, create_environment
+
+        env = _process_env(resolved, processes=step.resources.replicas)
+        beat = keel_path(output_path, heartbeat.FILE) if step.progress_timeout_s else None  # on the shared store
+        return JobRequest(
+            name=job_name,
+            entrypoint=Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path),
+                                                kwargs={"heartbeat_at": beat}),
+            resources=step.resources.to_fray(),
+            environment=create_environment(env_vars=env) if env else None,
+        ), beat
+
+    def _dispatch(self, step: Step, resolved, output_path: str, attempt: int, lease: leases.Lease, retry: bool = False) -> None:
+        from fray.types import Entrypoint, JobRequest
 
         job_name = cluster_job_name(step.name, output_path, attempt)
         if self._on_cluster(step):
-            from keel.executor.cluster import ClusterJobStalled, run_on_cluster
+            from keel.executor.cluster import ClusterJobNotAdopted, ClusterJobStalled, ClusterJobSuperseded, run_on_cluster
 
-            job_name, lease.adopts = lease.adopts or job_name, None  # a job taken over with the lease: adopted while it runs
-
-            env = _process_env(resolved, processes=step.resources.replicas)
-            beat = keel_path(output_path, heartbeat.FILE) if step.progress_timeout_s else None  # on the shared store
-            request = JobRequest(
-                name=job_name,
-                entrypoint=Entrypoint.from_callable(run_step_job, args=(step.fn, resolved, output_path),
-                                                    kwargs={"heartbeat_at": beat}),
-                resources=step.resources.to_fray(),
-                environment=create_environment(env_vars=env) if env else None,
-            )
-            lease.runs_job(job_name)  # before submitting: a launcher taking the lease over then adopts the job
+            adopting, lease.adopts = lease.adopts, None  # a job taken over with the lease: adopted while it runs
+            if adopting is not None:
+                job_name = adopting.name
+            request, beat = self._cluster_request(step, resolved, output_path, job_name)
+            # named before submitting (a launcher taking the lease over then adopts the job), and no job is
+            # submitted once the step is another launcher's: it would run beside that one's
+            lease.runs_job(ClusterJob(job_name, adopting.id if adopting is not None else None))
+            if lease.taken_over() is not None:
+                raise ClusterJobSuperseded("another launcher took the step over before its cluster job was submitted")
+            left = None  # what the lease names once this attempt is over: a job that may still run
             try:
                 run_on_cluster(self.cluster, request, step.resources.describe(), beat, step.progress_timeout_s,
-                               superseded=lambda: lease.superseded, handed_over=lambda: lease.handed_over(job_name))
+                               superseded=lambda: lease.superseded, handed_over=lease.handed_over,
+                               adopts=adopting.id if adopting is not None else None,
+                               submitted=lambda job_id: lease.runs_job(ClusterJob(job_name, job_id)))
             except ClusterJobStalled as stalled:
                 raise StepPreempted(str(stalled)) from None
+            except ClusterJobNotAdopted:
+                left = adopting  # it may still run: the next launcher is told of it too
+                raise
             finally:
-                lease.runs_job(None)
+                lease.runs_job(left)
             return
         if step.isolated:  # never under memory:// (`_refuse_isolated_in_memory`)
             self._run_in_child(step, resolved, output_path, lease, retry)

@@ -52,8 +52,10 @@ class TrainedModel:
                              f"1..{config.train.num_steps} (the run's num_steps)")
         elif not config.train.keeps_checkpoint(self.checkpoint):
             raise ValueError(f"TrainedModel.checkpoint={self.checkpoint}: the run keeps no checkpoint of step "
-                             f"{self.checkpoint} ({_kept_checkpoints(config.train)}); name one of those, or set the "
-                             f"run's TrainConfig.permanent_checkpoint_every to a divisor of {self.checkpoint}")
+                             f"{self.checkpoint} ({_kept_checkpoints(config.train)}); name one of those, or declare "
+                             f"the run's TrainConfig.permanent_checkpoint_every as a divisor of {self.checkpoint} "
+                             "(execution-only: a run already trained with such a cadence is reused as it is, and one "
+                             "not trained yet keeps it)")
         else:
             step = self.checkpoint
         for name, value in (("step", step), ("model", config.model), ("train", config.train),
