@@ -13,6 +13,7 @@ as "keel.trained.sample:sample_step"), so jax is imported by the step's own proc
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import equinox as eqx
@@ -56,6 +57,7 @@ def sample_step(config: SampleConfig) -> None:
     loaded = load_model(config.model)
     completions = generate(loaded, prompts, context=config.model.train.seq_len, max_tokens=config.max_tokens,
                            temperature=config.temperature, seed=config.seed, stop_id=loaded_tokenizer.eos_id)
+    _check_every_process_drew(completions)
     if jax.process_index() != 0:
         return
     lines = []
@@ -65,6 +67,19 @@ def sample_step(config: SampleConfig) -> None:
                       "temperature": config.temperature, "seed": config.seed})
         print(f"--- sample (step {config.model.step}, seed {config.seed}, temperature {config.temperature})\n{prompt}{text}")
     storage.write_atomic(storage.join(config.output_path, SAMPLES_FILE), "".join(json.dumps(r) + "\n" for r in lines))
+
+
+def _check_every_process_drew(completions: list[list[int]]) -> None:
+    """Raise where the processes of a sample on several drew different tokens: each lays out the
+    next window from its own copy (`_laid_out` trusts they agree), so a difference would feed the
+    model mismatched rows. One gather of a digest per sample, not one per token."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    digest = np.frombuffer(hashlib.sha256(json.dumps(completions).encode()).digest(), dtype=np.uint8)
+    multihost_utils.assert_equal(digest, fail_message="the processes of this sample drew different tokens (their "
+                                 "logits differ: a nondeterministic kernel, or processes on other software)")
 
 
 def completion_text(tokenizer, prompt_ids: list[int], ids: list[int]) -> str:
