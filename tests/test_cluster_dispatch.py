@@ -16,7 +16,7 @@ import cloudpickle
 import pytest
 
 from iris_local import local_iris_client
-from keel import Resources, Step, execution_only, output_of, this_output
+from keel import Resources, Retries, Step, execution_only, output_of, this_output
 from keel.executor.replicas import replica_index
 from keel.executor.plan import Graph, plan_graph
 from keel.executor.run import run_steps
@@ -295,11 +295,12 @@ def test_ctrl_c_reaches_a_job_whose_controller_stopped_answering(monkeypatch):
         monkeypatch.setattr(cluster_module, "time", clock)
         expected = "could not terminate cluster job fake-job .*it may still be running" if refuses else "was terminated"
         try:
-            with pytest.raises(interrupt.StepInterrupted, match=expected):
+            with pytest.raises(interrupt.StepInterrupted, match=expected) as stopped:
                 cluster_module.run_on_cluster(job, request=None, resources="cpu=1")
         finally:
             interrupt.clear()
         assert refuses or job.terminated_at - 5.0 <= cluster_module.STATE_POLL_MAX_S
+        assert stopped.value.may_run == ("fake-job" if refuses else None)  # what the step's lease keeps naming
 
 
 @pytest.mark.parametrize("adopted", [False, True])
@@ -377,6 +378,8 @@ class AdoptingCluster(NamingCluster):
                     cluster.terminated.append(request.name)
 
             return Adopted()
+        if self.prefix:
+            self.names.append(request.name)
         handle = super().submit(request) if not self.prefix else type("New", (), {
             "job_id": self.prefix + request.name, "status": lambda _: JobStatus.RUNNING})()
         handle.terminate = lambda: self.terminated.append(handle.job_id)
@@ -436,11 +439,14 @@ def test_a_launcher_that_cannot_adopt_the_job_fails_the_step_and_leaves_it_named
         assert "ran the step in cluster job t-a-0123-attempt3, which may still run and write the output, and this " \
                "launcher has no cluster" in "\n".join(said), said
         assert leases.current_lease(output) is None and leases._released_job(output, attempt + 1) == leases.ClusterJob(**JOB)
+    a = Step("t/a", note, a.config, resources=a.resources, retries=Retries(on_failure=2))  # not retried: a next
+    # attempt would run beside the job
     other, said = AdoptingCluster(running=JOB["name"], prefix="/other/"), []
     assert not run_steps([a], prefix, cluster=other, echo=said.append).ok
-    assert other.terminated == ["/other/t-a-0123-attempt3"]  # the new job, at once
+    assert other.names == [JOB["name"]] and other.terminated == ["/other/t-a-0123-attempt3"]  # the new job, at once
     assert "cluster job t-a-0123-attempt3, in which the launcher whose lease this one took over ran the step, may " \
            "still run, and this launcher cannot adopt it" in "\n".join(said) + (read_status(output).error or ""), said
+    assert "remove the step's lease files (OUTPUT/.keel/lease-*)" in read_status(output).error  # the way out
     assert leases._released_job(output, 3) == leases.ClusterJob(**JOB)
 
 

@@ -52,6 +52,10 @@ class NoProject(FileNotFoundError):
 class ClusterJobFailed(RuntimeError):
     """A step's cluster job failed, or the cluster refused it; the message carries the job's log tail."""
 
+    may_run: str | None = None
+    """The id of a job the failure leaves possibly running (one this launcher could not stop, or
+    another launcher's it could not adopt), which the step's lease keeps naming; None: none."""
+
 
 class ClusterJobNotAdopted(ClusterJobFailed):
     """The job a launcher taking a step over submitted under the name of the job its expired lease
@@ -61,10 +65,20 @@ class ClusterJobNotAdopted(ClusterJobFailed):
 class ClusterJobStalled(RuntimeError):
     """A step's cluster job beat no heartbeat for its `progress_timeout_s`, and was terminated."""
 
+    may_run: str | None = None
+
 
 class ClusterJobSuperseded(RuntimeError):
     """Another launcher took the step's lease over while its job ran: the job was terminated, or
     runs on under that launcher, which adopted it."""
+
+    may_run: str | None = None
+
+
+def _leaving(error: BaseException, handle, ended: bool) -> BaseException:
+    """`error`, naming the job as possibly running unless `ended` (`ClusterJobFailed.may_run`)."""
+    error.may_run = None if ended else handle.job_id
+    return error
 
 
 HandedOver = Callable[[str], bool]
@@ -172,11 +186,13 @@ def run_on_cluster(client, request, resources: str, beat: str | None = None, tim
     finished = False
     try:
         if adopts is not None and handle.job_id != adopts:
-            raise ClusterJobNotAdopted(
+            said, _ = _stopped(handle)
+            error = ClusterJobNotAdopted(
                 f"cluster job {adopts}, in which the launcher whose lease this one took over ran the step, may still "
                 f"run, and this launcher cannot adopt it: submitted under its name, the step became another job "
-                f"({handle.job_id}: another user or parent job), {_stopped(handle)}; stop {adopts} with the cluster's "
-                "own tools (iris), then run the step again")
+                f"({handle.job_id}: another user or parent job), {said}; {FORGET_JOB}")
+            error.may_run = adopts
+            raise error
         if submitted is not None:
             submitted(handle.job_id)
         _wait_until_finished(handle, beat, timeout_s, superseded, handed_over)
@@ -187,8 +203,9 @@ def run_on_cluster(client, request, resources: str, beat: str | None = None, tim
     except Exception as exc:  # noqa: BLE001 - JobFailedError, JobFailed, timeouts: one error for all
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         # waiting failed (the controller unanswered): the job may run on, and a retry would start a second one
-        stopped = "" if finished else "\n" + _stopped(handle, handed_over)
-        raise ClusterJobFailed(f"cluster job {handle.job_id} failed: {reason}{stopped}\n{_log_tail(handle)}") from exc
+        said, ended = _stopped(handle, handed_over) if not finished else ("", True)
+        raise _leaving(ClusterJobFailed(f"cluster job {handle.job_id} failed: {reason}" + (f"\n{said}" if said else "")
+                                        + f"\n{_log_tail(handle)}"), handle, ended) from exc
     finally:
         with _LIVE_LOCK:
             _LIVE_JOBS.pop(handle, None)
@@ -209,19 +226,19 @@ def stop_job(client, request, expected_id: str | None) -> str:
                                f"could not be reached to stop it ({type(exc).__name__}: {exc}): stop it with the "
                                "cluster's own tools (iris), then run the step again") from exc
     if expected_id is not None and handle.job_id != expected_id:
+        said, _ = _stopped(handle)
         raise ClusterJobNotAdopted(f"cluster job {expected_id}, which the launcher before ran the step in, may still run, "
                                    f"and this launcher cannot stop it: its name gave another job ({handle.job_id}: "
-                                   f"another user or parent job), {_stopped(handle)}; stop {expected_id} with the "
-                                   "cluster's own tools (iris), then run the step again")
+                                   f"another user or parent job), {said}; {FORGET_JOB}")
     problem = _terminate(handle)
     if problem:
         raise ClusterJobFailed(problem)
     deadline = time.monotonic() + STOP_WAIT_S
     while not JobStatus.finished(handle.status()):
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline or interrupt.requested():
             raise ClusterJobFailed(f"cluster job {handle.job_id}, which the launcher before ran the step in, was asked "
-                                   f"to stop but still runs after {STOP_WAIT_S:.0f}s: stop it with the cluster's own "
-                                   "tools (iris), then run the step again")
+                                   f"to stop but still ran {'when the run was interrupted' if interrupt.requested() else f'after {STOP_WAIT_S:.0f}s'}: "
+                                   "stop it with the cluster's own tools (iris), then run the step again")
         time.sleep(0.2)
     return f"cluster job {handle.job_id}, which the launcher before ran it in, was stopped"
 
@@ -230,38 +247,49 @@ STOP_WAIT_S = 120.0
 """How long `stop_job` waits for a terminated job to end."""
 
 
-def terminate_live_jobs() -> None:
+def terminate_live_jobs() -> set[str]:
     """Terminate every job this process is still waiting on (but one a launcher that took its step
     over adopted): the driver is about to exit (a second Ctrl-C), and a job left running would keep
     writing an output a rerun starts again. A job being submitted is waited for (at most
     SUBMIT_WAIT_S), to be terminated too. A job the controller does not terminate is named on the
-    console, and the others are still terminated."""
+    console, and the others are still terminated. The ids of the jobs that may still run."""
     with _LIVE_LOCK:
         if _SUBMITTING and not _LIVE_LOCK.wait_for(lambda: not _SUBMITTING, timeout=SUBMIT_WAIT_S):
             print(f"keel: {_SUBMITTING} cluster job(s) still being submitted after {SUBMIT_WAIT_S:g}s may run on: stop "
                   "them with the cluster's own tools (iris) before running the step again", file=sys.stderr, flush=True)
         handles = list(_LIVE_JOBS.items())
+    running = set()
     for handle, handed_over in handles:
         if handed_over is not None and _adopted(handle, handed_over):
             continue
         problem = _terminate(handle)
         if problem:
+            running.add(handle.job_id)
             print(f"keel: {problem}", file=sys.stderr, flush=True)
+    return running
 
 
 def _adopted(handle, handed_over: HandedOver) -> bool:
-    """Whether a launcher that took the step over adopted the job; a store that cannot be read says no."""
+    """Whether a launcher that took the step over adopted the job; a store that cannot be read (any
+    error) says no, and the job is stopped as usual."""
     try:
         return handed_over(handle.job_id)
-    except OSError:
+    except Exception:  # noqa: BLE001 - gcsfs's HTTP errors, a torn record: not adopted, as far as this one knows
         return False
 
 
-def _stopped(handle, handed_over: HandedOver | None = None) -> str:
-    """Terminate the job, unless a launcher that took the step over adopted it; what became of it."""
+def _stopped(handle, handed_over: HandedOver | None = None) -> tuple[str, bool]:
+    """Terminate the job, unless a launcher that took the step over adopted it: (what became of
+    it, whether it is ended as far as this launcher is concerned: terminated, or another's now)."""
     if handed_over is not None and _adopted(handle, handed_over):
-        return f"cluster job {handle.job_id} runs on, adopted by the launcher that took the step over"
-    return _terminate(handle) or f"cluster job {handle.job_id} was terminated"
+        return f"cluster job {handle.job_id} runs on, adopted by the launcher that took the step over", True
+    problem = _terminate(handle)
+    return problem or f"cluster job {handle.job_id} was terminated", problem is None
+
+
+FORGET_JOB = ("once it has ended (stop it with the cluster's own tools, iris, if it still runs), remove the step's "
+              "lease files (OUTPUT/.keel/lease-*), which name it, and run the step again")
+"""The way out where a job a lease names can be neither adopted nor stopped by this launcher."""
 
 
 def _terminate(handle) -> str | None:
@@ -296,16 +324,19 @@ def _wait_until_finished(handle, beat: str | None = None, timeout_s: float | Non
     watch, beat_read = None, time.monotonic()  # watched from when the job is first seen running
     while True:
         if interrupt.requested():
-            raise interrupt.StepInterrupted(f"the run was interrupted: {_stopped(handle, handed_over)}")
+            said, ended = _stopped(handle, handed_over)
+            raise _leaving(interrupt.StepInterrupted(f"the run was interrupted: {said}"), handle, ended)
         if superseded is not None and superseded():
-            raise ClusterJobSuperseded(f"another launcher took the step over while this one was suspended: "
-                                       f"{_stopped(handle, handed_over)}")
+            said, ended = _stopped(handle, handed_over)
+            raise _leaving(ClusterJobSuperseded(f"another launcher took the step over while this one was suspended: "
+                                                f"{said}"), handle, ended)
         if watch is not None and time.monotonic() - beat_read >= min(timeout_s / 4, 60.0):
             beat_read = time.monotonic()
             silent, why = watch.silent_for(time.time())
             if silent > timeout_s:
-                raise ClusterJobStalled(f"no progress for {silent:.0f}s (progress_timeout_s={timeout_s:g}): {why}, so "
-                                        f"the job was stopped: {_stopped(handle, handed_over)}")
+                said, ended = _stopped(handle, handed_over)
+                raise _leaving(ClusterJobStalled(f"no progress for {silent:.0f}s (progress_timeout_s={timeout_s:g}): "
+                                                 f"{why}, so the job was stopped: {said}"), handle, ended)
         try:
             state = handle.status()
             if JobStatus.finished(state):

@@ -331,6 +331,11 @@ class Lease:
         with contextlib.suppress(OSError):
             self.heartbeat()
 
+    @property
+    def job(self) -> ClusterJob | None:
+        """The cluster job this lease names (`runs_job`)."""
+        return self._job
+
     def handed_over(self, job_id: str) -> bool:
         """Whether a launcher that took this lease over runs the step in cluster job `job_id` too (it
         adopted it): the job is then its, not this superseded launcher's to stop. Read from the

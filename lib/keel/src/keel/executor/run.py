@@ -465,14 +465,15 @@ class Runner:
         empty output (--force, inputs made again), stops it first (`_stop_adopted_job`). A launcher
         with no cluster could do neither and would run the step beside it: the step fails naming
         the job, and the released lease names it for the next launcher."""
+        from keel.executor.cluster import FORGET_JOB
+
         job = lease.adopts.id or lease.adopts.name
         if not self._on_cluster(plan.step):
             lease.release()
             raise StepFailed(plan.name, plan.output_path,
                              f"the launcher before this one ran the step in cluster job {job}, which may still run "
                              "and write the output, and this launcher has no cluster to take it over on: run with "
-                             "--cluster (or KEEL_CLUSTER), or stop the job with the cluster's own tools (iris) first",
-                             _log_or_none(plan.output_path))
+                             f"--cluster (or KEEL_CLUSTER); or, {FORGET_JOB}", _log_or_none(plan.output_path))
         what = ("is stopped before its output is emptied for this run" if forced or plan.remade_inputs else
                 "is adopted while it still runs (else started again), so that one job writes the output")
         self.echo(f"[keel] take  {plan.name}: its cluster job {job} {what}")
@@ -591,7 +592,7 @@ class Runner:
                 previous = self._finish(plan.output_path, lease, running, error=error, attempts=list(earlier))
                 earlier.append({"attempt": running.attempt, "state": kind, "error": error,
                                 **({"warnings": previous.warnings} if previous.warnings else {})})
-                if left[kind] > 0 and not self._stopping:
+                if left[kind] > 0 and not self._stopping and getattr(exc, "may_run", None) is None:
                     left[kind] -= 1
                     self.echo(f"[keel] retry {plan.name}: attempt {running.attempt} ended by {kind} ({error.splitlines()[-1]}); "
                               f"{left[kind]} more {kind} retr{'y' if left[kind] == 1 else 'ies'} after this one")
@@ -717,13 +718,14 @@ class Runner:
                                superseded=lambda: lease.superseded, handed_over=lease.handed_over,
                                adopts=adopting.id if adopting is not None else None,
                                submitted=lambda job_id: lease.runs_job(ClusterJob(job_name, job_id)))
-            except ClusterJobStalled as stalled:
-                raise StepPreempted(str(stalled)) from None
-            except ClusterJobNotAdopted:
-                left = adopting  # it may still run: the next launcher is told of it too
+            except BaseException as exc:
+                if getattr(exc, "may_run", None) is not None:  # not retried: the next attempt would run beside it
+                    left = adopting if isinstance(exc, ClusterJobNotAdopted) else ClusterJob(job_name, exc.may_run)
+                elif isinstance(exc, ClusterJobStalled):
+                    raise StepPreempted(str(exc)) from None
                 raise
             finally:
-                lease.runs_job(left)
+                lease.runs_job(left)  # the next launcher, or this one's next attempt, is told of a job that may run
             return
         if step.isolated:  # never under memory:// (`_refuse_isolated_in_memory`)
             self._run_in_child(step, resolved, output_path, lease, retry)
@@ -809,12 +811,15 @@ class Runner:
                 children, active = dict(self._children), dict(self._active)
             for process, (workdir, log) in children.items():
                 abandon(process, workdir, log)
+            still_running = set()
             if self.cluster is not None:
                 from keel.executor.cluster import terminate_live_jobs
 
-                terminate_live_jobs()
+                still_running = terminate_live_jobs()
             for output_path, (running, lease) in active.items():
                 try:
+                    if lease.job is not None and lease.job.id is not None and lease.job.id not in still_running:
+                        lease.runs_job(None)  # terminated: the next launcher has no job to adopt
                     if _taken_over(output_path, lease, running) is None:
                         mark_finished(output_path, running, error="aborted by a second Ctrl-C; `keel run` again "
                                       "resumes it from its last checkpoint", interrupted=True)
