@@ -478,3 +478,37 @@ def test_two_launchers_of_one_remote_output_keep_their_heartbeats_apart(tmp_path
                 os.remove(path)
     local = str(tmp_path / "out" / "train" / "run-0123456789")  # a local output's is the output's own, for any launcher
     assert _heartbeat_file(local) == str(tmp_path / "out" / "train" / "run-0123456789" / ".keel" / "heartbeat")
+
+
+def test_an_abort_forgets_only_the_cluster_jobs_it_terminated(monkeypatch):
+    """A lease that names a job the abort terminated stops naming it (the next launcher has nothing
+    to adopt); one naming a job it did not terminate (adopted with the lease and not submitted yet,
+    or whose terminate the controller refused) keeps naming it, for the next launcher to adopt or
+    stop rather than run the step beside it."""
+    import threading
+    import types
+
+    from keel.executor import cluster, run
+    from keel.executor.lease import ClusterJob
+
+    forgot = []
+
+    class Lease:
+        def __init__(self, path, job_id):
+            self.path, self.job = path, ClusterJob(path.rsplit("/", 1)[-1], job_id)
+
+        def runs_job(self, job):
+            forgot.append(self.path) if job is None else None
+
+        def release(self):
+            pass
+
+    monkeypatch.setattr(run, "mark_finished", lambda *_, **__: None)
+    monkeypatch.setattr(run, "_taken_over", lambda *_: None)
+    monkeypatch.setattr(run.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setattr(cluster, "terminate_live_jobs", lambda: {"/u/a"})
+    runner = types.SimpleNamespace(_lock=threading.RLock(), _children={}, cluster=object(),
+                                   _active={p: (None, Lease(p, f"/u/{p[-1]}")) for p in ("/out/a", "/out/b")})
+    with pytest.raises(SystemExit):
+        run.Runner._abort(runner)
+    assert forgot == ["/out/a"]

@@ -252,21 +252,22 @@ def terminate_live_jobs() -> set[str]:
     over adopted): the driver is about to exit (a second Ctrl-C), and a job left running would keep
     writing an output a rerun starts again. A job being submitted is waited for (at most
     SUBMIT_WAIT_S), to be terminated too. A job the controller does not terminate is named on the
-    console, and the others are still terminated. The ids of the jobs that may still run."""
+    console, and the others are still terminated. The ids of the jobs it terminated."""
     with _LIVE_LOCK:
         if _SUBMITTING and not _LIVE_LOCK.wait_for(lambda: not _SUBMITTING, timeout=SUBMIT_WAIT_S):
             print(f"keel: {_SUBMITTING} cluster job(s) still being submitted after {SUBMIT_WAIT_S:g}s may run on: stop "
                   "them with the cluster's own tools (iris) before running the step again", file=sys.stderr, flush=True)
         handles = list(_LIVE_JOBS.items())
-    running = set()
+    terminated = set()
     for handle, handed_over in handles:
         if handed_over is not None and _adopted(handle, handed_over):
             continue
         problem = _terminate(handle)
         if problem:
-            running.add(handle.job_id)
             print(f"keel: {problem}", file=sys.stderr, flush=True)
-    return running
+        else:
+            terminated.add(handle.job_id)
+    return terminated
 
 
 def _adopted(handle, handed_over: HandedOver) -> bool:

@@ -811,15 +811,15 @@ class Runner:
                 children, active = dict(self._children), dict(self._active)
             for process, (workdir, log) in children.items():
                 abandon(process, workdir, log)
-            still_running = set()
+            terminated = set()
             if self.cluster is not None:
                 from keel.executor.cluster import terminate_live_jobs
 
-                still_running = terminate_live_jobs()
+                terminated = terminate_live_jobs()
             for output_path, (running, lease) in active.items():
                 try:
-                    if lease.job is not None and lease.job.id is not None and lease.job.id not in still_running:
-                        lease.runs_job(None)  # terminated: the next launcher has no job to adopt
+                    if terminated and lease.job is not None and lease.job.id in terminated:
+                        lease.runs_job(None)  # the next launcher has no job to adopt (one not terminated stays named)
                     if _taken_over(output_path, lease, running) is None:
                         mark_finished(output_path, running, error="aborted by a second Ctrl-C; `keel run` again "
                                       "resumes it from its last checkpoint", interrupted=True)

@@ -21,6 +21,7 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from keel.data.tokenizer import load_tokenizer
 from keel.executor import storage
@@ -75,8 +76,6 @@ def _check_every_process_drew(completions: list[list[int]]) -> None:
     model mismatched rows. One gather of a digest per sample, not one per token."""
     if jax.process_count() == 1:
         return
-    from jax.experimental import multihost_utils
-
     digest = np.frombuffer(hashlib.sha256(json.dumps(completions).encode()).digest(), dtype=np.uint8)
     multihost_utils.assert_equal(digest, fail_message="the processes of this sample drew different tokens (their "
                                  "logits differ: a nondeterministic kernel, or processes on other software)")
