@@ -236,9 +236,10 @@ def stop_job(client, request, expected_id: str | None) -> str:
     deadline = time.monotonic() + STOP_WAIT_S
     while not JobStatus.finished(handle.status()):
         if time.monotonic() > deadline or interrupt.requested():
+            when = "when the run was interrupted" if interrupt.requested() else f"after {STOP_WAIT_S:.0f}s"
             raise ClusterJobFailed(f"cluster job {handle.job_id}, which the launcher before ran the step in, was asked "
-                                   f"to stop but still ran {'when the run was interrupted' if interrupt.requested() else f'after {STOP_WAIT_S:.0f}s'}: "
-                                   "stop it with the cluster's own tools (iris), then run the step again")
+                                   f"to stop but still ran {when}: stop it with the cluster's own tools (iris), then "
+                                   "run the step again")
         time.sleep(0.2)
     return f"cluster job {handle.job_id}, which the launcher before ran it in, was stopped"
 

@@ -3,9 +3,10 @@
 Two kinds, as in Levanter: rolling (temporary) checkpoints, every N steps and/or by wall-clock
 time, of which the newest `keep_rolling` are kept, and permanent ones where the run's
 `TrainConfig.keeps_checkpoint` says (every N steps, the final step, each transport switch), never
-deleted; a permanent checkpoint supersedes the rolling ones, which are then removed. A rerun of a step that died finds the newest
-complete checkpoint and resumes from it; Levanter only writes a checkpoint's `metadata.json` once
-every array is committed, so a checkpoint torn by `kill -9` is never picked. A checkpoint damaged
+deleted; a permanent checkpoint supersedes the rolling ones, which are then removed. A rerun of a
+step that died finds the newest complete checkpoint and resumes from it; Levanter only writes a
+checkpoint's `metadata.json` once every array is committed, so a checkpoint torn by `kill -9` is
+never picked. A checkpoint damaged
 after it was written (a truncated array file: tensorstore's OUT_OF_RANGE) is skipped with a line
 saying which and why, and the newest intact one before it restored (in a run of several
 processes, which each read their own shards, by all of them when any finds it damaged:

@@ -459,7 +459,8 @@ class _Run:
 
     def _checkpoint_or_stop(self, done: StepDone) -> None:
         """Rolling checkpoints on their cadence, permanent ones where `TrainConfig.keeps_checkpoint`
-        says (the end, the permanent cadence, where the next step switches transport); on an interruption (Ctrl-C, SIGTERM) a rolling checkpoint, then `StepInterrupted`.
+        says (the end, the permanent cadence, where the next step switches transport); on an
+        interruption (Ctrl-C, SIGTERM) a rolling checkpoint, then `StepInterrupted`.
         Interrupted while the spike guard replays, the run may hold a checkpoint the replay has not
         reached yet (saved before the rollback, as the replay is bit-exact): a resume starts there,
         so none is saved behind it (Levanter, keeping the newest rolling ones by step, would delete
