@@ -444,8 +444,8 @@ def test_a_launcher_that_cannot_adopt_the_job_fails_the_step_and_leaves_it_named
     other, said = AdoptingCluster(running=JOB["name"], prefix="/other/"), []
     assert not run_steps([a], prefix, cluster=other, echo=said.append).ok
     assert other.names == [JOB["name"]] and other.terminated == ["/other/t-a-0123-attempt3"]  # the new job, at once
-    assert "cluster job t-a-0123-attempt3, in which the launcher whose lease this one took over ran the step, may " \
-           "still run, and this launcher cannot adopt it" in "\n".join(said) + (read_status(output).error or ""), said
+    assert "cluster job t-a-0123-attempt3, which the launcher before ran the step in, may still run, and this " \
+           "launcher cannot adopt it" in "\n".join(said) + (read_status(output).error or ""), said
     assert "remove the step's lease files (OUTPUT/.keel/lease-*)" in read_status(output).error  # the way out
     assert leases._released_job(output, 3) == leases.ClusterJob(**JOB)
 

@@ -76,8 +76,15 @@ def test_the_readme_main_job_trains_then_everything_is_cached(tmp_path):
 
     # the run records what its ids mean, which its evaluations hold their caches to
     cache = graph.path(next(s for s in graph.steps() if s.name.startswith("tokenized/")))
-    recorded = json.loads(Path(graph.path(train), "data.json").read_text())["tokenizer"]
-    assert recorded == json.loads(Path(cache, "tokenize.json").read_text())["tokenizer"] and recorded["vocabulary"]
+    run_record, cache_record = (json.loads(Path(p, f).read_text()) for p, f in ((graph.path(train), "data.json"),
+                                                                                  (cache, "tokenize.json")))
+    recorded = run_record["tokenizer"]
+    assert recorded == cache_record["tokenizer"] and recorded["vocabulary"]
+    assert run_record["trained_documents"] == [cache_record["documents"]]  # and the documents an eval may not hold out
+    # the checkpoints the finished run holds are those its config keeps, which an eval or sample may name
+    kept = sorted(int(name.split("-")[1]) for name in os.listdir(os.path.join(graph.path(train), "checkpoints")))
+    steps = train.config.train.num_steps
+    assert kept == [s for s in range(1, steps + 1) if train.config.train.keeps_checkpoint(s)] == [100, 150, 200, 300]
 
     # the logged validation loss is the whole split's (a representative sample of it)
     whole = _whole_split_loss(graph, train)

@@ -59,26 +59,37 @@ class ClusterJobFailed(RuntimeError):
 
 class ClusterJobNotAdopted(ClusterJobFailed):
     """The job a launcher taking a step over submitted under the name of the job its expired lease
-    named became another job: that one may still run."""
+    named became another job: that one may still run (`may_run`)."""
 
 
 class ClusterJobStalled(RuntimeError):
     """A step's cluster job beat no heartbeat for its `progress_timeout_s`, and was terminated."""
-
-    may_run: str | None = None
 
 
 class ClusterJobSuperseded(RuntimeError):
     """Another launcher took the step's lease over while its job ran: the job was terminated, or
     runs on under that launcher, which adopted it."""
 
-    may_run: str | None = None
-
 
 def _leaving(error: BaseException, handle, ended: bool) -> BaseException:
-    """`error`, naming the job as possibly running unless `ended` (`ClusterJobFailed.may_run`)."""
+    """`error`, naming the job as possibly running unless `ended` (`ClusterJobFailed.may_run`; the
+    launcher reads it off any error its wait raises)."""
     error.may_run = None if ended else handle.job_id
     return error
+
+
+def _check_adopted(handle, expected_id: str | None, action: str) -> None:
+    """Raise `ClusterJobNotAdopted` where the job a submit under the old job's name gave is not that
+    job (another user or parent job submitted it), terminating the new one at once."""
+    if expected_id is None or handle.job_id == expected_id:
+        return
+    said, _ = _stopped(handle)
+    error = ClusterJobNotAdopted(
+        f"cluster job {expected_id}, which the launcher before ran the step in, may still run, and this launcher "
+        f"cannot {action} it: submitted under its name, the step became another job ({handle.job_id}: another user "
+        f"or parent job), {said}; {FORGET_JOB}")
+    error.may_run = expected_id
+    raise error
 
 
 HandedOver = Callable[[str], bool]
@@ -160,8 +171,8 @@ def run_on_cluster(client, request, resources: str, beat: str | None = None, tim
 
     `adopts` is the id of the job an expired lease ran the step in, whose name `request` reuses: the
     cluster hands that job back while it runs, and a job of another id (submitted under another
-    user or parent job, so not that one) is terminated at once, `ClusterJobFailed`, naming the one
-    that may still run. `submitted(job id)` is told the id once the job is submitted.
+    user or parent job, so not that one) is terminated at once, `ClusterJobNotAdopted`, naming the
+    one that may still run. `submitted(job id)` is told the id once the job is submitted.
 
     A request the cluster cannot place (no scaling group offers the device) fails here, at submit,
     before anything waits on it. A job that fails brings back the tail of its log. An interrupted
@@ -185,14 +196,7 @@ def run_on_cluster(client, request, resources: str, beat: str | None = None, tim
             _LIVE_LOCK.notify_all()
     finished = False
     try:
-        if adopts is not None and handle.job_id != adopts:
-            said, _ = _stopped(handle)
-            error = ClusterJobNotAdopted(
-                f"cluster job {adopts}, in which the launcher whose lease this one took over ran the step, may still "
-                f"run, and this launcher cannot adopt it: submitted under its name, the step became another job "
-                f"({handle.job_id}: another user or parent job), {said}; {FORGET_JOB}")
-            error.may_run = adopts
-            raise error
+        _check_adopted(handle, adopts, "adopt")
         if submitted is not None:
             submitted(handle.job_id)
         _wait_until_finished(handle, beat, timeout_s, superseded, handed_over)
@@ -225,11 +229,7 @@ def stop_job(client, request, expected_id: str | None) -> str:
         raise ClusterJobFailed(f"cluster job {expected_id or request.name}, which the launcher before ran the step in, "
                                f"could not be reached to stop it ({type(exc).__name__}: {exc}): stop it with the "
                                "cluster's own tools (iris), then run the step again") from exc
-    if expected_id is not None and handle.job_id != expected_id:
-        said, _ = _stopped(handle)
-        raise ClusterJobNotAdopted(f"cluster job {expected_id}, which the launcher before ran the step in, may still run, "
-                                   f"and this launcher cannot stop it: its name gave another job ({handle.job_id}: "
-                                   f"another user or parent job), {said}; {FORGET_JOB}")
+    _check_adopted(handle, expected_id, "stop")
     problem = _terminate(handle)
     if problem:
         raise ClusterJobFailed(problem)

@@ -701,7 +701,7 @@ class Runner:
 
         job_name = cluster_job_name(step.name, output_path, attempt)
         if self._on_cluster(step):
-            from keel.executor.cluster import ClusterJobNotAdopted, ClusterJobStalled, ClusterJobSuperseded, run_on_cluster
+            from keel.executor.cluster import ClusterJobStalled, ClusterJobSuperseded, run_on_cluster
 
             adopting, lease.adopts = lease.adopts, None  # a job taken over with the lease: adopted while it runs
             if adopting is not None:
@@ -720,7 +720,7 @@ class Runner:
                                submitted=lambda job_id: lease.runs_job(ClusterJob(job_name, job_id)))
             except BaseException as exc:
                 if getattr(exc, "may_run", None) is not None:  # not retried: the next attempt would run beside it
-                    left = adopting if isinstance(exc, ClusterJobNotAdopted) else ClusterJob(job_name, exc.may_run)
+                    left = ClusterJob(job_name, exc.may_run)  # this attempt's job, or the one it could not adopt
                 elif isinstance(exc, ClusterJobStalled):
                     raise StepPreempted(str(exc)) from None
                 raise

@@ -507,6 +507,16 @@ class TrainConfig:
             step == self.num_steps or bool(every and step % every == 0)
             or any(phase.start_step == step for phase in self.transports[1:]))
 
+    def kept_checkpoints(self) -> str:
+        """The checkpoints `keeps_checkpoint` keeps, in words."""
+        kept = [f"its last step, {self.num_steps}"]
+        if self.permanent_checkpoint_every:
+            kept.append(f"every {self.permanent_checkpoint_every} steps")
+        switches = [phase.start_step for phase in self.transports[1:]]
+        if switches:
+            kept.append(f"the transport switches at {', '.join(map(str, switches))}")
+        return "it keeps " + ", ".join(kept) + "; rolling checkpoints do not outlive the last one"
+
     @property
     def tokens_per_step(self) -> int:
         if self.seq_len is None:

@@ -52,7 +52,7 @@ class TrainedModel:
                              f"1..{config.train.num_steps} (the run's num_steps)")
         elif not config.train.keeps_checkpoint(self.checkpoint):
             raise ValueError(f"TrainedModel.checkpoint={self.checkpoint}: the run keeps no checkpoint of step "
-                             f"{self.checkpoint} ({_kept_checkpoints(config.train)}); name one of those, or declare "
+                             f"{self.checkpoint} ({config.train.kept_checkpoints()}); name one of those, or declare "
                              f"the run's TrainConfig.permanent_checkpoint_every as a divisor of {self.checkpoint} "
                              "(execution-only: a run already trained with such a cadence is reused as it is, and one "
                              "not trained yet keeps it)")
@@ -64,17 +64,6 @@ class TrainedModel:
 
     def process_env(self, processes: int = 1) -> dict[str, str]:
         return declared_process_env(self.hardware, self.topology, processes)
-
-
-def _kept_checkpoints(train: TrainConfig) -> str:
-    """The checkpoints a finished run keeps, in words (`TrainConfig.keeps_checkpoint`)."""
-    kept = [f"its last step, {train.num_steps}"]
-    if train.permanent_checkpoint_every:
-        kept.append(f"every {train.permanent_checkpoint_every} steps")
-    switches = [phase.start_step for phase in train.transports[1:]]
-    if switches:
-        kept.append(f"the transport switches at {', '.join(map(str, switches))}")
-    return "it keeps " + ", ".join(kept) + "; rolling checkpoints do not outlive the last one"
 
 
 @dataclass(frozen=True)
